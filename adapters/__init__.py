@@ -1,0 +1,1 @@
+"""Thin adapters: one per framework. They translate; the algorithms live in stablerl.plugins."""

@@ -1,0 +1,1 @@
+"""TRL adapter (placeholder)."""

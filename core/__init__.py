@@ -1,0 +1,43 @@
+"""stablerl: 2025-generation LLM-RL algorithms as plugins for verl, TRL and OpenRLHF.
+
+Framework-free API::
+
+    import stablerl
+    loss, metrics = stablerl.compute_policy_loss("m2po", log_prob=..., old_log_prob=...,
+                                                 advantages=..., response_mask=...)
+    adv, ret = stablerl.compute_advantage("qae", token_level_rewards=..., response_mask=..., index=uids)
+    stablerl.list_algorithms("policy_loss")
+"""
+
+from .api import compute_advantage, compute_policy_loss, get_spec, list_algorithms
+from .context import Context, torch_distributed_context
+from .contracts import (
+    ADVANTAGE_ESTIMATOR,
+    AGGREGATION,
+    BATCH_FILTER,
+    CONTROLLER,
+    EXPERIMENTAL,
+    POLICY_LOSS,
+    REWARD_SHAPER,
+    ROUTER_FAMILY,
+    STABLE,
+    UNAVAILABLE,
+    AdvantageBatch,
+    AlgorithmSpec,
+    NoParams,
+    Params,
+    PolicyLossBatch,
+)
+from .hookspecs import hookimpl
+from .params import MissingInputError, StableRLError, UnknownNameError
+from .registry import get_registry, reload_registry
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "compute_policy_loss", "compute_advantage", "list_algorithms", "get_spec", "Context",
+    "torch_distributed_context", "AlgorithmSpec", "Params", "NoParams", "PolicyLossBatch", "AdvantageBatch",
+    "hookimpl", "StableRLError", "UnknownNameError", "MissingInputError", "get_registry", "reload_registry",
+    "POLICY_LOSS", "ADVANTAGE_ESTIMATOR", "AGGREGATION", "REWARD_SHAPER", "BATCH_FILTER", "CONTROLLER",
+    "ROUTER_FAMILY", "STABLE", "EXPERIMENTAL", "UNAVAILABLE", "__version__",
+]

@@ -1,0 +1,181 @@
+"""The framework-free entry points: compute a policy loss or an advantage by name."""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+
+from .context import Context
+from .contracts import (
+    ADVANTAGE_ESTIMATOR,
+    OPTIONAL_INPUTS,
+    POLICY_LOSS,
+    UNAVAILABLE,
+    AdvantageBatch,
+    AlgorithmSpec,
+    PolicyLossBatch,
+)
+from .ops import aggregate, as_floats, ensure_same_shape, group_ids
+from .params import MissingInputError, StableRLError, build_params
+from .registry import get_registry
+
+_FLOAT_TYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+_LOSS_INPUTS = set(OPTIONAL_INPUTS) | {"is_weights"}
+
+
+def get_spec(kind: str, name: str) -> AlgorithmSpec:
+    spec = get_registry().get(kind, name)
+    if spec.status == UNAVAILABLE:
+        raise StableRLError(f"{kind.replace('_', ' ')} {name!r} is listed but not implemented: {spec.notes}")
+    return spec
+
+
+def list_algorithms(kind: Optional[str] = None) -> list[AlgorithmSpec]:
+    """Every registered algorithm (of one kind), with name, kind, paper, status and defaults."""
+    return get_registry().list(kind)
+
+
+def _as_compute_dtype(t: torch.Tensor) -> torch.Tensor:
+    # half-precision inputs are computed in fp32 (the cast keeps the gradient path)
+    return t.float() if t.dtype in (torch.float16, torch.bfloat16) else t
+
+
+def _check_missing(spec: AlgorithmSpec, available: dict[str, Any]) -> None:
+    for need in spec.requires:
+        if available.get(need) is None:
+            raise MissingInputError(
+                f"{spec.kind.replace('_', ' ')} {spec.name!r} needs input {need!r} ({OPTIONAL_INPUTS[need]}), "
+                "but it was not given"
+            )
+
+
+def _check_finite(names, tensors, mask: torch.Tensor) -> None:
+    valid = mask.bool()
+    for name, t in zip(names, tensors):
+        if t is not None and not bool(torch.isfinite(t[valid]).all()):
+            raise StableRLError(f"{name} has non-finite values (NaN or inf) on tokens where response_mask is 1")
+
+
+def compute_policy_loss(
+    name: str,
+    *,
+    log_prob: torch.Tensor,
+    old_log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    rollout_log_prob: Optional[torch.Tensor] = None,
+    entropy: Optional[torch.Tensor] = None,
+    loss_agg_mode: str = "token-mean",
+    ctx: Optional[Context] = None,
+    check_finite: bool = True,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """Compute the registered policy loss ``name``.
+
+    Tensors are ``[B, T]`` (``advantages`` may be ``[B]``); only ``log_prob`` carries gradient.
+    Extra declared inputs (``token_ids``, ``turn_ids``, ``versions``, ``index``, ...) and the
+    algorithm's hyper-parameters are keyword arguments. Returns the scalar loss and a dict of
+    plain-float metrics.
+    """
+    spec = get_spec(POLICY_LOSS, name)
+    inputs = {k: kwargs.pop(k) for k in list(kwargs) if k in _LOSS_INPUTS}
+    params = build_params(spec, kwargs)
+    ctx = ctx or Context()
+
+    if not isinstance(log_prob, torch.Tensor) or log_prob.dim() != 2:
+        raise StableRLError(f"log_prob must be a [B, T] tensor, got {getattr(log_prob, 'shape', type(log_prob))}")
+    if log_prob.dtype not in _FLOAT_TYPES:
+        raise StableRLError(f"log_prob must be a floating tensor, got {log_prob.dtype}")
+    shape = log_prob.shape
+    if advantages.dim() == 1:
+        advantages = advantages.unsqueeze(-1).expand(shape)
+    ensure_same_shape(
+        ("old_log_prob", "advantages", "response_mask", "rollout_log_prob", "entropy"),
+        (old_log_prob, advantages, response_mask, rollout_log_prob, entropy),
+        shape,
+    )
+    for k in ("old_entropy", "token_ids", "turn_ids", "versions", "is_weights"):
+        ensure_same_shape((k,), (inputs.get(k),), shape)
+    mask = response_mask.to(torch.float32)
+    if check_finite:
+        _check_finite(
+            ("log_prob", "old_log_prob", "advantages", "rollout_log_prob"),
+            (log_prob.detach(), old_log_prob, advantages, rollout_log_prob),
+            mask,
+        )
+    index = inputs.get("index")
+    if index is not None:
+        index = group_ids(index, n=shape[0], device=log_prob.device)
+    batch = PolicyLossBatch(
+        log_prob=_as_compute_dtype(log_prob),
+        old_log_prob=_as_compute_dtype(old_log_prob.detach()),
+        advantages=_as_compute_dtype(advantages.detach()),
+        response_mask=mask,
+        rollout_log_prob=None if rollout_log_prob is None else _as_compute_dtype(rollout_log_prob.detach()),
+        entropy=None if entropy is None else _as_compute_dtype(entropy.detach()),
+        old_entropy=inputs.get("old_entropy"),
+        token_ids=inputs.get("token_ids"),
+        index=index,
+        turn_ids=inputs.get("turn_ids"),
+        versions=inputs.get("versions"),
+        policy_version=inputs.get("policy_version"),
+        scores=inputs.get("scores"),
+        is_weights=None if inputs.get("is_weights") is None else inputs["is_weights"].detach().float(),
+        loss_agg_mode=loss_agg_mode,
+    )
+    _check_missing(spec, {**inputs, "rollout_log_prob": rollout_log_prob, "entropy": entropy, "index": index})
+    out, metrics = spec.fn(batch, params, ctx)
+    if spec.output == "per_token":
+        if batch.is_weights is not None:
+            out = out * batch.is_weights
+        loss = aggregate(out, mask, loss_agg_mode, ctx)
+    else:
+        loss = out
+    if loss.dim() != 0:
+        raise StableRLError(f"policy loss {name!r} returned shape {tuple(loss.shape)}, expected a scalar")
+    return loss, as_floats(metrics)
+
+
+def compute_advantage(
+    name: str,
+    *,
+    token_level_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    index: Any,
+    ctx: Optional[Context] = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Compute the registered advantage estimator ``name``.
+
+    ``index`` groups responses by prompt (numpy object array of ids, list, or integer tensor).
+    Returns ``(advantages, returns)``, both ``[B, T]`` and zero outside the mask.
+    """
+    spec = get_spec(ADVANTAGE_ESTIMATOR, name)
+    inputs = {k: kwargs.pop(k) for k in list(kwargs) if k in ("entropy", "old_log_prob", "extras")}
+    params = build_params(spec, kwargs)
+    ctx = ctx or Context()
+    if not isinstance(token_level_rewards, torch.Tensor) or token_level_rewards.dim() != 2:
+        raise StableRLError(
+            f"token_level_rewards must be a [B, T] tensor, got {getattr(token_level_rewards, 'shape', type(token_level_rewards))}"
+        )
+    ensure_same_shape(("response_mask",), (response_mask,), token_level_rewards.shape)
+    mask = response_mask.to(torch.float32)
+    rewards = token_level_rewards.float() if token_level_rewards.dtype != torch.float64 else token_level_rewards
+    _check_finite(("token_level_rewards",), (rewards,), mask)
+    gid = group_ids(index, n=rewards.shape[0], device=rewards.device)
+    batch = AdvantageBatch(
+        token_level_rewards=rewards,
+        response_mask=mask.to(rewards.dtype),
+        index=gid,
+        entropy=inputs.get("entropy"),
+        old_log_prob=inputs.get("old_log_prob"),
+        extras=inputs.get("extras") or {},
+    )
+    _check_missing(spec, {**inputs, "index": gid})
+    advantages, returns = spec.fn(batch, params, ctx)
+    m = batch.response_mask
+    advantages, returns = advantages * m, returns * m
+    if not bool(torch.isfinite(advantages).all()):
+        raise StableRLError(f"advantage estimator {name!r} produced non-finite advantages")
+    return advantages, returns

@@ -1,0 +1,152 @@
+"""The contracts between adapters, core and plugins.
+
+Every algorithm is described by an :class:`AlgorithmSpec`: a name, a kind, the function that
+computes it, a dataclass of typed hyper-parameters with the paper's defaults, and what it needs.
+Tensors are laid out ``[B, T]`` (B responses, T response positions) and ``response_mask`` is 1
+on the tokens that are trained on.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+import torch
+
+# Kinds of algorithm. Each has its own hook and its own function contract (see hookspecs.py).
+POLICY_LOSS = "policy_loss"
+ADVANTAGE_ESTIMATOR = "advantage_estimator"
+AGGREGATION = "aggregation"
+REWARD_SHAPER = "reward_shaper"
+BATCH_FILTER = "batch_filter"
+CONTROLLER = "controller"
+ROUTER_FAMILY = "router_family"
+KINDS = (POLICY_LOSS, ADVANTAGE_ESTIMATOR, AGGREGATION, REWARD_SHAPER, BATCH_FILTER, CONTROLLER, ROUTER_FAMILY)
+
+# Status of an algorithm: checked against a reference implementation, implemented with stated
+# assumptions, or listed but deliberately not implemented (the reason says why).
+STABLE = "stable"
+EXPERIMENTAL = "experimental"
+UNAVAILABLE = "unavailable"
+STATUSES = (STABLE, EXPERIMENTAL, UNAVAILABLE)
+
+# Inputs beyond the always-present ones that an algorithm may declare it needs, with how each
+# framework provides them (used in the error raised when one is missing).
+OPTIONAL_INPUTS: dict[str, str] = {
+    "rollout_log_prob": "inference-engine log-probs (verl: rollout.calculate_log_probs=True; "
+    "TRL: vllm_importance_sampling_correction=True; OpenRLHF: --algo.advantage.is_correction_level != off)",
+    "entropy": "per-token entropy of the current policy (verl: actor.calculate_entropy=True; TRL: always "
+    "computed inside _compute_loss; OpenRLHF: not provided by the loss call site)",
+    "old_entropy": "per-token entropy of the old policy from the old-log-prob pass",
+    "token_ids": "response token ids (verl: batch['responses']; TRL: completion_ids)",
+    "index": "group ids of the responses (verl: uid; TRL: contiguous blocks of num_generations)",
+    "turn_ids": "per-token turn/segment ids of multi-turn traces (agent loops)",
+    "versions": "per-token policy version that generated each token (asynchronous rollout systems)",
+    "policy_version": "the current policy version (an integer)",
+    "scores": "per-response scalar outcome rewards (labels)",
+    "router_log_prob": "per-token router log-probs at the old top-k experts, current and old (MoE)",
+}
+
+
+@dataclass
+class Params:
+    """Base class of every algorithm's hyper-parameter dataclass.
+
+    Subclasses declare fields with the paper's defaults and may override :meth:`validate`.
+    """
+
+    def validate(self) -> None:  # pragma: no cover - default accepts everything
+        return None
+
+    @classmethod
+    def field_names(cls) -> list[str]:
+        return [f.name for f in dataclasses.fields(cls)]
+
+
+@dataclass
+class NoParams(Params):
+    """For algorithms without hyper-parameters."""
+
+
+@dataclass
+class AlgorithmSpec:
+    """What a plugin registers: one algorithm."""
+
+    name: str
+    kind: str
+    fn: Optional[Callable[..., Any]]
+    params: type = NoParams
+    paper: str = ""  # arXiv id, e.g. "2510.01161"
+    title: str = ""
+    formula: str = ""  # one line
+    status: str = EXPERIMENTAL
+    requires: tuple[str, ...] = ()  # names from OPTIONAL_INPUTS
+    metrics: tuple[str, ...] = ()
+    reference: str = ""  # the reference implementation it was checked against
+    notes: str = ""  # assumptions, conventions, or (for unavailable) the reason
+    # policy losses: "per_token" returns a [B, T] loss that core weights by the framework's IS
+    # weights and aggregates with loss_agg_mode; "scalar" returns the final loss (the plugin
+    # aggregates with stablerl.ops.aggregate itself, e.g. sequence-level objectives).
+    output: str = "per_token"
+    plugin: str = ""  # filled by the registry: which plugin registered it
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ValueError(f"unknown kind {self.kind!r} for {self.name!r}; kinds are {list(KINDS)}")
+        if self.status not in STATUSES:
+            raise ValueError(f"unknown status {self.status!r} for {self.name!r}; statuses are {list(STATUSES)}")
+        if self.status != UNAVAILABLE and self.fn is None:
+            raise ValueError(f"{self.name!r}: only an 'unavailable' algorithm may have no function")
+        if self.status == UNAVAILABLE and not self.notes:
+            raise ValueError(f"{self.name!r}: an 'unavailable' algorithm must say why in notes")
+        for r in self.requires:
+            if r not in OPTIONAL_INPUTS:
+                raise ValueError(f"{self.name!r} requires unknown input {r!r}; known: {sorted(OPTIONAL_INPUTS)}")
+        if self.output not in ("per_token", "scalar"):
+            raise ValueError(f"{self.name!r}: output must be 'per_token' or 'scalar'")
+        if not (isinstance(self.params, type) and issubclass(self.params, Params)):
+            raise TypeError(f"{self.name!r}: params must be a Params dataclass subclass")
+
+    def defaults(self) -> dict[str, Any]:
+        return dataclasses.asdict(self.params())
+
+
+@dataclass
+class PolicyLossBatch:
+    """What a policy loss receives. All tensors ``[B, T]``; only ``log_prob`` carries gradient."""
+
+    log_prob: torch.Tensor
+    old_log_prob: torch.Tensor
+    advantages: torch.Tensor
+    response_mask: torch.Tensor  # float 0/1
+    rollout_log_prob: Optional[torch.Tensor] = None
+    entropy: Optional[torch.Tensor] = None
+    old_entropy: Optional[torch.Tensor] = None
+    token_ids: Optional[torch.Tensor] = None
+    index: Optional[torch.Tensor] = None  # [B] int64 group ids
+    turn_ids: Optional[torch.Tensor] = None
+    versions: Optional[torch.Tensor] = None
+    policy_version: Optional[int] = None
+    scores: Optional[torch.Tensor] = None  # [B]
+    # framework-computed rollout-correction weights (verl rollout_is_weights), detached
+    is_weights: Optional[torch.Tensor] = None
+    loss_agg_mode: str = "token-mean"
+    extras: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class AdvantageBatch:
+    """What an advantage estimator receives."""
+
+    token_level_rewards: torch.Tensor  # [B, T]
+    response_mask: torch.Tensor  # [B, T] float 0/1
+    index: torch.Tensor  # [B] int64 group ids, 0..n_groups-1
+    entropy: Optional[torch.Tensor] = None
+    old_log_prob: Optional[torch.Tensor] = None
+    extras: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def scores(self) -> torch.Tensor:
+        """Outcome score per response: the sum of its token-level rewards (verl's convention)."""
+        return (self.token_level_rewards * self.response_mask).sum(-1)

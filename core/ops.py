@@ -1,0 +1,172 @@
+"""Shared tensor primitives: masked statistics, loss aggregation, group statistics, ratios.
+
+Every plugin uses these instead of writing its own; a formula for a mean, a variance or an
+aggregation mode exists once, here.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional, Sequence
+
+import numpy as np
+import torch
+
+from .context import Context
+from .params import StableRLError, unknown_name_message
+
+# log-ratios are clamped before exp, as verl and OpenRLHF do (+-20)
+LOG_RATIO_BOUND = 20.0
+
+
+def masked_sum(values: torch.Tensor, mask: torch.Tensor, dim: Optional[int] = None) -> torch.Tensor:
+    if dim is None:
+        return (values * mask).sum()
+    return (values * mask).sum(dim)
+
+
+def masked_mean(values: torch.Tensor, mask: torch.Tensor, dim: Optional[int] = None) -> torch.Tensor:
+    """Mean over the masked entries; 0 where nothing is masked in (never NaN)."""
+    count = mask.sum() if dim is None else mask.sum(dim)
+    return masked_sum(values, mask, dim) / count.clamp(min=1)
+
+
+def masked_var(values: torch.Tensor, mask: torch.Tensor, unbiased: bool = True) -> torch.Tensor:
+    """Variance over the masked entries (Bessel-corrected by default); 0 with fewer than 2."""
+    count = mask.sum()
+    mean = masked_sum(values, mask) / count.clamp(min=1)
+    sq = masked_sum((values - mean) ** 2, mask)
+    denom = (count - 1) if unbiased else count
+    return sq / denom.clamp(min=1)
+
+
+def clamped_log_ratio(log_prob: torch.Tensor, old_log_prob: torch.Tensor, bound: float = LOG_RATIO_BOUND) -> torch.Tensor:
+    """``clamp(log_prob - old_log_prob, -bound, bound)``: a ratio formed in log space, safe to exp."""
+    return torch.clamp(log_prob - old_log_prob, -bound, bound)
+
+
+def seq_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Per-sequence mean over valid tokens, ``[B]`` (0 for an all-masked row)."""
+    return masked_mean(values, mask, dim=-1)
+
+
+# ----------------------------------------------------------------------------- aggregation
+
+AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+
+
+def aggregate(
+    loss_mat: torch.Tensor,
+    mask: torch.Tensor,
+    mode: str = "token-mean",
+    ctx: Optional[Context] = None,
+) -> torch.Tensor:
+    """Aggregate a per-token loss ``[B, T]`` into a scalar.
+
+    Normalisers come from ``ctx`` (global over DP ranks and gradient accumulation) so that
+    summing the gradients of every micro-batch on every rank, then averaging over ranks,
+    equals the gradient of the whole-batch loss:
+
+    * ``token-mean``: ``sum(l*m) / token_count * dp_size``
+    * ``seq-mean-token-sum``: ``sum_i sum_t l*m / seq_count * dp_size``
+    * ``seq-mean-token-mean``: ``sum_i (sum_t l*m / L_i) / seq_count * dp_size``
+    * ``seq-mean-token-sum-norm``: ``sum(l*m) / (seq_count * C) * dp_size`` with ``C`` the
+      constant ``ctx.loss_scale_factor`` (Dr. GRPO's generation budget; required, since the
+      padded length changes from batch to batch).
+    """
+    ctx = ctx or Context()
+    mask = mask.to(loss_mat.dtype)
+    if mode == "token-mean":
+        denom = ctx.token_count if ctx.token_count is not None else mask.sum()
+        total = masked_sum(loss_mat, mask)
+    elif mode == "seq-mean-token-sum":
+        denom = ctx.seq_count if ctx.seq_count is not None else loss_mat.shape[0]
+        total = masked_sum(loss_mat, mask)
+    elif mode == "seq-mean-token-mean":
+        denom = ctx.seq_count if ctx.seq_count is not None else loss_mat.shape[0]
+        total = masked_mean(loss_mat, mask, dim=-1).sum()
+    elif mode == "seq-mean-token-sum-norm":
+        if ctx.loss_scale_factor is None:
+            raise StableRLError(
+                "loss aggregation 'seq-mean-token-sum-norm' (Dr. GRPO) needs a constant normaliser: "
+                "pass loss_scale_factor (e.g. the maximum response length); verl: "
+                "actor_rollout_ref.actor.loss_scale_factor=<max_response_length>"
+            )
+        seqs = ctx.seq_count if ctx.seq_count is not None else loss_mat.shape[0]
+        denom = seqs * float(ctx.loss_scale_factor)
+        total = masked_sum(loss_mat, mask)
+    else:
+        raise StableRLError(unknown_name_message("loss_agg_mode", mode, AGG_MODES))
+    if isinstance(denom, torch.Tensor):
+        denom = denom.clamp(min=1)
+    else:
+        denom = max(float(denom), 1.0)
+    return total / denom * ctx.dp_size
+
+
+# ----------------------------------------------------------------------------- groups
+
+
+def group_ids(index: Any, n: Optional[int] = None, device: Optional[torch.device] = None) -> torch.Tensor:
+    """Normalise group ids to an int64 tensor of ``0..n_groups-1`` (first-appearance order).
+
+    Accepts a numpy (object) array of ids such as verl's ``uid``, a list, or an integer tensor.
+    """
+    if isinstance(index, torch.Tensor):
+        if index.dtype.is_floating_point or index.dtype == torch.bool:
+            raise StableRLError(f"index must hold integer group ids, got dtype {index.dtype}")
+        values = index.detach().cpu().reshape(-1).tolist()
+    elif isinstance(index, np.ndarray):
+        values = index.reshape(-1).tolist()
+    elif isinstance(index, (list, tuple)):
+        values = list(index)
+    else:
+        raise StableRLError(
+            f"index must be a numpy array, list or integer tensor of group ids, got {type(index).__name__}"
+        )
+    if n is not None and len(values) != n:
+        raise StableRLError(f"index has {len(values)} entries but the batch has {n} responses")
+    mapping: dict[Any, int] = {}
+    ids = [mapping.setdefault(v, len(mapping)) for v in values]
+    return torch.tensor(ids, dtype=torch.long, device=device)
+
+
+def group_stats(scores: torch.Tensor, gid: torch.Tensor, ctx: Optional[Context] = None):
+    """Per-response group ``(mean, std, count)`` of ``scores`` ``[B]`` (std unbiased).
+
+    Groups are whole within a call (advantages are computed on the full batch); ``ctx`` is not
+    used to reduce across ranks here because verl, TRL and OpenRLHF all compute advantages on
+    the gathered batch.
+    """
+    n_groups = int(gid.max().item()) + 1 if gid.numel() else 0
+    s = scores.to(torch.float64) if scores.dtype == torch.float64 else scores.float()
+    count = torch.zeros(n_groups, dtype=s.dtype, device=s.device).index_add_(0, gid, torch.ones_like(s))
+    total = torch.zeros_like(count).index_add_(0, gid, s)
+    mean = total / count.clamp(min=1)
+    sq = torch.zeros_like(count).index_add_(0, gid, (s - mean[gid]) ** 2)
+    std = torch.sqrt(sq / (count - 1).clamp(min=1))
+    return mean[gid], std[gid], count[gid]
+
+
+def broadcast_to_tokens(per_seq: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """``[B] -> [B, T]``, zero outside the mask."""
+    return per_seq.unsqueeze(-1).to(mask.dtype) * mask
+
+
+# ----------------------------------------------------------------------------- metrics
+
+
+def as_floats(metrics: dict[str, Any]) -> dict[str, float]:
+    """Turn a dict of 0-dim tensors / numbers into plain floats with a single device sync."""
+    keys = list(metrics)
+    tensors = [k for k in keys if isinstance(metrics[k], torch.Tensor)]
+    out: dict[str, float] = {k: float(metrics[k]) for k in keys if k not in tensors}
+    if tensors:
+        values = torch.stack([metrics[k].detach().float().reshape(()) for k in tensors]).cpu().tolist()
+        out.update(zip(tensors, values))
+    return {k: out[k] for k in keys}
+
+
+def ensure_same_shape(names: Sequence[str], tensors: Sequence[Optional[torch.Tensor]], shape) -> None:
+    for name, t in zip(names, tensors):
+        if t is not None and tuple(t.shape) != tuple(shape):
+            raise StableRLError(f"{name} has shape {tuple(t.shape)} but log_prob has shape {tuple(shape)}")

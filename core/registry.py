@@ -1,0 +1,177 @@
+"""The plugin manager and the registry it fills.
+
+Built-in plugins (``stablerl.plugins.BUILTIN_PLUGINS``) and third-party packages discovered in
+the entry-point group ``stablerl`` register through the same hooks. ``STABLERL_PLUGINS``
+controls discovery of third-party plugins: unset or ``all`` loads every one, ``none`` loads
+none, a comma-separated list loads only those entry-point names. A third-party plugin that
+fails to import, raises while registering, or registers a name that is already taken is
+reported (a warning now, ``stablerl doctor`` later) and skipped; everything else keeps working.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import os
+import traceback
+import warnings
+from dataclasses import dataclass, field, replace
+from importlib.metadata import entry_points
+from typing import Any, Optional
+
+import pluggy
+
+from . import hookspecs
+from .contracts import KINDS, AlgorithmSpec
+from .params import UnknownNameError, unknown_name_message
+
+logger = logging.getLogger("stablerl")
+
+ENTRY_POINT_GROUP = "stablerl"
+HOOK_KINDS = {
+    "register_policy_losses": "policy_loss",
+    "register_advantage_estimators": "advantage_estimator",
+    "register_aggregations": "aggregation",
+    "register_reward_shapers": "reward_shaper",
+    "register_batch_filters": "batch_filter",
+    "register_controllers": "controller",
+    "register_router_families": "router_family",
+}
+
+
+@dataclass
+class PluginFailure:
+    plugin: str
+    error: str
+    detail: str = ""
+
+
+@dataclass
+class Registry:
+    specs: dict[tuple[str, str], AlgorithmSpec] = field(default_factory=dict)
+    failures: list[PluginFailure] = field(default_factory=list)
+    plugins: list[str] = field(default_factory=list)
+
+    def get(self, kind: str, name: str) -> AlgorithmSpec:
+        try:
+            return self.specs[(kind, name)]
+        except KeyError:
+            valid = [n for (k, n) in self.specs if k == kind]
+            raise UnknownNameError(unknown_name_message(kind.replace("_", " "), name, valid)) from None
+
+    def names(self, kind: Optional[str] = None) -> list[str]:
+        return sorted(n for (k, n) in self.specs if kind is None or k == kind)
+
+    def list(self, kind: Optional[str] = None) -> list[AlgorithmSpec]:
+        if kind is not None and kind not in KINDS:
+            raise UnknownNameError(unknown_name_message("kind", kind, KINDS))
+        return sorted((s for s in self.specs.values() if kind is None or s.kind == kind), key=lambda s: (s.kind, s.name))
+
+
+def _builtin_modules() -> list[str]:
+    from stablerl.plugins import BUILTIN_PLUGINS
+
+    return list(BUILTIN_PLUGINS)
+
+
+def _allowed_entry_points() -> Optional[set[str]]:
+    policy = os.environ.get("STABLERL_PLUGINS", "all").strip().lower()
+    if policy in ("", "all", "auto"):
+        return None
+    if policy == "none":
+        return set()
+    return {p.strip() for p in policy.split(",") if p.strip()}
+
+
+def _report(failures: list[PluginFailure], plugin: str, error: str, exc: Optional[BaseException] = None) -> None:
+    detail = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)) if exc else ""
+    failures.append(PluginFailure(plugin, error, detail))
+    message = f"stablerl: plugin {plugin!r} skipped: {error}"
+    logger.warning(message)
+    warnings.warn(message, RuntimeWarning, stacklevel=3)
+
+
+def build_registry() -> Registry:
+    """Load built-in and third-party plugins and collect every registered algorithm."""
+    pm = pluggy.PluginManager("stablerl")
+    pm.add_hookspecs(hookspecs)
+    registry = Registry()
+    builtin: list[tuple[str, Any]] = [(m, importlib.import_module(m)) for m in _builtin_modules()]
+    third_party: list[tuple[str, Any]] = []
+    allowed = _allowed_entry_points()
+    if allowed is None or allowed:
+        for ep in entry_points(group=ENTRY_POINT_GROUP):
+            if allowed is not None and ep.name not in allowed:
+                continue
+            label = f"{ep.name} ({ep.value})"
+            try:
+                third_party.append((label, ep.load()))
+            except Exception as e:  # noqa: BLE001 - a broken plugin must not break the others
+                _report(registry.failures, label, f"import failed: {type(e).__name__}: {e}", e)
+
+    for label, module in builtin + third_party:
+        is_builtin = (label, module) in builtin
+        try:
+            pm.register(module, name=label)
+        except Exception as e:  # noqa: BLE001
+            _report(registry.failures, label, f"invalid plugin: {type(e).__name__}: {e}", e)
+            continue
+        registry.plugins.append(label)
+        staged: dict[tuple[str, str], AlgorithmSpec] = {}
+        try:
+            for hook_name, kind in HOOK_KINDS.items():
+                impl = getattr(module, hook_name, None)
+                if impl is None:
+                    continue
+                impl(register=_make_register(kind, label, staged))
+        except Exception as e:  # noqa: BLE001
+            if is_builtin:
+                raise
+            _report(registry.failures, label, f"registration failed: {type(e).__name__}: {e}", e)
+            continue
+        for key, spec in staged.items():
+            if key in registry.specs:
+                owner = registry.specs[key].plugin
+                error = f"{spec.kind} {spec.name!r} is already registered by {owner!r}"
+                if is_builtin:
+                    raise RuntimeError(error)
+                _report(registry.failures, label, f"name clash: {error}")
+                continue
+            registry.specs[key] = spec
+    return registry
+
+
+def _make_register(kind: str, plugin: str, staged: dict):
+    def register(spec: Optional[AlgorithmSpec] = None, /, **fields: Any) -> AlgorithmSpec:
+        if spec is None:
+            fields.setdefault("kind", kind)
+            spec = AlgorithmSpec(**fields)
+        elif fields:
+            raise TypeError("register() takes an AlgorithmSpec or keyword fields, not both")
+        if spec.kind != kind:
+            raise ValueError(f"{spec.name!r} has kind {spec.kind!r} but was registered through the {kind} hook")
+        spec = replace(spec, plugin=plugin)
+        key = (spec.kind, spec.name)
+        if key in staged:
+            raise ValueError(f"{spec.kind} {spec.name!r} registered twice by the same plugin")
+        staged[key] = spec
+        return spec
+
+    return register
+
+
+_REGISTRY: Optional[Registry] = None
+
+
+def get_registry() -> Registry:
+    global _REGISTRY
+    if _REGISTRY is None:
+        _REGISTRY = build_registry()
+    return _REGISTRY
+
+
+def reload_registry() -> Registry:
+    """Rebuild the registry (after installing a plugin, or changing ``STABLERL_PLUGINS``)."""
+    global _REGISTRY
+    _REGISTRY = None
+    return get_registry()

@@ -1,0 +1,80 @@
+"""PPO clipped surrogate with clip-higher and dual clip (DAPO's loss; verl ``vanilla``).
+
+DAPO: Yu et al., arXiv 2503.14476. Dual clip: Ye et al., arXiv 1912.09729.
+
+    l = max(-A r, -A clip(r, 1-eps_low, 1+eps_high)),  l = min(l, -A c) where A < 0,
+    r = exp(clamp(lp - lp_old, -20, 20))
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from stablerl import POLICY_LOSS, STABLE, Params, hookimpl
+from stablerl.ops import clamped_log_ratio, masked_mean
+from stablerl.params import check
+
+
+@dataclass
+class ClipParams(Params):
+    """Ratio-space PPO clip bounds ``[1 - clip_ratio_low, 1 + clip_ratio_high]`` and dual clip ``c``."""
+
+    clip_ratio_low: float = 0.2
+    clip_ratio_high: float = 0.28
+    clip_ratio_c: Optional[float] = 3.0  # None disables the dual clip
+
+    def validate(self) -> None:
+        check(0 <= self.clip_ratio_low, f"clip_ratio_low must be >= 0, got {self.clip_ratio_low}")
+        check(0 <= self.clip_ratio_high, f"clip_ratio_high must be >= 0, got {self.clip_ratio_high}")
+        check(
+            self.clip_ratio_c is None or self.clip_ratio_c > 1.0,
+            f"clip_ratio_c (dual clip) must be > 1 or None, got {self.clip_ratio_c}",
+        )
+
+
+def ppo_clip_terms(ratio, advantages, mask, low: float, high: float, dual_c: Optional[float]):
+    """The clipped per-token PPO loss and its verl-named metrics (shared by PPO-family losses)."""
+    pg_losses1 = -advantages * ratio
+    pg_losses2 = -advantages * torch.clamp(ratio, 1.0 - low, 1.0 + high)
+    clip_pg_losses1 = torch.maximum(pg_losses1, pg_losses2)
+    metrics = {
+        "pg_clipfrac": masked_mean((pg_losses2 > pg_losses1).float(), mask),
+        "clip_high": masked_mean(((advantages > 0) & (ratio > 1.0 + high)).float(), mask),
+        "clip_low": masked_mean(((advantages < 0) & (ratio < 1.0 - low)).float(), mask),
+    }
+    if dual_c is None:
+        metrics["pg_clipfrac_lower"] = torch.zeros((), device=ratio.device)
+        return clip_pg_losses1, metrics
+    pg_losses3 = -advantages * dual_c
+    clip_pg_losses2 = torch.minimum(pg_losses3, clip_pg_losses1)
+    metrics["pg_clipfrac_lower"] = masked_mean(
+        ((clip_pg_losses1 > pg_losses3) & (advantages < 0)).float(), mask
+    )
+    return torch.where(advantages < 0, clip_pg_losses2, clip_pg_losses1), metrics
+
+
+def vanilla_loss(b, p: ClipParams, ctx):
+    log_ratio = clamped_log_ratio(b.log_prob, b.old_log_prob)
+    ratio = torch.exp(log_ratio)
+    pg_losses, metrics = ppo_clip_terms(ratio, b.advantages, b.response_mask, p.clip_ratio_low, p.clip_ratio_high, p.clip_ratio_c)
+    metrics["ppo_kl"] = masked_mean(-log_ratio.detach(), b.response_mask)
+    return pg_losses, metrics
+
+
+@hookimpl
+def register_policy_losses(register):
+    register(
+        name="vanilla",
+        fn=vanilla_loss,
+        params=ClipParams,
+        paper="2503.14476",
+        title="DAPO: PPO clip with clip-higher (decoupled bounds) and dual clip",
+        formula="l = max(-A r, -A clip(r, 1-eps_low, 1+eps_high)); l = min(l, -A c) if A < 0",
+        status=STABLE,
+        metrics=("pg_clipfrac", "pg_clipfrac_lower", "clip_high", "clip_low", "ppo_kl"),
+        reference="verl core_algos.compute_policy_loss_vanilla; TRL loss_type='dapo'; OpenRLHF PolicyLoss('ppo')",
+        notes="Defaults are DAPO's (0.2/0.28); verl's actor clip_ratio_low/high/c override them in verl.",
+    )
