@@ -89,6 +89,10 @@ class AlgorithmSpec:
     # weights and aggregates with loss_agg_mode; "scalar" returns the final loss (the plugin
     # aggregates with stablerl.ops.aggregate itself, e.g. sequence-level objectives).
     output: str = "per_token"
+    # True when the algorithm takes statistics over the whole batch (through ctx.all_reduce /
+    # ctx.all_gather): its loss is then not invariant to splitting a batch into gradient-
+    # accumulation micro-batches, and stablerl.testing checks 2 DP ranks == 1 rank instead.
+    batch_statistics: bool = False
     plugin: str = ""  # filled by the registry: which plugin registered it
 
     def __post_init__(self) -> None:

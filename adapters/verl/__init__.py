@@ -1,1 +1,259 @@
-"""verl adapter (placeholder)."""
+"""stablerl for verl: registers every stablerl policy loss and advantage estimator into verl.
+
+Importing this module (verl does it on every ``import verl`` through the ``verl.plugins`` entry
+point of the stablerl distribution) registers, in verl's own registries:
+
+* every stablerl policy loss as ``stablerl_<name>`` in ``core_algos.POLICY_LOSS_REGISTRY``, and
+  also as the bare ``<name>`` when verl has no loss of that name (``m2po``, ``gmpo``, ``cpgd``...);
+* every stablerl advantage estimator as ``stablerl_<name>`` in ``ADV_ESTIMATOR_REGISTRY``, and as
+  the bare ``<name>`` when free (``qae``, ``bnpo``, ``dr_grpo``...).
+
+A verl built-in is never replaced (``vanilla``, ``gspo``, ``cispo``, ``grpo``, ``rloo``, ``opo``
+stay verl's; stablerl's are ``stablerl_vanilla``...). Algorithms with status ``unavailable``, and
+algorithms that need an input verl does not pass to that kind of function (verl's loss call
+gets no entropy, rollout log-probs, uids...), are skipped; :func:`registration_report` says why.
+
+Usage (verl >= 0.9: nothing but the name)::
+
+    actor_rollout_ref.actor.policy_loss.loss_mode=m2po
+    algorithm.adv_estimator=qae  +algorithm.quantile_k=0.6
+    # loss hyper-parameters:
+    actor_rollout_ref.actor.policy_loss._target_=stablerl.adapters.verl.StablePolicyLossConfig
+    +actor_rollout_ref.actor.policy_loss.m2_threshold=0.05
+
+Fallback when entry points are disabled (``VERL_USE_EXTERNAL_PLUGINS=none``) or verl < 0.9:
+``actor_rollout_ref.model.external_lib=stablerl.adapters.verl`` or
+``VERL_USE_EXTERNAL_MODULES=stablerl.adapters.verl``.
+
+The module is light (torch, stablerl and ``verl.trainer.ppo.core_algos`` only; no CUDA), and
+idempotent: importing it twice, or under two module names, registers nothing twice.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from typing import Any
+
+logger = logging.getLogger("stablerl.adapters.verl")
+
+#: verl versions this adapter is written against: the ``(loss, metrics)`` return (>= 0.6.1),
+#: ``rollout_is_weights`` and ``config.global_batch_info`` (>= 0.7.0); tested with 0.9.1.
+SUPPORTED_VERL = ">=0.7.0,<0.10"
+_MIN, _MAX = (0, 7, 0), (0, 10, 0)
+PREFIX = "stablerl_"
+
+#: stablerl algorithm -> the verl built-in that computes the same thing (checked by parity tests
+#: in integrations_tests/verl). Under these names verl's built-in stays in charge.
+VERL_EQUIVALENTS = {
+    "policy_loss": {"vanilla": "vanilla", "gspo": "gspo", "gmpo": "geo_mean", "cispo": "cispo"},
+    "advantage_estimator": {"grpo": "grpo", "rloo": "rloo", "opo": "opo"},
+}
+
+#: Every name this module registered in verl in this process, per kind:
+#: ``{"policy_loss": {verl_name: stablerl_name}, "advantage_estimator": {...}}``. Use the verl
+#: name in ``actor.policy_loss.loss_mode`` / ``algorithm.adv_estimator``. Filled on import.
+VERL_NAMES: dict[str, dict[str, str]] = {"policy_loss": {}, "advantage_estimator": {}}
+
+_REPORT: dict[str, Any] = {
+    "ok": False,
+    "verl_version": None,
+    "error": None,
+    "registered": [],  # {"kind", "verl_name", "stablerl_name"}
+    "skipped": [],  # {"kind", "name", "reason"}
+    "policy_loss_config_fields": {},
+}
+
+
+class UnsupportedVerlVersion(ImportError):
+    """verl is too old for this adapter (the policy-loss signature it relies on is missing)."""
+
+
+def _parse_version(text: str) -> tuple[int, int, int]:
+    nums = [int(x) for x in re.findall(r"\d+", text.split("+")[0])[:3]]
+    return tuple((nums + [0, 0, 0])[:3])  # type: ignore[return-value]
+
+
+def _verl_version() -> str:
+    try:
+        from importlib.metadata import version
+
+        return version("verl")
+    except Exception:  # noqa: BLE001 - source checkout without metadata
+        import sys
+
+        verl = sys.modules.get("verl")
+        return str(getattr(verl, "__version__", "0"))
+
+
+def _check_signatures(core_algos) -> None:
+    """Gate on the interface facts themselves, not only the version string."""
+    import inspect
+
+    problems = []
+    agg = inspect.signature(core_algos.agg_loss).parameters
+    for p in ("dp_size", "batch_num_tokens", "global_batch_size"):
+        if p not in agg:
+            problems.append(f"core_algos.agg_loss has no {p!r} (global_batch_info, verl >= 0.7.0)")
+    vanilla = core_algos.POLICY_LOSS_REGISTRY.get("vanilla")
+    if vanilla is None or "rollout_is_weights" not in inspect.signature(vanilla).parameters:
+        problems.append("policy losses do not take rollout_is_weights (verl >= 0.7.0)")
+    for attr in ("register_adv_est", "get_adv_estimator_fn", "ADV_ESTIMATOR_REGISTRY", "get_policy_loss_fn"):
+        if not hasattr(core_algos, attr):
+            problems.append(f"core_algos has no {attr}")
+    if problems:
+        raise UnsupportedVerlVersion(
+            f"stablerl.adapters.verl supports verl {SUPPORTED_VERL}; this verl lacks: " + "; ".join(problems)
+        )
+
+
+def _owner(fn: Any) -> str:
+    return f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', repr(fn))}"
+
+
+def _is_ours(fn: Any, kind: str, name: str) -> bool:
+    return getattr(fn, "_stablerl_verl", None) == (kind, name)
+
+
+def _register_all(core_algos) -> None:
+    import stablerl
+
+    from . import _translate as tr
+
+    registries = {
+        stablerl.POLICY_LOSS: (core_algos.POLICY_LOSS_REGISTRY, core_algos.register_policy_loss, tr.make_policy_loss_fn),
+        stablerl.ADVANTAGE_ESTIMATOR: (
+            core_algos.ADV_ESTIMATOR_REGISTRY,
+            core_algos.register_adv_est,
+            tr.make_adv_estimator_fn,
+        ),
+    }
+    # verl's grpo and gae are hard-coded branches of compute_advantage: treat as taken even if absent
+    reserved = {stablerl.ADVANTAGE_ESTIMATOR: {"gae", "grpo"}, stablerl.POLICY_LOSS: set()}
+    for kind, (registry, register, make) in registries.items():
+        for spec in stablerl.list_algorithms(kind):
+            if spec.status == stablerl.UNAVAILABLE:
+                _skip(kind, spec.name, f"status unavailable: {spec.notes}")
+                continue
+            missing = [r for r in spec.requires if r not in tr.VERL_PROVIDES[kind]]
+            if missing:
+                _skip(kind, spec.name, f"needs {', '.join(missing)}, which verl 0.9 does not pass to a {kind}")
+                continue
+            fn = make(spec.name)
+            for verl_name, bare in ((PREFIX + spec.name, False), (spec.name, True)):
+                existing = registry.get(verl_name)
+                if existing is not None:
+                    if _is_ours(existing, kind, spec.name):  # imported before (maybe under another module name)
+                        _record(kind, verl_name, spec.name)
+                    elif bare:
+                        _skip(kind, verl_name, f"verl already has {verl_name!r} ({_owner(existing)}); use {PREFIX}{spec.name}")
+                    else:
+                        _skip(kind, verl_name, f"name taken by {_owner(existing)}")
+                    continue
+                if verl_name in reserved[kind]:
+                    _skip(kind, verl_name, f"{verl_name!r} is hard-coded in verl; use {PREFIX}{spec.name}")
+                    continue
+                register(verl_name)(fn)
+                _record(kind, verl_name, spec.name)
+
+
+def _record(kind: str, verl_name: str, name: str) -> None:
+    VERL_NAMES[kind][verl_name] = name
+    _REPORT["registered"].append({"kind": kind, "verl_name": verl_name, "stablerl_name": name})
+
+
+def _skip(kind: str, name: str, reason: str) -> None:
+    _REPORT["skipped"].append({"kind": kind, "name": name, "reason": reason})
+
+
+def registration_report() -> dict[str, Any]:
+    """What this adapter registered in verl in this process, and what it skipped and why.
+
+    Keys: ``ok`` (bool), ``verl_version``, ``supported`` (the version range), ``error`` (why
+    nothing was registered, or None), ``registered`` (list of ``{kind, verl_name, stablerl_name,
+    live}``; ``live`` is False when something registered over it later), ``skipped`` (list of
+    ``{kind, name, reason}``), ``policy_loss_config_fields`` (the StablePolicyLossConfig fields and
+    the algorithms that use each).
+    """
+    live_registry: dict[str, Any] = {}
+    try:
+        from verl.trainer.ppo import core_algos
+
+        live_registry = {"policy_loss": core_algos.POLICY_LOSS_REGISTRY, "advantage_estimator": core_algos.ADV_ESTIMATOR_REGISTRY}
+    except Exception:  # noqa: BLE001
+        pass
+    registered = []
+    for r in _REPORT["registered"]:
+        reg = live_registry.get(r["kind"], {})
+        registered.append({**r, "live": _is_ours(reg.get(r["verl_name"]), r["kind"], r["stablerl_name"])})
+    return {
+        "ok": _REPORT["ok"],
+        "verl_version": _REPORT["verl_version"],
+        "supported": SUPPORTED_VERL,
+        "error": _REPORT["error"],
+        "registered": registered,
+        "skipped": [dict(s) for s in _REPORT["skipped"]],
+        "policy_loss_config_fields": dict(_REPORT["policy_loss_config_fields"]),
+    }
+
+
+def _setup():
+    version = _verl_version()
+    _REPORT["verl_version"] = version
+    v = _parse_version(version)
+    if v < _MIN:
+        raise UnsupportedVerlVersion(
+            f"stablerl.adapters.verl supports verl {SUPPORTED_VERL}, found verl {version}: nothing registered; "
+            f'install a supported verl (pip install "stablerl[verl]")'
+        )
+    if v >= _MAX:
+        logger.warning(
+            "stablerl.adapters.verl supports verl %s, found verl %s: registering anyway; "
+            "the policy-loss/estimator interfaces may have changed",
+            SUPPORTED_VERL,
+            version,
+        )
+    from verl.trainer.ppo import core_algos
+    from verl.workers.config import PolicyLossConfig  # already imported by core_algos
+
+    import stablerl
+
+    from ._config import build_policy_loss_config
+
+    _check_signatures(core_algos)
+    cls, owners = build_policy_loss_config(
+        PolicyLossConfig,
+        [s for s in stablerl.list_algorithms(stablerl.POLICY_LOSS) if s.status != stablerl.UNAVAILABLE],
+        __name__,
+    )
+    _REPORT["policy_loss_config_fields"] = owners
+    _register_all(core_algos)
+    _REPORT["ok"] = True
+    return cls
+
+
+try:
+    StablePolicyLossConfig = _setup()
+except Exception as _e:  # verl hides plugin import errors at DEBUG: say it loudly here
+    _REPORT["error"] = f"{type(_e).__name__}: {_e}"
+    logger.warning("stablerl: verl adapter failed, no stablerl names registered in verl: %s", _REPORT["error"])
+    raise
+else:
+    _pl = sorted(v for v in VERL_NAMES["policy_loss"])
+    _ae = sorted(v for v in VERL_NAMES["advantage_estimator"])
+    logger.info(
+        "stablerl: registered into verl %s: policy losses %s; advantage estimators %s; skipped %d",
+        _REPORT["verl_version"],
+        _pl,
+        _ae,
+        len(_REPORT["skipped"]),
+    )
+
+__all__ = [
+    "StablePolicyLossConfig",
+    "VERL_NAMES",
+    "VERL_EQUIVALENTS",
+    "SUPPORTED_VERL",
+    "registration_report",
+    "UnsupportedVerlVersion",
+]

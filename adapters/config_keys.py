@@ -1,0 +1,94 @@
+"""How each framework reaches a stablerl algorithm: names and config keys (framework-free).
+
+This module imports no framework; `stablerl describe`, `stablerl list` and the generated docs
+use it, and the adapters use the same naming rule, so the documentation cannot drift from what
+is registered.
+"""
+
+from __future__ import annotations
+
+from stablerl.contracts import ADVANTAGE_ESTIMATOR, POLICY_LOSS, UNAVAILABLE, AlgorithmSpec
+
+# verl 0.9.1 built-ins: stablerl never shadows these names; its own versions are reachable as
+# `stablerl_<name>`.
+VERL_BUILTIN_POLICY_LOSSES = frozenset(
+    {"vanilla", "dppo_tv", "dppo_kl", "gspo", "sapo", "gpg", "clip_cov", "kl_cov", "geo_mean", "dro", "cispo", "bypass_mode"}
+)
+VERL_BUILTIN_ADV_ESTIMATORS = frozenset(
+    {
+        "gae", "grpo", "grpo_vectorized", "gdpo", "grpo_passk", "reinforce_plus_plus", "reinforce_plus_plus_baseline",
+        "remax", "rloo", "rloo_vectorized", "opo", "gpg", "optimal_token_baseline", "tir_optimal_token_baseline",
+    }
+)
+VERL_PREFIX = "stablerl_"
+
+# TRL 1.16 built-in loss_type names keep TRL's behaviour in the stablerl trainer.
+TRL_BUILTIN_LOSS_TYPES = frozenset({"grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo"})
+TRL_PREFIX = "stablerl_"
+
+# Inputs each adapter can hand to an algorithm (beyond log-probs, advantages and the mask).
+FEEDABLE_INPUTS = {
+    "verl": {
+        POLICY_LOSS: frozenset({"rollout_log_prob", "entropy", "old_entropy", "token_ids", "index"}),
+        ADVANTAGE_ESTIMATOR: frozenset({"index"}),
+    },
+    "trl": {
+        POLICY_LOSS: frozenset({"rollout_log_prob", "entropy", "token_ids", "index"}),
+        ADVANTAGE_ESTIMATOR: frozenset({"index"}),
+    },
+}
+
+
+def verl_names(spec: AlgorithmSpec) -> list[str]:
+    """The names under which verl's registry resolves ``spec`` (bare name only where free)."""
+    builtins = VERL_BUILTIN_POLICY_LOSSES if spec.kind == POLICY_LOSS else VERL_BUILTIN_ADV_ESTIMATORS
+    names = [VERL_PREFIX + spec.name]
+    if spec.name not in builtins and not spec.name.startswith(VERL_PREFIX):
+        names.insert(0, spec.name)
+    return names
+
+
+def trl_name(spec: AlgorithmSpec) -> str:
+    """The ``loss_type`` / ``advantage_estimator`` value for the stablerl TRL trainer."""
+    if spec.kind == POLICY_LOSS and spec.name in TRL_BUILTIN_LOSS_TYPES:
+        return TRL_PREFIX + spec.name
+    return spec.name
+
+
+def frameworks_for(spec: AlgorithmSpec) -> list[str]:
+    """Frameworks whose adapter can run ``spec`` (its declared inputs are all feedable)."""
+    if spec.status == UNAVAILABLE or spec.kind not in (POLICY_LOSS, ADVANTAGE_ESTIMATOR):
+        return []
+    return [fw for fw, kinds in FEEDABLE_INPUTS.items() if set(spec.requires) <= kinds.get(spec.kind, frozenset())]
+
+
+def config_keys(spec: AlgorithmSpec) -> dict[str, list[str]]:
+    """Per framework, the config lines that select ``spec`` and set its hyper-parameters."""
+    fields = list(spec.defaults())
+    out: dict[str, list[str]] = {}
+    frameworks = frameworks_for(spec)
+    if "verl" in frameworks:
+        name = verl_names(spec)[0]
+        if spec.kind == POLICY_LOSS:
+            lines = [f"actor_rollout_ref.actor.policy_loss.loss_mode={name}"]
+            shared = [f for f in fields if f in ("clip_ratio_low", "clip_ratio_high", "clip_ratio_c")]
+            own = [f for f in fields if f not in shared]
+            lines += [f"actor_rollout_ref.actor.{f}=<value>" for f in shared]
+            if own:
+                lines.append("actor_rollout_ref.actor.policy_loss._target_=stablerl.adapters.verl.StablePolicyLossConfig")
+                lines += [f"+actor_rollout_ref.actor.policy_loss.{f}=<value>" for f in own]
+        else:
+            lines = [f"algorithm.adv_estimator={name}"]
+            lines += [
+                (f"algorithm.{f}=<value>" if f == "norm_adv_by_std_in_grpo" else f"+algorithm.{f}=<value>")
+                for f in fields
+            ]
+        out["verl"] = lines
+    if "trl" in frameworks:
+        key = "loss_type" if spec.kind == POLICY_LOSS else "advantage_estimator"
+        lines = ["from stablerl.adapters.trl import GRPOTrainer, GRPOConfig", f'GRPOConfig({key}="{trl_name(spec)}", ...)']
+        if fields:
+            example = ", ".join(f'"{f}": <value>' for f in fields)
+            lines.append(f"GRPOConfig(..., stablerl_params={{{example}}})")
+        out["trl"] = lines
+    return out

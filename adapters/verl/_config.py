@@ -1,0 +1,81 @@
+"""``StablePolicyLossConfig``: verl's ``PolicyLossConfig`` plus one field per stablerl hyper-parameter.
+
+verl builds ``actor.policy_loss`` from its ``_target_`` and rejects unknown keys, even with ``+``.
+Selecting this subclass as the target makes every stablerl policy-loss hyper-parameter a valid key::
+
+    actor_rollout_ref.actor.policy_loss._target_=stablerl.adapters.verl.StablePolicyLossConfig
+    actor_rollout_ref.actor.policy_loss.loss_mode=m2po
+    +actor_rollout_ref.actor.policy_loss.m2_threshold=0.05
+
+Every added field defaults to ``None`` (= the algorithm's default). The class is generated from
+the stablerl registry, so third-party stablerl plugins get their keys automatically.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+from typing import Any, Optional
+
+from ._translate import ACTOR_KEYS
+
+_SIMPLE = (int, float, bool, str)
+
+
+def _field_type(annotation: Any) -> Any:
+    """``Optional[T]`` for a simple (optionally Optional) scalar type, else ``Optional[Any]``."""
+    if annotation in _SIMPLE:
+        return annotation
+    args = [a for a in typing.get_args(annotation) if a is not type(None)]
+    if typing.get_origin(annotation) is typing.Union and len(args) == 1 and args[0] in _SIMPLE:
+        return args[0]
+    return Any
+
+
+def hyperparameter_fields(specs, reserved: set[str]) -> tuple[list[tuple[str, Any, Any]], dict[str, list[str]]]:
+    """``(fields, owners)``: one ``(name, Optional[type], field(default=None))`` per hyper-parameter
+    name of ``specs`` not in ``reserved``; ``owners`` maps each name to the algorithms that use it."""
+    types: dict[str, Any] = {}
+    owners: dict[str, list[str]] = {}
+    for spec in specs:
+        try:
+            hints = typing.get_type_hints(spec.params)
+        except Exception:  # noqa: BLE001 - unresolvable annotation: accept any value
+            hints = {}
+        for f in dataclasses.fields(spec.params):
+            if f.name in reserved or f.name.startswith("_"):
+                continue
+            t = _field_type(hints.get(f.name, Any))
+            if f.name in types and types[f.name] != t:
+                t = Any  # two algorithms disagree on the type of a same-named parameter
+            types[f.name] = t
+            owners.setdefault(f.name, []).append(spec.name)
+    fields = [(n, Optional[t], dataclasses.field(default=None)) for n, t in sorted(types.items())]
+    return fields, owners
+
+
+def build_policy_loss_config(base: type, specs, module: str) -> tuple[type, dict[str, list[str]]]:
+    """Subclass ``base`` (verl's ``PolicyLossConfig``) with the hyper-parameters of ``specs``.
+
+    Names verl's config already has (``loss_mode``, ``dro_beta``, ...) are left to verl's field,
+    and the actor-level keys ``clip_ratio_low/high/c`` are read from the actor config, so neither
+    is duplicated here.
+    """
+    reserved = {f.name for f in dataclasses.fields(base)} | set(ACTOR_KEYS)
+    fields, owners = hyperparameter_fields(specs, reserved)
+    cls = dataclasses.make_dataclass(
+        "StablePolicyLossConfig",
+        fields,
+        bases=(base,),
+        namespace={
+            "__doc__": (
+                "verl PolicyLossConfig with one optional field per stablerl policy-loss hyper-parameter "
+                "(None = the algorithm's default). Fields: "
+                + ", ".join(f"{n} ({'/'.join(owners[n])})" for n, _, _ in fields)
+            )
+        },
+    )
+    # pickling (Ray) and Hydra's _locate find the class by its import path
+    cls.__module__ = module
+    cls.__qualname__ = "StablePolicyLossConfig"
+    return cls, owners

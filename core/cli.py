@@ -1,0 +1,192 @@
+"""The ``stablerl`` command: list, describe, doctor, demo."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from importlib import metadata
+from typing import Optional
+
+from .contracts import KINDS, AlgorithmSpec
+from .params import StableRLError, UnknownNameError, unknown_name_message
+from .registry import get_registry
+
+FRAMEWORK_DISTS = ("torch", "verl", "trl", "openrlhf", "transformers", "vllm", "sglang", "ray")
+
+
+def _frameworks(spec: AlgorithmSpec) -> list[str]:
+    from stablerl.adapters.config_keys import frameworks_for
+
+    return frameworks_for(spec)
+
+
+def spec_summary(spec: AlgorithmSpec) -> dict:
+    return {
+        "name": spec.name,
+        "kind": spec.kind,
+        "status": spec.status,
+        "paper": spec.paper,
+        "title": spec.title,
+        "frameworks": _frameworks(spec),
+        "requires": list(spec.requires),
+        "defaults": spec.defaults(),
+        "plugin": spec.plugin,
+        "notes": spec.notes,
+    }
+
+
+def cmd_list(args: argparse.Namespace) -> int:
+    specs = get_registry().list(args.kind)
+    if args.json:
+        print(json.dumps([spec_summary(s) for s in specs], indent=2, default=str))
+        return 0
+    rows = [(s.name, s.kind, s.status, s.paper or "-", ",".join(_frameworks(s)) or "-") for s in specs]
+    header = ("name", "kind", "status", "paper", "frameworks")
+    widths = [max(len(str(r[i])) for r in rows + [header]) for i in range(len(header))]
+    for row in [header] + rows:
+        print("  ".join(str(c).ljust(w) for c, w in zip(row, widths)).rstrip())
+    print(f"\n{len(specs)} algorithms")
+    return 0
+
+
+def describe_text(spec: AlgorithmSpec) -> str:
+    from stablerl.adapters.config_keys import config_keys
+
+    lines = [f"{spec.name}  ({spec.kind}, {spec.status})"]
+    if spec.title:
+        lines.append(spec.title)
+    if spec.paper:
+        lines.append(f"paper:     arXiv {spec.paper}  https://arxiv.org/abs/{spec.paper}")
+    if spec.formula:
+        lines.append(f"formula:   {spec.formula}")
+    defaults = spec.defaults()
+    lines.append("defaults:  " + (", ".join(f"{k}={v!r}" for k, v in defaults.items()) or "(none)"))
+    if spec.requires:
+        lines.append("requires:  " + ", ".join(spec.requires))
+    if spec.metrics:
+        lines.append("metrics:   " + ", ".join(spec.metrics))
+    if spec.reference:
+        lines.append(f"reference: {spec.reference}")
+    if spec.notes:
+        lines.append(f"notes:     {spec.notes}")
+    lines.append(f"plugin:    {spec.plugin}")
+    keys = config_keys(spec)
+    for framework, cfg in keys.items():
+        lines.append(f"{framework}:")
+        lines += [f"  {line}" for line in cfg]
+    if not keys:
+        lines.append("frameworks: none can run it yet (see notes / requires)")
+    return "\n".join(lines)
+
+
+def cmd_describe(args: argparse.Namespace) -> int:
+    registry = get_registry()
+    matches = [s for s in registry.list() if s.name == args.name]
+    if not matches:
+        raise UnknownNameError(unknown_name_message("algorithm", args.name, {s.name for s in registry.list()}))
+    print("\n\n".join(describe_text(s) for s in matches))
+    return 0
+
+
+def _version(dist: str) -> Optional[str]:
+    try:
+        return metadata.version(dist)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def doctor_report() -> dict:
+    """Installed frameworks, stablerl's registration in each, and plugin failures."""
+    registry = get_registry()
+    report: dict = {
+        "stablerl": _version("stablerl"),
+        "packages": {d: _version(d) for d in FRAMEWORK_DISTS},
+        "plugins": list(registry.plugins),
+        "failures": [{"plugin": f.plugin, "error": f.error} for f in registry.failures],
+        "algorithms": len(registry.specs),
+        "frameworks": {},
+    }
+    if report["packages"]["verl"]:
+        eps = [ep.value for ep in metadata.entry_points(group="verl.plugins") if ep.name == "stablerl"]
+        entry = {"entry_point": eps[0] if eps else None}
+        try:
+            from stablerl.adapters import verl as verl_adapter
+
+            entry.update(verl_adapter.registration_report())
+        except Exception as e:  # noqa: BLE001 - doctor reports, never crashes
+            entry["error"] = f"{type(e).__name__}: {e}"
+        report["frameworks"]["verl"] = entry
+    if report["packages"]["trl"]:
+        try:
+            from stablerl.adapters import trl as trl_adapter
+
+            entry = {"supported": trl_adapter.SUPPORTED_TRL, "adapter": "stablerl.adapters.trl.GRPOTrainer"}
+        except Exception as e:  # noqa: BLE001
+            entry = {"error": f"{type(e).__name__}: {e}"}
+        report["frameworks"]["trl"] = entry
+    return report
+
+
+def cmd_doctor(args: argparse.Namespace) -> int:
+    report = doctor_report()
+    if args.json:
+        print(json.dumps(report, indent=2, default=str))
+    else:
+        print(f"stablerl {report['stablerl']}: {report['algorithms']} algorithms from {len(report['plugins'])} plugins")
+        for dist, version in report["packages"].items():
+            print(f"  {dist:<13} {version or 'not installed'}")
+        for framework, entry in report["frameworks"].items():
+            print(f"{framework}:")
+            for key, value in entry.items():
+                print(f"  {key}: {value}")
+        if report["failures"]:
+            print("plugin failures:")
+            for f in report["failures"]:
+                print(f"  {f['plugin']}: {f['error']}")
+        else:
+            print("plugin failures: none")
+    broken = bool(report["failures"]) or any("error" in e for e in report["frameworks"].values())
+    return 1 if broken else 0
+
+
+def cmd_demo(argv: list[str]) -> int:
+    try:
+        from stablerl.adapters.trl import demo
+    except ImportError as e:
+        print(f"stablerl demo needs TRL: pip install 'stablerl[trl]' ({e})", file=sys.stderr)
+        return 2
+    return demo.main(argv)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="stablerl", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("list", help="list registered algorithms")
+    p.add_argument("--kind", choices=KINDS)
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_list)
+    p = sub.add_parser("describe", help="formula, defaults and config keys of one algorithm")
+    p.add_argument("name")
+    p.set_defaults(func=cmd_describe)
+    p = sub.add_parser("doctor", help="installed frameworks, registration, plugin failures")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_doctor)
+    sub.add_parser("demo", help="train a tiny model with GRPO through TRL, once per loss (see --help)", add_help=False)
+    return parser
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["demo"]:
+        return cmd_demo(argv[1:])
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except StableRLError as e:
+        print(f"stablerl: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,89 @@
+"""Fixtures for the verl integration tests (venv with verl 0.9.1, torch CPU, ray).
+
+Run: ``python -m pytest integrations_tests/verl -q -p no:cacheprovider --import-mode=importlib``.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("verl")
+
+
+@pytest.fixture(scope="session")
+def adapter():
+    """The adapter module, imported the way verl does it (``import verl`` loads the entry point)."""
+    import verl  # noqa: F401
+
+    import stablerl.adapters.verl as adapter
+
+    return adapter
+
+
+@pytest.fixture(scope="session")
+def core_algos(adapter):
+    from verl.trainer.ppo import core_algos
+
+    return core_algos
+
+
+def _padded_batch(B=6, T=9, seed=0, dtype=torch.float64, empty_row=True, noise=0.35, token_adv=False):
+    """verl-style padded batch: right-padded bool mask, sequence-level advantages broadcast over
+    tokens (token-level if ``token_adv``), log-probs whose ratios cross the PPO clip bounds."""
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(1, T + 1, (B,), generator=g)
+    lengths[0] = T
+    if empty_row:
+        lengths[-1] = 0
+    mask = torch.arange(T).unsqueeze(0) < lengths.unsqueeze(1)
+    old = -torch.rand(B, T, generator=g, dtype=dtype) * 3 - 0.05
+    log_prob = (old + noise * torch.randn(B, T, generator=g, dtype=dtype)).requires_grad_(True)
+    if token_adv:
+        adv = torch.randn(B, T, generator=g, dtype=dtype)
+    else:
+        adv = torch.randn(B, 1, generator=g, dtype=dtype).expand(B, T).clone()
+    adv = adv * mask
+    is_w = (0.5 + torch.rand(B, T, generator=g, dtype=dtype)) * mask
+    return {"old_log_prob": old, "log_prob": log_prob, "advantages": adv, "response_mask": mask, "is_weights": is_w}
+
+
+@pytest.fixture
+def padded_batch():
+    return _padded_batch
+
+
+def _actor_config(loss_mode="vanilla", policy_loss=None, **kw):
+    from verl.workers.config import FSDPActorConfig, PolicyLossConfig
+
+    kw.setdefault("strategy", "fsdp")
+    kw.setdefault("rollout_n", 1)
+    kw.setdefault("ppo_micro_batch_size_per_gpu", 2)
+    return FSDPActorConfig(policy_loss=policy_loss or PolicyLossConfig(loss_mode=loss_mode), **kw)
+
+
+@pytest.fixture
+def actor_config():
+    return _actor_config
+
+
+def _rewards_batch(seed=0, T=5, dtype=torch.float64):
+    """Outcome rewards on the last valid token; groups of 4, 3, 1 (singleton) and 4 equal rewards."""
+    g = torch.Generator().manual_seed(seed)
+    uids = ["a"] * 4 + ["b"] * 3 + ["c"] + ["d"] * 4
+    B = len(uids)
+    lengths = torch.randint(1, T + 1, (B,), generator=g)
+    mask = (torch.arange(T).unsqueeze(0) < lengths.unsqueeze(1)).to(dtype)
+    scores = torch.randn(B, generator=g, dtype=dtype)
+    scores[-4:] = 0.7
+    rewards = torch.zeros(B, T, dtype=dtype)
+    rewards[torch.arange(B), lengths - 1] = scores
+    order = torch.randperm(B, generator=g)  # groups interleaved, as after a shuffle
+    index = np.array(uids, dtype=object)[order.numpy()]
+    return rewards[order], mask[order], index
+
+
+@pytest.fixture
+def rewards_batch():
+    return _rewards_batch

@@ -1,0 +1,44 @@
+"""One session per environment: verl, TRL and OpenRLHF need different transformers versions.
+
+    nox                 # the whole suite (what README's test command and CI run)
+    nox -s unit         # torch-only unit tests of core and every plugin
+    nox -s verl         # integration tests against the real verl 0.9.1
+    nox -s trl          # TRL 1.16 adapter, real CPU training, demo smoke test, MoE routing replay
+"""
+
+import nox
+
+nox.options.sessions = ["unit", "verl", "trl"]
+nox.options.reuse_existing_virtualenvs = True
+
+TORCH = "torch==2.13.0"  # the CPU build; frameworks' extras would pull CUDA builds
+PYTEST = ["pytest", "-q", "-p", "no:cacheprovider", "--import-mode=importlib"]
+
+
+@nox.session
+def unit(session):
+    session.install(TORCH)
+    session.install("-e", ".[test]")
+    session.run(*PYTEST, "tests", *session.posargs)
+
+
+@nox.session
+def verl(session):
+    session.install(TORCH)
+    # never verl's extras (they pin torch 2.11); the few modules its trainer imports on CPU
+    session.install("verl==0.9.1", "cachetools", "uvicorn", "fastapi")
+    session.install("-e", ".[test]")
+    session.install("./examples/plugin-template")
+    session.run(*PYTEST, "integrations_tests/verl", "integrations_tests/template", *session.posargs)
+
+
+@nox.session
+def trl(session):
+    session.install(TORCH)
+    session.install("trl==1.16.0", "transformers==5.24.0", "matplotlib", "tqdm")
+    session.install("-e", ".[test]")
+    session.install("./examples/plugin-template")
+    session.run(
+        *PYTEST, "integrations_tests/trl", "integrations_tests/moe", "integrations_tests/template", *session.posargs,
+        env={"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "HF_HUB_DISABLE_TELEMETRY": "1"},
+    )

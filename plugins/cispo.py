@@ -1,0 +1,72 @@
+"""CISPO: Clipped IS-weight Policy Optimization (MiniMax-M1, arXiv 2506.13585, Sec. 3.1, Eq. 4-5).
+
+    r = exp(clamp(lp - lp_old, -20, 20));  w = sg(clamp(r, 1 - clip_ratio_low, 1 + clip_ratio_high))
+    l = -w * A * lp                       (gradient only through lp, never through the weight)
+
+Defaults (verl's CISPO example; the paper gives no number): ``clip_ratio_low=10`` (no lower bound,
+since r > 0 > 1 - 10) and ``clip_ratio_high=0.2`` (cap 1.2). Aggregate with token-mean (paper).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from stablerl import STABLE, Params, hookimpl
+from stablerl.ops import clamped_log_ratio, masked_mean
+from stablerl.params import check
+
+
+@dataclass
+class CISPOParams(Params):
+    """Relative (verl) convention: the weight is clamped to ``[1 - clip_ratio_low, 1 + clip_ratio_high]``."""
+
+    clip_ratio_low: float = 10.0
+    clip_ratio_high: float = 0.2
+
+    def validate(self) -> None:
+        check(0 <= self.clip_ratio_low, f"clip_ratio_low must be >= 0 (>= 1 means no lower bound), got {self.clip_ratio_low}")
+        check(0 <= self.clip_ratio_high, f"clip_ratio_high must be >= 0 (cap is 1 + clip_ratio_high), got {self.clip_ratio_high}")
+
+
+def cispo_loss(b, p: CISPOParams, ctx):
+    mask = b.response_mask
+    adv = b.advantages
+    log_ratio = clamped_log_ratio(b.log_prob, b.old_log_prob)
+    ratio = torch.exp(log_ratio.detach())
+    weight = torch.clamp(ratio, 1.0 - p.clip_ratio_low, 1.0 + p.clip_ratio_high)
+    pg_losses = -weight * adv * b.log_prob
+    metrics = {
+        # verl: any token whose weight was truncated
+        "pg_clipfrac": masked_mean((ratio != weight).to(mask.dtype), mask),
+        "pg_clipfrac_lower": torch.zeros((), dtype=mask.dtype, device=mask.device),
+        # TRL's cispo_clip_ratio is clip_high
+        "clip_high": masked_mean(((adv > 0) & (ratio > 1.0 + p.clip_ratio_high)).to(mask.dtype), mask),
+        "clip_low": masked_mean(((adv < 0) & (ratio < 1.0 - p.clip_ratio_low)).to(mask.dtype), mask),
+        "ppo_kl": masked_mean(-log_ratio.detach(), mask),
+    }
+    return pg_losses, metrics
+
+
+@hookimpl
+def register_policy_losses(register):
+    register(
+        name="cispo",
+        fn=cispo_loss,
+        params=CISPOParams,
+        paper="2506.13585",
+        title="CISPO: clipped, detached IS weight times the REINFORCE log-prob gradient (MiniMax-M1)",
+        formula="l = -sg(clamp(r, 1-eps_low, 1+eps_high)) * A * lp",
+        status=STABLE,
+        metrics=("pg_clipfrac", "pg_clipfrac_lower", "clip_high", "clip_low", "ppo_kl"),
+        reference="verl core_algos.compute_policy_loss_cispo (loss_mode=cispo); TRL loss_type='cispo'",
+        notes=(
+            "verl convention: relative bounds, weight in [1-clip_ratio_low, 1+clip_ratio_high]. TRL's "
+            "epsilon_high is an ABSOLUTE cap (clamp(r, max=epsilon_high), no lower bound): TRL epsilon_high=c "
+            "equals ours with clip_ratio_high=c-1 and clip_ratio_low>=1 (e.g. ScaleRL's cap 5.0 -> "
+            "clip_ratio_high=4.0). Loss value (-w A lp) is not comparable with PPO losses; only the gradient "
+            "-w A grad lp matters. Honours loss_agg_mode (paper: token-mean). With r=1 (one update per batch) "
+            "it is token-mean REINFORCE."
+        ),
+    )

@@ -1,0 +1,90 @@
+"""GMPO: Geometric-Mean Policy Optimization (Zhao et al., arXiv 2507.20673); verl ``geo_mean``.
+
+    d = clamp(lp - lp_old, -20, 20),  sA = sign(A)
+    d_eff = sA * min(sA * d, sA * clamp(d, -eps_low, eps_high))      (token clip IN LOG SPACE, pessimistic side)
+    ratio_i = exp(sum_t m d_eff / L_i),  A_i = mean_t(m A)
+    loss = -(1/B) sum_i A_i ratio_i                                     (sequence mean of a sequence loss)
+
+Defaults (paper): ``clip_ratio_low = clip_ratio_high = 0.4`` as **log-space** bounds, i.e. the
+token ratio band ``(e^-0.4, e^0.4) = (0.67, 1.49)``. A=0 sequences contribute 0.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from stablerl import STABLE, Params, hookimpl
+from stablerl.ops import aggregate, broadcast_to_tokens, clamped_log_ratio, masked_mean, seq_mean
+from stablerl.params import check
+
+
+@dataclass
+class GMPOParams(Params):
+    """Log-space token clip ``-clip_ratio_low <= log r <= clip_ratio_high`` (NOT ratio space)."""
+
+    clip_ratio_low: float = 0.4
+    clip_ratio_high: float = 0.4
+
+    def validate(self) -> None:
+        check(0 <= self.clip_ratio_low, f"clip_ratio_low (log-space) must be >= 0, got {self.clip_ratio_low}")
+        check(0 <= self.clip_ratio_high, f"clip_ratio_high (log-space) must be >= 0, got {self.clip_ratio_high}")
+
+
+def gmpo_loss(b, p: GMPOParams, ctx):
+    mask = b.response_mask
+    adv = b.advantages
+    d = clamped_log_ratio(b.log_prob, b.old_log_prob)
+    sign = torch.sign(adv)
+    d_clamped = torch.clamp(d, -p.clip_ratio_low, p.clip_ratio_high)
+    d_eff = sign * torch.minimum(sign * d, sign * d_clamped)
+    ratio = torch.exp(seq_mean(d_eff, mask))  # [B] geometric mean of the clipped token ratios
+    seq_adv = seq_mean(adv, mask)  # sequence-level advantage (0 for an all-masked row)
+    seq_loss = -seq_adv * ratio
+    if b.is_weights is not None:
+        # per-sequence geometric mean of the framework's token IS weights (verl's convention)
+        seq_loss = seq_loss * torch.exp(seq_mean(torch.log(b.is_weights + 1e-10), mask))
+    # sequence mean over the (global) number of sequences: seq_count from ctx, B by default;
+    # "seq-mean-token-mean" of a per-sequence constant is exactly that
+    loss = aggregate(broadcast_to_tokens(seq_loss, mask), mask, "seq-mean-token-mean", ctx)
+
+    d_det = d.detach()
+    clipped = (d_det != d_clamped.detach()).to(mask.dtype)
+    metrics = {
+        # verl's definitions: any token outside the log band, split by the sign of A
+        "pg_clipfrac": masked_mean(clipped * (adv > 0), mask),
+        "pg_clipfrac_lower": masked_mean(clipped * (adv < 0), mask),
+        # the tokens whose clip is active (gradient stopped)
+        "clip_high": masked_mean(((adv > 0) & (d_det > p.clip_ratio_high)).to(mask.dtype), mask),
+        "clip_low": masked_mean(((adv < 0) & (d_det < -p.clip_ratio_low)).to(mask.dtype), mask),
+        "ppo_kl": masked_mean(-d_det, mask),
+    }
+    return loss, metrics
+
+
+@hookimpl
+def register_policy_losses(register):
+    register(
+        name="gmpo",
+        fn=gmpo_loss,
+        params=GMPOParams,
+        paper="2507.20673",
+        title="GMPO: Geometric-Mean Policy Optimization (token clip in log space, sequence objective)",
+        formula="loss = -(1/B) sum_i A_i exp(mean_t sA min(sA d, sA clamp(d, -eps_low, eps_high))), d = lp - lp_old",
+        status=STABLE,
+        output="scalar",
+        metrics=("pg_clipfrac", "pg_clipfrac_lower", "clip_high", "clip_low", "ppo_kl"),
+        reference="verl core_algos.compute_policy_loss_geo_mean (loss_mode=geo_mean); callsys/GMPO train_zero_math_gmpo.py",
+        notes=(
+            "clip_ratio_low/high are LOG-space bounds (0.4 means |log r| <= 0.4). Sequence-level objective: "
+            "loss_agg_mode is ignored (as in verl); the sequence mean divides by ctx.seq_count (global number of "
+            "sequences over DP ranks and micro-batches, times dp_size) or by this call's B when unset, counting "
+            "all-masked rows (which contribute 0), like verl's torch.mean. verl's geo_mean always divides by the "
+            "local micro-batch size, so it equals ours only with ctx.seq_count unset. A_i is the masked mean of "
+            "the token advantages; sign(A) is taken per token; A=0 contributes 0. Token log-ratios are clamped "
+            "to +-20 (verl does not clamp; identical unless |log r| > 20). IS weights enter as their per-sequence "
+            "geometric mean. pg_clipfrac/pg_clipfrac_lower follow verl (token outside the log band, A>0 / A<0); "
+            "clip_high/clip_low count only tokens whose clip is active."
+        ),
+    )

@@ -1,0 +1,75 @@
+"""GSPO: Group Sequence Policy Optimization, GSPO-token form (Zheng et al., arXiv 2507.18071).
+
+    log s_it = clamp(lp - sg(lp) + sg(mean_t m*(lp - lp_old)), max=10);  s_it = exp(log s_it)
+    l = max(-A s_it, -A clip(s_it, 1-eps_low, 1+eps_high))        (no dual clip)
+
+The value of ``s_it`` is the length-normalised sequence ratio ``s_i`` (geometric mean of the token
+ratios); the gradient of token t is ``sg(s_i) * grad lp_t``. With sequence-level advantages this
+is exactly GSPO's sequence objective when aggregated with ``seq-mean-token-mean``.
+Defaults (paper): ``clip_ratio_low=3e-4``, ``clip_ratio_high=4e-4``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from stablerl import STABLE, Params, hookimpl
+from stablerl.ops import masked_mean, seq_mean
+from stablerl.params import check
+from stablerl.plugins.ppo import ppo_clip_terms
+
+# verl clamps the log of the sequence ratio at 10 before exp (its gradient is 0 above it)
+GSPO_LOG_RATIO_MAX = 10.0
+
+
+@dataclass
+class GSPOParams(Params):
+    """Ratio-space bounds on the sequence ratio ``[1 - clip_ratio_low, 1 + clip_ratio_high]``."""
+
+    clip_ratio_low: float = 3e-4
+    clip_ratio_high: float = 4e-4
+
+    def validate(self) -> None:
+        check(0 <= self.clip_ratio_low < 1, f"clip_ratio_low must be in [0, 1), got {self.clip_ratio_low}")
+        check(0 <= self.clip_ratio_high, f"clip_ratio_high must be >= 0, got {self.clip_ratio_high}")
+
+
+def gspo_loss(b, p: GSPOParams, ctx):
+    mask = b.response_mask
+    log_ratio = b.log_prob - b.old_log_prob
+    seq_log_ratio = seq_mean(log_ratio.detach(), mask)  # [B], masked tokens excluded, 0 for empty rows
+    log_s = torch.clamp(b.log_prob - b.log_prob.detach() + seq_log_ratio.unsqueeze(-1), max=GSPO_LOG_RATIO_MAX)
+    ratio = torch.exp(log_s)
+    pg_losses, metrics = ppo_clip_terms(ratio, b.advantages, mask, p.clip_ratio_low, p.clip_ratio_high, None)
+    metrics["ppo_kl"] = masked_mean(-log_ratio.detach(), mask)
+    valid_rows = mask.sum(-1) > 0
+    s_i = torch.exp(torch.clamp(seq_log_ratio, max=GSPO_LOG_RATIO_MAX))
+    metrics["gspo/seq_ratio_mean"] = masked_mean(s_i, valid_rows.to(s_i.dtype))
+    metrics["gspo/seq_ratio_max"] = torch.cat([s_i[valid_rows], s_i.new_zeros(1)]).max()
+    return pg_losses, metrics
+
+
+@hookimpl
+def register_policy_losses(register):
+    register(
+        name="gspo",
+        fn=gspo_loss,
+        params=GSPOParams,
+        paper="2507.18071",
+        title="GSPO: Group Sequence Policy Optimization (GSPO-token form)",
+        formula="s_it = sg(s_i) exp(lp - sg(lp)), s_i = exp(mean_t(lp - lp_old)); "
+        "l = max(-A s_it, -A clip(s_it, 1-eps_low, 1+eps_high))",
+        status=STABLE,
+        metrics=("pg_clipfrac", "pg_clipfrac_lower", "clip_high", "clip_low", "ppo_kl",
+                 "gspo/seq_ratio_mean", "gspo/seq_ratio_max"),
+        reference="verl core_algos.compute_policy_loss_gspo (loss_mode=gspo)",
+        notes=(
+            "Honours loss_agg_mode; the paper's sequence objective is loss_agg_mode='seq-mean-token-mean' "
+            "(recommended; verl 0.9.1 also passes the actor's loss_agg_mode through, so verl parity holds in "
+            "every mode). The log of the sequence ratio is clamped at max 10 as in verl (no +-20 token clamp, "
+            "no dual clip). Bounds are ratio-space and ~1000x tighter than PPO's: do not reuse a PPO eps. "
+            "IS weights multiply the per-token loss (as verl's rollout_is_weights). pg_clipfrac is token-weighted."
+        ),
+    )

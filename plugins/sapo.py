@@ -1,0 +1,80 @@
+"""SAPO: Soft Adaptive Policy Optimization (Qwen, arXiv 2511.20347).
+
+    r = exp(clamp(lp - lp_old, -20, 20));  tau = tau_pos if A > 0 else tau_neg
+    l = -(4 / tau) * sigmoid(tau * (r - 1)) * A          (a smooth gate instead of a hard clip)
+
+The gate has value 2/tau and slope 1 at r = 1 (so the on-policy gradient is -A grad lp, as
+PPO's); away from r = 1 the gradient ``-4 s (1 - s) r A grad lp`` (s = sigmoid(tau (r - 1)))
+decays smoothly instead of dropping to zero at a clip boundary.
+
+Defaults (paper and verl): ``tau_pos=1.0``, ``tau_neg=1.05``. Aggregation is forced to
+seq-mean-token-mean, as verl's ``compute_policy_loss_sapo`` and TRL's ``loss_type="sapo"`` do.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from stablerl import POLICY_LOSS, STABLE, Params, hookimpl
+from stablerl.ops import aggregate, clamped_log_ratio, masked_mean
+from stablerl.params import check
+
+SAPO_AGG_MODE = "seq-mean-token-mean"
+
+
+@dataclass
+class SAPOParams(Params):
+    """Gate temperatures for positive-advantage (``tau_pos``) and other (``tau_neg``) tokens."""
+
+    tau_pos: float = 1.0
+    tau_neg: float = 1.05
+
+    def validate(self) -> None:
+        check(self.tau_pos > 0, f"tau_pos must be > 0, got {self.tau_pos}")
+        check(self.tau_neg > 0, f"tau_neg must be > 0, got {self.tau_neg}")
+
+
+def sapo_loss(b, p: SAPOParams, ctx):
+    mask = b.response_mask
+    adv = b.advantages
+    log_ratio = clamped_log_ratio(b.log_prob, b.old_log_prob)
+    ratio = torch.exp(log_ratio)
+    # A == 0 takes tau_neg (as verl); the loss is 0 there either way
+    tau = torch.where(adv > 0, torch.full_like(adv, p.tau_pos), torch.full_like(adv, p.tau_neg))
+    gate = torch.sigmoid(tau * (ratio - 1.0)) * (4.0 / tau)
+    pg_losses = -gate * adv
+    if b.is_weights is not None:
+        pg_losses = pg_losses * b.is_weights
+    loss = aggregate(pg_losses, mask, SAPO_AGG_MODE, ctx)
+    zero = torch.zeros((), dtype=mask.dtype, device=mask.device)
+    metrics = {
+        "pg_clipfrac": zero,  # no hard clip (verl reports 0 for compatibility)
+        "pg_clipfrac_lower": zero,
+        "ppo_kl": masked_mean(-log_ratio.detach(), mask),
+    }
+    return loss, metrics
+
+
+@hookimpl
+def register_policy_losses(register):
+    register(
+        name="sapo",
+        kind=POLICY_LOSS,
+        fn=sapo_loss,
+        params=SAPOParams,
+        paper="2511.20347",
+        title="SAPO: soft adaptive policy optimization (sigmoid gate on the token ratio instead of a hard clip)",
+        formula="l = -(4/tau) sigmoid(tau (r - 1)) A,  tau = tau_pos if A > 0 else tau_neg",
+        status=STABLE,
+        output="scalar",
+        metrics=("pg_clipfrac", "pg_clipfrac_lower", "ppo_kl"),
+        reference="verl core_algos.compute_policy_loss_sapo (loss_mode=sapo); TRL loss_type='sapo'",
+        notes=(
+            "Aggregation is always seq-mean-token-mean, whatever loss_agg_mode says (as verl and TRL do); "
+            "the sequence count comes from ctx.seq_count (verl: global_batch_size). Framework IS weights "
+            "multiply the per-token loss before aggregation. Log-ratio clamped to +-20 before exp (as verl). "
+            "pg_clipfrac / pg_clipfrac_lower are always 0 (no hard clip), as in verl."
+        ),
+    )
