@@ -11,6 +11,7 @@ from .contracts import (
     ADVANTAGE_ESTIMATOR,
     OPTIONAL_INPUTS,
     POLICY_LOSS,
+    ROLLOUT_CORRECTION,
     UNAVAILABLE,
     AdvantageBatch,
     AlgorithmSpec,
@@ -68,6 +69,8 @@ def compute_policy_loss(
     entropy: Optional[torch.Tensor] = None,
     loss_agg_mode: str = "token-mean",
     ctx: Optional[Context] = None,
+    rollout_correction: Optional[str] = None,
+    rollout_correction_params: Optional[dict[str, Any]] = None,
     check_finite: bool = True,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, dict[str, float]]:
@@ -75,12 +78,31 @@ def compute_policy_loss(
 
     Tensors are ``[B, T]`` (``advantages`` may be ``[B]``); only ``log_prob`` carries gradient.
     Extra declared inputs (``token_ids``, ``turn_ids``, ``versions``, ``index``, ...) and the
-    algorithm's hyper-parameters are keyword arguments. Returns the scalar loss and a dict of
-    plain-float metrics.
+    algorithm's hyper-parameters are keyword arguments. ``rollout_correction`` names a registered
+    training-inference mismatch correction (``tis``, ``icepop``, ``seq_mis``, ``geo_rs``, ``opsm``)
+    applied with any loss from ``rollout_log_prob``; it is refused when the framework already
+    passed its own correction weights (``is_weights``), so nothing is applied twice. Returns the
+    scalar loss and a dict of plain-float metrics.
     """
     spec = get_spec(POLICY_LOSS, name)
     inputs = {k: kwargs.pop(k) for k in list(kwargs) if k in _LOSS_INPUTS}
     params = build_params(spec, kwargs)
+    correction = None
+    if rollout_correction is not None:
+        correction = get_spec(ROLLOUT_CORRECTION, rollout_correction)
+        correction_params = build_params(correction, rollout_correction_params)
+        if inputs.get("is_weights") is not None:
+            raise StableRLError(
+                f"rollout_correction={rollout_correction!r} would be applied on top of the framework's own "
+                "rollout-correction weights (is_weights); disable one of them (verl: algorithm.rollout_correction.rollout_is; "
+                "TRL: vllm_importance_sampling_correction; OpenRLHF: --algo.advantage.is_correction_level)"
+            )
+        if rollout_log_prob is None:
+            raise MissingInputError(
+                f"rollout_correction={rollout_correction!r} needs rollout_log_prob ({OPTIONAL_INPUTS['rollout_log_prob']})"
+            )
+    elif rollout_correction_params:
+        raise StableRLError("rollout_correction_params given without rollout_correction")
     ctx = ctx or Context()
 
     if not isinstance(log_prob, torch.Tensor) or log_prob.dim() != 2:
@@ -121,11 +143,16 @@ def compute_policy_loss(
         versions=inputs.get("versions"),
         policy_version=inputs.get("policy_version"),
         scores=inputs.get("scores"),
-        is_weights=None if inputs.get("is_weights") is None else inputs["is_weights"].detach().float(),
+        is_weights=None if inputs.get("is_weights") is None else _as_compute_dtype(inputs["is_weights"].detach()),
         loss_agg_mode=loss_agg_mode,
     )
     _check_missing(spec, {**inputs, "rollout_log_prob": rollout_log_prob, "entropy": entropy, "index": index})
+    correction_metrics: dict[str, Any] = {}
+    if correction is not None:
+        weights, correction_metrics = correction.fn(batch, correction_params, ctx)
+        batch.is_weights = weights.detach()
     out, metrics = spec.fn(batch, params, ctx)
+    metrics = {**metrics, **correction_metrics}
     if spec.output == "per_token":
         if batch.is_weights is not None:
             out = out * batch.is_weights

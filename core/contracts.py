@@ -22,7 +22,11 @@ REWARD_SHAPER = "reward_shaper"
 BATCH_FILTER = "batch_filter"
 CONTROLLER = "controller"
 ROUTER_FAMILY = "router_family"
-KINDS = (POLICY_LOSS, ADVANTAGE_ESTIMATOR, AGGREGATION, REWARD_SHAPER, BATCH_FILTER, CONTROLLER, ROUTER_FAMILY)
+ROLLOUT_CORRECTION = "rollout_correction"
+KINDS = (
+    POLICY_LOSS, ADVANTAGE_ESTIMATOR, AGGREGATION, REWARD_SHAPER, BATCH_FILTER, CONTROLLER, ROUTER_FAMILY,
+    ROLLOUT_CORRECTION,
+)
 
 # Status of an algorithm: checked against a reference implementation, implemented with stated
 # assumptions, or listed but deliberately not implemented (the reason says why).
@@ -89,9 +93,11 @@ class AlgorithmSpec:
     # weights and aggregates with loss_agg_mode; "scalar" returns the final loss (the plugin
     # aggregates with stablerl.ops.aggregate itself, e.g. sequence-level objectives).
     output: str = "per_token"
-    # True when the algorithm takes statistics over the whole batch (through ctx.all_reduce /
-    # ctx.all_gather): its loss is then not invariant to splitting a batch into gradient-
-    # accumulation micro-batches, and stablerl.testing checks 2 DP ranks == 1 rank instead.
+    # True when the algorithm takes statistics over the batch it is called with (ideally through
+    # ctx.all_reduce / ctx.all_gather, so they are global over DP ranks; or per call by design,
+    # stated in notes): its result then changes when a batch is split into gradient-accumulation
+    # micro-batches. stablerl.testing skips its micro-batch check and, when it reduces through
+    # ctx, checks that 2 DP ranks equal 1 rank instead.
     batch_statistics: bool = False
     plugin: str = ""  # filled by the registry: which plugin registered it
 

@@ -53,3 +53,9 @@ def register_controllers(register):
 @hookspec
 def register_router_families(register):
     """Register MoE router families for routing replay (see ``stablerl.routing_replay``)."""
+
+
+@hookspec
+def register_rollout_corrections(register):
+    """Register training-inference mismatch corrections usable with any policy loss:
+    ``fn(batch: PolicyLossBatch, params, ctx) -> (weights [B, T] detached, metrics)``."""

@@ -36,6 +36,7 @@ HOOK_KINDS = {
     "register_batch_filters": "batch_filter",
     "register_controllers": "controller",
     "register_router_families": "router_family",
+    "register_rollout_corrections": "rollout_correction",
 }
 
 

@@ -47,7 +47,8 @@ def gmpo_loss(b, p: GMPOParams, ctx):
         seq_loss = seq_loss * torch.exp(seq_mean(torch.log(b.is_weights + 1e-10), mask))
     # sequence mean over the (global) number of sequences: seq_count from ctx, B by default;
     # "seq-mean-token-mean" of a per-sequence constant is exactly that
-    loss = aggregate(broadcast_to_tokens(seq_loss, mask), mask, "seq-mean-token-mean", ctx)
+    token_mask = mask.to(seq_loss.dtype)
+    loss = aggregate(broadcast_to_tokens(seq_loss, token_mask), token_mask, "seq-mean-token-mean", ctx)
 
     d_det = d.detach()
     clipped = (d_det != d_clamped.detach()).to(mask.dtype)

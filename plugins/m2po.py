@@ -115,7 +115,9 @@ def _clip_bounds_variant(b, p: M2POParams, ctx, m2: torch.Tensor, tr: torch.Tens
         m2_after = m2_before
     else:
         tau, m2_after_f = _authors_tau(values, p.m2_threshold)
-        eps_low, eps_high = 1.0 - math.exp(-tau), math.exp(tau) - 1.0
+        # fp32 exp as in the authors' code: it decides whether the breakpoint token itself is clipped
+        eps_low = 1.0 - float(torch.exp(torch.tensor(-tau, dtype=torch.float32)))
+        eps_high = float(torch.exp(torch.tensor(tau, dtype=torch.float32))) - 1.0
         m2_after = m2_before.new_tensor(m2_after_f)
     if p.miniclip_low is not None and eps_low < p.miniclip_low:
         eps_low = p.miniclip_low

@@ -1,0 +1,528 @@
+"""stablerl in TRL: a drop-in ``GRPOTrainer`` / ``GRPOConfig`` pair (TRL >= 1.16, < 1.17).
+
+    from stablerl.adapters.trl import GRPOConfig, GRPOTrainer
+    args = GRPOConfig(loss_type="m2po", advantage_estimator="qae",
+                      stablerl_loss_params={"m2_threshold": 0.04}, stablerl_advantage_params={"quantile_k": 0.4})
+
+What it translates, and nothing more (the algorithms live in ``stablerl.plugins``):
+
+* ``loss_type``: TRL's built-in names (``grpo``, ``dapo``, ``cispo``, ``sapo``, ...) keep TRL's own
+  code path; any other name is a stablerl policy loss; ``stablerl_<name>`` selects the stablerl
+  loss explicitly (needed where a name exists in both, e.g. ``stablerl_cispo``).
+* ``advantage_estimator``: ``None`` keeps TRL's advantages; a stablerl estimator name replaces them,
+  computed on the rewards TRL gathered over every process (groups are TRL's contiguous blocks of
+  ``num_generations``), then sliced to this process's rows exactly as TRL slices its own.
+
+Everything TRL does around the loss is kept by running TRL's own ``_compute_loss`` for it: for a
+stablerl loss, ``_compute_loss`` calls the parent's method with zero advantages under the TRL
+built-in whose normaliser equals ``stablerl_loss_agg_mode`` (``dapo``, ``grpo``, ``luspo``,
+``dr_grpo``), so that the parent contributes exactly the surroundings -- the forward pass with
+entropies and the MoE aux loss, the KL to the reference model (with ``use_bias_correction_kl``),
+the entropy bonus and its adaptive state, gradient-accumulation scaling and TRL's metrics -- and
+its policy term is exactly zero. The stablerl policy loss is then computed from the log-probs and
+entropies of that same forward pass (captured in ``_get_per_token_logps_and_entropies``), with
+TRL's masks (completion x tool mask, off-policy sequence mask, ``top_entropy_quantile``) and the
+vLLM importance-sampling ratio applied as per-token weights in TRL's order, and added.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import os
+import warnings
+from dataclasses import dataclass, field
+from typing import Any, Optional, Union
+
+import torch
+
+import stablerl
+from stablerl.contracts import ADVANTAGE_ESTIMATOR, OPTIONAL_INPUTS, POLICY_LOSS
+from stablerl.ops import AGG_MODES
+from stablerl.params import StableRLError, UnknownNameError, build_params, unknown_name_message
+
+SUPPORTED_TRL = ">=1.16,<1.17"
+_TRL_MIN, _TRL_MAX = (1, 16), (1, 17)
+
+# TRL 1.16's built-in loss types: these names keep TRL's own behaviour.
+TRL_LOSS_TYPES = ("grpo", "dr_grpo", "dapo", "bnpo", "cispo", "sapo", "luspo", "vespo")
+PREFIX = "stablerl_"
+
+# The TRL built-in whose aggregation equals each stablerl loss_agg_mode. TRL's _compute_loss runs
+# under it (with zero advantages) so that the KL term is normalised like the stablerl loss.
+_HOST_LOSS_TYPE = {
+    "token-mean": "dapo",  # sum / (tokens of the accumulation window over every process)
+    "seq-mean-token-mean": "grpo",  # mean over sequences of the per-sequence token mean, / GA
+    "seq-mean-token-sum": "luspo",  # mean over sequences of the per-sequence token sum, / GA
+    "seq-mean-token-sum-norm": "dr_grpo",  # sum / (B * max_completion_length), / GA
+}
+# Metrics the host loss type logs about its own (here: zero-advantage) clipping; they are removed.
+_HOST_CLIP_METRICS = (
+    "clip_ratio/low_mean",
+    "clip_ratio/high_mean",
+    "clip_ratio/region_mean",
+    "clip_ratio/low_min",
+    "clip_ratio/high_max",
+)
+
+# Inputs a stablerl algorithm may declare (core.contracts.OPTIONAL_INPUTS) that TRL can feed.
+_LOSS_INPUTS_ALWAYS = {"entropy", "token_ids", "index", "scores"}
+_LOSS_INPUTS_VLLM_IS = {"rollout_log_prob"}  # sampling_per_token_logps, with vllm_importance_sampling_correction
+_ADVANTAGE_INPUTS = {"index"}
+_WHY_NOT = {
+    "old_entropy": "TRL computes no entropies in its old-log-prob pass",
+    "turn_ids": "TRL marks tool tokens with tool_mask but gives no per-token turn ids",
+    "versions": "TRL's GRPOTrainer is synchronous: no per-token policy versions",
+    "policy_version": "TRL's GRPOTrainer is synchronous: no per-token policy versions",
+    "router_log_prob": "TRL's fused LM head drops router logits",
+    "rollout_log_prob": "needs use_vllm=True and vllm_importance_sampling_correction=True",
+    "entropy": "TRL computes entropies only inside _compute_loss, after advantages",
+    "old_log_prob": "TRL computes advantages before (and independently of) old log-probs",
+}
+
+
+class UnsupportedTRLVersionError(ImportError):
+    """The installed TRL is outside the range this adapter was written and tested against."""
+
+
+# ----------------------------------------------------------------------------- version guard
+
+# Private TRL methods this adapter overrides or calls, with the parameters it relies on.
+_REQUIRED_SIGNATURES = {
+    "_compute_loss": ("model", "inputs"),
+    "_calculate_rewards": ("inputs", "prompts", "completions", "completion_ids_list"),
+    "_generate_and_score_completions": ("inputs",),
+    "_get_per_token_logps_and_entropies": ("model", "input_ids", "attention_mask", "logits_to_keep",
+                                           "compute_entropy", "compute_aux_loss"),
+    "get_high_entropy_mask": ("entropies", "mask", "threshold"),
+    "get_off_policy_mask": ("advantages", "per_token_logps", "sampling_per_token_logps", "mask",
+                            "off_policy_threshold"),
+}
+
+
+def _version_tuple(version: str) -> tuple[int, int]:
+    parts = []
+    for piece in version.split(".")[:2]:
+        digits = "".join(c for c in piece if c.isdigit())
+        parts.append(int(digits) if digits else 0)
+    return tuple(parts + [0] * (2 - len(parts)))  # type: ignore[return-value]
+
+
+def check_trl(trl_module=None) -> None:
+    """Raise :class:`UnsupportedTRLVersionError` unless TRL is in the supported range and the
+    private methods this adapter uses have the expected signatures.
+
+    ``STABLERL_TRL_SKIP_VERSION_CHECK=1`` turns the version-range error into a warning (to try a
+    newer TRL); the signature checks always apply.
+    """
+    if trl_module is None:
+        import trl as trl_module
+    found = getattr(trl_module, "__version__", "unknown")
+    if not (_TRL_MIN <= _version_tuple(found) < _TRL_MAX):
+        message = (
+            f"stablerl.adapters.trl supports trl{SUPPORTED_TRL}, found trl {found}. "
+            f"Install a supported version: pip install 'trl{SUPPORTED_TRL}' (or pip install 'stablerl[trl]')."
+        )
+        if os.environ.get("STABLERL_TRL_SKIP_VERSION_CHECK", "") == "1":
+            warnings.warn(message + " Continuing because STABLERL_TRL_SKIP_VERSION_CHECK=1.", RuntimeWarning)
+        else:
+            raise UnsupportedTRLVersionError(message)
+    cls = trl_module.GRPOTrainer
+    for method, needed in _REQUIRED_SIGNATURES.items():
+        fn = getattr(cls, method, None)
+        if fn is None:
+            raise UnsupportedTRLVersionError(
+                f"trl {found}: GRPOTrainer.{method} no longer exists; stablerl.adapters.trl supports trl{SUPPORTED_TRL}"
+            )
+        params = inspect.signature(fn).parameters
+        missing = [p for p in needed if p not in params]
+        if missing:
+            raise UnsupportedTRLVersionError(
+                f"trl {found}: GRPOTrainer.{method} lacks parameter(s) {missing}; "
+                f"stablerl.adapters.trl supports trl{SUPPORTED_TRL}"
+            )
+
+
+import trl as _trl  # noqa: E402  (after the guard's definition, before anything uses trl)
+
+check_trl(_trl)
+
+
+# ----------------------------------------------------------------------------- names
+
+
+def resolve_loss_type(loss_type: str) -> Optional[str]:
+    """The stablerl policy-loss name ``loss_type`` selects, or ``None`` for a TRL built-in.
+
+    Unknown names raise :class:`stablerl.UnknownNameError` naming the nearest valid one.
+    """
+    registered = stablerl.get_registry().names(POLICY_LOSS)
+    if loss_type.startswith(PREFIX):
+        name = loss_type[len(PREFIX):]
+        if name not in registered:
+            valid = [PREFIX + n for n in registered]
+            raise UnknownNameError(unknown_name_message("stablerl loss_type", loss_type, valid))
+        stablerl.get_spec(POLICY_LOSS, name)  # raises for 'unavailable' entries, with the reason
+        return name
+    if loss_type in TRL_LOSS_TYPES:
+        return None
+    if loss_type not in registered:
+        valid = list(TRL_LOSS_TYPES) + [n for n in registered if n not in TRL_LOSS_TYPES]
+        raise UnknownNameError(
+            unknown_name_message("loss_type", loss_type, valid)
+            + f" (TRL built-ins: {', '.join(TRL_LOSS_TYPES)}; any stablerl loss also as '{PREFIX}<name>')"
+        )
+    stablerl.get_spec(POLICY_LOSS, loss_type)
+    return loss_type
+
+
+def _as_dict(value: Any, key: str) -> dict:
+    if value is None or value == "":
+        return {}
+    if isinstance(value, str):  # from the CLI: a JSON object
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise StableRLError(f"{key} must be a JSON object such as '{{\"m2_threshold\": 0.04}}': {e}") from None
+    if not isinstance(value, dict):
+        raise StableRLError(f"{key} must be a dict (or a JSON object string), got {type(value).__name__}")
+    return dict(value)
+
+
+def _unfeedable(requires, feedable) -> list[str]:
+    return [r for r in requires if r not in feedable]
+
+
+def loss_inputs_trl_can_feed(use_vllm_is: bool) -> set[str]:
+    return set(_LOSS_INPUTS_ALWAYS) | (set(_LOSS_INPUTS_VLLM_IS) if use_vllm_is else set())
+
+
+def check_loss_inputs(name: str, use_vllm_is: bool) -> None:
+    """Raise :class:`stablerl.MissingInputError` if the loss declares inputs TRL cannot feed."""
+    spec = stablerl.get_spec(POLICY_LOSS, name)
+    missing = _unfeedable(spec.requires, loss_inputs_trl_can_feed(use_vllm_is))
+    if missing:
+        reasons = "; ".join(f"{m}: {_WHY_NOT.get(m, OPTIONAL_INPUTS.get(m, ''))}" for m in missing)
+        raise stablerl.MissingInputError(f"policy loss {name!r} needs input(s) TRL cannot provide ({reasons})")
+
+
+def check_advantage_inputs(name: str) -> None:
+    spec = stablerl.get_spec(ADVANTAGE_ESTIMATOR, name)
+    missing = _unfeedable(spec.requires, _ADVANTAGE_INPUTS)
+    if missing:
+        reasons = "; ".join(f"{m}: {_WHY_NOT.get(m, OPTIONAL_INPUTS.get(m, ''))}" for m in missing)
+        raise stablerl.MissingInputError(f"advantage estimator {name!r} needs input(s) TRL cannot provide ({reasons})")
+
+
+# ----------------------------------------------------------------------------- config
+
+
+@dataclass
+class GRPOConfig(_trl.GRPOConfig):
+    """TRL's ``GRPOConfig`` plus stablerl's selections (all settable from ``TrlParser`` CLI/YAML).
+
+    ``loss_type`` also accepts stablerl policy-loss names; see the module docstring.
+    """
+
+    advantage_estimator: Optional[str] = field(
+        default=None,
+        metadata={"help": "stablerl advantage estimator (e.g. 'qae', 'rloo', 'grpo'); None keeps TRL's advantages "
+                  "(scale_rewards). Computed on the rewards gathered over all processes."},
+    )
+    stablerl_loss_params: Optional[Union[dict, str]] = field(
+        default=None,
+        metadata={"help": "Hyper-parameters of the stablerl policy loss, a dict or a JSON object string, e.g. "
+                  "'{\"m2_threshold\": 0.04}'. Unset keys take the paper's defaults. TRL's epsilon/epsilon_high/"
+                  "delta apply to TRL's built-in loss types only."},
+    )
+    stablerl_advantage_params: Optional[Union[dict, str]] = field(
+        default=None,
+        metadata={"help": "Hyper-parameters of the stablerl advantage estimator, a dict or a JSON object string, "
+                  "e.g. '{\"quantile_k\": 0.4}'."},
+    )
+    stablerl_loss_agg_mode: str = field(
+        default="token-mean",
+        metadata={"help": "Aggregation of a stablerl policy loss: 'token-mean' (= TRL dapo's normaliser, the "
+                  "default), 'seq-mean-token-mean' (= TRL grpo), 'seq-mean-token-sum' (= TRL luspo) or "
+                  "'seq-mean-token-sum-norm' (= TRL dr_grpo, constant max_completion_length)."},
+    )
+
+    def __post_init__(self):
+        super().__post_init__()
+        # TRL validates loss_type only at the first loss call; stablerl names are validated now.
+        self.stablerl_loss_params = _as_dict(self.stablerl_loss_params, "stablerl_loss_params")
+        self.stablerl_advantage_params = _as_dict(self.stablerl_advantage_params, "stablerl_advantage_params")
+        validate_stablerl_args(self)
+
+
+def validate_stablerl_args(args) -> tuple[Optional[str], Optional[str]]:
+    """Check the stablerl selections of a (stablerl or plain TRL) GRPOConfig; return (loss, estimator)."""
+    loss = resolve_loss_type(args.loss_type)
+    loss_params = _as_dict(getattr(args, "stablerl_loss_params", None), "stablerl_loss_params")
+    adv_params = _as_dict(getattr(args, "stablerl_advantage_params", None), "stablerl_advantage_params")
+    agg = getattr(args, "stablerl_loss_agg_mode", "token-mean")
+    if loss is None:
+        if loss_params:
+            raise StableRLError(
+                f"stablerl_loss_params is set but loss_type={args.loss_type!r} is TRL's built-in loss "
+                f"(its knobs are TRL's own, e.g. epsilon/epsilon_high); use loss_type='{PREFIX}{args.loss_type}' "
+                "if a stablerl loss of that name is meant"
+            )
+    else:
+        build_params(stablerl.get_spec(POLICY_LOSS, loss), loss_params)  # unknown key / bad value -> clear error
+        if agg not in AGG_MODES:
+            raise UnknownNameError(unknown_name_message("stablerl_loss_agg_mode", agg, AGG_MODES))
+        check_loss_inputs(loss, bool(args.use_vllm and args.vllm_importance_sampling_correction))
+        if args.epsilon != 0.2 or args.epsilon_high is not None or args.delta is not None:
+            warnings.warn(
+                f"epsilon/epsilon_high/delta configure TRL's built-in loss types; the stablerl loss {loss!r} takes "
+                "its hyper-parameters from stablerl_loss_params (paper defaults otherwise)",
+                UserWarning,
+                stacklevel=3,
+            )
+    estimator = getattr(args, "advantage_estimator", None)
+    if estimator:
+        build_params(stablerl.get_spec(ADVANTAGE_ESTIMATOR, estimator), adv_params)
+        check_advantage_inputs(estimator)
+        if args.multi_objective_aggregation != "sum_then_normalize":
+            raise StableRLError(
+                "advantage_estimator works on the weighted sum of the reward functions "
+                "(multi_objective_aggregation='sum_then_normalize'); got "
+                f"{args.multi_objective_aggregation!r}"
+            )
+    elif adv_params:
+        raise StableRLError("stablerl_advantage_params is set but advantage_estimator is not")
+    return loss, estimator or None
+
+
+# ----------------------------------------------------------------------------- trainer
+
+
+class GRPOTrainer(_trl.GRPOTrainer):
+    """TRL's ``GRPOTrainer`` with stablerl policy losses and advantage estimators.
+
+    Accepts this module's :class:`GRPOConfig` (or TRL's, then with defaults for the stablerl fields).
+    """
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        cfg = self.args
+        self._stablerl_loss, self._stablerl_estimator = validate_stablerl_args(cfg)
+        self._stablerl_loss_params = _as_dict(getattr(cfg, "stablerl_loss_params", None), "stablerl_loss_params")
+        self._stablerl_adv_params = _as_dict(getattr(cfg, "stablerl_advantage_params", None), "stablerl_advantage_params")
+        self._stablerl_agg_mode = getattr(cfg, "stablerl_loss_agg_mode", "token-mean")
+        self._stablerl_spec = stablerl.get_spec(POLICY_LOSS, self._stablerl_loss) if self._stablerl_loss else None
+        self._stablerl_state: dict[str, dict] = {}  # persistent per-algorithm state (Context.state)
+        self._stablerl_capture: Optional[dict] = None
+        self._stablerl_rewards: Optional[torch.Tensor] = None
+        needs = set(self._stablerl_spec.requires) if self._stablerl_spec else set()
+        self._stablerl_needs_rows = bool(needs & {"index", "scores"})
+
+    # -- shared ----------------------------------------------------------------------------
+
+    def _stablerl_context(self, **kwargs) -> "stablerl.Context":
+        n = self.accelerator.num_processes
+        common = dict(step=int(self.state.global_step), total_steps=int(self.state.max_steps or 0) or None, **kwargs)
+        if n > 1 and torch.distributed.is_available() and torch.distributed.is_initialized():
+            return stablerl.torch_distributed_context(dp_size=n, **common)
+        return stablerl.Context(dp_size=n, **common)
+
+    def _stablerl_log(self, mode: str, metrics: dict[str, float], prefix: str = "stablerl/") -> None:
+        if not metrics:
+            return
+        values = torch.tensor(list(metrics.values()), dtype=torch.float32, device=self.accelerator.device)
+        gathered = self.accelerator.gather(values).view(-1, len(metrics)).mean(0).tolist()
+        for key, value in zip(metrics, gathered):
+            self._metrics[mode][prefix + key].append(value)
+
+    # -- advantages ------------------------------------------------------------------------
+
+    def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
+        rewards_per_func = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
+        self._stablerl_rewards = rewards_per_func  # (N_global, n_funcs), gathered over processes
+        return rewards_per_func
+
+    def _generate_and_score_completions(self, inputs):
+        out = super()._generate_and_score_completions(inputs)
+        if not (self._stablerl_estimator or self._stablerl_needs_rows):
+            self._stablerl_rewards = None
+            return out
+        rewards_per_func, self._stablerl_rewards = self._stablerl_rewards, None
+        mode = "train" if self.model.training else "eval"
+        G = self.num_generations if mode == "train" else self.num_generations_eval
+        device = rewards_per_func.device
+        # TRL's reward: weighted sum of the reward functions; rows every function declined are unscorable
+        rewards = (rewards_per_func * self.reward_weights.to(device).unsqueeze(0)).nansum(dim=1)
+        unscorable = torch.isnan(rewards_per_func).all(dim=1)
+        rewards = torch.where(unscorable, torch.zeros_like(rewards), rewards)
+        n = out["completion_ids"].size(0)
+        rows = slice(self.accelerator.process_index * n, (self.accelerator.process_index + 1) * n)  # TRL's slice
+        group = torch.arange(rewards.numel(), device=device) // G  # RepeatSampler: contiguous groups of G
+        if self._stablerl_needs_rows:  # extra batch-first keys travel with their rows through TRL's shuffles
+            out["stablerl_index"] = group[rows].clone()
+            out["stablerl_scores"] = rewards[rows].clone()
+        if self._stablerl_estimator:
+            out["advantages"] = self._stablerl_advantages(out, rewards, unscorable, group, rows, mode)
+        return out
+
+    def _stablerl_advantages(self, out, rewards, unscorable, group, rows, mode):
+        """stablerl advantages ``[n_local, T_local]`` from the gathered rewards (TRL's layout)."""
+        local_mask = out["completion_mask"]
+        # Response masks of every process, padded to one length, so length-aware estimators (OPO) see
+        # the real lengths. The reward sits on the last response token (verl's convention: S_i is the
+        # sum of token rewards). A row with an empty mask (mask_truncated_completions) keeps its reward
+        # on position 0 so it still counts in its group's statistics, as in TRL; it is not trained on.
+        mask = self.accelerator.gather(self.accelerator.pad_across_processes(local_mask, dim=1, pad_index=0)).float()
+        mask = mask.to(rewards.device)
+        empty = mask.sum(-1) == 0
+        mask[empty, 0] = 1.0
+        last = mask.size(1) - 1 - torch.argmax(mask.flip(-1), dim=-1)
+        token_rewards = torch.zeros_like(mask)
+        token_rewards[torch.arange(mask.size(0), device=mask.device), last] = rewards.to(mask.dtype)
+        # unscorable rows (every reward function returned None): a group of their own each, so they
+        # stay out of the others' statistics; their advantage is 0 (TRL's rule)
+        index = group.clone()
+        n_unscorable = int(unscorable.sum())
+        if n_unscorable:
+            index[unscorable] = int(group.max()) + 1 + torch.arange(n_unscorable, device=index.device)
+        name = self._stablerl_estimator
+        ctx = stablerl.Context(step=int(self.state.global_step), state=self._stablerl_state.setdefault("adv:" + name, {}))
+        adv, _ = stablerl.compute_advantage(
+            name, token_level_rewards=token_rewards, response_mask=mask, index=index, ctx=ctx, **self._stablerl_adv_params
+        )
+        adv = torch.where(unscorable.unsqueeze(-1), torch.zeros_like(adv), adv)
+        per_seq = adv.gather(1, last.unsqueeze(-1)).squeeze(-1)
+        self._metrics[mode]["stablerl/advantages/mean"].append(per_seq.mean().item())
+        self._metrics[mode]["stablerl/advantages/std"].append(per_seq.std().item() if per_seq.numel() > 1 else 0.0)
+        self._metrics[mode]["stablerl/advantages/frac_zero"].append((per_seq == 0).float().mean().item())
+        return adv[rows, : local_mask.size(1)].to(torch.float32).contiguous()
+
+    # -- loss ------------------------------------------------------------------------------
+
+    def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, *args, **kwargs):
+        out = super()._get_per_token_logps_and_entropies(model, input_ids, attention_mask, logits_to_keep, *args, **kwargs)
+        if self._stablerl_capture is not None and kwargs.get("compute_entropy"):
+            self._stablerl_capture["logps"], self._stablerl_capture["entropies"] = out[0], out[1]
+        return out
+
+    def _compute_loss(self, model, inputs):
+        if self._stablerl_loss is None:
+            return super()._compute_loss(model, inputs)
+        mode = "train" if self.model.training else "eval"
+        metrics = self._metrics[mode]
+        before = {k: len(metrics[k]) for k in _HOST_CLIP_METRICS if k in metrics}
+        policy_loss_logged = len(metrics["policy_loss"]) if "policy_loss" in metrics else 0
+        # TRL's own _compute_loss with zero advantages: its policy term is exactly 0, everything
+        # around it (forward, KL, entropy bonus, aux loss, GA scaling, metrics) is TRL's.
+        surroundings_inputs = dict(inputs)
+        surroundings_inputs["advantages"] = torch.zeros_like(inputs["advantages"])
+        saved_loss_type = self.loss_type
+        self.loss_type = _HOST_LOSS_TYPE[self._stablerl_agg_mode]
+        self._stablerl_capture = {}
+        try:
+            surroundings = super()._compute_loss(model, surroundings_inputs)
+            captured = self._stablerl_capture
+        finally:
+            self.loss_type = saved_loss_type
+            self._stablerl_capture = None
+        for key in _HOST_CLIP_METRICS:  # clip statistics of the zero-advantage host loss mean nothing
+            if key in metrics:
+                del metrics[key][before.get(key, 0):]
+                if not metrics[key]:
+                    del metrics[key]
+        loss, loss_value = self._stablerl_policy_loss(inputs, captured["logps"], captured["entropies"], mode)
+        if "policy_loss" in metrics and len(metrics["policy_loss"]) > policy_loss_logged:
+            # TRL logs its (KL-inclusive) policy loss only when the entropy bonus is on; add ours to it
+            metrics["policy_loss"][-1] += self.accelerator.gather(loss_value).nanmean().item()
+        return surroundings + loss
+
+    def _stablerl_policy_loss(self, inputs, logps, entropies, mode):
+        spec = self._stablerl_spec
+        completion_mask = inputs["completion_mask"]
+        mask = completion_mask if "tool_mask" not in inputs else completion_mask * inputs["tool_mask"]
+        mask = mask.to(logps.dtype)
+        advantages = inputs["advantages"]
+        if advantages.dim() == 1:
+            advantages = advantages.unsqueeze(1)
+        old = inputs.get("old_per_token_logps")
+        old = logps.detach() if old is None else old
+
+        # TRL's per-token multipliers, in TRL's order: off-policy sequence mask, entropy mask, vLLM IS ratio
+        weights = []
+        use_vllm_is = bool(self.use_vllm and self.vllm_importance_sampling_correction)
+        if self.off_policy_mask_threshold is not None:
+            sampling = inputs.get("sampling_per_token_logps", old)
+            weights.append(
+                self.get_off_policy_mask(
+                    advantages=advantages,
+                    per_token_logps=logps,
+                    sampling_per_token_logps=sampling,
+                    mask=mask,
+                    off_policy_threshold=self.off_policy_mask_threshold,
+                )
+            )
+        if self.top_entropy_quantile < 1.0:
+            weights.append(self.get_high_entropy_mask(entropies, mask, 1 - self.top_entropy_quantile).to(logps.dtype))
+        rollout_log_prob = None
+        if use_vllm_is:
+            if "rollout_log_prob" in spec.requires:
+                # the algorithm corrects for the sampler itself (like TRL's vespo): give it the sampler's
+                # log-probs (NaN = unscored by vLLM -> no mismatch) and do not apply TRL's ratio on top
+                sampling = inputs["sampling_per_token_logps"]
+                rollout_log_prob = torch.where(torch.isnan(sampling), old, sampling)
+            else:
+                weights.append(inputs["importance_sampling_ratio"])
+        is_weights = None
+        if weights:
+            is_weights = torch.ones_like(logps)
+            for w in weights:
+                is_weights = is_weights * w.to(logps.dtype)
+            is_weights = is_weights.detach()
+
+        P = self.accelerator.num_processes
+        GA = self.current_gradient_accumulation_steps if mode == "train" else 1
+        token_count = inputs["num_items_in_batch"].to(torch.float32)  # tokens of the generation batch, all processes
+        if mode == "train":  # the generation batch spans steps_per_generation micro-batches
+            token_count = token_count * GA / self.args.steps_per_generation
+        ctx = self._stablerl_context(
+            token_count=token_count,
+            seq_count=logps.size(0) * P * GA,
+            loss_scale_factor=float(self.max_completion_length),
+            state=self._stablerl_state.setdefault(self._stablerl_loss, {}),
+        )
+        extra: dict[str, Any] = {}
+        if "token_ids" in spec.requires:
+            extra["token_ids"] = inputs["completion_ids"]
+        if "index" in spec.requires:
+            extra["index"] = inputs["stablerl_index"]
+        if "scores" in spec.requires:
+            extra["scores"] = inputs["stablerl_scores"]
+        loss, metrics = stablerl.compute_policy_loss(
+            self._stablerl_loss,
+            log_prob=logps,
+            old_log_prob=old,
+            advantages=advantages.expand_as(logps),
+            response_mask=mask,
+            rollout_log_prob=rollout_log_prob,
+            entropy=entropies,
+            loss_agg_mode=self._stablerl_agg_mode,
+            ctx=ctx,
+            is_weights=is_weights,
+            **extra,
+            **self._stablerl_loss_params,
+        )
+        self._stablerl_log(mode, metrics)
+        # for TRL's `policy_loss` metric, in the host loss type's convention (dapo: as is; others: before /GA)
+        return loss, loss.detach() * (1 if self._stablerl_agg_mode == "token-mean" else GA)
+
+
+__all__ = [
+    "GRPOConfig",
+    "GRPOTrainer",
+    "SUPPORTED_TRL",
+    "TRL_LOSS_TYPES",
+    "UnsupportedTRLVersionError",
+    "check_trl",
+    "resolve_loss_type",
+    "validate_stablerl_args",
+]

@@ -1,0 +1,86 @@
+"""Helpers for the TRL integration tests (imported by the test modules): real TRL 1.16 training on
+CPU, nothing downloaded. The offline environment is set in conftest.py, before any import.
+
+Run: cd /work/main && <trl-venv>/bin/python -m pytest integrations_tests/trl -q -p no:cacheprovider --import-mode=importlib
+"""
+
+import pytest  # noqa: E402
+
+trl = pytest.importorskip("trl")
+pytest.importorskip("transformers")
+
+import torch  # noqa: E402
+
+torch.set_num_threads(1)  # deterministic and comparable timings on small CPUs
+
+from transformers import TrainerCallback  # noqa: E402
+
+from stablerl.adapters.trl.demo import build_dataset, build_model, build_tokenizer, copy_reward  # noqa: E402
+
+TOKENIZER = build_tokenizer()
+
+
+def tiny_model(seed=0):
+    """~20k-parameter Qwen2-style model (hidden 32, 2 layers) over the demo's word-level vocabulary."""
+    return build_model(TOKENIZER, seed=seed, hidden_size=32, num_layers=2)
+
+
+def base_kwargs(tmp_path, **overrides):
+    """CPU/fp32 GRPO settings; num_iterations=2 and GA=2 so that old log-probs exist and the ratio != 1."""
+    kw = dict(
+        output_dir=str(tmp_path),
+        per_device_train_batch_size=8,
+        num_generations=4,
+        max_completion_length=4,
+        num_iterations=2,
+        gradient_accumulation_steps=2,
+        learning_rate=5e-3,
+        lr_scheduler_type="constant",
+        max_steps=2,
+        logging_steps=1,
+        seed=0,
+        beta=0.0,
+        use_cpu=True,
+        bf16=False,
+        gradient_checkpointing=False,
+        report_to="none",
+        save_strategy="no",
+        dataloader_num_workers=0,
+        disable_tqdm=True,
+        log_level="error",
+    )
+    kw.update(overrides)
+    return kw
+
+
+class Recorder(TrainerCallback):
+    """Per optimizer step: the logged values and a copy of every parameter."""
+
+    def __init__(self, model):
+        self.model = model
+        self.logs = []
+        self.params = []
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if logs and "loss" in logs:
+            self.logs.append(dict(logs))
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.params.append(torch.cat([p.detach().reshape(-1).clone() for p in self.model.parameters()]))
+
+
+def train(trainer_cls, args, model_seed=0, reward=copy_reward, model=None):
+    """Train ``trainer_cls`` with ``args`` on the copy task; return (trainer, recorder, initial params)."""
+    model = model if model is not None else tiny_model(model_seed)
+    initial = torch.cat([p.detach().reshape(-1).clone() for p in model.parameters()])
+    rec = Recorder(model)
+    trainer = trainer_cls(
+        model=model,
+        reward_funcs=reward,
+        args=args,
+        train_dataset=build_dataset(64, seed=0),
+        processing_class=TOKENIZER,
+        callbacks=[rec],
+    )
+    trainer.train()
+    return trainer, rec, initial
