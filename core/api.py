@@ -143,6 +143,8 @@ def compute_policy_loss(
         versions=inputs.get("versions"),
         policy_version=inputs.get("policy_version"),
         scores=inputs.get("scores"),
+        router_log_prob=inputs.get("router_log_prob"),
+        old_router_log_prob=inputs.get("old_router_log_prob"),
         is_weights=None if inputs.get("is_weights") is None else _as_compute_dtype(inputs["is_weights"].detach()),
         loss_agg_mode=loss_agg_mode,
     )

@@ -49,7 +49,9 @@ OPTIONAL_INPUTS: dict[str, str] = {
     "versions": "per-token policy version that generated each token (asynchronous rollout systems)",
     "policy_version": "the current policy version (an integer)",
     "scores": "per-response scalar outcome rewards (labels)",
-    "router_log_prob": "per-token router log-probs at the old top-k experts, current and old (MoE)",
+    "router_log_prob": "current-policy router log-probs at the old policy's top-k experts, [B, T, layers, k] (MoE; "
+    "stablerl.routing_replay records them)",
+    "old_router_log_prob": "old-policy router log-probs at its top-k experts, [B, T, layers, k] (MoE)",
 }
 
 
@@ -139,6 +141,8 @@ class PolicyLossBatch:
     versions: Optional[torch.Tensor] = None
     policy_version: Optional[int] = None
     scores: Optional[torch.Tensor] = None  # [B]
+    router_log_prob: Optional[torch.Tensor] = None  # [B, T, layers, k]
+    old_router_log_prob: Optional[torch.Tensor] = None
     # framework-computed rollout-correction weights (verl rollout_is_weights), detached
     is_weights: Optional[torch.Tensor] = None
     loss_agg_mode: str = "token-mean"

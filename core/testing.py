@@ -348,9 +348,7 @@ def check_policy_loss(name: str, *, inputs: Optional[Mapping[str, Any]] = None, 
         ("declared_inputs", lambda: _declared_inputs(spec, data, params)),
         ("metrics", lambda: _loss_metrics(spec, data, params, inputs)),
     ]
-    for prop, run in checks:
-        if prop not in skip:
-            run()
+    _run_checks(spec, checks, skip)
 
 
 def _loss_output(spec, data, params) -> None:
@@ -589,89 +587,140 @@ def _run_adv(spec, data, params):
 
 def check_advantage_estimator(name: str, *, inputs: Optional[Mapping[str, Any]] = None, skip: Iterable[str] = (),
                               **params: Any) -> None:
-    """Run every advantage-estimator conformance property on the registered estimator ``name``."""
+    """Run every advantage-estimator conformance property on the registered estimator ``name``.
+
+    Same arguments as :func:`check_policy_loss`; raises :class:`ConformanceError`.
+    """
     spec = get_spec(ADVANTAGE_ESTIMATOR, name)
     skip = _check_skip(skip, ADVANTAGE_ESTIMATOR_PROPERTIES)
+    inputs = dict(inputs or {})
     data = advantage_batch(spec, inputs=inputs)
+    ref: dict[str, torch.Tensor] = {}
+
+    def reference():  # the regular batch's output, computed by the first property that needs it
+        if not ref:
+            ref["adv"], ref["ret"] = _run_adv(spec, data, params)
+        return ref["adv"], ref["ret"]
+
+    checks = [
+        ("spec", lambda: _check_spec(spec)),
+        ("shapes", lambda: _adv_shapes(spec, data, reference())),
+        ("masked", lambda: _adv_masked(spec, data, reference())),
+        ("finite", lambda: _adv_finite(spec, data, reference())),
+        ("masked_content", lambda: _adv_masked_content(spec, data, params, reference())),
+        ("padding_length", lambda: _adv_padding_length(spec, data, params, reference())),
+        ("group_of_one", lambda: _adv_group_of_one(spec, data, params)),
+        ("equal_rewards", lambda: _adv_equal_rewards(spec, data, params)),
+        ("permutation", lambda: _adv_permutation(spec, data, params, reference())),
+        ("bf16", lambda: _adv_bf16(spec, data, params)),
+        ("declared_inputs", lambda: _declared_inputs(spec, data, params)),
+        ("batch_statistics", lambda: _check_batch_statistics(spec, params, inputs)),
+    ]
+    _run_checks(spec, checks, skip)
+
+
+def _adv_shapes(spec, data, out) -> None:
+    B, T = data["response_mask"].shape
+    for what, t in zip(("advantages", "returns"), out):
+        if not isinstance(t, torch.Tensor) or tuple(t.shape) != (B, T):
+            _fail(spec, "shapes", f"{what} has shape {tuple(getattr(t, 'shape', ()))}, expected {(B, T)}")
+        if t.dtype != torch.float32:
+            _fail(spec, "shapes", f"{what} is {t.dtype} for fp32 rewards, expected torch.float32")
+
+
+def _adv_masked(spec, data, out) -> None:
+    mask = data["response_mask"].bool()
+    for what, t in zip(("advantages", "returns"), out):
+        if bool((t[~mask] != 0).any()):
+            _fail(spec, "masked", f"{what} non-zero outside the mask")
+
+
+def _adv_finite(spec, data, out) -> None:
+    mask = data["response_mask"].bool()
+    for what, t in zip(("advantages", "returns"), out):
+        if not bool(torch.isfinite(t).all()):
+            _fail(spec, "finite", f"{what} has non-finite values on a regular batch")
+    if not bool((out[0][mask] != 0).any()):
+        _fail(spec, "finite", "advantages are zero on every valid token of a batch with distinct rewards")
+
+
+def _adv_masked_content(spec, data, params, out) -> None:
+    mask = data["response_mask"].bool()
+    noise = torch.randn(mask.shape, generator=torch.Generator().manual_seed(5)) * 10
+    noisy = _fill_padding(dict(data, token_level_rewards=torch.where(mask, data["token_level_rewards"], noise)))
+    adv_n, ret_n = _run_adv(spec, noisy, params)
+    _assert_close(spec, "masked_content", "advantages with garbage vs zero rewards outside the mask", adv_n, out[0], atol=1e-6)
+    _assert_close(spec, "masked_content", "returns with garbage vs zero rewards outside the mask", ret_n, out[1], atol=1e-6)
+
+
+def _adv_padding_length(spec, data, params, out) -> None:
+    B, T = data["response_mask"].shape
+    longer = _pad_columns(data, EXTRA_COLUMNS)
+    longer["token_level_rewards"] = torch.cat([data["token_level_rewards"], torch.zeros(B, EXTRA_COLUMNS)], 1)
+    adv_p, ret_p = _run_adv(spec, longer, params)
+    _assert_close(spec, "padding_length", f"advantages with {EXTRA_COLUMNS} extra padded columns", adv_p[:, :T], out[0], atol=1e-6)
+    _assert_close(spec, "padding_length", f"returns with {EXTRA_COLUMNS} extra padded columns", ret_p[:, :T], out[1], atol=1e-6)
+
+
+def _adv_group_of_one(spec, data, params) -> None:
+    B = data["response_mask"].shape[0]
+    a, r = _run_adv(spec, dict(data, index=np.array([f"solo-{i}" for i in range(B)], dtype=object)), params)
+    if not (bool(torch.isfinite(a).all()) and bool(torch.isfinite(r).all())):
+        _fail(spec, "group_of_one", "groups of one response give non-finite advantages/returns")
+
+
+def _adv_equal_rewards(spec, data, params) -> None:
     mask = data["response_mask"].bool()
     B, T = mask.shape
-    adv, ret = _run_adv(spec, data, params)
-    ok = lambda prop: prop not in skip  # noqa: E731
+    last = mask.long().sum(-1) - 1
+    for value in (0.0, 1.0):
+        rewards = torch.zeros(B, T)
+        rewards[torch.arange(B), last] = value
+        a, r = _run_adv(spec, dict(data, token_level_rewards=rewards), params)
+        if not (bool(torch.isfinite(a).all()) and bool(torch.isfinite(r).all())):
+            _fail(spec, "equal_rewards", f"all rewards equal to {value} give non-finite advantages/returns")
 
-    if ok("spec"):
-        _check_spec(spec)
-    if ok("shapes"):
-        for what, t in (("advantages", adv), ("returns", ret)):
-            if not isinstance(t, torch.Tensor) or tuple(t.shape) != (B, T):
-                _fail(spec, "shapes", f"{what} has shape {tuple(getattr(t, 'shape', ()))}, expected {(B, T)}")
-            if t.dtype != torch.float32:
-                _fail(spec, "shapes", f"{what} is {t.dtype} for fp32 rewards, expected torch.float32")
-    if ok("masked"):
-        for what, t in (("advantages", adv), ("returns", ret)):
-            if bool((t[~mask] != 0).any()):
-                _fail(spec, "masked", f"{what} non-zero outside the mask")
-    if ok("finite"):
-        for what, t in (("advantages", adv), ("returns", ret)):
-            if not bool(torch.isfinite(t).all()):
-                _fail(spec, "finite", f"{what} has non-finite values on a regular batch")
-        if not bool((adv[mask] != 0).any()):
-            _fail(spec, "finite", "advantages are zero on every valid token of a batch with distinct rewards")
-    if ok("masked_content"):
-        g = torch.Generator().manual_seed(5)
-        noisy = dict(data)
-        noise = torch.randn(B, T, generator=g) * 10
-        noisy["token_level_rewards"] = torch.where(mask, data["token_level_rewards"], noise)
-        adv_n, ret_n = _run_adv(spec, _fill_padding(noisy), params)
-        _assert_close(spec, "masked_content", "advantages with garbage vs zero rewards outside the mask", adv_n, adv, atol=1e-6)
-        _assert_close(spec, "masked_content", "returns with garbage vs zero rewards outside the mask", ret_n, ret, atol=1e-6)
-    if ok("padding_length"):
-        longer = _pad_columns(data, EXTRA_COLUMNS)
-        longer["token_level_rewards"] = torch.cat([data["token_level_rewards"], torch.zeros(B, EXTRA_COLUMNS)], 1)
-        adv_p, ret_p = _run_adv(spec, longer, params)
-        _assert_close(spec, "padding_length", "advantages with extra padded columns", adv_p[:, :T], adv, atol=1e-6)
-        _assert_close(spec, "padding_length", "returns with extra padded columns", ret_p[:, :T], ret, atol=1e-6)
-    if ok("group_of_one"):
-        single = dict(data, index=np.array([f"solo-{i}" for i in range(B)], dtype=object))
-        a1, r1 = _run_adv(spec, single, params)
-        if not (bool(torch.isfinite(a1).all()) and bool(torch.isfinite(r1).all())):
-            _fail(spec, "group_of_one", "groups of one response give non-finite advantages/returns")
-    if ok("equal_rewards"):
-        for value in (0.0, 1.0):
-            eq = dict(data)
-            last = mask.long().sum(-1) - 1
-            r = torch.zeros(B, T)
-            r[torch.arange(B), last] = value
-            eq["token_level_rewards"] = r
-            a_eq, r_eq = _run_adv(spec, eq, params)
-            if not (bool(torch.isfinite(a_eq).all()) and bool(torch.isfinite(r_eq).all())):
-                _fail(spec, "equal_rewards", f"all rewards equal to {value} give non-finite advantages/returns")
-    if ok("permutation"):
-        perm = torch.randperm(B, generator=torch.Generator().manual_seed(3))
-        shuffled = {}
-        for k, v in data.items():
-            if isinstance(v, torch.Tensor) and v.dim() >= 1 and v.shape[0] == B:
-                shuffled[k] = v[perm]
-            elif isinstance(v, np.ndarray) and v.shape[:1] == (B,):
-                shuffled[k] = v[perm.numpy()]
-            else:
-                shuffled[k] = v
-        adv_s, ret_s = _run_adv(spec, shuffled, params)
-        _assert_close(spec, "permutation", "advantages of shuffled rows vs shuffled advantages", adv_s, adv[perm], atol=1e-5)
-        _assert_close(spec, "permutation", "returns of shuffled rows vs shuffled returns", ret_s, ret[perm], atol=1e-5)
-    if ok("bf16"):
-        bf = {k: (v.to(torch.bfloat16) if isinstance(v, torch.Tensor) and v.is_floating_point() else v) for k, v in data.items()}
-        adv_b, ret_b = _run_adv(spec, bf, params)
-        if not (bool(torch.isfinite(adv_b).all()) and bool(torch.isfinite(ret_b).all())):
-            _fail(spec, "bf16", "bf16 inputs give non-finite advantages/returns")
-        rounded = {k: (v.float() if isinstance(v, torch.Tensor) and v.is_floating_point() else v) for k, v in bf.items()}
-        adv_r, ret_r = _run_adv(spec, rounded, params)
-        scale = max(1.0, float(adv_r.abs().max()))
-        _assert_close(spec, "bf16", "advantages of bf16 inputs vs fp32 of the same values", adv_b.float(), adv_r,
-                      rtol=2e-2, atol=2e-2 * scale)
-    if ok("declared_inputs"):
-        _declared_inputs(spec, data, params)
-    if ok("batch_statistics"):
-        _check_batch_statistics(spec, params, inputs)
+
+def _adv_permutation(spec, data, params, out) -> None:
+    B = data["response_mask"].shape[0]
+    perm = torch.randperm(B, generator=torch.Generator().manual_seed(3))
+    shuffled = {}
+    for k, v in data.items():
+        if isinstance(v, torch.Tensor) and v.dim() >= 1 and v.shape[0] == B:
+            shuffled[k] = v[perm]
+        elif isinstance(v, np.ndarray) and v.shape[:1] == (B,):
+            shuffled[k] = v[perm.numpy()]
+        else:
+            shuffled[k] = v
+    adv_s, ret_s = _run_adv(spec, shuffled, params)
+    _assert_close(spec, "permutation", "advantages of shuffled rows vs shuffled advantages", adv_s, out[0][perm], atol=1e-5)
+    _assert_close(spec, "permutation", "returns of shuffled rows vs shuffled returns", ret_s, out[1][perm], atol=1e-5)
+
+
+def _adv_bf16(spec, data, params) -> None:
+    bf = {k: (v.to(torch.bfloat16) if isinstance(v, torch.Tensor) and v.is_floating_point() else v) for k, v in data.items()}
+    adv_b, ret_b = _run_adv(spec, bf, params)
+    if not (bool(torch.isfinite(adv_b).all()) and bool(torch.isfinite(ret_b).all())):
+        _fail(spec, "bf16", "bf16 inputs give non-finite advantages/returns")
+    rounded = {k: (v.float() if isinstance(v, torch.Tensor) and v.is_floating_point() else v) for k, v in bf.items()}
+    adv_r, _ = _run_adv(spec, rounded, params)
+    scale = max(1.0, float(adv_r.abs().max()))
+    _assert_close(spec, "bf16", "advantages of bf16 inputs vs fp32 of the same values", adv_b.float(), adv_r,
+                  rtol=2e-2, atol=2e-2 * scale)
+
+
+def _run_checks(spec, checks, skip) -> None:
+    for prop, run in checks:
+        if prop in skip:
+            continue
+        try:
+            run()
+        except ConformanceError:
+            raise
+        except Exception as e:  # noqa: BLE001 - an unexpected error is a failure of that property
+            raise ConformanceError(
+                f"{spec.kind.replace('_', ' ')} {spec.name!r} fails {prop!r}: raised {type(e).__name__}: {e}"
+            ) from e
 
 
 # ----------------------------------------------------------------------------- two ranks (gloo)

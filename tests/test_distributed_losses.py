@@ -76,6 +76,14 @@ def _worker(rank, world, init_file, out_dir):
             _, grad_w, grad_lp, metrics = _loss(d, rows, name, kw, ctx)
             dist.all_reduce(grad_w)  # DDP: average the parameter gradient over ranks
             out[case] = {"grad_w": grad_w / world, "grad_lp": grad_lp / world, "metrics": metrics}
+        # a rank without trust-region tokens (its advantages are 0: zero-variance groups), then both
+        for case, zero_rows in (("m2po_rank1_empty", slice(B // 2, B)), ("m2po_all_empty", slice(None))):
+            d_zero = _data()
+            d_zero["adv"][zero_rows] = 0.0
+            ctx = stablerl.torch_distributed_context(**ctx_kw)
+            _, grad_w, grad_lp, metrics = _loss(d_zero, rows, "m2po", {}, ctx)
+            dist.all_reduce(grad_w)
+            out[case] = {"grad_w": grad_w / world, "grad_lp": grad_lp / world, "metrics": metrics}
         # the same M2PO call without the gather: the statistic of this rank's rows only
         _, grad_w, grad_lp, metrics = _loss(d, rows, "m2po", {}, Context(dp_size=world, **ctx_kw))
         dist.all_reduce(grad_w)
@@ -130,6 +138,18 @@ def test_two_ranks_equal_one_rank(two_rank_results, case, name, kw):
             for res in two_rank_results:
                 assert res[case]["metrics"]["m2po/clip_high"] == pytest.approx(metrics["m2po/clip_high"], rel=1e-12)
             assert metrics["m2po/clip_high"] < 1.0  # the batch exercises the bounds
+
+
+@pytest.mark.parametrize("case,zero_rows", [("m2po_rank1_empty", slice(B // 2, B)), ("m2po_all_empty", slice(None))])
+def test_m2po_rank_without_trust_region_tokens(two_rank_results, case, zero_rows):
+    d = _data()
+    d["adv"][zero_rows] = 0.0
+    _, grad_w, grad_lp, metrics = _loss(d, slice(None), "m2po", {}, Context())
+    for res in two_rank_results:
+        torch.testing.assert_close(res[case]["grad_w"], grad_w, rtol=1e-10, atol=1e-13)
+        for k in BATCH_METRICS:
+            assert res[case]["metrics"][k] == pytest.approx(metrics[k], rel=1e-6, abs=1e-9), k
+    torch.testing.assert_close(torch.cat([r[case]["grad_lp"] for r in two_rank_results]), grad_lp, rtol=1e-10, atol=1e-13)
 
 
 def test_m2po_without_the_gather_differs(two_rank_results):

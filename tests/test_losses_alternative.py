@@ -156,3 +156,35 @@ def test_degenerate_and_bf16(name):
     l16.backward()
     assert torch.isfinite(l16) and abs(l16.item() - l32.item()) < 0.05 * max(1, abs(l32.item()))
     assert torch.all(b16["log_prob"].grad[~b["response_mask"]] == 0)
+
+
+def test_rspo_reweights_ratio_before_clip():
+    b = make_batch(B=3, T=4, seed=29, dtype=torch.float64, spread=0.3)
+    g = torch.Generator().manual_seed(0)
+    old_router = -torch.rand(3, 4, 2, 2, generator=g, dtype=torch.float64)
+    same, m_same = stablerl.compute_policy_loss(
+        "rspo", router_log_prob=old_router, old_router_log_prob=old_router, base="vanilla", **b
+    )
+    vanilla, _ = stablerl.compute_policy_loss("vanilla", **b)
+    torch.testing.assert_close(same, vanilla)  # routers agree: gamma = 1, nothing changes
+    assert m_same["rspo/gamma_mean"] == 1.0
+    shift = torch.full_like(old_router, 0.05)  # gamma = exp(-0.05) = 0.951 (above the 0.8 floor)
+    shifted, m = stablerl.compute_policy_loss(
+        "rspo", router_log_prob=old_router + shift, old_router_log_prob=old_router, base="vanilla", **b
+    )
+    lp = b["log_prob"].detach().clone().requires_grad_(True)
+    ref, _ = stablerl.compute_policy_loss("vanilla", **{**b, "log_prob": lp, "old_log_prob": b["old_log_prob"] + 0.05})
+    torch.testing.assert_close(shifted, ref)
+    (g1,) = torch.autograd.grad(shifted, b["log_prob"])
+    (g2,) = torch.autograd.grad(ref, lp)
+    torch.testing.assert_close(g1, g2)
+    assert m["rspo/gamma_mean"] == pytest.approx(math.exp(-0.05))
+    # a large shift is floored at gamma_min and the floor fraction is logged
+    _, m_floor = stablerl.compute_policy_loss(
+        "rspo", router_log_prob=old_router + 1.0, old_router_log_prob=old_router, **b
+    )
+    assert m_floor["rspo/floor_fraction"] == 1.0
+    with pytest.raises(StableRLError, match=r"\[B, T, layers, k\]"):
+        stablerl.compute_policy_loss("rspo", router_log_prob=old_router[..., 0], old_router_log_prob=old_router, **b)
+    with pytest.raises(MissingInputError, match="router_log_prob"):
+        stablerl.compute_policy_loss("rspo", **b)

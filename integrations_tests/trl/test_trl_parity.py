@@ -139,7 +139,8 @@ def test_vanilla_equals_trl_dapo_with_trl_extras(tmp_path):
         tmp_path / "srl", loss_type="vanilla", **extras,
         stablerl_loss_params={"clip_ratio_low": 0.2, "clip_ratio_high": 0.28, "clip_ratio_c": None})),
         model=model_with_ref("srl"))
-    _compare(ref, cand, rtol=1e-5, atol=1e-6)
+    # KL is now summed separately from the policy term: rounding-level differences (Adam step 2e-2)
+    _compare(ref, cand, rtol=1e-4, atol=1e-5)
     for r, c in zip(ref[1].logs, cand[1].logs):
         assert r["kl"] > 0 and c["kl"] == pytest.approx(r["kl"], rel=1e-5)
         assert c["policy_loss"] == pytest.approx(r["policy_loss"], rel=1e-4, abs=1e-7)

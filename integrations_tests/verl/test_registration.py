@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import json
 import os
@@ -24,18 +25,28 @@ print(json.dumps({"losses": sorted(POLICY_LOSS_REGISTRY), "estimators": sorted(A
 """
 
 
-def _run(code: str, **env) -> subprocess.CompletedProcess:
-    full_env = {k: v for k, v in os.environ.items() if not k.startswith("VERL_USE_EXTERNAL")}
-    full_env.update(env)
-    return subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, env=full_env, timeout=240, cwd="/"
-    )
+class _Proc:
+    """A python subprocess started at once; ``result()`` waits for it (tests run them concurrently,
+    each fresh ``import verl`` takes seconds)."""
 
+    def __init__(self, code: str, **env):
+        full_env = {k: v for k, v in os.environ.items() if not k.startswith("VERL_USE_EXTERNAL")}
+        full_env.update(env)
+        self.popen = subprocess.Popen(
+            [sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=full_env, cwd="/"
+        )
+        self._done = None
 
-def _probe(**env) -> dict:
-    proc = _run(PROBE, **env)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    def result(self) -> subprocess.CompletedProcess:
+        if self._done is None:
+            out, err = self.popen.communicate(timeout=600)
+            self._done = subprocess.CompletedProcess(self.popen.args, self.popen.returncode, out, err)
+        return self._done
+
+    def probe(self) -> dict:
+        proc = self.result()
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 def _expected(kind: str, names: set[str]) -> set[str]:
@@ -44,41 +55,119 @@ def _expected(kind: str, names: set[str]) -> set[str]:
     return {n for n in names if n.removeprefix("stablerl_") in have}
 
 
-def test_entry_point_registers_in_a_fresh_process():
-    out = _probe()
+EXTERNAL_LIB = (
+    "import verl\nfrom verl.utils.import_utils import import_external_libs\n"
+    "import_external_libs('stablerl.adapters.verl')\nimport_external_libs(['stablerl.adapters.verl'])\n" + PROBE
+)
+
+GATE = """
+import importlib.metadata as md, logging, sys
+_orig = md.version
+md.version = lambda name: {version!r} if name == "verl" else _orig(name)
+try:
+    import stablerl.adapters.verl as a
+except ImportError as e:
+    print("RAISED", type(e).__name__, e)
+else:
+    print("LOADED", "stablerl_vanilla" in a.VERL_NAMES["policy_loss"])
+"""
+
+# verl swallows the entry point's exception at DEBUG; the adapter's own WARNING must show
+GATE_ENTRY_POINT = (
+    "import importlib.metadata as md\n_o = md.version\n"
+    "md.version = lambda n: '0.6.0' if n == 'verl' else _o(n)\n" + PROBE
+)
+
+# runs in every verl process (vLLM workers included): it may add nothing heavy on top of core_algos
+LIGHT = """
+import sys
+import verl.trainer.ppo.core_algos
+before = set(sys.modules)
+import stablerl.adapters.verl
+import torch
+new = sorted(m for m in set(sys.modules) - before if m.split(".")[0] in
+             ("verl", "vllm", "sglang", "transformers", "ray", "megatron", "flash_attn", "tensordict"))
+print("NEW", new, torch.cuda.is_initialized())
+"""
+
+_SCENARIOS = {
+    "auto": (PROBE, {}),
+    "none": (PROBE, {"VERL_USE_EXTERNAL_PLUGINS": "none"}),
+    "allow": (PROBE, {"VERL_USE_EXTERNAL_PLUGINS": "stablerl"}),
+    "allow_other": (PROBE, {"VERL_USE_EXTERNAL_PLUGINS": "someone_else"}),
+    "modules_env": (PROBE, {"VERL_USE_EXTERNAL_PLUGINS": "none", "VERL_USE_EXTERNAL_MODULES": "stablerl.adapters.verl"}),
+    "external_lib": (EXTERNAL_LIB, {"VERL_USE_EXTERNAL_MODULES": "stablerl.adapters.verl"}),
+    "gate_old": (GATE.format(version="0.6.0"), {"VERL_USE_EXTERNAL_PLUGINS": "none"}),
+    "gate_new": (GATE.format(version="0.10.0"), {"VERL_USE_EXTERNAL_PLUGINS": "none"}),
+    "gate_entry_point": (GATE_ENTRY_POINT, {}),
+    "light": (LIGHT, {"VERL_USE_EXTERNAL_PLUGINS": "none"}),
+}
+
+
+@pytest.fixture(scope="module")
+def procs():
+    started = {k: _Proc(code, **env) for k, (code, env) in _SCENARIOS.items()}
+    yield started
+    for p in started.values():
+        if p.popen.poll() is None:
+            p.popen.kill()
+            p.popen.wait()
+
+
+def test_entry_point_registers_in_a_fresh_process(procs):
+    out = procs["auto"].probe()
     assert out["adapter"]
     assert _expected("policy_loss", LOSSES) <= set(out["losses"])
     assert _expected("advantage_estimator", ESTIMATORS) <= set(out["estimators"])
     assert "stablerl_vanilla" in out["losses"] and "stablerl_grpo" in out["estimators"]
 
 
-def test_opt_out_disables_it():
-    out = _probe(VERL_USE_EXTERNAL_PLUGINS="none")
+def test_opt_out_disables_it(procs):
+    out = procs["none"].probe()
     assert not out["adapter"]
     assert not [n for n in out["losses"] + out["estimators"] if n.startswith("stablerl_")]
     assert "m2po" not in out["losses"] and "qae" not in out["estimators"]
 
 
-def test_allow_list_by_entry_point_name():
-    assert "stablerl_vanilla" in _probe(VERL_USE_EXTERNAL_PLUGINS="stablerl")["losses"]
-    assert "stablerl_vanilla" not in _probe(VERL_USE_EXTERNAL_PLUGINS="someone_else")["losses"]
+def test_allow_list_by_entry_point_name(procs):
+    assert "stablerl_vanilla" in procs["allow"].probe()["losses"]
+    assert "stablerl_vanilla" not in procs["allow_other"].probe()["losses"]
 
 
-def test_fallback_external_modules_env():
-    out = _probe(VERL_USE_EXTERNAL_PLUGINS="none", VERL_USE_EXTERNAL_MODULES="stablerl.adapters.verl")
+def test_fallback_external_modules_env(procs):
+    out = procs["modules_env"].probe()
     assert out["adapter"] and "stablerl_vanilla" in out["losses"] and "stablerl_grpo" in out["estimators"]
 
 
-def test_fallback_external_lib_loader_and_double_load():
+def test_fallback_external_lib_loader_and_double_load(procs):
     # actor_rollout_ref.model.external_lib goes through verl's import_external_libs (HFModelConfig);
-    # both the env var and external_lib active: the second import must be a no-op
-    code = (
-        "import verl\nfrom verl.utils.import_utils import import_external_libs\n"
-        "import_external_libs('stablerl.adapters.verl')\nimport_external_libs(['stablerl.adapters.verl'])\n" + PROBE
-    )
-    proc = _run(code, VERL_USE_EXTERNAL_MODULES="stablerl.adapters.verl")
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "stablerl_vanilla" in json.loads(proc.stdout.strip().splitlines()[-1])["losses"]
+    # entry point, env var and external_lib all active: the later imports must be no-ops
+    assert "stablerl_vanilla" in procs["external_lib"].probe()["losses"]
+
+
+def test_version_gate_too_old_raises_and_warns(procs):
+    proc = procs["gate_old"].result()
+    assert "RAISED UnsupportedVerlVersion" in proc.stdout, proc.stdout + proc.stderr[-2000:]
+    assert ">=0.7.0,<0.10" in proc.stdout and "0.6.0" in proc.stdout
+    assert "verl adapter failed" in proc.stderr  # logged at WARNING: verl hides plugin errors
+
+
+def test_version_gate_entry_point_failure_is_logged_at_warning(procs):
+    proc = procs["gate_entry_point"].result()
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "verl adapter failed" in proc.stderr and ">=0.7.0,<0.10" in proc.stderr
+    assert "stablerl_vanilla" not in json.loads(proc.stdout.strip().splitlines()[-1])["losses"]
+
+
+def test_version_gate_too_new_warns_but_registers(procs):
+    proc = procs["gate_new"].result()
+    assert "LOADED True" in proc.stdout, proc.stdout + proc.stderr[-2000:]
+    assert ">=0.7.0,<0.10" in proc.stderr and "0.10.0" in proc.stderr
+
+
+def test_adapter_module_is_light(procs):
+    proc = procs["light"].result()
+    assert "NEW [] False" in proc.stdout, proc.stdout + proc.stderr[-2000:]
 
 
 def test_builtins_never_replaced(adapter, core_algos):
@@ -115,8 +204,6 @@ def test_every_available_algorithm_is_registered(adapter, core_algos):
 
 
 def test_import_twice_and_under_a_second_module_name(adapter, core_algos):
-    import importlib
-
     before = dict(core_algos.POLICY_LOSS_REGISTRY), dict(core_algos.ADV_ESTIMATOR_REGISTRY)
     importlib.reload(adapter)  # runs the module body again
     path = Path(adapter.__file__)
@@ -141,53 +228,3 @@ def test_registration_report_shape(adapter):
     assert {"kind", "verl_name", "stablerl_name", "live"} <= set(r["registered"][0])
     assert all({"kind", "name", "reason"} <= set(s) for s in r["skipped"])
     json.dumps(r)  # serialisable for `stablerl doctor`
-
-
-GATE = """
-import importlib.metadata as md, logging, sys
-_orig = md.version
-md.version = lambda name: {version!r} if name == "verl" else _orig(name)
-try:
-    import stablerl.adapters.verl as a
-except ImportError as e:
-    print("RAISED", type(e).__name__, e)
-else:
-    print("LOADED", "stablerl_vanilla" in a.VERL_NAMES["policy_loss"])
-"""
-
-
-def test_version_gate_too_old_raises_and_warns():
-    proc = _run(GATE.format(version="0.6.0"), VERL_USE_EXTERNAL_PLUGINS="none")
-    assert "RAISED UnsupportedVerlVersion" in proc.stdout, proc.stdout + proc.stderr[-2000:]
-    assert ">=0.7.0,<0.10" in proc.stdout
-    assert "WARNING" in proc.stderr or "failed" in proc.stderr  # logged, since verl hides plugin errors
-
-
-def test_version_gate_entry_point_failure_is_logged_at_warning():
-    # verl swallows the entry point's exception at DEBUG; the adapter's own WARNING must show
-    code = (
-        "import importlib.metadata as md\n_o = md.version\n"
-        "md.version = lambda n: '0.6.0' if n == 'verl' else _o(n)\n" + PROBE
-    )
-    proc = _run(code)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    assert "stablerl" in proc.stderr and ">=0.7.0,<0.10" in proc.stderr
-    assert "stablerl_vanilla" not in json.loads(proc.stdout.strip().splitlines()[-1])["losses"]
-
-
-def test_version_gate_too_new_warns_but_registers():
-    proc = _run(GATE.format(version="0.10.0"), VERL_USE_EXTERNAL_PLUGINS="none")
-    assert "LOADED True" in proc.stdout, proc.stdout + proc.stderr[-2000:]
-    assert ">=0.7.0,<0.10" in proc.stderr and "0.10.0" in proc.stderr
-
-
-def test_adapter_module_is_light():
-    # runs in every verl process (vLLM workers included): no trainer/worker/ray-trainer imports
-    code = (
-        "import sys\nimport stablerl.adapters.verl\n"
-        "bad = [m for m in ('verl.trainer.ppo.ray_trainer', 'verl.workers.engine_workers', 'vllm', 'sglang', "
-        "'transformers', 'verl.workers.utils.losses') if m in sys.modules]\n"
-        "import torch\nprint('BAD', bad, torch.cuda.is_initialized())"
-    )
-    proc = _run(code, VERL_USE_EXTERNAL_PLUGINS="none")
-    assert "BAD [] False" in proc.stdout, proc.stdout + proc.stderr[-2000:]
