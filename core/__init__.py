@@ -9,7 +9,15 @@ Framework-free API::
     stablerl.list_algorithms("policy_loss")
 """
 
-from .api import compute_advantage, compute_policy_loss, get_spec, list_algorithms
+from .api import (
+    compute_advantage,
+    compute_policy_loss,
+    filter_batch,
+    get_spec,
+    list_algorithms,
+    make_controller,
+    shape_rewards,
+)
 from .context import Context, torch_distributed_context
 from .contracts import (
     ADVANTAGE_ESTIMATOR,
@@ -22,8 +30,13 @@ from .contracts import (
     ROUTER_FAMILY,
     STABLE,
     UNAVAILABLE,
+    ROLLOUT_CORRECTION,
     AdvantageBatch,
     AlgorithmSpec,
+    Controller,
+    FilterBatch,
+    FilterResult,
+    RewardBatch,
     NoParams,
     Params,
     PolicyLossBatch,
@@ -35,7 +48,9 @@ from .registry import get_registry, reload_registry
 __version__ = "0.1.0"
 
 __all__ = [
-    "compute_policy_loss", "compute_advantage", "list_algorithms", "get_spec", "Context",
+    "compute_policy_loss", "compute_advantage", "shape_rewards", "filter_batch", "make_controller",
+    "list_algorithms", "get_spec", "Context", "Controller", "RewardBatch", "FilterBatch", "FilterResult",
+    "ROLLOUT_CORRECTION",
     "torch_distributed_context", "AlgorithmSpec", "Params", "NoParams", "PolicyLossBatch", "AdvantageBatch",
     "hookimpl", "StableRLError", "UnknownNameError", "MissingInputError", "get_registry", "reload_registry",
     "POLICY_LOSS", "ADVANTAGE_ESTIMATOR", "AGGREGATION", "REWARD_SHAPER", "BATCH_FILTER", "CONTROLLER",

@@ -9,6 +9,13 @@ import torch
 from .context import Context
 from .contracts import (
     ADVANTAGE_ESTIMATOR,
+    BATCH_FILTER,
+    CONTROLLER,
+    REWARD_SHAPER,
+    Controller,
+    FilterBatch,
+    FilterResult,
+    RewardBatch,
     OPTIONAL_INPUTS,
     POLICY_LOSS,
     ROLLOUT_CORRECTION,
@@ -42,6 +49,11 @@ def _as_compute_dtype(t: torch.Tensor) -> torch.Tensor:
     return t.float() if t.dtype in (torch.float16, torch.bfloat16) else t
 
 
+def _detached(t: Any) -> Any:
+    """Only log_prob carries gradient: every other tensor input is detached."""
+    return t.detach() if isinstance(t, torch.Tensor) else t
+
+
 def _check_missing(spec: AlgorithmSpec, available: dict[str, Any]) -> None:
     for need in spec.requires:
         if available.get(need) is None:
@@ -69,6 +81,7 @@ def compute_policy_loss(
     entropy: Optional[torch.Tensor] = None,
     loss_agg_mode: str = "token-mean",
     ctx: Optional[Context] = None,
+    loss_agg_params: Optional[dict[str, Any]] = None,
     rollout_correction: Optional[str] = None,
     rollout_correction_params: Optional[dict[str, Any]] = None,
     check_finite: bool = True,
@@ -81,7 +94,9 @@ def compute_policy_loss(
     algorithm's hyper-parameters are keyword arguments. ``rollout_correction`` names a registered
     training-inference mismatch correction (``tis``, ``icepop``, ``seq_mis``, ``geo_rs``, ``opsm``)
     applied with any loss from ``rollout_log_prob``; it is refused when the framework already
-    passed its own correction weights (``is_weights``), so nothing is applied twice. Returns the
+    passed its own correction weights (``is_weights``), so nothing is applied twice.
+    ``loss_agg_mode`` may also name a registered aggregation (``delta_l``), whose
+    hyper-parameters are ``loss_agg_params`` (per-token losses only). Returns the
     scalar loss and a dict of plain-float metrics.
     """
     spec = get_spec(POLICY_LOSS, name)
@@ -129,22 +144,32 @@ def compute_policy_loss(
     index = inputs.get("index")
     if index is not None:
         index = group_ids(index, n=shape[0], device=log_prob.device)
+    valid = mask.bool()
+
+    def clean(t: Optional[torch.Tensor], detach: bool = True) -> Optional[torch.Tensor]:
+        # padding may hold garbage (NaN/inf) in framework tensors: zero it before any arithmetic,
+        # so neither the loss nor its gradient can pick up a NaN from a masked position
+        if t is None:
+            return None
+        t = _as_compute_dtype(t.detach() if detach else t)
+        return torch.where(valid, t, torch.zeros((), dtype=t.dtype, device=t.device))
+
     batch = PolicyLossBatch(
-        log_prob=_as_compute_dtype(log_prob),
-        old_log_prob=_as_compute_dtype(old_log_prob.detach()),
-        advantages=_as_compute_dtype(advantages.detach()),
+        log_prob=clean(log_prob, detach=False),
+        old_log_prob=clean(old_log_prob),
+        advantages=clean(advantages),
         response_mask=mask,
-        rollout_log_prob=None if rollout_log_prob is None else _as_compute_dtype(rollout_log_prob.detach()),
-        entropy=None if entropy is None else _as_compute_dtype(entropy.detach()),
-        old_entropy=inputs.get("old_entropy"),
+        rollout_log_prob=clean(rollout_log_prob),
+        entropy=clean(entropy),
+        old_entropy=clean(inputs.get("old_entropy")),
         token_ids=inputs.get("token_ids"),
         index=index,
         turn_ids=inputs.get("turn_ids"),
         versions=inputs.get("versions"),
         policy_version=inputs.get("policy_version"),
-        scores=inputs.get("scores"),
-        router_log_prob=inputs.get("router_log_prob"),
-        old_router_log_prob=inputs.get("old_router_log_prob"),
+        scores=_detached(inputs.get("scores")),
+        router_log_prob=_detached(inputs.get("router_log_prob")),
+        old_router_log_prob=_detached(inputs.get("old_router_log_prob")),
         is_weights=None if inputs.get("is_weights") is None else _as_compute_dtype(inputs["is_weights"].detach()),
         loss_agg_mode=loss_agg_mode,
     )
@@ -158,7 +183,7 @@ def compute_policy_loss(
     if spec.output == "per_token":
         if batch.is_weights is not None:
             out = out * batch.is_weights
-        loss = aggregate(out, mask, loss_agg_mode, ctx)
+        loss = aggregate(out, mask, loss_agg_mode, ctx, params=loss_agg_params)
     else:
         loss = out
     if loss.dim() != 0:
@@ -181,7 +206,9 @@ def compute_advantage(
     Returns ``(advantages, returns)``, both ``[B, T]`` and zero outside the mask.
     """
     spec = get_spec(ADVANTAGE_ESTIMATOR, name)
-    inputs = {k: kwargs.pop(k) for k in list(kwargs) if k in ("entropy", "old_log_prob", "extras")}
+    # declared extra inputs (entropy, old_log_prob, turn_ids, ...) are keywords; those without a
+    # field of their own travel in batch.extras
+    inputs = {k: kwargs.pop(k) for k in list(kwargs) if k in OPTIONAL_INPUTS or k in ("old_log_prob", "extras")}
     params = build_params(spec, kwargs)
     ctx = ctx or Context()
     if not isinstance(token_level_rewards, torch.Tensor) or token_level_rewards.dim() != 2:
@@ -199,7 +226,10 @@ def compute_advantage(
         index=gid,
         entropy=inputs.get("entropy"),
         old_log_prob=inputs.get("old_log_prob"),
-        extras=inputs.get("extras") or {},
+        extras={
+            **(inputs.get("extras") or {}),
+            **{k: v for k, v in inputs.items() if k not in ("entropy", "old_log_prob", "extras")},
+        },
     )
     _check_missing(spec, {**inputs, "index": gid})
     advantages, returns = spec.fn(batch, params, ctx)
@@ -208,3 +238,75 @@ def compute_advantage(
     if not bool(torch.isfinite(advantages).all()):
         raise StableRLError(f"advantage estimator {name!r} produced non-finite advantages")
     return advantages, returns
+
+
+def shape_rewards(
+    name: str, *, scores: torch.Tensor, index: Any, ctx: Optional[Context] = None, **kwargs: Any
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """Apply the registered reward shaper ``name`` to per-response rewards ``[B]``.
+
+    Shapers run before the advantage estimator. Extra per-response inputs (``lengths``,
+    ``correct``, ``flawed``, ...) are keyword arguments that are not hyper-parameters of the shaper.
+    Returns the shaped rewards ``[B]`` and metrics.
+    """
+    spec = get_spec(REWARD_SHAPER, name)
+    valid = set(spec.params.field_names())
+    extras = {k: kwargs.pop(k) for k in list(kwargs) if k not in valid}
+    params = build_params(spec, kwargs)
+    if not isinstance(scores, torch.Tensor) or scores.dim() != 1:
+        raise StableRLError(f"scores must be a [B] tensor, got {getattr(scores, 'shape', type(scores))}")
+    if not bool(torch.isfinite(scores).all()):
+        raise StableRLError("scores has non-finite values (NaN or inf)")
+    gid = group_ids(index, n=scores.shape[0], device=scores.device)
+    batch = RewardBatch(scores=scores.float() if scores.dtype != torch.float64 else scores, index=gid, extras=extras)
+    _check_missing(spec, {**extras, "index": gid})
+    shaped, metrics = spec.fn(batch, params, ctx or Context())
+    if shaped.shape != scores.shape or not bool(torch.isfinite(shaped).all()):
+        raise StableRLError(f"reward shaper {name!r} must return finite rewards of shape {tuple(scores.shape)}")
+    return shaped, as_floats(metrics)
+
+
+def filter_batch(
+    name: str,
+    *,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    index: Any,
+    scores: Optional[torch.Tensor] = None,
+    entropy: Optional[torch.Tensor] = None,
+    ctx: Optional[Context] = None,
+    **kwargs: Any,
+) -> FilterResult:
+    """Apply the registered batch filter / sampler ``name`` (after advantage estimation).
+
+    Returns a :class:`FilterResult`: the rows to keep (in order, possibly repeated), their token
+    mask and, where the filter changes them, their advantages. Per-response extras that are not
+    hyper-parameters are keyword arguments.
+    """
+    spec = get_spec(BATCH_FILTER, name)
+    valid = set(spec.params.field_names())
+    extras = {k: kwargs.pop(k) for k in list(kwargs) if k not in valid}
+    params = build_params(spec, kwargs)
+    if advantages.dim() == 1:
+        advantages = advantages.unsqueeze(-1) * response_mask.to(advantages.dtype)
+    ensure_same_shape(("response_mask", "entropy"), (response_mask, entropy), advantages.shape)
+    gid = group_ids(index, n=advantages.shape[0], device=advantages.device)
+    batch = FilterBatch(
+        advantages=advantages, response_mask=response_mask.to(advantages.dtype), index=gid,
+        scores=scores, entropy=entropy, extras=extras,
+    )
+    _check_missing(spec, {**extras, "index": gid, "entropy": entropy, "scores": scores})
+    result = spec.fn(batch, params, ctx or Context())
+    if not isinstance(result, FilterResult):
+        raise StableRLError(f"batch filter {name!r} must return a FilterResult, got {type(result).__name__}")
+    result.metrics = as_floats(result.metrics)
+    return result
+
+
+def make_controller(name: str, **params: Any) -> Controller:
+    """A fresh instance of the registered stateful controller ``name`` (its ``fn`` is the class)."""
+    spec = get_spec(CONTROLLER, name)
+    controller = spec.fn(build_params(spec, params))
+    if not isinstance(controller, Controller):
+        raise StableRLError(f"controller {name!r} must build a stablerl Controller, got {type(controller).__name__}")
+    return controller

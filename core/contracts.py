@@ -163,4 +163,60 @@ class AdvantageBatch:
     @property
     def scores(self) -> torch.Tensor:
         """Outcome score per response: the sum of its token-level rewards (verl's convention)."""
-        return (self.token_level_rewards * self.response_mask).sum(-1)
+        # where, not a product: a non-finite reward on padding must not leak into the score
+        valid = self.response_mask.bool()
+        return torch.where(valid, self.token_level_rewards, torch.zeros_like(self.token_level_rewards)).sum(-1)
+
+
+@dataclass
+class RewardBatch:
+    """What a reward shaper receives: one scalar reward per response, before the estimator."""
+
+    scores: torch.Tensor  # [B]
+    index: torch.Tensor  # [B] int64 group ids
+    extras: dict[str, Any] = field(default_factory=dict)  # e.g. lengths, correct, flawed
+
+
+@dataclass
+class FilterBatch:
+    """What a batch filter / sampler receives: the batch after advantage estimation."""
+
+    advantages: torch.Tensor  # [B, T]
+    response_mask: torch.Tensor  # [B, T] float 0/1
+    index: torch.Tensor  # [B] int64 group ids
+    scores: Optional[torch.Tensor] = None  # [B]
+    entropy: Optional[torch.Tensor] = None  # [B, T]
+    extras: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class FilterResult:
+    """Which rows to train on, in order (a row may repeat when a sampler resamples), their
+    token mask, and optionally new advantages for those rows. Nothing is dropped silently:
+    ``metrics`` says how much was filtered."""
+
+    rows: torch.Tensor  # [B'] int64 indices into the input batch
+    response_mask: torch.Tensor  # [B', T]
+    advantages: Optional[torch.Tensor] = None  # [B', T], None: unchanged
+    metrics: dict[str, Any] = field(default_factory=dict)
+
+
+class Controller:
+    """Base of stateful controllers (entropy controllers): state persists across steps.
+
+    Adapters keep one instance per run, call :meth:`step` once per training step with the
+    statistics it asks for, persist :meth:`state_dict` with the framework's checkpoint, and
+    keep it identical across ranks (the statistics must already be all-reduced).
+    """
+
+    def __init__(self, params: Params):
+        self.params = params
+
+    def step(self, **stats: Any) -> dict[str, Any]:  # pragma: no cover - interface
+        raise NotImplementedError
+
+    def state_dict(self) -> dict[str, Any]:  # pragma: no cover - interface
+        raise NotImplementedError
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:  # pragma: no cover - interface
+        raise NotImplementedError

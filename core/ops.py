@@ -59,6 +59,7 @@ def aggregate(
     mask: torch.Tensor,
     mode: str = "token-mean",
     ctx: Optional[Context] = None,
+    params: Optional[dict] = None,
 ) -> torch.Tensor:
     """Aggregate a per-token loss ``[B, T]`` into a scalar.
 
@@ -67,22 +68,36 @@ def aggregate(
     equals the gradient of the whole-batch loss:
 
     * ``token-mean``: ``sum(l*m) / token_count * dp_size``
-    * ``seq-mean-token-sum``: ``sum_i sum_t l*m / seq_count * dp_size``
+    * ``seq-mean-token-sum``: ``sum_i sum_t l*m / seq_count * dp_size`` (``seq_count`` defaults
+      to the rows with at least one valid token)
     * ``seq-mean-token-mean``: ``sum_i (sum_t l*m / L_i) / seq_count * dp_size``
     * ``seq-mean-token-sum-norm``: ``sum(l*m) / (seq_count * C) * dp_size`` with ``C`` the
       constant ``ctx.loss_scale_factor`` (Dr. GRPO's generation budget; required, since the
       padded length changes from batch to batch).
+
+    Any other ``mode`` is looked up among the aggregations registered through the
+    ``register_aggregations`` hook (e.g. ``delta_l``); ``params`` sets its hyper-parameters.
     """
     ctx = ctx or Context()
     mask = mask.to(loss_mat.dtype)
+    if mode not in AGG_MODES or params:
+        return _registered_aggregation(loss_mat, mask, mode, ctx, params)
+    if ctx.dp_size > 1 and (ctx.token_count is None if mode == "token-mean" else ctx.seq_count is None):
+        needed = "token_count" if mode == "token-mean" else "seq_count"
+        raise StableRLError(f"loss aggregation {mode!r} with dp_size > 1 needs the global {needed} in the Context")
+
+    def sequences():
+        # rows without a single valid token are not sequences (verl's convention)
+        return ctx.seq_count if ctx.seq_count is not None else (mask.sum(-1) > 0).sum()
+
     if mode == "token-mean":
         denom = ctx.token_count if ctx.token_count is not None else mask.sum()
         total = masked_sum(loss_mat, mask)
     elif mode == "seq-mean-token-sum":
-        denom = ctx.seq_count if ctx.seq_count is not None else loss_mat.shape[0]
+        denom = sequences()
         total = masked_sum(loss_mat, mask)
     elif mode == "seq-mean-token-mean":
-        denom = ctx.seq_count if ctx.seq_count is not None else loss_mat.shape[0]
+        denom = sequences()
         total = masked_mean(loss_mat, mask, dim=-1).sum()
     elif mode == "seq-mean-token-sum-norm":
         if ctx.loss_scale_factor is None:
@@ -91,8 +106,7 @@ def aggregate(
                 "pass loss_scale_factor (e.g. the maximum response length); verl: "
                 "actor_rollout_ref.actor.loss_scale_factor=<max_response_length>"
             )
-        seqs = ctx.seq_count if ctx.seq_count is not None else loss_mat.shape[0]
-        denom = seqs * float(ctx.loss_scale_factor)
+        denom = sequences() * float(ctx.loss_scale_factor)
         total = masked_sum(loss_mat, mask)
     else:
         raise StableRLError(unknown_name_message("loss_agg_mode", mode, AGG_MODES))
@@ -101,6 +115,26 @@ def aggregate(
     else:
         denom = max(float(denom), 1.0)
     return total / denom * ctx.dp_size
+
+
+def _registered_aggregation(loss_mat, mask, mode: str, ctx: Context, params: Optional[dict]) -> torch.Tensor:
+    """A mode registered through ``register_aggregations``: ``fn(loss_mat, mask, params, ctx) -> scalar``.
+
+    ``params`` (a dict of its hyper-parameters) is only accepted by registered modes.
+    """
+    from .contracts import AGGREGATION, UNAVAILABLE  # lazy: the registry imports the plugins, which import ops
+    from .params import build_params
+    from .registry import get_registry
+
+    if mode in AGG_MODES:
+        raise StableRLError(f"loss aggregation {mode!r} takes no parameters, got {sorted(params or {})}")
+    registry = get_registry()
+    spec = registry.specs.get((AGGREGATION, mode))
+    if spec is None:
+        raise StableRLError(unknown_name_message("loss_agg_mode", mode, list(AGG_MODES) + registry.names(AGGREGATION)))
+    if spec.status == UNAVAILABLE:
+        raise StableRLError(f"loss aggregation {mode!r} is listed but not implemented: {spec.notes}")
+    return spec.fn(loss_mat, mask, build_params(spec, params), ctx)
 
 
 # ----------------------------------------------------------------------------- groups

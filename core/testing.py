@@ -23,9 +23,10 @@ Policy-loss properties (names accepted by ``skip=``):
 * ``masked_tokens``: masked tokens get exactly zero gradient, and what padded positions hold
   (finite garbage) changes neither the loss nor the gradient of valid tokens.
 * ``detached_inputs``: nothing but ``log_prob`` carries gradient (``old_log_prob``,
-  ``advantages``, ``rollout_log_prob``, entropies and ``is_weights`` passed with
+  ``advantages``, ``is_weights`` and every declared floating input passed with
   ``requires_grad=True`` receive none).
-* ``is_weights``: framework IS weights of 1 change nothing; weights of 0.5 are not ignored.
+* ``is_weights``: framework IS weights of 1 change nothing; weights of 0.5 are not ignored
+  (a loss may instead refuse IS weights with a ``StableRLError`` that says why).
 * ``bf16``: bf16 inputs give a finite fp32 loss close to the fp32 loss of the same inputs.
 * ``padding_length``: extra padded columns change neither the loss nor the valid gradient.
 * ``micro_batch``: with token-mean and the global ``Context.token_count``, the summed losses and
@@ -40,8 +41,8 @@ Policy-loss properties (names accepted by ``skip=``):
   latter) and zero gradient there.
 * ``declared_inputs``: leaving out an input named in ``spec.requires`` raises
   ``stablerl.MissingInputError``.
-* ``metrics``: plain finite floats, the same keys on two calls, and every name in
-  ``spec.metrics`` present.
+* ``metrics``: plain finite floats, the same keys on two calls, each listed in ``spec.metrics``
+  (which may also list metrics that only some hyper-parameter settings emit).
 
 Advantage-estimator properties: ``spec``, ``shapes`` (advantages and returns ``[B, T]``),
 ``masked`` (exactly 0 outside the mask), ``finite``, ``masked_content`` (reward values outside
@@ -55,7 +56,7 @@ the mask are ignored), ``padding_length``, ``group_of_one``, ``equal_rewards``, 
 
 Inputs named in ``spec.requires`` are synthesised (``rollout_log_prob``, ``entropy``,
 ``old_entropy``, ``token_ids``, ``index``, ``turn_ids``, ``versions``, ``policy_version``,
-``scores``, ``old_log_prob``); pass ``inputs={"name": value_or_fn}`` for anything else, where a
+``scores``, ``old_log_prob``, ``router_log_prob``, ``old_router_log_prob``); pass ``inputs={"name": value_or_fn}`` for anything else, where a
 function receives the base batch dict and returns the value.
 """
 
@@ -68,6 +69,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import zlib
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Mapping, Optional
 
@@ -77,7 +79,7 @@ import torch
 from .api import compute_advantage, compute_policy_loss, get_spec
 from .context import Context
 from .contracts import ADVANTAGE_ESTIMATOR, EXPERIMENTAL, POLICY_LOSS, UNAVAILABLE, AlgorithmSpec
-from .params import MissingInputError, build_params
+from .params import MissingInputError, StableRLError, build_params
 from .registry import get_registry
 
 __all__ = [
@@ -153,13 +155,17 @@ def _lengths(B: int, T: int, g: torch.Generator) -> torch.Tensor:
     return lengths
 
 
-def _synth_policy_input(name: str, base: dict, g: torch.Generator) -> Any:
-    lp_old = base["old_log_prob"]
-    B, T = lp_old.shape
+def _synth_input(name: str, B: int, T: int, g: torch.Generator, dtype: torch.dtype,
+                 old_log_prob: Optional[torch.Tensor] = None) -> Any:
+    """A plausible value for a declared input (``None`` if the suite does not know it)."""
+    if old_log_prob is None:
+        old_log_prob = -(torch.rand(B, T, generator=g, dtype=dtype) * 2 + 0.05)
+    if name == "old_log_prob":
+        return old_log_prob
     if name == "rollout_log_prob":
-        return (lp_old + 0.05 * torch.randn(B, T, generator=g, dtype=lp_old.dtype)).clamp(max=-1e-4)
+        return (old_log_prob + 0.05 * torch.randn(B, T, generator=g, dtype=dtype)).clamp(max=-1e-4)
     if name in ("entropy", "old_entropy"):
-        return torch.rand(B, T, generator=g, dtype=lp_old.dtype) * 1.5 + 0.05
+        return torch.rand(B, T, generator=g, dtype=dtype) * 1.5 + 0.05
     if name == "token_ids":
         return torch.randint(0, 1000, (B, T), generator=g)
     if name == "index":
@@ -171,7 +177,13 @@ def _synth_policy_input(name: str, base: dict, g: torch.Generator) -> Any:
     if name == "policy_version":
         return POLICY_VERSION
     if name == "scores":
-        return torch.randint(0, 2, (B,), generator=g).to(lp_old.dtype)
+        return torch.randint(0, 2, (B,), generator=g).to(dtype)
+    if name in ("router_log_prob", "old_router_log_prob"):  # [B, T, layers=2, k=2], shared per seed
+        gr = torch.Generator().manual_seed(int(torch.randint(0, 2**31 - 1, (1,), generator=g)))
+        old = torch.log(torch.rand(B, T, 2, 2, generator=gr, dtype=torch.float64) * 0.5 + 0.05)
+        if name == "old_router_log_prob":
+            return old.to(dtype)
+        return (old + 0.05 * torch.randn(B, T, 2, 2, generator=gr, dtype=torch.float64)).clamp(max=0).to(dtype)
     return None
 
 
@@ -179,7 +191,10 @@ def _resolve_extra(name: str, inputs: Mapping[str, Any], base: dict, g: torch.Ge
     if name in inputs:
         value = inputs[name]
         return value(base) if callable(value) else value
-    value = _synth_policy_input(name, base, g) if spec.kind == POLICY_LOSS else _synth_adv_input(name, base, g)
+    B, T = base["response_mask"].shape
+    dtype = base["old_log_prob"].dtype if "old_log_prob" in base else torch.float32
+    value = _synth_input(name, B, T, torch.Generator().manual_seed(zlib.crc32(name.encode()) % 1000 + int(g.initial_seed())),
+                         dtype, base.get("old_log_prob"))
     if value is None:
         _fail(spec, "declared_inputs", f"declares input {name!r}, which the suite cannot synthesise; "
               f"pass inputs={{{name!r}: value_or_fn}}")
@@ -201,12 +216,16 @@ def policy_batch(spec: AlgorithmSpec, seed: int = 0, B: int = B_LOSS, T: int = T
     return {k: (v.to(dtype) if isinstance(v, torch.Tensor) and v.is_floating_point() else v) for k, v in base.items()}
 
 
+def _token_aligned(v: Any, shape) -> bool:
+    return isinstance(v, torch.Tensor) and v.dim() >= 2 and tuple(v.shape[:2]) == tuple(shape)
+
+
 def _garbage_like(name: str, t: torch.Tensor, g: torch.Generator) -> torch.Tensor:
     """Finite nonsense for padded positions (what a framework may leave there)."""
     if not t.is_floating_point():
         return torch.randint(0, 1000, t.shape, generator=g).to(t.dtype) if name == "token_ids" else t.clone()
     u = torch.rand(t.shape, generator=g, dtype=torch.float64)
-    if name in ("log_prob", "old_log_prob", "rollout_log_prob"):
+    if name.endswith("log_prob"):
         out = -30 * u
     elif name in ("entropy", "old_entropy"):
         out = 20 * u
@@ -221,8 +240,9 @@ def _fill_padding(data: dict, seed: int = 99) -> dict:
     pad = ~data["response_mask"].bool()
     out = dict(data)
     for k, v in data.items():
-        if k != "response_mask" and isinstance(v, torch.Tensor) and v.shape == pad.shape:
-            out[k] = torch.where(pad, _garbage_like(k, v, g), v)
+        if k != "response_mask" and _token_aligned(v, pad.shape):
+            p = pad.reshape(pad.shape + (1,) * (v.dim() - 2))
+            out[k] = torch.where(p, _garbage_like(k, v, g), v)
     return out
 
 
@@ -231,9 +251,10 @@ def _pad_columns(data: dict, extra: int, seed: int = 7) -> dict:
     shape = data["response_mask"].shape
     out = {}
     for k, v in data.items():
-        if isinstance(v, torch.Tensor) and v.dim() == 2 and v.shape == shape:
-            cols = torch.zeros(shape[0], extra, dtype=v.dtype) if k == "response_mask" else \
-                _garbage_like(k, torch.zeros(shape[0], extra, dtype=v.dtype), g)
+        if _token_aligned(v, shape):
+            cols = torch.zeros((shape[0], extra) + tuple(v.shape[2:]), dtype=v.dtype)
+            if k != "response_mask":
+                cols = _garbage_like(k, cols, g)
             out[k] = torch.cat([v, cols], dim=1)
         else:
             out[k] = v
@@ -361,7 +382,7 @@ def _loss_output(spec, data, params) -> None:
         if loss.dtype not in want:
             _fail(spec, prop, f"{dtype} inputs gave a {loss.dtype} loss, expected {want[0]}")
         if not torch.isfinite(loss):
-            _fail(spec, prop, f"non-finite loss {float(loss)} on a regular {dtype} batch")
+            _fail(spec, prop, f"non-finite loss {float(loss.detach())} on a regular {dtype} batch")
         grad = _grad(spec, prop, loss, lp)
         if not bool(torch.isfinite(grad).all()):
             _fail(spec, prop, f"non-finite gradient on log_prob ({dtype})")
@@ -389,10 +410,11 @@ def _loss_detached_inputs(spec, data, params) -> None:
     prop = "detached_inputs"
     leaves = {}
     kw = dict(data)
-    for k in ("old_log_prob", "advantages", "rollout_log_prob", "entropy", "old_entropy", "scores"):
-        if isinstance(kw.get(k), torch.Tensor) and kw[k].is_floating_point():
-            leaves[k] = kw[k] = kw[k].detach().clone().requires_grad_(True)
-    leaves["is_weights"] = kw["is_weights"] = torch.ones_like(data["log_prob"]).requires_grad_(True)
+    for k, v in data.items():
+        if k not in ("log_prob", "response_mask") and isinstance(v, torch.Tensor) and v.is_floating_point():
+            leaves[k] = kw[k] = v.detach().clone().requires_grad_(True)
+    if _accepts_is_weights(spec, data, params):
+        leaves["is_weights"] = kw["is_weights"] = torch.ones_like(data["log_prob"]).requires_grad_(True)
     loss, _, lp = _run_loss(spec, kw, params)
     loss.backward()
     carrying = {k: float(v.grad.abs().max()) for k, v in leaves.items() if v.grad is not None and bool((v.grad != 0).any())}
@@ -400,8 +422,20 @@ def _loss_detached_inputs(spec, data, params) -> None:
         _fail(spec, prop, f"gradient reaches inputs other than log_prob (max |grad|): {carrying}; they must be detached")
 
 
+def _accepts_is_weights(spec, data, params) -> bool:
+    """False when the loss refuses framework IS weights with a clear StableRLError (sequence-level
+    objectives may); accepting them silently and ignoring them is what ``is_weights`` catches."""
+    try:
+        _run_loss(spec, data, params, requires_grad=False, is_weights=torch.ones_like(data["log_prob"]))
+    except StableRLError:
+        return False
+    return True
+
+
 def _loss_is_weights(spec, data, mask, params) -> None:
     prop = "is_weights"
+    if not _accepts_is_weights(spec, data, params):
+        return
     loss, _, lp = _run_loss(spec, data, params)
     grad = _grad(spec, prop, loss, lp)
     ones = torch.ones_like(data["log_prob"])
@@ -422,7 +456,7 @@ def _loss_bf16(spec, data, params) -> None:
     if loss_bf.dtype != torch.float32:
         _fail(spec, prop, f"bf16 inputs gave a {loss_bf.dtype} loss; half precision is computed in fp32")
     if not torch.isfinite(loss_bf):
-        _fail(spec, prop, f"non-finite loss {float(loss_bf)} with bf16 inputs")
+        _fail(spec, prop, f"non-finite loss {float(loss_bf.detach())} with bf16 inputs")
     grad_bf = _grad(spec, prop, loss_bf, lp_bf)
     if grad_bf.dtype != torch.bfloat16 or not bool(torch.isfinite(grad_bf.float()).all()):
         _fail(spec, prop, f"gradient on bf16 log_prob is {grad_bf.dtype} / non-finite")
@@ -499,14 +533,15 @@ def _loss_degenerate(spec, data, params) -> None:
     loss, _, lp = _run_loss(spec, one_row, params)
     grad = _grad(spec, prop, loss, lp)
     if not torch.isfinite(loss) or not bool(torch.isfinite(grad).all()):
-        _fail(spec, prop, f"an all-masked row gives loss {float(loss)} / non-finite gradient")
+        _fail(spec, prop, f"an all-masked row gives loss {float(loss.detach())} / non-finite gradient")
     if bool((grad[2] != 0).any()):
         _fail(spec, prop, "an all-masked row receives gradient")
     empty = dict(data)
     empty["response_mask"] = torch.zeros_like(data["response_mask"])
     loss, _, lp = _run_loss(spec, empty, params)
-    if not torch.isfinite(loss) or float(loss) != 0.0:
-        _fail(spec, prop, f"an all-masked batch gives loss {float(loss)}, expected 0")
+    value = float(loss.detach())
+    if not math.isfinite(value) or value != 0.0:
+        _fail(spec, prop, f"an all-masked batch gives loss {value}, expected 0")
     if loss.requires_grad:
         grad = _grad(spec, prop, loss, lp)
         if not bool(torch.isfinite(grad).all()) or bool((grad != 0).any()):
@@ -545,21 +580,12 @@ def _loss_metrics(spec, data, params, inputs) -> None:
         _fail(spec, prop, f"non-finite metrics on a regular batch: {nonfinite}")
     if list(m1) != list(m2):
         _fail(spec, prop, f"different metric keys on two calls: {sorted(m1)} vs {sorted(m2)}")
-    undeclared = [k for k in spec.metrics if k not in m1]
+    undeclared = [k for k in m1 if k not in spec.metrics]
     if undeclared:
-        _fail(spec, prop, f"spec.metrics lists {undeclared}, which the loss does not emit (emits {sorted(m1)})")
+        _fail(spec, prop, f"emits metrics {undeclared} that spec.metrics does not list (lists {list(spec.metrics)})")
 
 
 # ----------------------------------------------------------------------------- advantage estimators
-
-
-def _synth_adv_input(name: str, base: dict, g: torch.Generator) -> Any:
-    B, T = base["response_mask"].shape
-    if name == "entropy":
-        return torch.rand(B, T, generator=g) * 1.5 + 0.05
-    if name == "old_log_prob":
-        return -(torch.rand(B, T, generator=g) * 2 + 0.05)
-    return None
 
 
 def advantage_batch(spec: AlgorithmSpec, seed: int = 0, B: int = B_ADV, T: int = T_ADV, group: int = GROUP_ADV,

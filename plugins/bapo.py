@@ -88,7 +88,7 @@ def search_candidates(start: float, end: float, step: float) -> list[float]:
 def _first_reaching(ratios: torch.Tensor, target: float) -> torch.Tensor:
     """Index of the first candidate whose ratio reaches ``target``, else the last one (no sync)."""
     ok = ratios >= target
-    first = torch.argmax(ok.to(torch.int8))
+    first = torch.argmax(ok.to(torch.float32))  # the first maximum
     return torch.where(ok.any(), first, torch.full_like(first, ratios.numel() - 1))
 
 
@@ -173,6 +173,9 @@ def register_policy_losses(register):
             "(micro-batch), as the reference does. pos/neg = inf when no negative contribution (reference). "
             "The search is the reference's loop evaluated for all candidates at once (identical float "
             "arithmetic for the candidate bounds). Framework IS weights are not used in the statistics "
-            "(reference). Honours loss_agg_mode (paper: token-mean)."
+            "(reference). Honours loss_agg_mode (paper: token-mean). Quirk kept for parity: in the reference "
+            "statistic a negative token counts at max(r, c_low), which grows with c_low, so raising c_low never "
+            "raises pos/neg; whenever the start bounds miss the target, c_low ends at ratio_lower_max and only "
+            "the c_high search can stop early."
         ),
     )

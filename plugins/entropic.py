@@ -72,7 +72,7 @@ class EntroPICController:
             self.alpha = 0.0
             return 0.0
         error = float(entropy_mean) - self.target_entropy
-        raw = self.k_p * error + self.k_i * (self.integral + error)
+        raw = self.k_p * error + self.k_i * self.integral
         self.alpha = min(max(raw, -self.alpha_max), self.alpha_max)
         self.integral += error * float(weight)
         self.updates += 1

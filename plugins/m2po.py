@@ -67,54 +67,60 @@ def _global_counts(ctx, *counts: torch.Tensor) -> list[torch.Tensor]:
     return list(summed.unbind())
 
 
-def _mask_variant(b, p: M2POParams, ctx, m2: torch.Tensor, tr: torch.Tensor):
-    values = ctx.all_gather(m2[tr])  # every rank holds the same multiset of trust-region M2 values
+def _sorted_gathered(ctx, m2: torch.Tensor, tr: torch.Tensor):
+    """The trust-region M2 values of every DP rank, sorted, with prefix sums and their mean.
+
+    Statistics are taken on the sorted values, so they do not depend on the order of rows or ranks.
+    """
+    values, _ = torch.sort(ctx.all_gather(m2[tr]))  # every rank holds the same multiset
+    csum = torch.cumsum(values, 0)
     n = values.numel()
-    total = values.sum()
-    m2_before = total / max(n, 1)
+    m2_before = csum[-1] / n if n else values.new_zeros(())
+    return values, csum, m2_before
+
+
+def _mask_variant(b, p: M2POParams, ctx, m2: torch.Tensor, tr: torch.Tensor):
+    sorted_vals, csum, m2_before = _sorted_gathered(ctx, m2, tr)
+    n = sorted_vals.numel()
     drop = torch.zeros_like(tr)
     m2_after = m2_before
     if n > 0 and float(m2_before) > p.m2_threshold:
-        sorted_vals, _ = torch.sort(values)
-        prefix_means = torch.cumsum(sorted_vals, 0) / torch.arange(1, n + 1, dtype=sorted_vals.dtype, device=sorted_vals.device)
-        keep = int((prefix_means <= p.m2_threshold).sum())  # < n, since prefix_means[-1] = m2_before > tau
+        counts = torch.arange(1, n + 1, dtype=sorted_vals.dtype, device=sorted_vals.device)
+        keep = int((csum / counts <= p.m2_threshold).sum())  # prefix means are non-decreasing; keep < n
         cut = sorted_vals[keep]
         # ties at the cut are all dropped (order-independent; the loop would drop an arbitrary subset)
         drop = tr & (m2 >= cut)
-        kept_vals = values[values < cut]
-        m2_after = kept_vals.sum() / max(kept_vals.numel(), 1)
+        kept = int(torch.searchsorted(sorted_vals, cut, right=False))  # values < cut: a prefix
+        m2_after = csum[kept - 1] / kept if kept else sorted_vals.new_zeros(())
     keep_mask = (~drop).to(b.log_prob.dtype)
     ratio = torch.exp(clamped_log_ratio(b.log_prob, b.old_log_prob))
     pg_losses = -b.advantages * ratio * keep_mask
     return pg_losses, drop, m2_before, m2_after, {}
 
 
-def _authors_tau(values: torch.Tensor, budget: float) -> tuple[float, float]:
-    """(tau, M2 after capping at tau^2) for sorted-breakpoint search over M2 values (authors' rule)."""
-    n = values.numel()
-    sorted_vals, _ = torch.sort(values)
+def _authors_tau(sorted_vals: torch.Tensor, csum: torch.Tensor, budget: float) -> tuple[float, float]:
+    """(tau, M2 after capping at tau^2): the authors' search over the sorted M2 breakpoints."""
+    n = sorted_vals.numel()
     target = budget * n
     if target <= _AUTHORS_TOL:
         tau = 0.0
     else:
-        csum = torch.cumsum(sorted_vals, 0)
         rest = torch.arange(n - 1, -1, -1, dtype=sorted_vals.dtype, device=sorted_vals.device)  # n-k-1
         crosses = (sorted_vals - _AUTHORS_TOL) * rest + csum >= target - _AUTHORS_TOL
         k = int(torch.nonzero(crosses)[0])  # exists: at k = n-1 the left side is the total > target
         tau = 0.0 if k == 0 else math.sqrt(max(float(sorted_vals[k - 1]) - _AUTHORS_TOL, 0.0))
-    m2_after = float(torch.clamp(values, max=tau * tau).sum()) / n
+    m2_after = float(torch.clamp(sorted_vals, max=tau * tau).sum()) / n
     return tau, m2_after
 
 
 def _clip_bounds_variant(b, p: M2POParams, ctx, m2: torch.Tensor, tr: torch.Tensor):
-    values = ctx.all_gather(m2[tr])
-    n = values.numel()
-    m2_before = values.sum() / max(n, 1)
+    sorted_vals, csum, m2_before = _sorted_gathered(ctx, m2, tr)
+    n = sorted_vals.numel()
     if n == 0 or float(m2_before) <= p.m2_threshold + _AUTHORS_TOL:
         eps_low, eps_high = _NO_CLIP
         m2_after = m2_before
     else:
-        tau, m2_after_f = _authors_tau(values, p.m2_threshold)
+        tau, m2_after_f = _authors_tau(sorted_vals, csum, p.m2_threshold)
         # fp32 exp as in the authors' code: it decides whether the breakpoint token itself is clipped
         eps_low = 1.0 - float(torch.exp(torch.tensor(-tau, dtype=torch.float32)))
         eps_high = float(torch.exp(torch.tensor(tau, dtype=torch.float32))) - 1.0

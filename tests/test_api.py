@@ -155,3 +155,19 @@ def test_list_algorithms_fields():
     assert v.defaults() == {"clip_ratio_low": 0.2, "clip_ratio_high": 0.28, "clip_ratio_c": 3.0}
     with pytest.raises(UnknownNameError, match="unknown kind"):
         stablerl.list_algorithms("loss")
+
+
+def test_garbage_on_padding_never_reaches_loss_or_gradient():
+    b = make_batch(B=3, T=5, seed=9, dtype=torch.float64)
+    pad = ~b["response_mask"]
+    lp = b["log_prob"].detach().clone()
+    lp[pad] = float("nan")
+    lp.requires_grad_(True)
+    old = b["old_log_prob"].clone()
+    old[pad] = float("inf")
+    loss, metrics = stablerl.compute_policy_loss("vanilla", **{**b, "log_prob": lp, "old_log_prob": old})
+    loss.backward()
+    assert torch.isfinite(loss) and all(v == v for v in metrics.values())
+    assert torch.isfinite(lp.grad).all() and torch.all(lp.grad[pad] == 0)
+    clean, _ = stablerl.compute_policy_loss("vanilla", **b)
+    torch.testing.assert_close(loss, clean)

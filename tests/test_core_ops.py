@@ -29,6 +29,9 @@ def test_seq_mean_token_sum_by_hand():
 
 def test_seq_mean_token_mean_by_hand():
     assert aggregate(L, M, "seq-mean-token-mean").item() == pytest.approx((2.0 + 4.5) / 2)
+    # a row without valid tokens is not a sequence (verl excludes it from the default count)
+    three = torch.cat([L, L[:1]]), torch.cat([M, torch.zeros(1, 3)])
+    assert aggregate(*three, "seq-mean-token-mean").item() == pytest.approx((2.0 + 4.5) / 2)
 
 
 def test_seq_mean_token_sum_norm_needs_constant_and_ignores_padding_length():
@@ -113,3 +116,9 @@ def test_as_floats_keeps_order_and_types():
     out = as_floats({"a": torch.tensor(1.5), "b": 2, "c": torch.tensor([3.0])})
     assert out == {"a": 1.5, "b": 2.0, "c": 3.0}
     assert all(type(v) is float for v in out.values())
+
+
+def test_dp_without_global_normalisers_is_an_error():
+    for mode, needed in (("token-mean", "token_count"), ("seq-mean-token-mean", "seq_count")):
+        with pytest.raises(StableRLError, match=f"needs the global {needed}"):
+            aggregate(L, M, mode, Context(dp_size=2))

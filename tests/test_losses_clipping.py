@@ -571,3 +571,16 @@ def test_micro_batches_sum_to_the_whole_batch_gradient(name, agg):
         total += l.item()
         grads.append(g)
     assert close(total, l_all) and close(torch.cat(grads), g_all)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("name", NAMES)
+def test_cuda_equals_cpu(name):
+    b = make_batch(16, 64, seed=31, dtype=torch.float32, spread=0.5)
+    p = PARAMS.get(name, {})
+    l_cpu, g_cpu, m_cpu = call(name, b, ctx=ctx_for(name), **p)
+    bc = {k: v.detach().cuda() for k, v in b.items()}
+    l_gpu, g_gpu, m_gpu = call(name, bc, ctx=ctx_for(name), **p)  # a CPU generator with CUDA tensors
+    assert torch.allclose(l_gpu.cpu(), l_cpu, atol=1e-5, rtol=1e-5)
+    assert torch.allclose(g_gpu.cpu(), g_cpu, atol=1e-6, rtol=1e-5)
+    assert set(m_gpu) == set(m_cpu)

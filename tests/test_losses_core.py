@@ -509,3 +509,17 @@ def test_cpgd_is_weights_only_on_policy_gradient_term():
     _, g1, _ = _grad("cpgd", b, is_weights=w)
     _, g0, _ = _grad("cpgd", b)
     torch.testing.assert_close(g1, g0)
+
+
+@pytest.mark.parametrize("variant", ["mask", "clip_bounds"])
+def test_m2po_row_order_does_not_matter(variant):
+    b = _batch(seed=48, B=8, T=12, spread=0.4)
+    perm = torch.tensor([5, 2, 7, 0, 3, 6, 1, 4])
+    bp = {k: v.detach()[perm] for k, v in b.items()}
+    bp["log_prob"].requires_grad_(True)
+    l1, g1, m1 = _grad("m2po", b, variant=variant)
+    l2, g2, m2 = _grad("m2po", bp, variant=variant)
+    torch.testing.assert_close(l1, l2)
+    torch.testing.assert_close(g1[perm], g2)
+    assert m1 == pytest.approx(m2, rel=1e-6)
+    assert m1["m2po/masked_fraction"] > 0 or m1.get("m2po/clip_high", 1e5) < 1.0

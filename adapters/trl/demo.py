@@ -165,14 +165,23 @@ def _recorder_callback(record: dict, bar):
     from transformers import TrainerCallback
 
     class Recorder(TrainerCallback):
+        """One entry per optimizer step. TRL logs the reward once per generated batch (every
+        num_iterations steps) and the loss metrics every step; missing values are None."""
+
         def on_log(self, args, state, control, logs=None, **kwargs):
-            if not logs or "reward" not in logs:
+            if not logs or "loss" not in logs:
                 return
+            i = len(record["step"])
             record["step"].append(state.global_step)
             for key, value in logs.items():
-                if isinstance(value, (int, float)) and key not in ("epoch", "step_time", "learning_rate", "grad_norm"):
-                    record["metrics"].setdefault(key, []).append(float(value) if value is not None else None)
-            if bar is not None:
+                if key in ("epoch", "step_time", "learning_rate", "grad_norm", "num_tokens") or not isinstance(
+                    value, (int, float)
+                ):
+                    continue
+                series = record["metrics"].setdefault(key, [None] * i)
+                series.extend([None] * (i - len(series)))
+                series.append(float(value))
+            if bar is not None and "reward" in logs:
                 bar.set_postfix(reward=f"{logs['reward']:.2f}", entropy=f"{logs.get('entropy', float('nan')):.2f}")
 
         def on_step_end(self, args, state, control, **kwargs):
@@ -183,7 +192,7 @@ def _recorder_callback(record: dict, bar):
 
 
 def _window_mean(values: list, frac: float = 0.1, head: bool = False) -> float:
-    values = [v for v in values if v is not None]
+    values = [v for v in values if v is not None and v == v]
     if not values:
         return float("nan")
     k = max(1, int(round(len(values) * frac)))
@@ -202,18 +211,19 @@ def run_one(loss: str, *, steps: int, seed: int, out_dir: Path, estimator: Optio
     args = make_config(str(out_dir / "runs" / loss), loss, steps=steps, seed=seed, lr=lr,
                        num_iterations=num_iterations, estimator=estimator)
     trainer = make_trainer(args, callbacks=[_recorder_callback(record, bar)], seed=seed)
-    start = time.perf_counter()
+    start, cpu_start = time.perf_counter(), time.process_time()
     trainer.train()
-    elapsed = time.perf_counter() - start
+    elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu_start
     bar.close()
-    m = record["metrics"]
-    reward, entropy = m.get("reward", []), m.get("entropy", [])
+    n = len(record["step"])
+    m = {k: v + [None] * (n - len(v)) for k, v in record["metrics"].items()}
+    reward, entropy = m.get("reward", [None] * n), m.get("entropy", [None] * n)
     fraction_key = next((k for k in _FRACTION_METRICS if k in m), None)
     fractions = [v for v in m.get(fraction_key, []) if v is not None] if fraction_key else []
     return {
         "loss_type": loss,
         "steps": record["step"],
-        "reward": reward,
+        "reward": reward,  # per step; None on steps that reuse a generated batch (num_iterations > 1)
         "entropy": entropy,
         "metrics": {k: v for k, v in m.items() if k not in ("reward", "entropy")},
         "initial_reward": _window_mean(reward, head=True),
@@ -223,6 +233,7 @@ def run_one(loss: str, *, steps: int, seed: int, out_dir: Path, estimator: Optio
         "clip_mask_metric": fraction_key,
         "clip_mask_fraction": sum(fractions) / len(fractions) if fractions else None,
         "time_s": elapsed,
+        "cpu_s": cpu,
     }
 
 
@@ -231,7 +242,7 @@ def print_table(results: dict[str, dict]) -> None:
     print(header)
     print("-" * len(header))
     for name, r in results.items():
-        frac = "-" if r["clip_mask_fraction"] is None else f"{r['clip_mask_fraction']:.4f}"
+        frac = "-" if r["clip_mask_fraction"] is None else f"{r['clip_mask_fraction']:.2e}"
         print(
             f"{name:<16}{r['final_reward']:>13.3f}{r['reward_gain']:>+8.3f}{r['final_entropy']:>9.3f}{frac:>11}"
             f"  {r['time_s']:>5.1f}s  {r['clip_mask_metric'] or '-'}"
@@ -248,8 +259,10 @@ def plot(results: dict[str, dict], path: Path) -> None:
 
     fig, (ax_r, ax_h) = plt.subplots(1, 2, figsize=(11, 4))
     for name, r in results.items():
-        ax_r.plot(r["steps"], r["reward"], label=name, lw=1.3)
-        ax_h.plot(r["steps"][: len(r["entropy"])], r["entropy"], label=name, lw=1.3)
+        for ax, key in ((ax_r, "reward"), (ax_h, "entropy")):
+            points = [(x, y) for x, y in zip(r["steps"], r[key]) if y is not None]
+            if points:
+                ax.plot(*zip(*points), label=name, lw=1.3)
     ax_r.set(xlabel="step", ylabel="mean reward", title="reward (copy the digit)", ylim=(-0.02, 1.02))
     ax_h.set(xlabel="step", ylabel="mean token entropy (nats)", title="policy entropy")
     for ax in (ax_r, ax_h):

@@ -317,6 +317,17 @@ class GRPOTrainer(_trl.GRPOTrainer):
         self._stablerl_rewards: Optional[torch.Tensor] = None
         needs = set(self._stablerl_spec.requires) if self._stablerl_spec else set()
         self._stablerl_needs_rows = bool(needs & {"index", "scores"})
+        per_process = cfg.per_device_train_batch_size * cfg.steps_per_generation
+        if "index" in needs and (cfg.steps_per_generation > 1 or per_process % cfg.num_generations):
+            warnings.warn(
+                f"policy loss {self._stablerl_loss!r} uses prompt groups, but TRL shuffles the generation batch "
+                f"and splits it into steps_per_generation={cfg.steps_per_generation} micro-batches (and "
+                f"{per_process} rows per process for groups of {cfg.num_generations}), so the loss sees partial "
+                "groups. For whole groups use steps_per_generation=1 (gradient_accumulation_steps=1) and a "
+                "per_device_train_batch_size divisible by num_generations.",
+                UserWarning,
+                stacklevel=2,
+            )
 
     # -- shared ----------------------------------------------------------------------------
 

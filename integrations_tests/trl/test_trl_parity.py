@@ -142,6 +142,7 @@ def test_vanilla_equals_trl_dapo_with_trl_extras(tmp_path):
     # KL is now summed separately from the policy term: rounding-level differences (Adam step 2e-2)
     _compare(ref, cand, rtol=1e-4, atol=1e-5)
     for r, c in zip(ref[1].logs, cand[1].logs):
-        assert r["kl"] > 0 and c["kl"] == pytest.approx(r["kl"], rel=1e-5)
+        assert c["kl"] == pytest.approx(r["kl"], rel=1e-4, abs=1e-9)
         assert c["policy_loss"] == pytest.approx(r["policy_loss"], rel=1e-4, abs=1e-7)
         assert c["entropy"] == pytest.approx(r["entropy"], rel=1e-6)
+    assert ref[1].logs[-1]["kl"] > 0

@@ -1,0 +1,119 @@
+"""Reinforce-Ada: global-statistics group baseline (Xiong et al., arXiv 2510.04996).
+
+Reinforce-Ada samples each prompt adaptively over several rounds and keeps a balanced subset of
+n responses; the baseline is taken over ALL samples generated for the prompt, kept or not. With
+pos / neg the numbers of those samples whose reward is above / not above ``positive_threshold``
+(0.7 in the released scripts) and N = pos + neg:
+
+    p_hat = pos / N,   sigma_hat = max(unbiased std of [1]*pos + [0]*neg, epsilon)
+    A_i = (S_i - p_hat) / (sigma_hat + epsilon)     (norm_adv_by_std_in_grpo=True)
+    A_i =  S_i - p_hat                               (norm_adv_by_std_in_grpo=False, the released script)
+    N <= 1: p_hat = 0, sigma_hat = 1
+
+Inputs: ``extras={"pos_count": [B], "neg_count": [B]}``: for each response, the counts of its
+prompt (the same value on every response of a group). Defaults: ``norm_adv_by_std_in_grpo=False``,
+``epsilon=1e-6``, ``global_stat_est=True`` (``False``: in-batch group mean/std instead, the
+reference's fallback). The multi-round adaptive sampler itself is a trainer feature and is not
+provided here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from stablerl import STABLE, Params, hookimpl
+from stablerl.ops import broadcast_to_tokens, group_stats
+from stablerl.params import MissingInputError, StableRLError, check
+
+from .group_baselines import singleton_convention
+
+
+@dataclass
+class ReinforceAdaParams(Params):
+    """verl's ``epsilon`` / ``norm_adv_by_std_in_grpo`` and the reference's ``global_stat_est``."""
+
+    epsilon: float = 1e-6
+    norm_adv_by_std_in_grpo: bool = False
+    global_stat_est: bool = True
+
+    def validate(self) -> None:
+        check(self.epsilon >= 0, f"epsilon must be >= 0, got {self.epsilon}")
+
+
+def _count(b, key: str) -> torch.Tensor:
+    value = b.extras.get(key)
+    if value is None:
+        raise MissingInputError(
+            f"advantage estimator 'reinforce_ada' needs extras[{key!r}] (per-response count of the prompt's "
+            "positive / negative samples over ALL adaptive-sampling rounds: compute_advantage(..., extras="
+            "{'pos_count': ..., 'neg_count': ...})); pass global_stat_est=False for in-batch statistics"
+        )
+    t = torch.as_tensor(value, device=b.token_level_rewards.device)
+    B = b.token_level_rewards.shape[0]
+    if tuple(t.shape) != (B,):
+        raise StableRLError(f"reinforce_ada: extras[{key!r}] has shape {tuple(t.shape)}, expected [{B}]")
+    t = t.to(torch.float64)
+    if not bool(torch.isfinite(t).all()) or bool((t < 0).any()) or bool((t != torch.round(t)).any()):
+        raise StableRLError(f"reinforce_ada: extras[{key!r}] must hold non-negative integer counts")
+    return t
+
+
+def _per_group_constant(t: torch.Tensor, gid: torch.Tensor, key: str) -> None:
+    if not t.numel():
+        return
+    n_groups = int(gid.max().item()) + 1
+    hi = torch.full((n_groups,), -float("inf"), dtype=t.dtype, device=t.device).scatter_reduce(0, gid, t, "amax")
+    lo = torch.full((n_groups,), float("inf"), dtype=t.dtype, device=t.device).scatter_reduce(0, gid, t, "amin")
+    if bool((hi != lo).any()):
+        raise StableRLError(f"reinforce_ada: extras[{key!r}] differs between responses of the same prompt")
+
+
+def reinforce_ada_advantage(b, p: ReinforceAdaParams, ctx):
+    scores = b.scores
+    if p.global_stat_est:
+        pos, neg = _count(b, "pos_count"), _count(b, "neg_count")
+        _per_group_constant(pos, b.index, "pos_count")
+        _per_group_constant(neg, b.index, "neg_count")
+        total = pos + neg
+        p_hat = pos / total.clamp(min=1)
+        # unbiased std of pos ones and neg zeros: sqrt(N p (1-p) / (N-1))
+        std = torch.sqrt((total * p_hat * (1 - p_hat) / (total - 1).clamp(min=1)).clamp(min=0)).clamp(min=p.epsilon)
+        few = total <= 1
+        mean = torch.where(few, torch.zeros_like(p_hat), p_hat).to(scores.dtype)
+        std = torch.where(few, torch.ones_like(std), std).to(scores.dtype)
+    else:
+        mean, std, count = group_stats(scores, b.index)
+        mean, std = singleton_convention(mean, std, count)
+    adv = scores - mean
+    if p.norm_adv_by_std_in_grpo:
+        adv = adv / (std + p.epsilon)
+    adv = broadcast_to_tokens(adv, b.response_mask)
+    return adv, adv
+
+
+@hookimpl
+def register_advantage_estimators(register):
+    register(
+        name="reinforce_ada",
+        fn=reinforce_ada_advantage,
+        params=ReinforceAdaParams,
+        paper="2510.04996",
+        title="Reinforce-Ada: global-statistics baseline over all adaptively generated samples",
+        formula="A_i = S_i - p_hat (norm_adv_by_std_in_grpo: /(max(std_hat, eps) + eps)), p_hat = pos/(pos+neg), "
+        "std_hat = unbiased std of [1]*pos + [0]*neg; pos+neg <= 1: p_hat = 0, std_hat = 1",
+        status=STABLE,
+        reference="authors' verl fork RLHFlow/Reinforce-Ada 05be605, core_algos.compute_grpo_outcome_advantage "
+        "(_compute_with_global_stats, global_stat_est=True)",
+        notes="Needs extras['pos_count'] / extras['neg_count'] ([B], the prompt's counts on each of its responses, "
+        "equal within a group; a mismatch raises): the numbers of samples with reward > positive_threshold "
+        "(0.7 in the released scripts) / <= it over ALL rounds generated for the prompt, kept or not. Missing "
+        "counts raise MissingInputError unless global_stat_est=False (then the in-batch group mean/std with "
+        "verl's group-of-one convention, the reference's fallback). Default norm_adv_by_std_in_grpo=False as "
+        "the released script. p_hat is on thresholded rewards while S_i is the raw score (the reference's "
+        "convention; with non-binary rewards they are on different scales). Not provided: the multi-round "
+        "adaptive sampler (round_repeat=8, max_rounds=4, 'balanced' / 'positive_focused' selection of the kept "
+        "n responses), which is a trainer feature; groups may be smaller than n after it. "
+        "S = sum of token rewards over response_mask. returns == advantages.",
+    )
