@@ -52,6 +52,11 @@ OPTIONAL_INPUTS: dict[str, str] = {
     "router_log_prob": "current-policy router log-probs at the old policy's top-k experts, [B, T, layers, k] (MoE; "
     "stablerl.routing_replay records them)",
     "old_router_log_prob": "old-policy router log-probs at its top-k experts, [B, T, layers, k] (MoE)",
+    # per-response extras of reward shapers and batch filters (the user's reward function / agent loop)
+    "correct": "per-response correctness [B] bool (from the user's reward function / verifier)",
+    "lengths": "per-response lengths [B] in tokens (e.g. response_mask.sum(-1))",
+    "flawed": "per-response 'flawed positive' flag [B] bool (FAPO: a generative reward model found an error step)",
+    "void_turn": "per-trajectory flag [B] bool: the trajectory has a void turn (SimpleTIR agent loop metadata)",
 }
 
 

@@ -507,8 +507,8 @@ class Routes:
             raw = base64.b64decode(routed_experts)
             if len(raw) % 4:
                 raise RoutesMismatchError(f"from_sglang: {len(raw)} decoded bytes is not a whole number of int32")
+            # native byte order, as SGLang's own decoder (numpy.frombuffer) reads it
             flat = torch.frombuffer(bytearray(raw), dtype=torch.int32) if raw else torch.zeros(0, dtype=torch.int32)
-            flat = flat.to(torch.int32)  # little-endian payload (numpy.frombuffer default on x86/ARM)
         else:
             flat = _as_int_tensor(routed_experts).reshape(-1)
         per_token = num_hidden_layers * top_k
@@ -659,7 +659,7 @@ _LAYER_RE = re.compile(r"(?:^|\.)(?:layers|h|blocks|layer)\.(\d+)(?:\.|$)")
 
 def find_routers(model, families: Optional[Iterable[RouterFamily]] = None) -> list[RouterInfo]:
     """Every MoE router of ``model`` in module order, with its family and absolute layer index."""
-    fams = list(families) if families is not None else router_families()
+    fams = sorted(families, key=lambda f: -getattr(f, "priority", 0)) if families is not None else router_families()
     out: list[RouterInfo] = []
     for name, mod in model.named_modules():
         hits = [f for f in fams if f.match(mod)]
@@ -700,6 +700,11 @@ def _input_shape(args, kwargs) -> Optional[tuple[int, int]]:
     if args and isinstance(args[0], torch.Tensor) and args[0].dim() >= 2:
         return int(args[0].shape[0]), int(args[0].shape[1])
     return None
+
+
+def _in_backward() -> bool:
+    f = getattr(torch._C, "_current_graph_task_id", None)
+    return f is not None and f() != -1
 
 
 @dataclass
@@ -796,14 +801,15 @@ class RouteCapture:
         pos = self._pos[id(module)]
         last = self.passes[-1] if self.passes else None
         if last is not None and pos in last.layers:
-            if torch._C._current_graph_task_id() != -1 or not last.auto:
+            if _in_backward() or not last.auto:
                 return  # recomputation (gradient checkpointing in backward) or a second call in one pass
             last = None  # routers called without the captured model: each first-router call starts a pass
         if last is None:
             last = _Pass(None, self._next_group(), auto=True)
             self.passes.append(last)
         idx = output[2].detach()
-        last.layers[pos] = idx.reshape(-1, idx.shape[-1]).to(self.dtype)
+        # uint8 on any device; wider ids as int32 until routes() (uint16 kernels are CPU-limited)
+        last.layers[pos] = idx.reshape(-1, idx.shape[-1]).to(torch.uint8 if self.dtype == torch.uint8 else torch.int32)
 
     # -- results
     def _group_routes(self, passes: list[_Pass], device) -> Routes:
@@ -886,7 +892,6 @@ class RouteReplay:
         self._cache: dict = {}
         self.routes: Optional[Routes] = None
         self.calls = [0] * len(self.routers)
-        self.fallback_rows = 0
         self.set_routes(routes)
         self.apply()
 

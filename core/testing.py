@@ -48,7 +48,8 @@ Advantage-estimator properties: ``spec``, ``shapes`` (advantages and returns ``[
 ``masked`` (exactly 0 outside the mask), ``finite``, ``masked_content`` (reward values outside
 the mask are ignored), ``padding_length``, ``group_of_one``, ``equal_rewards``, ``permutation``
 (shuffling rows with their uids permutes the output identically), ``bf16``,
-``declared_inputs``, ``batch_statistics``.
+``declared_inputs``, ``batch_statistics``. An estimator may refuse groups of one with a
+``StableRLError`` that says why.
 
 :func:`check_two_rank_equality` is the check for algorithms that reduce through ``ctx``;
 :func:`conformance_cases` adds it (case id ``<name>-two_rank``) for every algorithm seen calling
@@ -57,7 +58,8 @@ the mask are ignored), ``padding_length``, ``group_of_one``, ``equal_rewards``, 
 Inputs named in ``spec.requires`` are synthesised (``rollout_log_prob``, ``entropy``,
 ``old_entropy``, ``token_ids``, ``index``, ``turn_ids``, ``versions``, ``policy_version``,
 ``scores``, ``old_log_prob``, ``router_log_prob``, ``old_router_log_prob``); pass ``inputs={"name": value_or_fn}`` for anything else, where a
-function receives the base batch dict and returns the value.
+function receives the base batch dict and returns the value (an estimator's ``extras`` dict
+goes in as ``inputs={"extras": fn}``; its ``[B]`` tensors follow row selections and shuffles).
 """
 
 from __future__ import annotations
@@ -261,13 +263,16 @@ def _pad_columns(data: dict, extra: int, seed: int = 7) -> dict:
     return out
 
 
-def _rows(data: dict, rows: slice, B: int) -> dict:
+def _rows(data: dict, rows: Any, B: int) -> dict:
+    """Select rows (a slice or an index tensor) of every per-response entry, also inside ``extras``."""
     out = {}
     for k, v in data.items():
         if isinstance(v, torch.Tensor) and v.dim() >= 1 and v.shape[0] == B:
             out[k] = v[rows]
         elif isinstance(v, np.ndarray) and v.shape[:1] == (B,):
-            out[k] = v[rows]
+            out[k] = v[rows.numpy() if isinstance(rows, torch.Tensor) else rows]
+        elif isinstance(v, dict):
+            out[k] = _rows(v, rows, B)
         else:
             out[k] = v
     return out
@@ -690,7 +695,12 @@ def _adv_padding_length(spec, data, params, out) -> None:
 
 def _adv_group_of_one(spec, data, params) -> None:
     B = data["response_mask"].shape[0]
-    a, r = _run_adv(spec, dict(data, index=np.array([f"solo-{i}" for i in range(B)], dtype=object)), params)
+    try:
+        a, r = _run_adv(spec, dict(data, index=np.array([f"solo-{i}" for i in range(B)], dtype=object)), params)
+    except StableRLError as e:
+        if "non-finite" in str(e):  # core's guard caught a NaN/inf the estimator produced
+            _fail(spec, "group_of_one", f"groups of one response give non-finite advantages ({e})")
+        return  # refusing groups of one with a clear error is fine; a NaN is not
     if not (bool(torch.isfinite(a).all()) and bool(torch.isfinite(r).all())):
         _fail(spec, "group_of_one", "groups of one response give non-finite advantages/returns")
 
@@ -710,15 +720,7 @@ def _adv_equal_rewards(spec, data, params) -> None:
 def _adv_permutation(spec, data, params, out) -> None:
     B = data["response_mask"].shape[0]
     perm = torch.randperm(B, generator=torch.Generator().manual_seed(3))
-    shuffled = {}
-    for k, v in data.items():
-        if isinstance(v, torch.Tensor) and v.dim() >= 1 and v.shape[0] == B:
-            shuffled[k] = v[perm]
-        elif isinstance(v, np.ndarray) and v.shape[:1] == (B,):
-            shuffled[k] = v[perm.numpy()]
-        else:
-            shuffled[k] = v
-    adv_s, ret_s = _run_adv(spec, shuffled, params)
+    adv_s, ret_s = _run_adv(spec, _rows(data, perm, B), params)
     _assert_close(spec, "permutation", "advantages of shuffled rows vs shuffled advantages", adv_s, out[0][perm], atol=1e-5)
     _assert_close(spec, "permutation", "returns of shuffled rows vs shuffled returns", ret_s, out[1][perm], atol=1e-5)
 

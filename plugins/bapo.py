@@ -71,7 +71,7 @@ class BAPOParams(Params):
             self.clip_ratio_c is None or self.clip_ratio_c > 1.0,
             f"clip_ratio_c (dual clip) must be > 1 or None, got {self.clip_ratio_c}",
         )
-        check(self.eps >= 0, f"eps must be >= 0, got {self.eps}")
+        check(self.eps > 0, f"eps must be > 0, got {self.eps}")
 
 
 def search_candidates(start: float, end: float, step: float) -> list[float]:
@@ -114,9 +114,10 @@ def bapo_bounds(ratio, advantages, mask, p: BAPOParams, ctx):
     # 1) raise the lower bound first, with c_high at its start value
     i_low = _first_reaching(pos_neg(pos_t[0], neg_t), p.adv_ratio_target)
     # 2) then the upper bound, with the chosen c_low (candidate 0 is the state after step 1)
-    ratios_high = pos_neg(pos_t, neg_t[i_low])
-    i_high = _first_reaching(ratios_high, p.adv_ratio_target)
-    return low_t[i_low], high_t[i_high], ratios_high[i_high]
+    i_high = _first_reaching(pos_neg(pos_t, neg_t[i_low]), p.adv_ratio_target)
+    # the logged ratio stays finite (pos / (neg + eps)); the decision above uses inf when neg == 0
+    achieved = pos_t[i_high] / (neg_t[i_low] + p.eps)
+    return low_t[i_low], high_t[i_high], achieved
 
 
 def bapo_loss(b, p: BAPOParams, ctx):
@@ -161,6 +162,7 @@ def register_policy_losses(register):
         formula="search c_low then c_high until sum_{A>=0} min(r,c_high)A / sum_{A<0} max(r,c_low)|A| >= target; "
         "l = max(-A r, -A clamp(r, c_low, c_high)); dual clip c",
         status=STABLE,
+        batch_statistics=True,
         metrics=("pg_clipfrac", "clip_high", "clip_low", "pg_clipfrac_lower", "ppo_kl", "bapo/c_low", "bapo/c_high",
                  "bapo/pos_neg_ratio"),
         reference="WooooDyy/BAPO recipe/bapo/policy_loss.py::compute_policy_loss_bapo (verified via the catalogue)",
@@ -170,7 +172,8 @@ def register_policy_losses(register):
             "0.6->0.8 / 1.2->2.0; run_bapo_example.sh uses target 0.5, 0.8->0.95 step 0.05, 1.2->2.0 step 0.1). "
             "Bounds are explicit ratios, not 1+-eps. The pos/neg statistics are summed over DP ranks with "
             "ctx.all_reduce (one call per loss call), so all ranks pick the same bounds; they are taken per call "
-            "(micro-batch), as the reference does. pos/neg = inf when no negative contribution (reference). "
+            "(micro-batch), as the reference does. pos/neg counts as inf when there is no negative contribution "
+            "(reference: the start bounds are kept); the logged bapo/pos_neg_ratio is pos/(neg+eps), always finite. "
             "The search is the reference's loop evaluated for all candidates at once (identical float "
             "arithmetic for the candidate bounds). Framework IS weights are not used in the statistics "
             "(reference). Honours loss_agg_mode (paper: token-mean). Quirk kept for parity: in the reference "

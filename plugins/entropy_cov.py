@@ -144,6 +144,7 @@ def register_policy_losses(register):
         formula="l = max(-A r, -A clip(r, 1-eps_l, 1+eps_h)) * (1 - sel), sel = random max(int(ratio N),1) of "
         "unclipped tokens with lb < (A-mean A)(lp-mean lp) < ub",
         status=STABLE,
+        batch_statistics=True,
         metrics=("pg_clipfrac", "clip_high", "clip_low", "ppo_kl"),
         reference="verl core_algos.compute_policy_loss_clip_cov (loss_mode=clip_cov), equal under the same RNG seed",
         notes=(
@@ -165,6 +166,7 @@ def register_policy_losses(register):
         title="KL-Cov: |log-ratio| penalty on the top-k covariance tokens (entropy mechanism of RL)",
         formula="l = -A r + ppo_kl_coef |lp - lp_old| [token in top-max(1,int(kl_cov_ratio N)) of (A-mean A)(lp-mean lp)]",
         status=STABLE,
+        batch_statistics=True,
         metrics=("ppo_kl", "kl_cov/penalized_frac"),
         reference="verl core_algos.compute_policy_loss_kl_cov (loss_mode=kl_cov)",
         notes=(

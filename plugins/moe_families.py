@@ -28,7 +28,6 @@ from stablerl import EXPERIMENTAL, hookimpl
 from stablerl.routing_replay import RouterFamily, sigmoid_gather_weights, softmax_gather_weights
 
 _PAPER = "2510.11370"
-_TITLE_R3 = "Rollout Routing Replay (R3)"
 
 
 def _softmax_norm_flag(logits, idx, module):
@@ -72,18 +71,29 @@ DEEPSEEK_V3 = RouterFamily(
 
 FAMILIES = (QWEN3_MOE, QWEN2_MOE, OLMOE, MIXTRAL, DEEPSEEK_V3)
 
+_SOFTMAX_FLAG = "w = softmax(z, fp32).gather(-1, idx); w /= w.sum(-1) iff norm_topk_prob; w.to(z.dtype)"
+_FORMULAS = {
+    "qwen3_moe": _SOFTMAX_FLAG,
+    "qwen2_moe": _SOFTMAX_FLAG,
+    "olmoe": _SOFTMAX_FLAG,
+    "mixtral": "w = softmax(z, fp32).gather(-1, idx); w /= w.sum(-1)  (always; fp32)",
+    "deepseek_v3": "w = sigmoid(z).gather(-1, idx); w /= w.sum(-1) + 1e-20 iff norm_topk_prob; w *= routed_scaling_factor",
+}
+
 _NOTES = (
     "Replays recorded top-k expert indices; gate weights recomputed from the current router logits with the "
     "family's own normalisation (gradient reaches the router). Hook on the router's forward output "
     "(router_logits, top_k_weights, top_k_index), transformers >= 5. Invalid rows (padding, missing last "
     "token, duplicated ids) keep native routing. Verified on CPU with tiny models built in code: self-replay "
-    "is bitwise exact; no drift under replay after an optimizer step; holds under gradient checkpointing."
+    "is bitwise exact; no drift under replay after an optimizer step; holds under gradient checkpointing. "
+    "idx = the replayed expert indices, z = the router's live logits. Use: stablerl.routing_replay.replay(model, "
+    "routes) (docs/routing-replay.md)."
 )
 
 
 @hookimpl
 def register_router_families(register):
     for fam in FAMILIES:
-        register(fam.spec(paper=_PAPER, formula="w = normalise(score(router_logits)).gather(-1, replayed_idx)",
+        register(fam.spec(paper=_PAPER, formula=_FORMULAS[fam.name],
                           status=EXPERIMENTAL, reference="transformers 5.24 modeling_" + fam.name + ".py router forward",
                           notes=_NOTES))

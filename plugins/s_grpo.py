@@ -17,7 +17,6 @@ k/n <= p or >= 1 - p gets weight 0: S-GRPO also drops rare-success groups.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch

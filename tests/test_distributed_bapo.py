@@ -12,7 +12,6 @@ import torch
 
 import stablerl
 from conftest import make_batch
-from stablerl import Context
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 WORLD = 2

@@ -9,7 +9,6 @@ import math
 import pytest
 import torch
 
-import stablerl
 from conftest import make_batch
 from stablerl import Context, StableRLError, compute_policy_loss, get_spec
 
@@ -82,6 +81,8 @@ def test_specs_status_and_papers():
         assert spec.paper == paper and spec.status == status
         assert spec.title and spec.formula and spec.reference and spec.notes
     assert get_spec("policy_loss", "sapo").output == "scalar"
+    for name in NAMES:  # statistics over the call's batch: BAPO (all-reduced), Clip-/KL-Cov (per call)
+        assert get_spec("policy_loss", name).batch_statistics == (name in ("bapo", "clip_cov", "kl_cov"))
     d = get_spec("policy_loss", "bapo").defaults()
     assert (d["adv_ratio_target"], d["ratio_lower_start"], d["ratio_lower_max"]) == (1.0, 0.6, 0.9)
     assert (d["ratio_upper_start"], d["ratio_upper_max"]) == (1.2, 3.0)
@@ -295,8 +296,10 @@ def test_bapo_search_stops_in_the_middle_and_saturates():
 def test_bapo_no_negative_contribution_is_inf_and_keeps_start_bounds():
     b = tokens([1.5, 0.7], [1.0, 0.5])
     loss, grad, met = call("bapo", b, adv_ratio_target=5.0)
-    assert met["bapo/pos_neg_ratio"] == math.inf  # reference: pos/neg = inf when neg == 0
+    # reference: pos/neg counts as inf when neg == 0, so the start bounds are kept even for target 5;
+    # the logged ratio is pos / (neg + eps), finite
     assert (met["bapo/c_low"], met["bapo/c_high"]) == (pytest.approx(0.6), pytest.approx(1.2))
+    assert met["bapo/pos_neg_ratio"] == pytest.approx((1.2 + 0.35) / 1e-8)
     assert grad[0, 0] == 0 and close(grad[0, 1], -0.5 * 0.7 / 2)
 
 
@@ -468,7 +471,7 @@ def test_all_masked_and_empty_batches(name):
     keys = set(call(name, f64_batch(seed=1), ctx=ctx_for(name))[2])
     assert set(met) == keys  # same metric keys on every call
     for k, v in met.items():
-        assert math.isfinite(v) or k == "bapo/pos_neg_ratio", (k, v)
+        assert math.isfinite(v), (k, v)
     empty = {
         "log_prob": torch.zeros(0, 5, dtype=F64, requires_grad=True),
         "old_log_prob": torch.zeros(0, 5, dtype=F64),
@@ -538,6 +541,7 @@ def test_bf16_inputs(name):
         ("bapo", dict(ratio_lower_step=-0.1), "ratio_lower_step"),
         ("bapo", dict(ratio_upper_step=1e-6), "ratio_upper_step"),
         ("bapo", dict(adv_ratio_target=-1.0), "adv_ratio_target"),
+        ("bapo", dict(eps=0.0), "eps"),
         ("pspo", dict(smoothing_alpha=1.0), "smoothing_alpha"),
         ("clip_cov", dict(clip_cov_ratio=0.0), "clip_cov_ratio"),
         ("clip_cov", dict(clip_cov_lb=6.0), "clip_cov_lb"),

@@ -423,3 +423,13 @@ def test_capture_groups_and_set_routes():
     h.set_routes(None)
     assert torch.equal(m(x), ref)
     h.remove()
+
+
+def test_family_spec_and_ambiguous_match():
+    spec = TOY.spec(paper="2510.11370")
+    assert spec.kind == stablerl.ROUTER_FAMILY and spec.fn is TOY and spec.name == "toy"
+    clash = RouterFamily("toy2", TOY.recompute, matcher=lambda m: isinstance(m, ToyRouter))
+    with pytest.raises(StableRLError, match="several router families"):
+        rr.find_routers(toy(), [TOY, clash])
+    preferred = RouterFamily("toy3", TOY.recompute, class_names=("ToyRouter",), priority=1)
+    assert {r.family.name for r in rr.find_routers(toy(), [TOY, preferred])} == {"toy3"}

@@ -38,6 +38,8 @@ DIGITS = [str(d) for d in range(10)]
 VOCAB = ["<pad>", "<eos>", "<unk>", "copy", ":"] + DIGITS
 DEFAULT_LOSSES = ("dapo", "m2po", "gspo")  # TRL's built-in baseline, then two stablerl losses
 DEFAULT_STEPS = 200
+# stablerl losses whose paper objective is a per-sequence mean (TRL's grpo normaliser) rather than token-mean
+_PAPER_AGG_MODE = {"gspo": "seq-mean-token-mean", "sapo": "seq-mean-token-mean", "gmpo": "seq-mean-token-mean"}
 # metrics shown in the "clip/mask" column, first one present wins
 _FRACTION_METRICS = (
     "clip_ratio/region_mean",  # TRL grpo/dapo/... family
@@ -138,6 +140,11 @@ def make_config(output_dir: str, loss: str, *, steps: int, seed: int, lr: float 
         disable_tqdm=True,
         log_level="error",
     )
+    from stablerl.adapters.trl import resolve_loss_type
+
+    stablerl_name = resolve_loss_type(loss)
+    if stablerl_name in _PAPER_AGG_MODE:
+        kwargs["stablerl_loss_agg_mode"] = _PAPER_AGG_MODE[stablerl_name]
     kwargs.update(overrides)
     return GRPOConfig(**kwargs)
 
@@ -222,6 +229,7 @@ def run_one(loss: str, *, steps: int, seed: int, out_dir: Path, estimator: Optio
     fractions = [v for v in m.get(fraction_key, []) if v is not None] if fraction_key else []
     return {
         "loss_type": loss,
+        "stablerl_loss_agg_mode": args.stablerl_loss_agg_mode if trainer._stablerl_loss else None,
         "steps": record["step"],
         "reward": reward,  # per step; None on steps that reuse a generated batch (num_iterations > 1)
         "entropy": entropy,
@@ -318,8 +326,16 @@ def main(argv: Optional[list[str]] = None) -> int:
 
     torch.set_num_threads(max(1, args.threads))
     warnings.filterwarnings("ignore")
-    from stablerl.adapters.trl import validate_stablerl_args  # imports trl (and checks its version)
-    import transformers
+    try:
+        import datasets  # noqa: F401
+        import matplotlib  # noqa: F401
+        import tqdm  # noqa: F401
+        import transformers
+
+        from stablerl.adapters.trl import GRPOTrainer  # noqa: F401  (imports trl and checks its version)
+    except ImportError as e:
+        print(f"stablerl demo needs TRL 1.16 and its extras: pip install -e '.[trl]' ({e})", file=sys.stderr)
+        return 2
 
     transformers.logging.set_verbosity_error()
     logging.getLogger("trl").setLevel(logging.ERROR)

@@ -255,7 +255,7 @@ class GRPOConfig(_trl.GRPOConfig):
         validate_stablerl_args(self)
 
 
-def validate_stablerl_args(args) -> tuple[Optional[str], Optional[str]]:
+def validate_stablerl_args(args, warn: bool = True) -> tuple[Optional[str], Optional[str]]:
     """Check the stablerl selections of a (stablerl or plain TRL) GRPOConfig; return (loss, estimator)."""
     loss = resolve_loss_type(args.loss_type)
     loss_params = _as_dict(getattr(args, "stablerl_loss_params", None), "stablerl_loss_params")
@@ -273,7 +273,7 @@ def validate_stablerl_args(args) -> tuple[Optional[str], Optional[str]]:
         if agg not in AGG_MODES:
             raise UnknownNameError(unknown_name_message("stablerl_loss_agg_mode", agg, AGG_MODES))
         check_loss_inputs(loss, bool(args.use_vllm and args.vllm_importance_sampling_correction))
-        if args.epsilon != 0.2 or args.epsilon_high is not None or args.delta is not None:
+        if warn and (args.epsilon != 0.2 or args.epsilon_high is not None or args.delta is not None):
             warnings.warn(
                 f"epsilon/epsilon_high/delta configure TRL's built-in loss types; the stablerl loss {loss!r} takes "
                 "its hyper-parameters from stablerl_loss_params (paper defaults otherwise)",
@@ -307,7 +307,8 @@ class GRPOTrainer(_trl.GRPOTrainer):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         cfg = self.args
-        self._stablerl_loss, self._stablerl_estimator = validate_stablerl_args(cfg)
+        # a stablerl GRPOConfig was validated when it was built; a plain TRL one is validated here
+        self._stablerl_loss, self._stablerl_estimator = validate_stablerl_args(cfg, warn=not isinstance(cfg, GRPOConfig))
         self._stablerl_loss_params = _as_dict(getattr(cfg, "stablerl_loss_params", None), "stablerl_loss_params")
         self._stablerl_adv_params = _as_dict(getattr(cfg, "stablerl_advantage_params", None), "stablerl_advantage_params")
         self._stablerl_agg_mode = getattr(cfg, "stablerl_loss_agg_mode", "token-mean")

