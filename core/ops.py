@@ -183,7 +183,7 @@ def group_stats(scores: torch.Tensor, gid: torch.Tensor, ctx: Optional[Context] 
 
 def broadcast_to_tokens(per_seq: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """``[B] -> [B, T]``, zero outside the mask."""
-    return per_seq.unsqueeze(-1).to(mask.dtype) * mask
+    return per_seq.unsqueeze(-1) * mask.to(per_seq.dtype)
 
 
 # ----------------------------------------------------------------------------- metrics

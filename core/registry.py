@@ -114,7 +114,10 @@ def build_registry() -> Registry:
         is_builtin = (label, module) in builtin
         try:
             pm.register(module, name=label)
+            pm.check_pending()  # a misspelt hook name (register_policy_loss) is an error, not a no-op
         except Exception as e:  # noqa: BLE001
+            if pm.is_registered(module):
+                pm.unregister(module)
             _report(registry.failures, label, f"invalid plugin: {type(e).__name__}: {e}", e)
             continue
         registry.plugins.append(label)

@@ -89,10 +89,14 @@ def _labels(b, name: str) -> torch.Tensor:
     return scores.to(b.log_prob.dtype)
 
 
-def _sequence_mean_loss(per_seq: torch.Tensor, b, ctx) -> torch.Tensor:
-    """``sum_i loss_i / seq_count * dp_size``: a mean over sequences with global normalisers."""
-    ones = torch.ones_like(per_seq).unsqueeze(-1)
-    return aggregate(per_seq.unsqueeze(-1), ones, "seq-mean-token-sum", ctx)
+def _valid_rows(b) -> torch.Tensor:
+    """``[B]`` 1.0 for responses with at least one trained token: empty rows are not responses."""
+    return (b.response_mask.sum(-1) > 0).to(b.log_prob.dtype)
+
+
+def _sequence_mean_loss(per_seq: torch.Tensor, valid: torch.Tensor, ctx) -> torch.Tensor:
+    """``sum_i loss_i / seq_count * dp_size`` over valid rows: a mean with global normalisers."""
+    return aggregate(per_seq.unsqueeze(-1), valid.unsqueeze(-1), "seq-mean-token-sum", ctx)
 
 
 def _no_token_weights(b, name: str) -> None:
@@ -130,18 +134,19 @@ def pacs_loss(b, p: PACSParams, ctx):
     else:
         s = p.beta * masked_mean(b.log_prob, mask, dim=-1)
     gid = b.index
-    n = _group_sum(torch.ones_like(s), gid)
+    valid = _valid_rows(b)
+    n = _group_sum(valid, gid)  # empty rows take no part in the group statistics
     if p.adv_estimator == "rloo":
         others = (_group_sum(s, gid) - s) / (n - 1).clamp(min=1)
         psi = torch.where(n > 1, s - others, s)  # a group of one has no leave-one-out baseline
     elif p.adv_estimator == "grpo":
-        mean = _group_sum(s, gid) / n
-        var = _group_sum((s - mean) ** 2, gid) / (n - 1).clamp(min=1)
+        mean = _group_sum(s, gid) / n.clamp(min=1)
+        var = _group_sum(valid * (s - mean) ** 2, gid) / (n - 1).clamp(min=1)
         psi = (s - mean) / (var.sqrt() + 1e-6)
     else:
         psi = s
     if p.use_weight:
-        pos = _group_sum(y, gid)
+        pos = _group_sum(y * valid, gid)
         neg = n - pos
         both = (pos > 0) & (neg > 0)
         count_own = torch.where(y > 0, pos, neg).clamp(min=1)
@@ -154,7 +159,7 @@ def pacs_loss(b, p: PACSParams, ctx):
         "pacs/psi_abs_mean": psi.detach().abs().mean() if psi.numel() else psi.new_zeros(()),
         "ppo_kl": masked_mean(b.old_log_prob - b.log_prob.detach(), mask),
     }
-    return _sequence_mean_loss(per_seq, b, ctx), metrics
+    return _sequence_mean_loss(per_seq, valid, ctx), metrics
 
 
 # ------------------------------------------------------------------------------------------ GVPO
@@ -175,22 +180,24 @@ def gvpo_loss(b, p: GVPOParams, ctx):
     mask = b.response_mask
     rewards = _labels(b, "gvpo")
     gid = b.index
-    k = _group_sum(torch.ones_like(rewards), gid)
-    if bool((k < 2).any()):
-        raise StableRLError("gvpo needs at least 2 responses per prompt group (its loss divides by k - 1)")
+    valid = _valid_rows(b)
+    k = _group_sum(valid, gid)  # empty rows take no part in the group statistics
+    contrastive = valid * (k >= 2).to(valid.dtype)  # a group of one has no residual to fit
+    k = k.clamp(min=1)
     r_theta = p.gvpo_beta * masked_sum(b.log_prob - b.old_log_prob, mask, dim=-1)
     # the group mean of R_theta may be detached: the residuals sum to 0 within a group, so its
     # gradient contribution cancels exactly (and the value is unchanged)
-    r_theta_centred = r_theta - _group_sum(r_theta.detach(), gid) / k
-    reward_centred = rewards - _group_sum(rewards, gid) / k
-    residual = r_theta_centred - reward_centred
-    per_seq = 0.5 * residual**2 / (k - 1)
+    r_theta_centred = r_theta - _group_sum(r_theta.detach() * valid, gid) / k
+    reward_centred = rewards - _group_sum(rewards * valid, gid) / k
+    residual = (r_theta_centred - reward_centred) * contrastive
+    per_seq = 0.5 * residual**2 / (k - 1).clamp(min=1)
     if p.reduction == "sum":
         loss = per_seq.sum() * ctx.dp_size
     else:
-        loss = _sequence_mean_loss(per_seq, b, ctx)
+        loss = _sequence_mean_loss(per_seq, valid, ctx)
     metrics = {
         "gvpo/residual_abs_mean": residual.detach().abs().mean() if residual.numel() else residual.new_zeros(()),
+        "gvpo/singleton_fraction": masked_mean(valid - contrastive, valid),
         "ppo_kl": masked_mean(b.old_log_prob - b.log_prob.detach(), mask),
     }
     return loss, metrics
@@ -277,11 +284,12 @@ def register_policy_losses(register):
         formula="L = sum_g 1/(k-1) sum_i 1/2 [(R_th_i - mean R_th) - (R_i - mean R)]^2, R_th = beta (sum lp - sum lp_old)",
         status=EXPERIMENTAL,
         requires=("scores", "index"),
-        metrics=("gvpo/residual_abs_mean", "ppo_kl"),
+        metrics=("gvpo/residual_abs_mean", "gvpo/singleton_fraction", "ppo_kl"),
         reference="jszkc/GVPO (= verl-recipe gvpo) gvpo_core_algos.py::compute_policy_loss_gvpo",
         notes=(
-            "scores are the raw (un-normalised) rewards R. Groups must be whole within the call and have >= 2 "
-            "responses. reduction='sum' is the reference (a sum over sequences, x dp_size); 'mean' divides by the "
+            "scores are the raw (un-normalised) rewards R. Groups must be whole within the call; a group with a "
+            "single (non-empty) response contributes 0 (logged as gvpo/singleton_fraction; the reference requires "
+            ">= 2). reduction='sum' is the reference (a sum over sequences, x dp_size); 'mean' divides by the "
             "global sequence count. Read from the reference code, not executed against it."
         ),
     )

@@ -49,6 +49,14 @@ def _valid_values(name: str, t: torch.Tensor, mask: torch.Tensor) -> torch.Tenso
     return torch.where(valid, t, torch.zeros((), dtype=t.dtype, device=t.device))
 
 
+def _adv_and_mask(b) -> tuple[torch.Tensor, torch.Tensor]:
+    """Advantages (padding zeroed, checked finite) and mask, half precision upcast to fp32 (a bf16
+    mask cannot count more than 256 tokens exactly)."""
+    adv = b.advantages.float() if b.advantages.dtype in (torch.float16, torch.bfloat16) else b.advantages
+    mask = b.response_mask.to(adv.dtype)
+    return _valid_values("advantages", adv, mask), mask
+
+
 def _groups(gid: torch.Tensor) -> list[torch.Tensor]:
     """Row indices of each group, in group-id order (ids are 0..n_groups-1)."""
     if gid.numel() == 0:
@@ -143,12 +151,11 @@ class GTPOFilterParams(Params):
 
 def gtpo_entropy_filter(b, p: GTPOFilterParams, ctx):
     refuse_param_typos(b.extras, GTPOFilterParams, "gtpo_entropy_filter")
-    mask = b.response_mask
-    H = _valid_values("entropy", b.entropy.to(b.advantages.dtype), mask)
+    adv, mask = _adv_and_mask(b)
+    H = _valid_values("entropy", b.entropy.to(adv.dtype), mask)
     H_seq = seq_mean(H, mask)  # [B]
     row_valid = mask.sum(-1) > 0
     drop = (H_seq > p.ent_threshold) & row_valid
-    adv = _valid_values("advantages", b.advantages, mask)
     new_adv = torch.where(drop.unsqueeze(-1), torch.zeros_like(adv), adv - p.ent_scale * H_seq.unsqueeze(-1)) * mask
     B = mask.shape[0]
     n_valid = int(row_valid.sum())
@@ -222,13 +229,12 @@ def _progress(ctx, p: D3SParams) -> float:
 
 def d3s(b, p: D3SParams, ctx):
     refuse_param_typos(b.extras, D3SParams, "d3s")
-    mask = b.response_mask
+    adv, mask = _adv_and_mask(b)
     device = mask.device
     valid = mask.bool()
     progress = _progress(ctx, p)
     n_frac = (1 - progress) * p.n_init + progress * p.n_final
     k_frac = (1 - progress) * p.k_init + progress * p.k_final
-    adv = _valid_values("advantages", b.advantages, mask)
     seq_adv = seq_mean(adv, mask)
     row_valid = mask.sum(-1) > 0
     candidate = row_valid & (seq_adv != 0)  # zero-advantage responses add nothing to the variance
@@ -308,9 +314,8 @@ def _weighted_order(weights: torch.Tensor, generator: Optional[torch.Generator])
 
 def shuffle_r1(b, p: ShuffleR1Params, ctx):
     refuse_param_typos(b.extras, ShuffleR1Params, "shuffle_r1")
-    mask = b.response_mask
+    adv, mask = _adv_and_mask(b)
     device = mask.device
-    adv = _valid_values("advantages", b.advantages, mask)
     seq_adv = seq_mean(adv, mask).to(torch.float64)
     # Pairwise Trajectory Sampling: within a group sort by A, pair i-th largest with i-th smallest
     pairs: list[tuple[int, int]] = []

@@ -74,6 +74,8 @@ def _steps(b):
 def empg_advantage(b, p: EMPGParams, ctx):
     mask = b.response_mask
     dtype = b.token_level_rewards.dtype
+    if tuple(b.entropy.shape) != tuple(mask.shape):
+        raise StableRLError(f"empg: entropy has shape {tuple(b.entropy.shape)}, expected {tuple(mask.shape)}")
     entropy = b.entropy.to(torch.float64)
     valid = mask.bool()
     step, step_row, n = _steps(b)

@@ -177,6 +177,7 @@ def register_policy_losses(register):
         formula="l = -M A r, r = exp(lp - lp_old); M drops the largest (log r)^2 of T={(A>0,r>1)|(A<0,r<1)} "
         "until mean_T (log r)^2 <= tau; token-mean over all valid tokens",
         status=STABLE,
+        batch_statistics=True,
         metrics=("m2po/m2_before", "m2po/m2_after", "m2po/masked_fraction", "m2po/trust_region_fraction",
                  "pg_clipfrac", "pg_clipfrac_lower", "clip_high", "clip_low", "ppo_kl",
                  "m2po/clip_low", "m2po/clip_high"),

@@ -449,6 +449,10 @@ def test_empg_inputs_and_errors():
         adv("empg", r, mask, ids, entropy=entropy)
     with pytest.raises(MissingInputError, match="entropy"):
         adv("empg", r, mask, ids, turn_ids=turn)
+    with pytest.raises(StableRLError, match="entropy has shape"):
+        adv("empg", r, mask, ids, entropy=entropy[:, :-1], turn_ids=turn)
+    with pytest.raises(StableRLError, match="turn_ids must hold integer"):
+        adv("empg", r, mask, ids, entropy=entropy, turn_ids=turn.double())
     bad = turn.clone()
     bad[0, 0] = -1
     with pytest.raises(StableRLError, match="turn_ids < 0 on a token where response_mask is 1"):

@@ -38,13 +38,7 @@ BY_DESIGN: dict[str, dict[str, str]] = {
     },
 }
 
-KNOWN_ISSUES: dict[str, dict[str, str]] = {
-    "m2po": {"batch_statistics": "gathers M2 with ctx.all_gather but the spec lacks batch_statistics=True"},
-    "gvpo": {"degenerate": "an all-masked batch gives loss 0.5 (the reward residual of empty rows), not 0; "
-             "the gradient is 0"},
-    "pacs": {"degenerate": "an all-masked batch gives loss ln 2 (BCE at logit 0 of empty rows), not 0; "
-             "the gradient is 0"},
-}
+KNOWN_ISSUES: dict[str, dict[str, str]] = {}
 
 
 def _reinforce_ada_counts(base):

@@ -110,8 +110,11 @@ def test_gvpo_value_gradient_and_group_checks():
     torch.testing.assert_close(g, g_ref)  # detaching the group mean changes nothing (residuals sum to 0)
     mean_loss, _ = stablerl.compute_policy_loss("gvpo", scores=R, index=gid, reduction="mean", **b)
     torch.testing.assert_close(mean_loss, ref / 4)
-    with pytest.raises(StableRLError, match="at least 2 responses"):
-        stablerl.compute_policy_loss("gvpo", scores=R, index=[0, 0, 1, 2], **b)
+    # a group of one has nothing to contrast: it contributes 0 and is counted in the metric
+    single, m = stablerl.compute_policy_loss("gvpo", scores=R, index=[0, 0, 1, 2], **b)
+    first = 0.5 * ((r_theta[:2] - r_theta[:2].mean()) - (R[:2] - R[:2].mean())).pow(2).sum()
+    torch.testing.assert_close(single, first)
+    assert m["gvpo/singleton_fraction"] == 0.5
 
 
 def test_turn_ppo_one_turn_equals_gspo_and_two_turns_by_hand():
@@ -188,3 +191,19 @@ def test_rspo_reweights_ratio_before_clip():
         stablerl.compute_policy_loss("rspo", router_log_prob=old_router[..., 0], old_router_log_prob=old_router, **b)
     with pytest.raises(MissingInputError, match="router_log_prob"):
         stablerl.compute_policy_loss("rspo", **b)
+
+
+def test_empty_rows_take_no_part_in_pacs_and_gvpo():
+    b = make_batch(B=4, T=5, seed=30, dtype=torch.float64, spread=0.3)
+    scores = torch.tensor([1.0, 0.0, 1.0, 0.0], dtype=torch.float64)
+    for name in ("pacs", "gvpo"):
+        idx = [0, 0, 0, 1] if name == "pacs" else [0, 0, 0, 0]
+        # a fourth response with no valid token: the loss equals the three-response batch's
+        mask = b["response_mask"].clone()
+        mask[3] = False
+        full, _ = stablerl.compute_policy_loss(name, scores=scores, index=idx, **{**b, "response_mask": mask})
+        three = {k: v[:3] for k, v in b.items()}
+        ref, _ = stablerl.compute_policy_loss(name, scores=scores[:3], index=idx[:3], **{**three, "response_mask": mask[:3]})
+        torch.testing.assert_close(full, ref)
+        empty, _ = stablerl.compute_policy_loss(name, scores=scores, index=idx, **{**b, "response_mask": torch.zeros_like(mask)})
+        assert empty.item() == 0.0

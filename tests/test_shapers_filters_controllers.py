@@ -375,6 +375,20 @@ def test_d3s_schedule_and_scope():
         filter_batch("d3s", advantages=adv2, response_mask=mask2, index=[0] * 6, entropy=torch.ones(6, 1), k_init=0.0)
 
 
+def test_d3s_bf16_long_rows_match_fp32():
+    g = gen(4)
+    B, T = 8, 300  # more valid tokens per row than bf16 counts exactly
+    adv = torch.tensor([2.0, 1.0, -1.0, -2.0, 1.5, 0.5, -0.5, -1.5]).unsqueeze(-1).expand(B, T).clone()
+    H = torch.rand(B, T, generator=g)
+    mask = torch.ones(B, T)
+    kw = dict(index=[0] * 4 + [1] * 4, n_init=0.5, n_final=0.5, k_init=0.3, k_final=0.3)
+    r32 = filter_batch("d3s", advantages=adv, response_mask=mask, entropy=H, **kw)
+    r16 = filter_batch("d3s", advantages=adv.bfloat16(), response_mask=mask, entropy=H, **kw)
+    assert r16.rows.tolist() == r32.rows.tolist() == [0, 3, 4, 7]
+    assert r16.metrics["d3s/kept_token_frac"] == pytest.approx(r32.metrics["d3s/kept_token_frac"])
+    assert r32.metrics["d3s/kept_token_frac"] == pytest.approx(math.ceil(0.3 * 4 * T) / (B * T))
+
+
 def test_d3s_degenerate():
     const = dict(n_init=0.5, n_final=0.5, k_init=0.5, k_final=0.5)
     r = filter_batch("d3s", advantages=torch.zeros(0, 3), response_mask=torch.zeros(0, 3), index=[],

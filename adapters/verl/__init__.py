@@ -166,6 +166,29 @@ def _skip(kind: str, name: str, reason: str) -> None:
     _REPORT["skipped"].append({"kind": kind, "name": name, "reason": reason})
 
 
+def _check_policy_loss_config(cfg: Any) -> None:
+    """Validate the stablerl hyper-parameters of a ``StablePolicyLossConfig`` when it is built."""
+    import stablerl
+    from stablerl.params import build_params
+
+    from ._translate import ACTOR_KEYS
+
+    name = VERL_NAMES["policy_loss"].get(getattr(cfg, "loss_mode", None))
+    extra = set(_REPORT["policy_loss_config_fields"])
+    if name is None:  # a verl loss (or one registered later): verl decides
+        return
+    spec = stablerl.get_spec(stablerl.POLICY_LOSS, name)
+    own = set(spec.params.field_names()) - set(ACTOR_KEYS)
+    given = {k: getattr(cfg, k) for k in own if getattr(cfg, k, None) is not None}
+    build_params(spec, given)  # raises StableRLError naming a bad value
+    unused = sorted(k for k in extra - own if getattr(cfg, k, None) is not None)
+    if unused:
+        logger.warning(
+            "stablerl: policy_loss keys %s are not hyper-parameters of loss_mode=%s (%s) and are ignored",
+            unused, cfg.loss_mode, sorted(own) or "it has none besides the actor keys",
+        )
+
+
 def registration_report() -> dict[str, Any]:
     """What this adapter registered in verl in this process, and what it skipped and why.
 
@@ -220,12 +243,15 @@ def _setup():
 
     from ._config import build_policy_loss_config
 
+    from ._translate import VERL_PROVIDES
+
     _check_signatures(core_algos)
-    cls, owners = build_policy_loss_config(
-        PolicyLossConfig,
-        [s for s in stablerl.list_algorithms(stablerl.POLICY_LOSS) if s.status != stablerl.UNAVAILABLE],
-        __name__,
-    )
+    usable = [
+        s
+        for s in stablerl.list_algorithms(stablerl.POLICY_LOSS)
+        if s.status != stablerl.UNAVAILABLE and set(s.requires) <= VERL_PROVIDES[stablerl.POLICY_LOSS]
+    ]
+    cls, owners = build_policy_loss_config(PolicyLossConfig, usable, __name__, check=_check_policy_loss_config)
     _REPORT["policy_loss_config_fields"] = owners
     _register_all(core_algos)
     _REPORT["ok"] = True

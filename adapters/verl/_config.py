@@ -54,8 +54,11 @@ def hyperparameter_fields(specs, reserved: set[str]) -> tuple[list[tuple[str, An
     return fields, owners
 
 
-def build_policy_loss_config(base: type, specs, module: str) -> tuple[type, dict[str, list[str]]]:
+def build_policy_loss_config(base: type, specs, module: str, check=None) -> tuple[type, dict[str, list[str]]]:
     """Subclass ``base`` (verl's ``PolicyLossConfig``) with the hyper-parameters of ``specs``.
+
+    ``check(config)``, if given, runs after construction (where verl builds the actor config:
+    driver and workers), so a bad value fails before the first rollout, not after it.
 
     Names verl's config already has (``loss_mode``, ``dro_beta``, ...) are left to verl's field,
     and the actor-level keys ``clip_ratio_low/high/c`` are read from the actor config, so neither
@@ -63,16 +66,25 @@ def build_policy_loss_config(base: type, specs, module: str) -> tuple[type, dict
     """
     reserved = {f.name for f in dataclasses.fields(base)} | set(ACTOR_KEYS)
     fields, owners = hyperparameter_fields(specs, reserved)
+
+    def __post_init__(self) -> None:
+        parent = getattr(super(cls, self), "__post_init__", None)
+        if parent is not None:
+            parent()
+        if check is not None:
+            check(self)
+
     cls = dataclasses.make_dataclass(
         "StablePolicyLossConfig",
         fields,
         bases=(base,),
         namespace={
+            "__post_init__": __post_init__,
             "__doc__": (
                 "verl PolicyLossConfig with one optional field per stablerl policy-loss hyper-parameter "
                 "(None = the algorithm's default). Fields: "
                 + ", ".join(f"{n} ({'/'.join(owners[n])})" for n, _, _ in fields)
-            )
+            ),
         },
     )
     # pickling (Ray) and Hydra's _locate find the class by its import path

@@ -21,9 +21,10 @@ from stablerl import get_spec
 
 logger = logging.getLogger("stablerl.adapters.verl")
 
-#: verl actor-config keys that map 1:1 onto stablerl hyper-parameters of the same name. They are
-#: read from the actor config (``actor_rollout_ref.actor.<key>``), never from ``policy_loss``.
-ACTOR_KEYS = ("clip_ratio_low", "clip_ratio_high", "clip_ratio_c")
+#: verl actor-config keys that map 1:1 onto stablerl hyper-parameters of the same name (the PPO
+#: clip bounds and dual clip; SAPO's temperatures). They are read from the actor config
+#: (``actor_rollout_ref.actor.<key>``), never from ``policy_loss``, exactly as verl's built-ins do.
+ACTOR_KEYS = ("clip_ratio_low", "clip_ratio_high", "clip_ratio_c", "tau_pos", "tau_neg")
 
 #: extra inputs (``AlgorithmSpec.requires``) verl 0.9.1 hands to each kind of function. verl's
 #: policy-loss call passes none beyond the basic tensors and ``rollout_is_weights``; its
@@ -62,16 +63,14 @@ def verl_context(config: Any, response_mask: torch.Tensor, loss_agg_mode: str) -
 
     verl fills ``config.global_batch_info`` before each call (``dp_size``, ``batch_num_tokens``:
     the DP all-reduced mask sum of the mini-batch, ``global_batch_size``: sequences in the
-    mini-batch, ``loss_scale_factor``: ``actor.loss_scale_factor``). Where a value is missing
-    this reproduces verl's own fallback, so a stablerl loss aggregates exactly like a verl
-    built-in:
+    mini-batch, ``loss_scale_factor``: ``actor.loss_scale_factor``); they become the Context's
+    ``dp_size``, ``token_count``, ``seq_count`` and ``loss_scale_factor``. Missing values fall back
+    as in verl: stablerl's ``aggregate`` already uses the local mask sum / the local number of
+    non-empty rows (and raises when ``dp_size > 1``); two verl conventions are translated here:
 
-    * ``token-mean`` without ``batch_num_tokens``: the local mask sum (error if ``dp_size > 1``);
-    * seq modes without ``global_batch_size``: the local number of sequences with at least one
-      valid token (error if ``dp_size > 1``);
     * ``seq-mean-token-sum-norm`` without ``loss_scale_factor``: the padded length
       ``response_mask.shape[-1]`` (verl's default; not constant, so a warning is logged once);
-    * ``token-sum`` (verl-only mode): ``token-mean`` with a normaliser of 1, i.e. ``sum * dp_size``.
+    * ``token-sum`` (a verl-only mode): ``token-mean`` with a normaliser of 1, i.e. ``sum * dp_size``.
     """
     info = cfg_get(config, "global_batch_info", None) or {}
     dp_size = info.get("dp_size") or 1
@@ -84,22 +83,14 @@ def verl_context(config: Any, response_mask: torch.Tensor, loss_agg_mode: str) -
     mode = loss_agg_mode
     if mode == "token-sum":
         mode, token_count = "token-mean", 1
-    elif mode == "token-mean":
-        if token_count is None and dp_size > 1:
-            raise StableRLError("verl: (global) batch_num_tokens is required for token-mean when dp_size > 1")
-    elif mode in ("seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"):
-        if seq_count is None:
-            if dp_size > 1:
-                raise StableRLError(f"verl: global_batch_size is required for {mode} when dp_size > 1")
-            seq_count = (response_mask.sum(-1) > 0).sum()  # verl: fully masked sequences do not count
-        if mode == "seq-mean-token-sum-norm" and scale is None:
-            scale = response_mask.shape[-1]
-            _warn_once(
-                "scale",
-                "stablerl/verl: loss_agg_mode=seq-mean-token-sum-norm without actor.loss_scale_factor uses the "
-                "padded response length (verl's default), which changes from batch to batch; set "
-                "actor_rollout_ref.actor.loss_scale_factor=<max_response_length> for Dr. GRPO",
-            )
+    elif mode == "seq-mean-token-sum-norm" and scale is None:
+        scale = response_mask.shape[-1]
+        _warn_once(
+            "scale",
+            "stablerl/verl: loss_agg_mode=seq-mean-token-sum-norm without actor.loss_scale_factor uses the "
+            "padded response length (verl's default), which changes from batch to batch; set "
+            "actor_rollout_ref.actor.loss_scale_factor=<max_response_length> for Dr. GRPO",
+        )
     ctx = Context(token_count=token_count, seq_count=seq_count, dp_size=dp_size, loss_scale_factor=scale)
     return ctx, mode
 
@@ -107,8 +98,9 @@ def verl_context(config: Any, response_mask: torch.Tensor, loss_agg_mode: str) -
 def loss_hyperparameters(spec, config: Any) -> dict[str, Any]:
     """stablerl hyper-parameters for ``spec`` from a verl actor config.
 
-    * ``clip_ratio_low``/``clip_ratio_high`` from the actor (``None`` falls back to
-      ``actor.clip_ratio`` as verl's built-ins do) and ``clip_ratio_c``, if the algorithm has them;
+    * the :data:`ACTOR_KEYS` from the actor config, if the algorithm has them
+      (``clip_ratio_low``/``clip_ratio_high`` = ``None`` falls back to ``actor.clip_ratio`` as
+      verl's built-ins do);
     * every field of ``actor.policy_loss`` whose name is one of the algorithm's hyper-parameters
       and whose value is not ``None`` (``None`` keeps the algorithm's default).
     """
@@ -116,15 +108,10 @@ def loss_hyperparameters(spec, config: Any) -> dict[str, Any]:
     out: dict[str, Any] = {}
     if config is None:
         return out
-    clip = cfg_get(config, "clip_ratio", None)
-    actor = {
-        "clip_ratio_low": cfg_get(config, "clip_ratio_low", None),
-        "clip_ratio_high": cfg_get(config, "clip_ratio_high", None),
-        "clip_ratio_c": cfg_get(config, "clip_ratio_c", None),
-    }
+    actor = {key: cfg_get(config, key, None) for key in ACTOR_KEYS}
     for key in ("clip_ratio_low", "clip_ratio_high"):
         if actor[key] is None:
-            actor[key] = clip
+            actor[key] = cfg_get(config, "clip_ratio", None)
     for key, value in actor.items():
         if key in names and value is not None:
             out[key] = value

@@ -149,6 +149,18 @@ def test_cispo(adapter, core_algos, padded_batch, actor_config, seed, mode):
     assert ref[2]["actor/pg_clipfrac"] > 0
 
 
+@pytest.mark.parametrize("seed", SEEDS)
+def test_sapo_reads_verl_actor_temperatures(adapter, core_algos, padded_batch, actor_config, seed):
+    _need("policy_loss", "sapo")
+    b = padded_batch(seed=seed, noise=0.5, token_adv=True)
+    for tau_pos, tau_neg in ((1.0, 1.05), (0.5, 2.0)):
+        cfg = _with_info(actor_config(loss_agg_mode="token-mean", tau_pos=tau_pos, tau_neg=tau_neg),
+                         dp_size=2, batch_num_tokens=40, global_batch_size=11, loss_scale_factor=None)
+        ref = _loss_and_grad(core_algos, "sapo", b, cfg, b["is_weights"])
+        ours = _loss_and_grad(core_algos, "stablerl_sapo", b, cfg, b["is_weights"])
+        _assert_parity(ours, ref, metrics=("actor/ppo_kl",))
+
+
 # ----------------------------------------------------------------------------- estimators
 
 
@@ -187,3 +199,14 @@ def test_rloo_opo(adapter, core_algos, rewards_batch, seed, name):
     torch.testing.assert_close(ours[0], ref[0], rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(ours[1], ref[1], rtol=1e-12, atol=1e-12)
     assert ref[0].abs().max() > 0.1
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_dp2_without_global_counts_fails_like_verl(adapter, core_algos, padded_batch, actor_config, mode):
+    b = padded_batch(seed=1)
+    cfg = _with_info(actor_config(loss_agg_mode=mode, loss_scale_factor=16), dp_size=2, batch_num_tokens=None,
+                     global_batch_size=None, loss_scale_factor=16)
+    with pytest.raises(ValueError):
+        _loss_and_grad(core_algos, "vanilla", b, cfg)
+    with pytest.raises(stablerl.StableRLError):  # a ValueError too
+        _loss_and_grad(core_algos, "stablerl_vanilla", b, cfg)

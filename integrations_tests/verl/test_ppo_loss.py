@@ -127,13 +127,19 @@ def test_stablerl_loss_and_hyperparameter_through_ppo_loss(adapter, actor_config
     assert float(changed[0]) == pytest.approx(float(expected), rel=1e-6, abs=1e-7)
 
 
-def test_bad_hyperparameter_value_fails_with_its_name(adapter, actor_config):
+def test_bad_hyperparameter_value_fails_with_its_name(adapter, caplog):
     if "m2po" not in stablerl.get_registry().names("policy_loss"):
         pytest.skip("plugin m2po not present yet")
-    data, leaves = _worker_batch()
-    cfg = actor_config(policy_loss=adapter.StablePolicyLossConfig(loss_mode="m2po", m2_threshold=-1.0))
+    PLC = adapter.StablePolicyLossConfig
+    # fails where verl builds the actor config (driver and workers, before any rollout), naming it
     with pytest.raises(stablerl.StableRLError, match="m2_threshold"):
-        _run_ppo_loss(cfg, data, leaves)
+        PLC(loss_mode="m2po", m2_threshold=-1.0)
+    with pytest.raises(stablerl.StableRLError, match="variant"):
+        PLC(loss_mode="stablerl_m2po", variant="nope")
+    PLC(loss_mode="vanilla", m2_threshold=-1.0)  # a verl loss: stablerl keys are not its business
+    with caplog.at_level("WARNING", logger="stablerl.adapters.verl"):
+        PLC(loss_mode="stablerl_vanilla", m2_threshold=0.1)  # a key of another algorithm
+    assert "m2_threshold" in caplog.text and "ignored" in caplog.text
 
 
 def test_policy_loss_config_fields(adapter):
@@ -144,14 +150,20 @@ def test_policy_loss_config_fields(adapter):
     assert issubclass(PLC, PolicyLossConfig) and PLC.__module__ == "stablerl.adapters.verl"
     names = {f.name for f in dataclasses.fields(PLC)}
     verl_names = {f.name for f in dataclasses.fields(PolicyLossConfig)}
+    from stablerl.adapters.verl._translate import ACTOR_KEYS
+
+    registered = set(adapter.VERL_NAMES["policy_loss"].values())
+    assert {"vanilla", "m2po"} <= registered or "m2po" not in stablerl.get_registry().names("policy_loss")
     for spec in stablerl.list_algorithms("policy_loss"):
-        if spec.status == stablerl.UNAVAILABLE:
-            continue
         for p in spec.params.field_names():
-            if p in ("clip_ratio_low", "clip_ratio_high", "clip_ratio_c"):
+            if p in ACTOR_KEYS:
                 assert p not in names  # read from the actor config, one place only
-            else:
+            elif spec.name in registered and p not in verl_names:
                 assert p in names, (spec.name, p)
+    # only what can run in verl: losses verl cannot feed (entropy, rollout log-probs...) add no keys
+    owners = adapter.registration_report()["policy_loss_config_fields"]
+    assert all(set(algos) <= registered for algos in owners.values())
+    assert set(owners) == names - verl_names
     cfg = PLC(loss_mode="x")
     assert all(getattr(cfg, n) is None for n in names - verl_names)
     assert cfg.loss_mode == "x" and cfg.clip_cov_ratio == 0.0002  # verl's fields untouched
