@@ -231,7 +231,7 @@ def compute_advantage(
             **{k: v for k, v in inputs.items() if k not in ("entropy", "old_log_prob", "extras")},
         },
     )
-    _check_missing(spec, {**inputs, "index": gid})
+    _check_missing(spec, {**batch.extras, **inputs, "index": gid})
     advantages, returns = spec.fn(batch, params, ctx)
     m = batch.response_mask
     advantages, returns = advantages * m, returns * m

@@ -49,6 +49,9 @@ OPTIONAL_INPUTS: dict[str, str] = {
     "versions": "per-token policy version that generated each token (asynchronous rollout systems)",
     "policy_version": "the current policy version (an integer)",
     "scores": "per-response scalar outcome rewards (labels)",
+    "pos_count": "per-response count of positive samples generated for its prompt over all sampling rounds "
+    "(an adaptive sampler such as Reinforce-Ada's; no framework's stock trainer provides it)",
+    "neg_count": "per-response count of negative samples generated for its prompt over all sampling rounds",
     "router_log_prob": "current-policy router log-probs at the old policy's top-k experts, [B, T, layers, k] (MoE; "
     "stablerl.routing_replay records them)",
     "old_router_log_prob": "old-policy router log-probs at its top-k experts, [B, T, layers, k] (MoE)",

@@ -75,6 +75,7 @@ _WHY_NOT = {
     "versions": "TRL's GRPOTrainer is synchronous: no per-token policy versions",
     "policy_version": "TRL's GRPOTrainer is synchronous: no per-token policy versions",
     "router_log_prob": "TRL's fused LM head drops router logits",
+    "old_router_log_prob": "TRL's fused LM head drops router logits",
     "rollout_log_prob": "needs use_vllm=True and vllm_importance_sampling_correction=True",
     "entropy": "TRL computes entropies only inside _compute_loss, after advantages",
     "old_log_prob": "TRL computes advantages before (and independently of) old log-probs",

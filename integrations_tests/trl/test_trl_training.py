@@ -112,3 +112,25 @@ def test_per_token_advantages_follow_rows_through_trl_shuffles(tmp_path):
         for row, m in zip(adv, mask):
             if m.any():
                 assert torch.allclose(row[m.bool()], row[m.bool()][0].expand(int(m.sum())))
+
+
+def test_moe_router_aux_loss_is_kept(tmp_path):
+    """A stablerl loss on a tiny Qwen3-MoE model: TRL's load-balancing aux loss (on by default for
+    MoE) is still added and logged."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    tok = H.TOKENIZER
+    torch.manual_seed(0)
+    config = Qwen3MoeConfig(
+        vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2,
+        norm_topk_prob=True, tie_word_embeddings=False, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
+        bos_token_id=None, max_position_embeddings=64,
+    )
+    model = Qwen3MoeForCausalLM(config)
+    model.generation_config.pad_token_id, model.generation_config.eos_token_id = tok.pad_token_id, tok.eos_token_id
+    args = GRPOConfig(**H.base_kwargs(tmp_path, loss_type="vanilla"))
+    trainer, rec, initial = H.train(GRPOTrainer, args, model=model, reward=H.binary_digit_reward)
+    assert trainer.aux_loss_enabled
+    _check_run(trainer, rec, initial)
+    assert all(log["aux_loss"] > 0 for log in rec.logs)
