@@ -25,7 +25,7 @@ from .contracts import (
     PolicyLossBatch,
 )
 from .ops import aggregate, as_floats, ensure_same_shape, group_ids
-from .params import MissingInputError, StableRLError, build_params
+from .params import MissingInputError, StableRLError, UnknownNameError, build_params, unknown_name_message
 from .registry import get_registry
 
 _FLOAT_TYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -64,9 +64,17 @@ def _check_missing(spec: AlgorithmSpec, available: dict[str, Any]) -> None:
 
 
 def _check_finite(names, tensors, mask: torch.Tensor) -> None:
-    valid = mask.bool()
-    for name, t in zip(names, tensors):
-        if t is not None and not bool(torch.isfinite(t[valid]).all()):
+    # isfinite(t) | padding over the whole tensor (no boolean-index gather of the valid tokens,
+    # which dominated the loss's cost on CPU), and one host sync for all tensors together
+    present = [(name, t) for name, t in zip(names, tensors) if t is not None]
+    if not present:
+        return
+    padding = ~mask.bool()
+    ok = torch.stack([torch.isfinite(t).logical_or_(padding).all() for _, t in present])
+    if bool(ok.all()):
+        return
+    for (name, _), good in zip(present, ok.tolist()):
+        if not good:
             raise StableRLError(f"{name} has non-finite values (NaN or inf) on tokens where response_mask is 1")
 
 
@@ -240,6 +248,27 @@ def compute_advantage(
     return advantages, returns
 
 
+def _split_extras(spec: AlgorithmSpec, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """Pop the per-response inputs out of ``kwargs`` (the rest are hyper-parameters).
+
+    A keyword must be a hyper-parameter of the algorithm or a known input name
+    (``OPTIONAL_INPUTS``); anything else -- usually a misspelt hyper-parameter -- is an error.
+    Inputs without a registered name travel in an explicit ``extras={...}`` dict.
+    """
+    valid = set(spec.params.field_names())
+    extras = dict(kwargs.pop("extras", None) or {})
+    for key in list(kwargs):
+        if key in valid:
+            continue
+        if key not in OPTIONAL_INPUTS:
+            raise UnknownNameError(
+                unknown_name_message(f"hyper-parameter or input for {spec.name!r}", key, valid | set(OPTIONAL_INPUTS))
+                + " (pass other per-response inputs as extras={...})"
+            )
+        extras[key] = kwargs.pop(key)
+    return extras
+
+
 def shape_rewards(
     name: str, *, scores: torch.Tensor, index: Any, ctx: Optional[Context] = None, **kwargs: Any
 ) -> tuple[torch.Tensor, dict[str, float]]:
@@ -250,8 +279,7 @@ def shape_rewards(
     Returns the shaped rewards ``[B]`` and metrics.
     """
     spec = get_spec(REWARD_SHAPER, name)
-    valid = set(spec.params.field_names())
-    extras = {k: kwargs.pop(k) for k in list(kwargs) if k not in valid}
+    extras = _split_extras(spec, kwargs)
     params = build_params(spec, kwargs)
     if not isinstance(scores, torch.Tensor) or scores.dim() != 1:
         raise StableRLError(f"scores must be a [B] tensor, got {getattr(scores, 'shape', type(scores))}")
@@ -284,12 +312,15 @@ def filter_batch(
     hyper-parameters are keyword arguments.
     """
     spec = get_spec(BATCH_FILTER, name)
-    valid = set(spec.params.field_names())
-    extras = {k: kwargs.pop(k) for k in list(kwargs) if k not in valid}
+    extras = _split_extras(spec, kwargs)
     params = build_params(spec, kwargs)
+    advantages = _as_compute_dtype(advantages.detach())
     if advantages.dim() == 1:
         advantages = advantages.unsqueeze(-1) * response_mask.to(advantages.dtype)
     ensure_same_shape(("response_mask", "entropy"), (response_mask, entropy), advantages.shape)
+    _check_finite(("advantages", "entropy"), (advantages, entropy), response_mask.to(torch.float32))
+    if scores is not None and not bool(torch.isfinite(scores).all()):
+        raise StableRLError("scores has non-finite values (NaN or inf)")
     gid = group_ids(index, n=advantages.shape[0], device=advantages.device)
     batch = FilterBatch(
         advantages=advantages, response_mask=response_mask.to(advantages.dtype), index=gid,

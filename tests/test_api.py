@@ -171,3 +171,16 @@ def test_garbage_on_padding_never_reaches_loss_or_gradient():
     assert torch.isfinite(lp.grad).all() and torch.all(lp.grad[pad] == 0)
     clean, _ = stablerl.compute_policy_loss("vanilla", **b)
     torch.testing.assert_close(loss, clean)
+
+
+def test_shaper_and_filter_keywords_must_be_params_or_known_inputs():
+    scores = torch.tensor([1.0, 0.0, 1.0, 1.0])
+    with pytest.raises(UnknownNameError, match=r"unknown hyper-parameter or input for 'redit' 'scal'.*did you mean 'scale'"):
+        stablerl.shape_rewards("redit", scores=scores, index=[0, 0, 1, 1], scal=0.1)
+    adv = torch.tensor([[1.0, 1.0], [-1.0, -1.0]])
+    with pytest.raises(UnknownNameError, match="pass other per-response inputs as extras"):
+        stablerl.filter_batch("dynamic_sampling", advantages=adv, response_mask=torch.ones(2, 2), index=[0, 0], foo=1)
+    bad = adv.clone()
+    bad[0, 0] = float("nan")
+    with pytest.raises(StableRLError, match="advantages has non-finite values"):
+        stablerl.filter_batch("dynamic_sampling", advantages=bad, response_mask=torch.ones(2, 2), index=[0, 0], scores=scores[:2])

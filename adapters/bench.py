@@ -1,0 +1,506 @@
+"""``stablerl bench``: what stablerl's policy losses cost next to the frameworks' native ones.
+
+For every stablerl loss with a native twin in verl (``vanilla``, ``gspo``, ``gmpo``/``geo_mean``,
+``cispo``, ``sapo``, ``clip_cov``, ``kl_cov``) the bench times forward + backward of ours
+(:func:`stablerl.compute_policy_loss`) and of verl's function (``verl.trainer.ppo.core_algos``,
+called by keyword with a real ``FSDPActorConfig`` holding the same hyper-parameters) on the same
+inputs, interleaved in one process: each repeat times both, in alternating order, and the ratio
+``ours / native`` of that repeat is recorded; min and median over repeats are reported. Every
+other loss is measured the same way against stablerl's ``vanilla`` (its cost relative to plain
+PPO-clip). Without verl only the relative-to-vanilla table is produced.
+
+Memory. On CUDA: peak allocated bytes above the inputs during forward + backward
+(``torch.cuda.max_memory_allocated``). On CPU PyTorch keeps no allocator statistics, so the bench
+counts the bytes the loss keeps alive for backward: every tensor the autograd graph saves
+(``torch.autograd.graph.saved_tensors_hooks``), deduplicated by storage, excluding the input
+tensors themselves. In a training step the loss runs after the model's forward and its saved
+tensors live until backward, so this is the loss's contribution to the step's peak; transient
+temporaries freed inside the forward are not counted (they are on CUDA).
+
+Usage::
+
+    stablerl bench [--quick] [--json] [--out stablerl-bench.md] [--device cpu|cuda] [--dtypes fp32,bf16]
+
+``--json`` prints one JSON object: ``losses.<name>`` has ``baseline`` (``verl:<name>`` or
+``stablerl:vanilla``), ``time_ratio`` and ``mem_ratio`` (worst case over shapes/dtypes of the
+median per-repeat ratio), and the per-case details.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from typing import Any, Callable, Optional
+
+import torch
+
+import stablerl
+from stablerl import POLICY_LOSS
+
+#: stablerl name -> verl 0.9.1 built-in name
+VERL_TWINS = {
+    "vanilla": "vanilla",
+    "gspo": "gspo",
+    "gmpo": "geo_mean",
+    "cispo": "cispo",
+    "sapo": "sapo",
+    "clip_cov": "clip_cov",
+    "kl_cov": "kl_cov",
+}
+
+#: (label, B, T)
+FULL_SHAPES = [("B64xT4096", 64, 4096), ("B4xT65536", 4, 65536)]
+QUICK_SHAPES = [("B16xT1024", 16, 1024)]
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+# ----------------------------------------------------------------------------- inputs
+
+
+def make_inputs(B: int, T: int, dtype: torch.dtype, device: str = "cpu", seed: int = 0, group: int = 8) -> dict:
+    """A verl-style right-padded batch with every optional input a loss may declare.
+
+    Response lengths are uniform in [T/4, T]; ratios cross the clip bounds (log-ratio noise 0.3);
+    advantages are per sequence, broadcast over tokens (GRPO-style), zero on padding.
+    """
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(max(T // 4, 1), T + 1, (B,), generator=g)
+    lengths[0] = T
+    mask = torch.arange(T).unsqueeze(0) < lengths.unsqueeze(1)
+    old = -torch.rand(B, T, generator=g) * 3 - 0.05
+    lp = old + 0.3 * torch.randn(B, T, generator=g)
+    adv = torch.randn(B, 1, generator=g).expand(B, T) * mask
+    rollout = old + 0.05 * torch.randn(B, T, generator=g)
+    entropy = torch.rand(B, T, generator=g) * 2
+    old_entropy = entropy + 0.1 * torch.randn(B, T, generator=g)
+    n_layers, k = 2, 2
+    router_old = -torch.rand(B, T, n_layers, k, generator=g) * 2
+    router = router_old + 0.1 * torch.randn(B, T, n_layers, k, generator=g)
+    f = lambda t: t.to(device=device, dtype=dtype)  # noqa: E731
+    return {
+        "log_prob": f(lp),
+        "old_log_prob": f(old),
+        "advantages": f(adv),
+        "response_mask": mask.to(device),
+        "rollout_log_prob": f(rollout),
+        "entropy": f(entropy),
+        "old_entropy": f(old_entropy),
+        "token_ids": torch.randint(0, 32000, (B, T), generator=g).to(device),
+        "index": torch.arange(B, device=device) // group,
+        "turn_ids": (torch.arange(T).unsqueeze(0).expand(B, T) * 4 // T).to(device),
+        "versions": (4 - torch.randint(0, 3, (B, 1), generator=g)).expand(B, T).contiguous().to(device),
+        "policy_version": 4,
+        "scores": (torch.rand(B, generator=g) > 0.5).float().to(device),
+        "pos_count": torch.randint(0, 8, (B,), generator=g).to(device),
+        "neg_count": torch.randint(0, 8, (B,), generator=g).to(device),
+        "router_log_prob": f(router),
+        "old_router_log_prob": f(router_old),
+    }
+
+
+_BASIC = ("log_prob", "old_log_prob", "advantages", "response_mask")
+
+
+def ours_fn(name: str, inputs: dict, params: Optional[dict] = None, loss_agg_mode: str = "token-mean") -> Callable:
+    """A closure ``() -> (loss, metrics, leaf)`` calling :func:`stablerl.compute_policy_loss`
+    with the loss's declared extra inputs."""
+    spec = stablerl.get_spec(POLICY_LOSS, name)
+    extra = {k: inputs[k] for k in spec.requires}
+    params = dict(params or {})
+
+    def call(lp: torch.Tensor):
+        return stablerl.compute_policy_loss(
+            name,
+            log_prob=lp,
+            old_log_prob=inputs["old_log_prob"],
+            advantages=inputs["advantages"],
+            response_mask=inputs["response_mask"],
+            loss_agg_mode=loss_agg_mode,
+            **extra,
+            **params,
+        )
+
+    return call
+
+
+# ----------------------------------------------------------------------------- verl side
+
+
+def _verl_core_algos():
+    try:
+        from verl.trainer.ppo import core_algos  # noqa: WPS433 - optional dependency
+    except Exception:  # noqa: BLE001 - verl absent or broken: relative table only
+        return None
+    return core_algos
+
+
+def verl_config(stablerl_name: str, loss_agg_mode: str = "token-mean"):
+    """An ``FSDPActorConfig`` holding stablerl's default hyper-parameters for ``stablerl_name``,
+    so the native function computes the same loss (e.g. GSPO's 3e-4/4e-4 clip bounds)."""
+    from verl.workers.config import FSDPActorConfig, PolicyLossConfig
+
+    spec = stablerl.get_spec(POLICY_LOSS, stablerl_name)
+    d = spec.defaults()
+    actor = {k: d[k] for k in ("clip_ratio_low", "clip_ratio_high", "clip_ratio_c", "tau_pos", "tau_neg") if k in d}
+    pl = {k: d[k] for k in ("clip_cov_ratio", "clip_cov_lb", "clip_cov_ub", "kl_cov_ratio", "ppo_kl_coef") if k in d}
+    if actor.get("clip_ratio_c", 3.0) is None:
+        actor.pop("clip_ratio_c")
+    return FSDPActorConfig(
+        strategy="fsdp",
+        rollout_n=1,
+        ppo_micro_batch_size_per_gpu=2,
+        loss_agg_mode=loss_agg_mode,
+        policy_loss=PolicyLossConfig(loss_mode=VERL_TWINS[stablerl_name], **pl),
+        **actor,
+    )
+
+
+def native_fn(core_algos, stablerl_name: str, inputs: dict, loss_agg_mode: str = "token-mean") -> tuple[Callable, dict]:
+    """verl's built-in twin, called by keyword as ``verl.workers.utils.losses.ppo_loss`` does;
+    also returns the stablerl hyper-parameters equal to the config (via the verl adapter's mapping)."""
+    from stablerl.adapters.verl._translate import loss_hyperparameters
+
+    cfg = verl_config(stablerl_name, loss_agg_mode)
+    fn = core_algos.get_policy_loss_fn(VERL_TWINS[stablerl_name])
+
+    def call(lp: torch.Tensor):
+        return fn(
+            old_log_prob=inputs["old_log_prob"],
+            log_prob=lp,
+            advantages=inputs["advantages"],
+            response_mask=inputs["response_mask"],
+            loss_agg_mode=loss_agg_mode,
+            config=cfg,
+            rollout_is_weights=None,
+        )
+
+    return call, loss_hyperparameters(stablerl.get_spec(POLICY_LOSS, stablerl_name), cfg)
+
+
+# ----------------------------------------------------------------------------- measurement
+
+
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def _leaf(inputs: dict) -> torch.Tensor:
+    return inputs["log_prob"].detach().clone().requires_grad_(True)
+
+
+def time_step(call: Callable, inputs: dict, device: str) -> float:
+    """Seconds for one forward (incl. metrics) + backward."""
+    lp = _leaf(inputs)
+    _sync(device)
+    t0 = time.perf_counter()
+    loss = call(lp)[0]
+    loss.backward()
+    _sync(device)
+    return time.perf_counter() - t0
+
+
+def saved_bytes(call: Callable, inputs: dict) -> int:
+    """Bytes of the tensors the autograd graph saves for backward (deduplicated by storage,
+    inputs excluded): what the loss keeps alive between forward and backward."""
+    lp = _leaf(inputs)
+    exclude = {t.untyped_storage().data_ptr() for t in inputs.values() if isinstance(t, torch.Tensor)}
+    exclude.add(lp.untyped_storage().data_ptr())
+    seen: dict[int, int] = {}
+
+    def pack(t: torch.Tensor):
+        try:
+            s = t.untyped_storage()
+            ptr = s.data_ptr()
+            if ptr not in exclude and ptr not in seen:
+                seen[ptr] = s.nbytes()
+        except Exception:  # noqa: BLE001 - e.g. a tensor subclass without storage
+            pass
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = call(lp)[0]
+    total = sum(seen.values()) + loss.numel() * loss.element_size()
+    loss.backward()
+    return total
+
+
+def cuda_peak_bytes(call: Callable, inputs: dict) -> int:
+    """Peak CUDA bytes allocated above the live inputs during forward + backward."""
+    lp = _leaf(inputs)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    loss = call(lp)[0]
+    loss.backward()
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated() - base
+
+
+def compare(ours: Callable, base: Callable, inputs: dict, device: str, repeats: int, warmup: int = 1) -> dict:
+    """Interleaved timing and memory of ``ours`` against ``base`` on the same inputs."""
+    for _ in range(warmup):
+        time_step(ours, inputs, device)
+        time_step(base, inputs, device)
+    t_ours, t_base, ratios = [], [], []
+    for r in range(repeats):
+        if r % 2 == 0:  # alternate the order so neither side always runs on a warm cache
+            a = time_step(ours, inputs, device)
+            b = time_step(base, inputs, device)
+        else:
+            b = time_step(base, inputs, device)
+            a = time_step(ours, inputs, device)
+        t_ours.append(a)
+        t_base.append(b)
+        ratios.append(a / b)
+    mem = cuda_peak_bytes if device.startswith("cuda") else lambda c, i: saved_bytes(c, i)
+    m_ours, m_base = mem(ours, inputs), mem(base, inputs)
+    return {
+        # headline: ratio of the best times (least disturbed by other load); also the median and
+        # min of the per-repeat paired ratios
+        "time_ratio": min(t_ours) / min(t_base),
+        "time_ratio_median": statistics.median(ratios),
+        "time_ratio_min": min(ratios),
+        "ours_ms_min": 1e3 * min(t_ours),
+        "ours_ms_median": 1e3 * statistics.median(t_ours),
+        "base_ms_min": 1e3 * min(t_base),
+        "base_ms_median": 1e3 * statistics.median(t_base),
+        "mem_ratio": m_ours / m_base if m_base else float("nan"),
+        "ours_mem_mb": m_ours / 2**20,
+        "base_mem_mb": m_base / 2**20,
+    }
+
+
+def agreement(ours: Callable, base: Callable, inputs: dict) -> dict:
+    """Loss and gradient difference of the two implementations on the bench inputs."""
+    out = []
+    for call in (ours, base):
+        lp = _leaf(inputs)
+        loss = call(lp)[0]
+        (grad,) = torch.autograd.grad(loss, lp)
+        out.append((loss.detach().double(), grad.double()))
+    (l1, g1), (l2, g2) = out
+    scale = max(float(g2.abs().max()), 1e-30)
+    return {"loss_abs_diff": abs(float(l1 - l2)), "grad_max_rel_diff": float((g1 - g2).abs().max()) / scale}
+
+
+# ----------------------------------------------------------------------------- machine
+
+
+def machine_info(device: str) -> dict:
+    cpu = platform.processor() or ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    cpu = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    info = {
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "stablerl": getattr(stablerl, "__version__", None),
+        "device": device,
+    }
+    try:
+        info["load_avg_1m"] = os.getloadavg()[0]
+    except OSError:
+        pass
+    try:
+        from importlib import metadata
+
+        info["verl"] = metadata.version("verl")
+    except Exception:  # noqa: BLE001
+        info["verl"] = None
+    if device.startswith("cuda"):
+        info["gpu"] = torch.cuda.get_device_name()
+    return info
+
+
+# ----------------------------------------------------------------------------- driver
+
+
+def run(
+    quick: bool = False,
+    device: str = "cpu",
+    dtypes: tuple[str, ...] = ("fp32", "bf16"),
+    shapes: Optional[list] = None,
+    repeats: Optional[int] = None,
+    losses: Optional[list[str]] = None,
+    use_verl: bool = True,
+    log: Callable[[str], None] = lambda s: None,
+) -> dict:
+    """Measure every policy loss; returns the JSON-able result object."""
+    shapes = shapes or (QUICK_SHAPES if quick else FULL_SHAPES)
+    repeats = repeats or (5 if quick else 11)
+    core_algos = _verl_core_algos() if use_verl else None
+    names = [s.name for s in stablerl.list_algorithms(POLICY_LOSS) if s.status != "unavailable" and s.fn is not None]
+    if losses:
+        names = [n for n in names if n in losses]
+    result: dict[str, Any] = {
+        "machine": machine_info(device),
+        "config": {
+            "quick": quick,
+            "repeats": repeats,
+            "shapes": [list(s) for s in shapes],
+            "dtypes": list(dtypes),
+            "loss_agg_mode": "token-mean",
+            "memory_method": "cuda_peak_allocated" if device.startswith("cuda") else "autograd_saved_tensor_bytes",
+            "native": "verl" if core_algos is not None else None,
+        },
+        "losses": {},
+    }
+    if core_algos is None and use_verl:
+        result["note"] = "verl is not installed: only the relative-to-vanilla table (pip install 'stablerl[verl]')"
+    torch.manual_seed(0)
+    for label, B, T in shapes:
+        for dname in dtypes:
+            inputs = make_inputs(B, T, DTYPES[dname], device)
+            case = f"{label}/{dname}"
+            vanilla_ours = ours_fn("vanilla", inputs)
+            for name in names:
+                entry = result["losses"].setdefault(name, {"cases": {}})
+                try:
+                    if core_algos is not None and name in VERL_TWINS:
+                        base, params = native_fn(core_algos, name, inputs)
+                        ours = ours_fn(name, inputs, params)
+                        entry["baseline"] = f"verl:{VERL_TWINS[name]}"
+                        row = compare(ours, base, inputs, device, repeats)
+                        row.update(agreement(ours, base, inputs))
+                    else:
+                        ours = ours_fn(name, inputs)
+                        entry["baseline"] = "stablerl:vanilla"
+                        row = compare(ours, vanilla_ours, inputs, device, repeats)
+                except Exception as e:  # noqa: BLE001 - one broken loss must not stop the bench
+                    row = {"error": f"{type(e).__name__}: {e}"}
+                entry["cases"][case] = row
+                log(f"{case:<22} {name:<14} " + (
+                    f"time x{row['time_ratio']:.2f} (paired median x{row['time_ratio_median']:.2f})  mem x{row['mem_ratio']:.2f}  "
+                    f"vs {entry['baseline']}" if "error" not in row else row["error"]))
+            del inputs
+    for entry in result["losses"].values():
+        ok = [c for c in entry["cases"].values() if "error" not in c]
+        entry["time_ratio"] = max((c["time_ratio"] for c in ok), default=None)
+        entry["mem_ratio"] = max((c["mem_ratio"] for c in ok), default=None)
+    return result
+
+
+def markdown(result: dict) -> str:
+    """Two tables: against the native twin, and relative to vanilla."""
+    m = result["machine"]
+    cfg = result["config"]
+    lines = [
+        f"Machine: {m.get('cpu')} ({m.get('cores')} cores, {m.get('torch_threads')} torch threads"
+        + (f", load {m['load_avg_1m']:.1f}" if "load_avg_1m" in m else "")
+        + f"), device {m['device']}" + (f" ({m['gpu']})" if m.get("gpu") else "")
+        + f", torch {m['torch']}, verl {m.get('verl')}.",
+        f"Repeats: {cfg['repeats']} interleaved pairs per case (order alternating). Time ratio = best ours / best "
+        f"baseline; paired ratio = ours / baseline within one repeat, median [min] over repeats. "
+        f"Memory: {cfg['memory_method']}; ratio = ours / baseline.",
+        "",
+    ]
+    twins = {n: e for n, e in result["losses"].items() if e.get("baseline", "").startswith("verl:")}
+    rel = {n: e for n, e in result["losses"].items() if not e.get("baseline", "").startswith("verl:")}
+
+    def table(entries: dict, title: str, agree: bool) -> None:
+        if not entries:
+            return
+        lines.append(f"### {title}")
+        lines.append("")
+        head = "| loss | baseline | case | time ratio (best/best) | paired ratio median [min] | ours ms best (median) | base ms best (median) | mem ratio | ours MiB | base MiB |"
+        sep = "|---|---|---|---|---|---|---|---|---|---|"
+        if agree:
+            head += " loss diff | grad rel diff |"
+            sep += "---|---|"
+        lines.extend([head, sep])
+        for name, e in entries.items():
+            for case, c in e["cases"].items():
+                if "error" in c:
+                    lines.append(f"| {name} | {e.get('baseline', '-')} | {case} | error: {c['error'][:80]} |")
+                    continue
+                row = (
+                    f"| {name} | {e['baseline']} | {case} | {c['time_ratio']:.2f} | {c['time_ratio_median']:.2f} [{c['time_ratio_min']:.2f}] | "
+                    f"{c['ours_ms_min']:.1f} ({c['ours_ms_median']:.1f}) | {c['base_ms_min']:.1f} ({c['base_ms_median']:.1f}) | "
+                    f"{c['mem_ratio']:.2f} | {c['ours_mem_mb']:.1f} | {c['base_mem_mb']:.1f} |"
+                )
+                if agree:
+                    row += f" {c['loss_abs_diff']:.1e} | {c['grad_max_rel_diff']:.1e} |"
+                lines.append(row)
+        lines.append("")
+
+    table(twins, "Against the native twin (verl)", True)
+    table(rel, "Relative to stablerl's vanilla (no native twin" + ("" if twins else ", or verl not installed") + ")", False)
+    return "\n".join(lines)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="stablerl bench", description=__doc__.split("\n\n")[0])
+    add_arguments(p)
+    return p
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--quick", action="store_true", help="small shapes, 5 repeats (about 2 minutes on 2 cores)")
+    p.add_argument("--json", action="store_true", help="print the result as one JSON object")
+    p.add_argument("--out", default="stablerl-bench.md", help="markdown table to write ('-' for none)")
+    p.add_argument("--device", default="cpu", help="cpu or cuda")
+    p.add_argument("--dtypes", default="fp32,bf16", help="comma-separated subset of fp32,bf16")
+    p.add_argument("--losses", default=None, help="comma-separated loss names (default: all)")
+    p.add_argument("--repeats", type=int, default=None)
+    p.add_argument("--shape", action="append", default=None, metavar="BxT", help="e.g. 64x4096 (repeatable)")
+    p.add_argument("--no-verl", action="store_true", help="skip the native comparison even if verl is installed")
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch CPU threads (default 1: on a shared machine, multi-threaded elementwise ops "
+                   "wait for descheduled threads and time noise swamps the ratios; 0 keeps torch's default)")
+
+
+def main(argv: Optional[list[str]] = None, args: Optional[argparse.Namespace] = None) -> int:
+    args = args or build_parser().parse_args(argv)
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        print("stablerl bench: CUDA is not available", file=sys.stderr)
+        return 2
+    if args.threads > 0:
+        torch.set_num_threads(args.threads)
+    shapes = None
+    if args.shape:
+        shapes = []
+        for s in args.shape:
+            b, t = (int(x) for x in s.lower().split("x"))
+            shapes.append((f"B{b}xT{t}", b, t))
+    if not args.no_verl and _verl_core_algos() is None:
+        print("stablerl bench: verl is not installed, so there is no native twin to compare with; "
+              "only the relative-to-vanilla table is produced (pip install 'stablerl[verl]')", file=sys.stderr)
+    log = (lambda s: print(s, file=sys.stderr, flush=True)) if args.json else (lambda s: print(s, flush=True))
+    result = run(
+        quick=args.quick,
+        device=args.device,
+        dtypes=tuple(d.strip() for d in args.dtypes.split(",") if d.strip()),
+        shapes=shapes,
+        repeats=args.repeats,
+        losses=args.losses.split(",") if args.losses else None,
+        use_verl=not args.no_verl,
+        log=log,
+    )
+    md = markdown(result)
+    if args.out and args.out != "-":
+        with open(args.out, "w") as f:
+            f.write(md + "\n")
+        result["markdown"] = os.path.abspath(args.out)
+    if args.json:
+        print(json.dumps(result, indent=2, default=str))
+    else:
+        print(md)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
