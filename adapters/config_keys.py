@@ -33,7 +33,8 @@ FEEDABLE_INPUTS = {
         ADVANTAGE_ESTIMATOR: frozenset({"index"}),
     },
     "trl": {
-        POLICY_LOSS: frozenset({"rollout_log_prob", "entropy", "token_ids", "index"}),
+        # rollout_log_prob only with use_vllm=True and vllm_importance_sampling_correction=True
+        POLICY_LOSS: frozenset({"rollout_log_prob", "entropy", "token_ids", "index", "scores"}),
         ADVANTAGE_ESTIMATOR: frozenset({"index"}),
     },
 }
@@ -86,9 +87,11 @@ def config_keys(spec: AlgorithmSpec) -> dict[str, list[str]]:
         out["verl"] = lines
     if "trl" in frameworks:
         key = "loss_type" if spec.kind == POLICY_LOSS else "advantage_estimator"
+        params_key = "stablerl_loss_params" if spec.kind == POLICY_LOSS else "stablerl_advantage_params"
         lines = ["from stablerl.adapters.trl import GRPOTrainer, GRPOConfig", f'GRPOConfig({key}="{trl_name(spec)}", ...)']
         if fields:
             example = ", ".join(f'"{f}": <value>' for f in fields)
-            lines.append(f"GRPOConfig(..., stablerl_params={{{example}}})")
+            lines.append(f"GRPOConfig(..., {params_key}={{{example}}})")
+            lines.append(f"CLI/YAML: --{key} {trl_name(spec)} --{params_key} '{{{example}}}'")
         out["trl"] = lines
     return out

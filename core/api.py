@@ -78,6 +78,22 @@ def _check_finite(names, tensors, mask: torch.Tensor) -> None:
             raise StableRLError(f"{name} has non-finite values (NaN or inf) on tokens where response_mask is 1")
 
 
+def _check_finite_cleaned(names, tensors) -> None:
+    """Like :func:`_check_finite` for tensors already zeroed on padding (``clean``): min and max
+    propagate NaN and +-inf, so one read pass per tensor (``aminmax``, no temporary mask) and one
+    host sync find a non-finite value on a valid token."""
+    present = [(name, t) for name, t in zip(names, tensors) if t is not None and t.numel() > 0]
+    if not present:
+        return
+    extremes = torch.stack([torch.stack(torch.aminmax(t)).double() for _, t in present])
+    ok = torch.isfinite(extremes).all(-1)
+    if bool(ok.all()):
+        return
+    for (name, _), good in zip(present, ok.tolist()):
+        if not good:
+            raise StableRLError(f"{name} has non-finite values (NaN or inf) on tokens where response_mask is 1")
+
+
 def compute_policy_loss(
     name: str,
     *,
@@ -143,12 +159,6 @@ def compute_policy_loss(
     for k in ("old_entropy", "token_ids", "turn_ids", "versions", "is_weights"):
         ensure_same_shape((k,), (inputs.get(k),), shape)
     mask = response_mask.to(torch.float32)
-    if check_finite:
-        _check_finite(
-            ("log_prob", "old_log_prob", "advantages", "rollout_log_prob"),
-            (log_prob.detach(), old_log_prob, advantages, rollout_log_prob),
-            mask,
-        )
     index = inputs.get("index")
     if index is not None:
         index = group_ids(index, n=shape[0], device=log_prob.device)
@@ -181,6 +191,11 @@ def compute_policy_loss(
         is_weights=None if inputs.get("is_weights") is None else _as_compute_dtype(inputs["is_weights"].detach()),
         loss_agg_mode=loss_agg_mode,
     )
+    if check_finite:
+        _check_finite_cleaned(
+            ("log_prob", "old_log_prob", "advantages", "rollout_log_prob"),
+            (batch.log_prob.detach(), batch.old_log_prob, batch.advantages, batch.rollout_log_prob),
+        )
     _check_missing(spec, {**inputs, "rollout_log_prob": rollout_log_prob, "entropy": entropy, "index": index})
     correction_metrics: dict[str, Any] = {}
     if correction is not None:

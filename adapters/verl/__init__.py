@@ -80,9 +80,14 @@ def _verl_version() -> str:
 
         return version("verl")
     except Exception:  # noqa: BLE001 - source checkout without metadata
+        import importlib.util
         import sys
 
         verl = sys.modules.get("verl")
+        if verl is None and importlib.util.find_spec("verl") is None:
+            raise ImportError('verl is not installed: pip install "stablerl[verl]"') from None
+        if verl is None:
+            import verl
         return str(getattr(verl, "__version__", "0"))
 
 

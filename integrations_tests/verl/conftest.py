@@ -5,11 +5,14 @@ Run: ``python -m pytest integrations_tests/verl -q -p no:cacheprovider --import-
 
 from __future__ import annotations
 
+import importlib.util
+
 import numpy as np
 import pytest
 import torch
 
-pytest.importorskip("verl")
+if importlib.util.find_spec("verl") is None:  # not the verl environment: nothing to run here
+    collect_ignore_glob = ["test_*.py"]
 
 
 @pytest.fixture(scope="session")

@@ -228,3 +228,13 @@ def test_registration_report_shape(adapter):
     assert {"kind", "verl_name", "stablerl_name", "live"} <= set(r["registered"][0])
     assert all({"kind", "name", "reason"} <= set(s) for s in r["skipped"])
     json.dumps(r)  # serialisable for `stablerl doctor`
+
+
+def test_names_agree_with_the_documented_rule(adapter):
+    """`stablerl describe` / the generated docs name verl keys via stablerl.adapters.config_keys."""
+    config_keys = pytest.importorskip("stablerl.adapters.config_keys")
+    by_algo: dict = {}
+    for r in adapter.registration_report()["registered"]:
+        by_algo.setdefault((r["kind"], r["stablerl_name"]), set()).add(r["verl_name"])
+    for (kind, name), verl_names in by_algo.items():
+        assert set(config_keys.verl_names(stablerl.get_spec(kind, name))) == verl_names, name

@@ -1,0 +1,476 @@
+"""stablerl in OpenRLHF 0.11.2: every stablerl policy loss and advantage estimator behind OpenRLHF's flags.
+
+OpenRLHF has no registry, no entry point and no import hook, and its loss and advantage code run
+inside Ray actors. This adapter therefore patches, in every Ray worker that owns that code:
+
+* ``openrlhf.trainer.ray.ppo_actor.ActorPPOTrainer.__init__``: after OpenRLHF built its
+  ``PolicyLoss``, a stablerl ``--actor.policy_loss_type`` replaces ``self.actor_loss_fn`` by a
+  :class:`StablePolicyLoss` built from the same flags (a subclass of OpenRLHF's ``PolicyLoss``,
+  same constructor kwargs, same keyword call, same 5-tuple);
+* ``openrlhf.trainer.ppo_utils.experience_maker.RemoteExperienceMaker.compute_advantages_and_returns``:
+  a stablerl ``--algo.advantage.estimator`` computes the baseline-shaped advantages, then
+  OpenRLHF's own KL-in-reward, reward clip and cumulative return run after it; OpenRLHF's names go
+  to OpenRLHF's method untouched.
+
+OpenRLHF's built-in names (``ppo``, ``gspo``; ``gae``, ``reinforce``, ``rloo``,
+``reinforce_baseline``, ``group_norm``, ``dr_grpo``, ``flash_reinforce``) keep OpenRLHF's code.
+A stablerl algorithm whose name collides is reachable as ``stablerl_<name>`` (``stablerl_gspo``,
+``stablerl_rloo``, ``stablerl_dr_grpo``); every stablerl name is also accepted with the prefix.
+
+How the patches reach the workers (nothing is patched in the driver except the CLI parser):
+
+* ``python -m stablerl.adapters.openrlhf.train_ppo_ray <OpenRLHF flags>``: the wrapper CLI adds
+  ``worker_process_setup_hook="stablerl.adapters.openrlhf.setup"`` to the ``runtime_env`` of
+  OpenRLHF's ``ray.init``;
+* no wrapper: ``RAY_RUNTIME_ENV_HOOK=stablerl.adapters.openrlhf.add_setup_hook`` in the driver's
+  environment (selection by ``STABLERL_POLICY_LOSS`` / ``STABLERL_ADVANTAGE_ESTIMATOR`` env vars),
+  or a job-level ``runtime_env`` with that setup hook (``ray job submit``).
+
+:func:`setup` is light: it imports no OpenRLHF module; a ``sys.meta_path`` post-import hook applies
+each patch when (and if) the worker imports the module that owns the patched class. The patches
+are reversible (:func:`remove`) and applied once per process (:func:`apply` is idempotent).
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.abc
+import importlib.machinery
+import json
+import os
+import re
+import sys
+import threading
+import warnings
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+#: The OpenRLHF versions this adapter supports: 0.11.2 changed PolicyLoss's IS-correction kwargs,
+#: its 5-tuple return and the ``--algo.advantage.is_correction_*`` flags.
+SUPPORTED_OPENRLHF = ">=0.11.2,<0.11.3"
+_MIN, _MAX = (0, 11, 2), (0, 11, 3)
+PREFIX = "stablerl_"
+
+#: OpenRLHF 0.11.2's own names (argparse choices of ``openrlhf/cli/train_ppo_ray.py``).
+OPENRLHF_POLICY_LOSSES = ("ppo", "gspo")
+OPENRLHF_ADV_ESTIMATORS = ("gae", "reinforce", "rloo", "reinforce_baseline", "group_norm", "dr_grpo", "flash_reinforce")
+
+#: Inputs the adapter can hand to a stablerl algorithm. ``rollout_log_prob`` exists only while
+#: ``--algo.advantage.is_correction_level`` is not ``off`` (OpenRLHF requests vLLM log-probs then).
+FEEDABLE_LOSS_INPUTS = frozenset({"rollout_log_prob"})
+FEEDABLE_ADVANTAGE_INPUTS = frozenset({"index"})
+_WHY_NOT = {
+    "rollout_log_prob": "set --algo.advantage.is_correction_level token|seq (OpenRLHF requests vLLM log-probs only then)",
+    "entropy": "OpenRLHF's loss call site passes no entropy",
+    "old_entropy": "OpenRLHF computes no entropy in its old-log-prob pass",
+    "token_ids": "OpenRLHF's loss call site passes no token ids",
+    "index": "OpenRLHF's loss call site passes no group ids",
+    "scores": "OpenRLHF's loss call site passes no per-response rewards",
+}
+
+#: Environment variables of the no-wrapper route (forwarded to every worker by add_setup_hook).
+ENV_POLICY_LOSS = "STABLERL_POLICY_LOSS"
+ENV_POLICY_LOSS_PARAMS = "STABLERL_POLICY_LOSS_PARAMS"
+ENV_ADVANTAGE = "STABLERL_ADVANTAGE_ESTIMATOR"
+ENV_ADVANTAGE_PARAMS = "STABLERL_ADVANTAGE_PARAMS"
+ENV_CHAINED_SETUP_HOOK = "STABLERL_CHAINED_SETUP_HOOK"
+ENV_PREVIOUS_RUNTIME_ENV_HOOK = "STABLERL_PREVIOUS_RAY_RUNTIME_ENV_HOOK"
+_FORWARDED_ENV = (ENV_POLICY_LOSS, ENV_POLICY_LOSS_PARAMS, ENV_ADVANTAGE, ENV_ADVANTAGE_PARAMS, ENV_CHAINED_SETUP_HOOK)
+SETUP_HOOK = "stablerl.adapters.openrlhf.setup"
+
+_ACTOR_MODULE = "openrlhf.trainer.ray.ppo_actor"
+_MAKER_MODULE = "openrlhf.trainer.ppo_utils.experience_maker"
+
+
+class UnsupportedOpenRLHFVersionError(ImportError):
+    """The installed OpenRLHF is outside :data:`SUPPORTED_OPENRLHF`."""
+
+
+# ----------------------------------------------------------------------------- version guard
+
+
+def _version_tuple(text: str) -> tuple[int, int, int]:
+    nums = [int(x) for x in re.findall(r"\d+", text.split("+")[0])[:3]]
+    return tuple((nums + [0, 0, 0])[:3])  # type: ignore[return-value]
+
+
+def openrlhf_version() -> Optional[str]:
+    """The installed OpenRLHF version (distribution metadata; imports nothing), or None."""
+    try:
+        from importlib.metadata import PackageNotFoundError, version
+    except ImportError:  # pragma: no cover
+        return None
+    try:
+        return version("openrlhf")
+    except PackageNotFoundError:
+        return None
+
+
+def check_openrlhf(found: Optional[str] = None) -> str:
+    """Raise :class:`UnsupportedOpenRLHFVersionError` unless OpenRLHF is in :data:`SUPPORTED_OPENRLHF`."""
+    found = found if found is not None else openrlhf_version()
+    if found is None:
+        raise UnsupportedOpenRLHFVersionError(
+            f"stablerl.adapters.openrlhf needs OpenRLHF (openrlhf{SUPPORTED_OPENRLHF}), which is not installed: "
+            f"pip install 'openrlhf{SUPPORTED_OPENRLHF}'"
+        )
+    if not (_MIN <= _version_tuple(found) < _MAX):
+        raise UnsupportedOpenRLHFVersionError(
+            f"stablerl.adapters.openrlhf supports openrlhf{SUPPORTED_OPENRLHF} (0.11.2 only), found openrlhf {found}. "
+            "OpenRLHF 0.11.2 changed PolicyLoss (is_correction_* kwargs, 5-value return) and its CLI flags; "
+            f"install a supported version: pip install 'openrlhf{SUPPORTED_OPENRLHF}'"
+        )
+    return found
+
+
+def _check_policy_loss_api(policy_loss_cls) -> None:
+    import inspect
+
+    params = inspect.signature(policy_loss_cls.__init__).parameters
+    needed = ("clip_eps_low", "clip_eps_high", "dual_clip", "token_level_loss", "policy_loss_type", "is_correction_level",
+              "is_correction_mode", "is_correction_gating", "is_correction_threshold")
+    missing = [p for p in needed if p not in params]
+    fwd = inspect.signature(policy_loss_cls.forward).parameters
+    missing += [f"forward({p})" for p in ("rollout_log_probs", "dp_size", "batch_num_tokens", "global_batch_size")
+                if p not in fwd]
+    if missing:
+        raise UnsupportedOpenRLHFVersionError(
+            f"OpenRLHF's PolicyLoss lacks {missing}; stablerl.adapters.openrlhf supports openrlhf{SUPPORTED_OPENRLHF}"
+        )
+
+
+# ----------------------------------------------------------------------------- names and selection
+
+
+def _registry_names(kind: str) -> list[str]:
+    import stablerl
+
+    return [s.name for s in stablerl.list_algorithms(kind) if s.status != stablerl.UNAVAILABLE]
+
+
+def _feedable(kind: str) -> frozenset:
+    from stablerl.contracts import POLICY_LOSS
+
+    return FEEDABLE_LOSS_INPUTS if kind == POLICY_LOSS else FEEDABLE_ADVANTAGE_INPUTS
+
+
+def openrlhf_choices(kind: str) -> list[str]:
+    """The names the wrapper's argparse lists: OpenRLHF's, then every stablerl algorithm OpenRLHF
+    can feed (bare where free, ``stablerl_<name>`` where OpenRLHF has the same name)."""
+    import stablerl
+
+    builtins = OPENRLHF_POLICY_LOSSES if kind == stablerl.POLICY_LOSS else OPENRLHF_ADV_ESTIMATORS
+    out = list(builtins)
+    for spec in stablerl.list_algorithms(kind):
+        if spec.status == stablerl.UNAVAILABLE or not set(spec.requires) <= _feedable(kind):
+            continue
+        out.append(PREFIX + spec.name if spec.name in builtins else spec.name)
+    return out
+
+
+def resolve(kind: str, name: Optional[str]) -> Optional[str]:
+    """The stablerl algorithm ``name`` selects, or None for an OpenRLHF built-in (or None).
+
+    Unknown names raise :class:`stablerl.UnknownNameError` listing the valid ones.
+    """
+    import stablerl
+    from stablerl.params import UnknownNameError, unknown_name_message
+
+    if name is None:
+        return None
+    builtins = OPENRLHF_POLICY_LOSSES if kind == stablerl.POLICY_LOSS else OPENRLHF_ADV_ESTIMATORS
+    if name in builtins:
+        return None
+    bare = name[len(PREFIX):] if name.startswith(PREFIX) else name
+    registered = stablerl.get_registry().names(kind)
+    if bare not in registered:
+        what = "--actor.policy_loss_type" if kind == stablerl.POLICY_LOSS else "--algo.advantage.estimator"
+        raise UnknownNameError(unknown_name_message(what, name, openrlhf_choices(kind)))
+    spec = stablerl.get_spec(kind, bare)  # raises for 'unavailable' entries, with the reason
+    missing = [r for r in spec.requires if r not in _feedable(kind)]
+    if missing:
+        reasons = "; ".join(f"{m}: {_WHY_NOT.get(m, 'not provided by OpenRLHF')}" for m in missing)
+        raise stablerl.MissingInputError(f"{kind.replace('_', ' ')} {bare!r} needs input(s) OpenRLHF cannot provide ({reasons})")
+    return bare
+
+
+def parse_params(value: Any, flag: str) -> dict[str, Any]:
+    """Hyper-parameters from the CLI: ``KEY=VALUE`` items (VALUE read as JSON, else a string) or
+    one JSON object; a dict passes through."""
+    from stablerl.params import StableRLError
+
+    if value is None or value == "" or value == []:
+        return {}
+    if isinstance(value, dict):
+        return dict(value)
+    items = [value] if isinstance(value, str) else list(value)
+    if len(items) == 1 and items[0].lstrip().startswith("{"):
+        try:
+            out = json.loads(items[0])
+        except json.JSONDecodeError as e:
+            raise StableRLError(f"{flag}: not a JSON object ({e}): {items[0]!r}") from None
+        if not isinstance(out, dict):
+            raise StableRLError(f"{flag}: expected a JSON object, got {items[0]!r}")
+        return out
+    out: dict[str, Any] = {}
+    for item in items:
+        key, sep, raw = item.partition("=")
+        if not sep or not key:
+            raise StableRLError(f"{flag}: expected KEY=VALUE items (e.g. m2_threshold=0.04), got {item!r}")
+        try:
+            out[key.strip()] = json.loads(raw)
+        except json.JSONDecodeError:
+            out[key.strip()] = raw
+    return out
+
+
+@dataclass
+class Selection:
+    """What the user selected: stablerl names (None: OpenRLHF's own) and their hyper-parameters.
+
+    The wrapper CLI attaches one to OpenRLHF's args as ``args.stablerl``; it travels to every model
+    actor inside the pickled ``DeepspeedStrategy``."""
+
+    policy_loss: Optional[str] = None
+    policy_loss_params: dict = field(default_factory=dict)
+    advantage_estimator: Optional[str] = None
+    advantage_params: dict = field(default_factory=dict)
+
+    def validate(self) -> "Selection":
+        """Build the Params now so a bad key or value fails in the driver, not in a worker."""
+        import stablerl
+        from stablerl.params import build_params
+
+        if self.policy_loss is not None:
+            build_params(stablerl.get_spec(stablerl.POLICY_LOSS, self.policy_loss), self.policy_loss_params)
+        elif self.policy_loss_params:
+            raise stablerl.StableRLError("stablerl loss hyper-parameters given, but --actor.policy_loss_type is an OpenRLHF built-in")
+        if self.advantage_estimator is not None:
+            build_params(stablerl.get_spec(stablerl.ADVANTAGE_ESTIMATOR, self.advantage_estimator), self.advantage_params)
+        elif self.advantage_params:
+            raise stablerl.StableRLError(
+                "stablerl advantage hyper-parameters given, but --algo.advantage.estimator is an OpenRLHF built-in"
+            )
+        return self
+
+
+def selection_from_args(args) -> Selection:
+    """The selection for OpenRLHF ``args``: ``args.stablerl`` (wrapper), else the STABLERL_* env vars
+    (no-wrapper route), else the flag values themselves."""
+    import stablerl
+
+    sel = getattr(args, "stablerl", None)
+    if isinstance(sel, Selection):
+        return sel
+    if isinstance(sel, dict):
+        return Selection(**sel)
+    env_loss, env_adv = os.environ.get(ENV_POLICY_LOSS), os.environ.get(ENV_ADVANTAGE)
+    loss_name = env_loss or getattr(getattr(args, "actor", None), "policy_loss_type", None)
+    adv_name = env_adv or getattr(getattr(getattr(args, "algo", None), "advantage", None), "estimator", None)
+    return Selection(
+        policy_loss=resolve(stablerl.POLICY_LOSS, loss_name),
+        policy_loss_params=parse_params(os.environ.get(ENV_POLICY_LOSS_PARAMS), ENV_POLICY_LOSS_PARAMS) if env_loss else {},
+        advantage_estimator=resolve(stablerl.ADVANTAGE_ESTIMATOR, adv_name),
+        advantage_params=parse_params(os.environ.get(ENV_ADVANTAGE_PARAMS), ENV_ADVANTAGE_PARAMS) if env_adv else {},
+    )
+
+
+# ----------------------------------------------------------------------------- patches
+
+_LOCK = threading.RLock()
+_ORIGINALS: dict[str, tuple[Any, str, Any]] = {}  # key -> (owner, attribute, original)
+_PATCH_MARK = "__stablerl_openrlhf_patch__"
+
+
+def _set_patch(key: str, owner: Any, attr: str, new: Any) -> None:
+    with _LOCK:
+        current = owner.__dict__.get(attr) if isinstance(owner, type) else getattr(owner, attr)
+        if getattr(current, _PATCH_MARK, False) or key in _ORIGINALS:
+            return  # once per process
+        setattr(new, _PATCH_MARK, True)
+        _ORIGINALS[key] = (owner, attr, current)
+        setattr(owner, attr, new)
+
+
+def _patch_actor_module(module) -> None:
+    """Wrap ``ActorPPOTrainer.__init__``: a stablerl policy_loss_type replaces the loss it built."""
+    check_openrlhf()
+    _check_policy_loss_api(module.PolicyLoss)
+    cls = module.ActorPPOTrainer
+    original = cls.__dict__["__init__"]
+
+    def __init__(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        sel = selection_from_args(self.args)
+        if sel.policy_loss is not None:
+            from ._loss import build_policy_loss
+
+            self.actor_loss_fn = build_policy_loss(self.args, sel, strategy=self.strategy)
+
+    __init__.__wrapped__ = original
+    __init__.__doc__ = original.__doc__
+    _set_patch("ActorPPOTrainer.__init__", cls, "__init__", __init__)
+
+
+def _patch_maker_module(module) -> None:
+    """Wrap ``RemoteExperienceMaker.compute_advantages_and_returns`` (OpenRLHF names delegate)."""
+    check_openrlhf()
+    cls = module.RemoteExperienceMaker
+    original = cls.__dict__["compute_advantages_and_returns"]
+
+    def compute_advantages_and_returns(self, experiences):
+        sel = selection_from_args(self.strategy.args)
+        if sel.advantage_estimator is None:
+            return original(self, experiences)
+        from ._advantage import stable_advantages_and_returns
+
+        return stable_advantages_and_returns(self, experiences, sel)
+
+    compute_advantages_and_returns.__wrapped__ = original
+    compute_advantages_and_returns.__doc__ = original.__doc__
+    _set_patch("RemoteExperienceMaker.compute_advantages_and_returns", cls, "compute_advantages_and_returns",
+               compute_advantages_and_returns)
+
+
+_PATCHERS = {_ACTOR_MODULE: _patch_actor_module, _MAKER_MODULE: _patch_maker_module}
+
+
+class _PatchingLoader(importlib.abc.Loader):
+    def __init__(self, loader, patcher):
+        self._loader, self._patcher = loader, patcher
+
+    def create_module(self, spec):
+        return self._loader.create_module(spec)
+
+    def exec_module(self, module):
+        self._loader.exec_module(module)
+        self._patcher(module)
+
+
+class _PostImportHook(importlib.abc.MetaPathFinder):
+    """Applies the patch of a target module right after the module is executed (nothing else)."""
+
+    def find_spec(self, fullname, path, target=None):
+        patcher = _PATCHERS.get(fullname)
+        if patcher is None:
+            return None
+        for finder in sys.meta_path:
+            if finder is self or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(fullname, path, target)
+            if spec is not None:
+                if spec.loader is not None and hasattr(spec.loader, "exec_module"):
+                    spec.loader = _PatchingLoader(spec.loader, patcher)
+                return spec
+        return None
+
+
+_HOOK: Optional[_PostImportHook] = None
+
+
+def setup() -> None:
+    """Ray ``worker_process_setup_hook``: arm the patches in this process (imports no OpenRLHF).
+
+    Modules already imported are patched now; the others when (and if) they are imported. Safe to
+    call many times. Also runs ``$STABLERL_CHAINED_SETUP_HOOK`` (a user's own setup hook)."""
+    global _HOOK
+    found = openrlhf_version()
+    if found is not None:
+        check_openrlhf(found)
+    with _LOCK:
+        if _HOOK is None:
+            _HOOK = _PostImportHook()
+            sys.meta_path.insert(0, _HOOK)
+        for name, patcher in _PATCHERS.items():
+            if name in sys.modules:
+                patcher(sys.modules[name])
+    chained = os.environ.get(ENV_CHAINED_SETUP_HOOK)
+    if chained and chained != SETUP_HOOK and not getattr(setup, "_chained_done", False):
+        setup._chained_done = True  # type: ignore[attr-defined]
+        _load_callable(chained)()
+
+
+def apply() -> None:
+    """Import OpenRLHF's modules and patch them now (heavy: ``import openrlhf.models``); idempotent."""
+    check_openrlhf()
+    setup()
+    for name in _PATCHERS:
+        importlib.import_module(name)  # the post-import hook (or setup above) patches it
+
+
+def remove() -> None:
+    """Undo every patch and disarm the import hook (the exact original attributes come back)."""
+    global _HOOK
+    with _LOCK:
+        for owner, attr, original in _ORIGINALS.values():
+            setattr(owner, attr, original)
+        _ORIGINALS.clear()
+        if _HOOK is not None:
+            try:
+                sys.meta_path.remove(_HOOK)
+            except ValueError:
+                pass
+            _HOOK = None
+
+
+def is_applied() -> dict[str, bool]:
+    """Which patches are in place in this process."""
+    return {key: True for key in _ORIGINALS} | {
+        k: False for k in ("ActorPPOTrainer.__init__", "RemoteExperienceMaker.compute_advantages_and_returns")
+        if k not in _ORIGINALS
+    }
+
+
+# ----------------------------------------------------------------------------- Ray runtime_env
+
+
+def _load_callable(path: str):
+    module, _, attr = path.rpartition(".")
+    if not module:
+        raise ValueError(f"expected 'module.function', got {path!r}")
+    return getattr(importlib.import_module(module), attr)
+
+
+def add_setup_hook(runtime_env: Optional[dict] = None) -> dict:
+    """A ``RAY_RUNTIME_ENV_HOOK``: ``runtime_env`` plus the stablerl worker setup hook.
+
+    Also forwards the STABLERL_* selection variables to every worker, keeps a user's own
+    ``worker_process_setup_hook`` (chained through ``$STABLERL_CHAINED_SETUP_HOOK``) and calls a
+    previous ``RAY_RUNTIME_ENV_HOOK`` saved in ``$STABLERL_PREVIOUS_RAY_RUNTIME_ENV_HOOK``."""
+    previous = os.environ.get(ENV_PREVIOUS_RUNTIME_ENV_HOOK)
+    if previous and previous != "stablerl.adapters.openrlhf.add_setup_hook":
+        runtime_env = _load_callable(previous)(runtime_env)
+    env = dict(runtime_env or {})
+    existing = env.get("worker_process_setup_hook")
+    env_vars = dict(env.get("env_vars") or {})
+    if existing and existing != SETUP_HOOK:
+        if not isinstance(existing, str):
+            raise ValueError(
+                "runtime_env already has a callable worker_process_setup_hook; give it as a 'module.function' "
+                "string so stablerl can chain it"
+            )
+        env_vars[ENV_CHAINED_SETUP_HOOK] = existing
+    env["worker_process_setup_hook"] = SETUP_HOOK
+    for key in _FORWARDED_ENV:
+        if key in os.environ and key not in env_vars:
+            env_vars[key] = os.environ[key]
+    if env_vars:
+        env["env_vars"] = env_vars
+    return env
+
+
+def __getattr__(name: str):
+    # StablePolicyLoss subclasses OpenRLHF's PolicyLoss, whose import is heavy (openrlhf.models):
+    # build it on first access only, so `setup` stays light.
+    if name == "StablePolicyLoss":
+        from ._loss import StablePolicyLoss
+
+        return StablePolicyLoss
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+__all__ = [
+    "SUPPORTED_OPENRLHF", "OPENRLHF_POLICY_LOSSES", "OPENRLHF_ADV_ESTIMATORS", "PREFIX", "Selection",
+    "UnsupportedOpenRLHFVersionError", "check_openrlhf", "openrlhf_choices", "resolve", "parse_params",
+    "selection_from_args", "setup", "apply", "remove", "is_applied", "add_setup_hook", "StablePolicyLoss",
+]

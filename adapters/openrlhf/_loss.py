@@ -1,0 +1,215 @@
+"""StablePolicyLoss: OpenRLHF's PolicyLoss with a stablerl policy loss in its place.
+
+Imported only inside OpenRLHF's actor worker (or by tests): it imports ``openrlhf.models.loss``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+
+import stablerl
+from stablerl.params import StableRLError
+
+from . import PREFIX, OPENRLHF_POLICY_LOSSES, Selection, check_openrlhf, resolve, _check_policy_loss_api
+
+from openrlhf.models.loss import PolicyLoss  # noqa: E402
+from openrlhf.models.utils import masked_mean  # noqa: E402
+
+check_openrlhf()
+_check_policy_loss_api(PolicyLoss)
+
+
+class StablePolicyLoss(PolicyLoss):
+    """OpenRLHF's ``PolicyLoss`` whose ``policy_loss_type`` may be any stablerl policy loss.
+
+    Same constructor kwargs as OpenRLHF's (plus keyword-only ``stablerl_params`` and
+    ``dp_group``), same keyword call ``forward(log_probs, old_log_probs, advantages, action_mask=,
+    rollout_log_probs=, dp_size=, batch_num_tokens=, global_batch_size=)`` and the same 5-tuple
+    ``(loss, clip_ratio, ppo_kl, vllm_kl, is_filter_ratio)``.
+
+    * ``ppo`` / ``gspo`` run OpenRLHF's own ``PolicyLoss.forward`` unchanged.
+    * Any other name calls ``stablerl.compute_policy_loss`` with ``loss_agg_mode`` ``token-mean``
+      (``token_level_loss=True``) or ``seq-mean-token-mean`` and OpenRLHF's normalisers:
+      ``Context(token_count=batch_num_tokens, seq_count=global_batch_size, dp_size=dp_size)``, so
+      the aggregation equals OpenRLHF's ``aggregate_loss``.
+    * OpenRLHF's train/rollout IS correction (``is_correction_level/mode/gating/threshold``) is
+      computed by OpenRLHF's own code (a ``ppo`` PolicyLoss probe: its per-token coefficient is
+      read back as the gradient of the probe at ratio 1) and passed to stablerl as ``is_weights``;
+      ``vllm_kl`` and ``is_filter_ratio`` are OpenRLHF's. ``rollout_log_probs`` is also handed to
+      stablerl losses that declare the ``rollout_log_prob`` input.
+    * ``clip_ratio`` is stablerl's ``pg_clipfrac`` (0 for losses without a clip), ``ppo_kl`` is
+      OpenRLHF's ``masked_mean(old - new)``. All stablerl metrics of the last call are in
+      :attr:`last_metrics`.
+    """
+
+    def __init__(
+        self,
+        clip_eps_low: float = 0.2,
+        clip_eps_high: float = 0.2,
+        dual_clip: float = None,
+        token_level_loss: bool = True,
+        policy_loss_type: str = "ppo",
+        is_correction_level: str = "off",
+        is_correction_mode: str = "mask",
+        is_correction_gating: str = "ratio",
+        is_correction_threshold: list = (0.5, 5.0),
+        *,
+        stablerl_params: Optional[dict] = None,
+        dp_group: Any = None,
+    ) -> None:
+        super().__init__(
+            clip_eps_low=clip_eps_low,
+            clip_eps_high=clip_eps_high,
+            dual_clip=dual_clip,
+            token_level_loss=token_level_loss,
+            policy_loss_type=policy_loss_type,
+            is_correction_level=is_correction_level,
+            is_correction_mode=is_correction_mode,
+            is_correction_gating=is_correction_gating,
+            is_correction_threshold=is_correction_threshold,
+        )
+        self.stablerl_name = resolve(stablerl.POLICY_LOSS, policy_loss_type)
+        self.dp_group = dp_group
+        self.last_metrics: dict[str, float] = {}
+        if self.stablerl_name is None:
+            if stablerl_params:
+                raise StableRLError(f"stablerl_params given for OpenRLHF's built-in policy_loss_type {policy_loss_type!r}")
+            self.stablerl_params: dict = {}
+            return
+        spec = stablerl.get_spec(stablerl.POLICY_LOSS, self.stablerl_name)
+        fields = spec.params.field_names()
+        params: dict[str, Any] = {}
+        # OpenRLHF's clip flags set the stablerl loss's clip fields where it has them (as in verl:
+        # --actor.eps_clip / eps_clip_low_high / dual_clip); explicit stablerl params win.
+        if "clip_ratio_low" in fields:
+            params["clip_ratio_low"] = clip_eps_low
+        if "clip_ratio_high" in fields:
+            params["clip_ratio_high"] = clip_eps_high
+        if "clip_ratio_c" in fields:
+            params["clip_ratio_c"] = dual_clip
+        params.update(stablerl_params or {})
+        from stablerl.params import build_params
+
+        build_params(spec, params)  # fail at construction, not at the first step
+        self.stablerl_params = params
+        if "rollout_log_prob" in spec.requires and is_correction_level == "off":
+            raise stablerl.MissingInputError(
+                f"policy loss {self.stablerl_name!r} needs rollout log-probs: set --algo.advantage.is_correction_level "
+                "token|seq (OpenRLHF requests vLLM log-probs only then)"
+            )
+        # OpenRLHF's own IS-correction code, run on a ppo loss at ratio 1 (see _openrlhf_is_weights)
+        self._is_probe = None
+        if is_correction_level != "off":
+            self._is_probe = PolicyLoss(
+                clip_eps_low=0.2,
+                clip_eps_high=0.2,
+                dual_clip=None,
+                token_level_loss=True,
+                policy_loss_type="ppo",
+                is_correction_level=is_correction_level,
+                is_correction_mode=is_correction_mode,
+                is_correction_gating=is_correction_gating,
+                is_correction_threshold=is_correction_threshold,
+            )
+
+    def _openrlhf_is_weights(self, old_log_probs, rollout_log_probs, mask):
+        """OpenRLHF's per-token IS coefficient, ``vllm_kl`` and ``is_filter_ratio``, by OpenRLHF's code.
+
+        The probe's per-token loss at ratio 1 with advantage -1 is exactly 1, so OpenRLHF's loss is
+        ``sum(coef * mask)`` (token mode, normaliser 1) and its gradient with respect to the
+        log-probs is ``coef`` on valid tokens (coef depends on old/rollout log-probs only)."""
+        dtype = torch.float64 if old_log_probs.dtype == torch.float64 else torch.float32
+        old = old_log_probs.detach().to(dtype)
+        rollout = rollout_log_probs.detach().to(dtype)
+        m = mask.to(dtype)
+        with torch.enable_grad():
+            x = old.clone().requires_grad_(True)
+            probe_loss, _, _, vllm_kl, is_filter_ratio = self._is_probe(
+                x, old, -torch.ones_like(old), action_mask=m, rollout_log_probs=rollout,
+                dp_size=1, batch_num_tokens=torch.ones((), dtype=dtype, device=old.device),
+            )
+            (coef,) = torch.autograd.grad(probe_loss, x)
+        coef = torch.where(mask.bool(), coef, torch.zeros_like(coef))
+        return coef.detach(), vllm_kl.detach(), is_filter_ratio.detach()
+
+    def _context(self, dp_size, batch_num_tokens, global_batch_size):
+        counts_given = batch_num_tokens is not None if self.token_level_loss else global_batch_size is not None
+        kwargs = dict(
+            token_count=batch_num_tokens,
+            seq_count=global_batch_size,
+            # OpenRLHF's aggregate_loss ignores dp_size when it has no global normaliser
+            dp_size=int(dp_size) if counts_given else 1,
+        )
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            return stablerl.torch_distributed_context(self.dp_group, **kwargs)
+        return stablerl.Context(**kwargs)
+
+    def forward(
+        self,
+        log_probs: torch.Tensor,
+        old_log_probs: torch.Tensor,
+        advantages: torch.Tensor,
+        action_mask: Optional[torch.Tensor] = None,
+        rollout_log_probs: Optional[torch.Tensor] = None,
+        dp_size: int = 1,
+        batch_num_tokens: Optional[float] = None,
+        global_batch_size: Optional[float] = None,
+    ):
+        if self.stablerl_name is None:
+            return super().forward(
+                log_probs, old_log_probs, advantages, action_mask=action_mask, rollout_log_probs=rollout_log_probs,
+                dp_size=dp_size, batch_num_tokens=batch_num_tokens, global_batch_size=global_batch_size,
+            )
+        mask = action_mask if action_mask is not None else torch.ones_like(log_probs)
+        is_weights = vllm_kl = is_filter_ratio = None
+        if self._is_probe is not None:
+            if rollout_log_probs is None:
+                raise stablerl.MissingInputError(
+                    f"--algo.advantage.is_correction_level={self.is_correction_level} but the experience has no "
+                    "rollout_log_probs"
+                )
+            is_weights, vllm_kl, is_filter_ratio = self._openrlhf_is_weights(old_log_probs, rollout_log_probs, mask)
+        loss, metrics = stablerl.compute_policy_loss(
+            self.stablerl_name,
+            log_prob=log_probs,
+            old_log_prob=old_log_probs,
+            advantages=advantages,
+            response_mask=mask,
+            rollout_log_prob=rollout_log_probs,
+            is_weights=is_weights,
+            loss_agg_mode="token-mean" if self.token_level_loss else "seq-mean-token-mean",
+            ctx=self._context(dp_size, batch_num_tokens, global_batch_size),
+            **self.stablerl_params,
+        )
+        self.last_metrics = metrics
+        device = log_probs.device
+        clip_ratio = torch.tensor(float(metrics.get("pg_clipfrac", 0.0)), device=device)
+        ppo_kl = masked_mean(-(log_probs - old_log_probs).detach(), mask, dim=None)
+        return loss, clip_ratio, ppo_kl, vllm_kl, is_filter_ratio
+
+
+def build_policy_loss(args, selection: Selection, strategy=None) -> StablePolicyLoss:
+    """The StablePolicyLoss for OpenRLHF ``args`` (the kwargs ``ActorPPOTrainer`` passes its PolicyLoss)."""
+    dp_group = None
+    if strategy is not None and torch.distributed.is_available() and torch.distributed.is_initialized():
+        from openrlhf.utils.loss_utils import _get_dp_group
+
+        dp_group = _get_dp_group(strategy)
+    name = selection.policy_loss
+    if name in OPENRLHF_POLICY_LOSSES:  # a stablerl loss whose name OpenRLHF also uses
+        name = PREFIX + name
+    return StablePolicyLoss(
+        clip_eps_low=args.actor.eps_clip_low_high[0],
+        clip_eps_high=args.actor.eps_clip_low_high[1],
+        dual_clip=args.actor.dual_clip,
+        token_level_loss=args.actor.loss_agg_mode == "token-mean",
+        policy_loss_type=name,
+        is_correction_level=args.algo.advantage.is_correction_level,
+        is_correction_mode=args.algo.advantage.is_correction_mode,
+        is_correction_gating=args.algo.advantage.is_correction_gating,
+        is_correction_threshold=args.algo.advantage.is_correction_threshold,
+        stablerl_params=selection.policy_loss_params,
+        dp_group=dp_group,
+    )
