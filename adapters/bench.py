@@ -55,7 +55,7 @@ VERL_TWINS = {
 
 #: (label, B, T)
 FULL_SHAPES = [("B64xT4096", 64, 4096), ("B4xT65536", 4, 65536)]
-QUICK_SHAPES = [("B16xT1024", 16, 1024)]
+QUICK_SHAPES = [("B32xT2048", 32, 2048)]
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
@@ -341,7 +341,7 @@ def run(
 ) -> dict:
     """Measure every policy loss; returns the JSON-able result object."""
     shapes = shapes or (QUICK_SHAPES if quick else FULL_SHAPES)
-    repeats = repeats or (5 if quick else 11)
+    repeats = repeats or (7 if quick else 15)
     core_algos = _verl_core_algos() if use_verl else None
     names = [s.name for s in stablerl.list_algorithms(POLICY_LOSS) if s.status != "unavailable" and s.fn is not None]
     if losses:
@@ -449,7 +449,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--quick", action="store_true", help="small shapes, 5 repeats (about 2 minutes on 2 cores)")
+    p.add_argument("--quick", action="store_true", help="B=32 T=2048, 7 repeats (about 2 minutes on 2 cores)")
     p.add_argument("--json", action="store_true", help="print the result as one JSON object")
     p.add_argument("--out", default="stablerl-bench.md", help="markdown table to write ('-' for none)")
     p.add_argument("--device", default="cpu", help="cpu or cuda")

@@ -26,10 +26,15 @@ VERL_PREFIX = "stablerl_"
 TRL_BUILTIN_LOSS_TYPES = frozenset({"grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo"})
 TRL_PREFIX = "stablerl_"
 
+# verl actor-config keys a stablerl loss reads (not policy_loss fields): verl's built-ins read them there
+VERL_ACTOR_KEYS = ("clip_ratio_low", "clip_ratio_high", "clip_ratio_c", "tau_pos", "tau_neg")
+
 # Inputs each adapter can hand to an algorithm (beyond log-probs, advantages and the mask).
+# verl 0.9.1's policy-loss call passes none beyond the basic tensors and rollout_is_weights; its
+# estimator call passes the group ids (uid) as index.
 FEEDABLE_INPUTS = {
     "verl": {
-        POLICY_LOSS: frozenset({"rollout_log_prob", "entropy", "old_entropy", "token_ids", "index"}),
+        POLICY_LOSS: frozenset(),
         ADVANTAGE_ESTIMATOR: frozenset({"index"}),
     },
     "trl": {
@@ -72,7 +77,7 @@ def config_keys(spec: AlgorithmSpec) -> dict[str, list[str]]:
         name = verl_names(spec)[0]
         if spec.kind == POLICY_LOSS:
             lines = [f"actor_rollout_ref.actor.policy_loss.loss_mode={name}"]
-            shared = [f for f in fields if f in ("clip_ratio_low", "clip_ratio_high", "clip_ratio_c")]
+            shared = [f for f in fields if f in VERL_ACTOR_KEYS]
             own = [f for f in fields if f not in shared]
             lines += [f"actor_rollout_ref.actor.{f}=<value>" for f in shared]
             if own:

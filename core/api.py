@@ -206,7 +206,7 @@ def compute_policy_loss(
     if spec.output == "per_token":
         if batch.is_weights is not None:
             out = out * batch.is_weights
-        loss = aggregate(out, mask, loss_agg_mode, ctx, params=loss_agg_params)
+        loss = aggregate(out, valid, loss_agg_mode, ctx, params=loss_agg_params)
     else:
         loss = out
     if loss.dim() != 0:

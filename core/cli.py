@@ -1,4 +1,4 @@
-"""The ``stablerl`` command: list, describe, doctor, demo."""
+"""The ``stablerl`` command: list, describe, doctor, demo, bench."""
 
 from __future__ import annotations
 
@@ -159,6 +159,18 @@ def cmd_demo(argv: list[str]) -> int:
     return demo.main(argv)
 
 
+def _add_bench_arguments(p: argparse.ArgumentParser) -> None:
+    from stablerl.adapters import bench  # torch-only; verl is imported lazily by the bench itself
+
+    bench.add_arguments(p)
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from stablerl.adapters import bench
+
+    return bench.main(args=args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="stablerl", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -173,6 +185,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_doctor)
     sub.add_parser("demo", help="train a tiny model with GRPO through TRL, once per loss (see --help)", add_help=False)
+    p = sub.add_parser("bench", help="time and memory of each loss against verl's native twin (or vanilla)")
+    _add_bench_arguments(p)
+    p.set_defaults(func=cmd_bench)
     return parser
 
 

@@ -79,9 +79,12 @@ def aggregate(
     ``register_aggregations`` hook (e.g. ``delta_l``); ``params`` sets its hyper-parameters.
     """
     ctx = ctx or Context()
-    mask = mask.to(loss_mat.dtype)
     if mode not in AGG_MODES or params:
-        return _registered_aggregation(loss_mat, mask, mode, ctx, params)
+        return _registered_aggregation(loss_mat, mask.to(loss_mat.dtype), mode, ctx, params)
+    # a bool mask is used as is: loss * bool is exact, and autograd then keeps the 1-byte mask for
+    # backward instead of a float copy (token counts are integer sums, exact)
+    if mask.dtype != torch.bool:
+        mask = mask.to(loss_mat.dtype)
     if ctx.dp_size > 1 and (ctx.token_count is None if mode == "token-mean" else ctx.seq_count is None):
         needed = "token_count" if mode == "token-mean" else "seq_count"
         raise StableRLError(f"loss aggregation {mode!r} with dp_size > 1 needs the global {needed} in the Context")

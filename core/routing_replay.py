@@ -439,6 +439,38 @@ class Routes:
         B, T = self.batch_shape
         return Routes.place(self.sequences(), [n if side == "left" else 0] * B, T + n)
 
+    # ---- batch-first tensors (travel with the rows of a framework batch) -------------------
+    def batch_tensor(self) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """``(indices [B, T, L, k], valid [B, T, L] or None)``: batch-first, so a framework that
+        shuffles / splits every tensor along dim 0 (TRL) carries the routes with their rows.
+
+        dtype uint8 for at most 256 experts, int16 up to 32768, else int32 (uint16 is avoided:
+        few torch kernels index it). ``valid`` is only returned for top-1 routes with invalid rows
+        (for k >= 2 invalid rows are the all-zero rows). Inverse: :meth:`from_batch_tensor`."""
+        if self.batch_shape is None:
+            raise RoutesMismatchError("batch_tensor() needs routes with a batch_shape")
+        dt = torch.uint8 if self.num_experts <= 256 else (torch.int16 if self.num_experts <= 32768 else torch.int32)
+        t = self.as_batch().permute(1, 2, 0, 3).to(dt).contiguous()
+        mb = self._mask_batch()
+        return t, None if mb is None else mb.permute(1, 2, 0).contiguous()
+
+    @classmethod
+    def from_batch_tensor(cls, indices: torch.Tensor, *, num_experts: int, layer_ids: Optional[Sequence[int]] = None,
+                          valid: Optional[torch.Tensor] = None) -> "Routes":
+        """Routes from a batch-first ``[B, T, L, k]`` tensor (and optional ``valid [B, T, L]``), the
+        inverse of :meth:`batch_tensor`; the result has ``batch_shape (B, T)``."""
+        if not isinstance(indices, torch.Tensor) or indices.dim() != 4:
+            shape = tuple(indices.shape) if isinstance(indices, torch.Tensor) else type(indices).__name__
+            raise RoutesMismatchError(f"from_batch_tensor expects [B, T, L, k] indices, got {shape}")
+        B, T, L, k = indices.shape
+        idx = indices.permute(2, 0, 1, 3).reshape(L, B * T, k)
+        v = None
+        if valid is not None:
+            if tuple(valid.shape) != (B, T, L):
+                raise RoutesMismatchError(f"from_batch_tensor: valid must be [B, T, L] = {(B, T, L)}, got {tuple(valid.shape)}")
+            v = valid.permute(2, 0, 1).reshape(L, B * T)
+        return cls(idx, num_experts=num_experts, batch_shape=(B, T), layer_ids=layer_ids, valid=v)
+
     # ---- rollout-engine formats -----------------------------------------------------------
     @staticmethod
     def _infer_moe_layers(arr: torch.Tensor, model=None) -> list[int]:

@@ -433,3 +433,43 @@ def test_family_spec_and_ambiguous_match():
         rr.find_routers(toy(), [TOY, clash])
     preferred = RouterFamily("toy3", TOY.recompute, class_names=("ToyRouter",), priority=1)
     assert {r.family.name for r in rr.find_routers(toy(), [TOY, preferred])} == {"toy3"}
+
+
+# ---------------------------------------------------------------- batch-first tensors (TRL rows)
+
+
+def test_batch_tensor_roundtrip_rows_and_shuffle():
+    r = rand_routes(3, 4 * 5, 2, 8, batch_shape=(4, 5))
+    valid = torch.ones(3, 20, dtype=torch.bool)
+    valid[:, 0] = False  # padding column of row 0
+    r = Routes(r.indices, num_experts=8, batch_shape=(4, 5), layer_ids=(1, 2, 3), valid=valid)
+    t, v = r.batch_tensor()
+    assert t.shape == (4, 5, 3, 2) and t.dtype == torch.uint8 and v is None
+    # token (b, j) of layer l is indices[l, b*T + j]
+    assert torch.equal(t[2, 3, 1], r.indices[1, 2 * 5 + 3])
+    back = Routes.from_batch_tensor(t, num_experts=8, layer_ids=r.layer_ids)
+    assert back.equal(r) and back.batch_shape == (4, 5) and back.layer_ids == (1, 2, 3)
+    assert not bool(back.valid[:, 0].any())
+    perm = torch.tensor([2, 0, 3, 1])  # a framework shuffle of the rows == Routes.rows
+    assert Routes.from_batch_tensor(t[perm], num_experts=8).equal(r.rows(perm))
+    assert Routes.from_batch_tensor(t[2:4], num_experts=8).equal(r.split(2)[1])
+
+
+def test_batch_tensor_wide_and_top1_mask():
+    r = rand_routes(2, 6, 2, 300, batch_shape=(2, 3))
+    t, _ = r.batch_tensor()
+    assert t.dtype == torch.int16
+    assert Routes.from_batch_tensor(t, num_experts=300).equal(r)
+    idx = torch.randint(0, 4, (2, 6, 1))
+    valid = torch.tensor([True, False, True, True, True, False])
+    r1 = Routes(idx, num_experts=4, batch_shape=(2, 3), valid=valid)
+    t1, v1 = r1.batch_tensor()
+    assert v1 is not None and v1.shape == (2, 3, 2) and not bool(v1[0, 1].any()) and bool(v1[0, 0].all())
+    back = Routes.from_batch_tensor(t1, num_experts=4, valid=v1)
+    assert back.equal(r1)
+    with pytest.raises(StableRLError, match="B, T, L, k"):
+        Routes.from_batch_tensor(t1[0], num_experts=4)
+    with pytest.raises(StableRLError, match="valid must be"):
+        Routes.from_batch_tensor(t1, num_experts=4, valid=v1[:, :2])
+    with pytest.raises(StableRLError, match="batch_shape"):
+        Routes(idx, num_experts=4).batch_tensor()

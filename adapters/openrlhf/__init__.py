@@ -41,7 +41,6 @@ import os
 import re
 import sys
 import threading
-import warnings
 from dataclasses import dataclass, field
 from typing import Any, Optional
 

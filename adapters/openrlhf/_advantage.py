@@ -86,10 +86,11 @@ def stable_advantages_and_returns(maker, experiences, selection: Selection):
             adv = adv.clamp(min=clip_range[0], max=clip_range[1])
             ret = ret.clamp(min=clip_range[0], max=clip_range[1])
         # KL folded in after the baseline, by OpenRLHF's own code (zero shaped reward: KL part only)
+        kl = experience.kl if experience.kl is not None else torch.zeros_like(adv)
         kl_reward = compute_reward(
             torch.zeros(mask.shape[0], dtype=adv.dtype, device=adv.device),
             maker.kl_ctl.value,
-            experience.kl,
+            kl,
             action_mask=mask,
             reward_clip_range=None,
         )

@@ -121,17 +121,19 @@ class StablePolicyLoss(PolicyLoss):
         ``sum(coef * mask)`` (token mode, normaliser 1) and its gradient with respect to the
         log-probs is ``coef`` on valid tokens (coef depends on old/rollout log-probs only)."""
         dtype = torch.float64 if old_log_probs.dtype == torch.float64 else torch.float32
-        old = old_log_probs.detach().to(dtype)
-        rollout = rollout_log_probs.detach().to(dtype)
-        m = mask.to(dtype)
+        valid = mask.bool()
+        zero = torch.zeros((), dtype=dtype, device=old_log_probs.device)
+        # padding may hold garbage (NaN/inf): zero it so no statistic or weight picks it up
+        old = torch.where(valid, old_log_probs.detach().to(dtype), zero)
+        rollout = torch.where(valid, rollout_log_probs.detach().to(dtype), zero)
         with torch.enable_grad():
             x = old.clone().requires_grad_(True)
             probe_loss, _, _, vllm_kl, is_filter_ratio = self._is_probe(
-                x, old, -torch.ones_like(old), action_mask=m, rollout_log_probs=rollout,
+                x, old, -torch.ones_like(old), action_mask=mask, rollout_log_probs=rollout,
                 dp_size=1, batch_num_tokens=torch.ones((), dtype=dtype, device=old.device),
             )
             (coef,) = torch.autograd.grad(probe_loss, x)
-        coef = torch.where(mask.bool(), coef, torch.zeros_like(coef))
+        coef = torch.where(valid, coef, torch.zeros_like(coef))
         return coef.detach(), vllm_kl.detach(), is_filter_ratio.detach()
 
     def _context(self, dp_size, batch_num_tokens, global_batch_size):

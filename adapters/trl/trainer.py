@@ -27,6 +27,7 @@ vLLM importance-sampling ratio applied as per-token weights in TRL's order, and 
 
 from __future__ import annotations
 
+import functools
 import inspect
 import json
 import os
@@ -37,6 +38,7 @@ from typing import Any, Optional, Union
 import torch
 
 import stablerl
+from stablerl import routing_replay as rr
 from stablerl.contracts import ADVANTAGE_ESTIMATOR, OPTIONAL_INPUTS, POLICY_LOSS
 from stablerl.ops import AGG_MODES
 from stablerl.params import StableRLError, UnknownNameError, build_params, unknown_name_message
@@ -98,6 +100,11 @@ _REQUIRED_SIGNATURES = {
     "get_high_entropy_mask": ("entropies", "mask", "threshold"),
     "get_off_policy_mask": ("advantages", "per_token_logps", "sampling_per_token_logps", "mask",
                             "off_policy_threshold"),
+    # routing replay (routing_replay="R2"/"R3")
+    "_generate": ("prompts",),
+    "_generate_single_turn": ("prompt_ids", "images", "multimodal_fields", "num_generations", "has_tool_images"),
+    "training_step": ("model", "inputs", "num_items_in_batch"),
+    "compute_loss": ("model", "inputs", "return_outputs", "num_items_in_batch"),
 }
 
 
@@ -248,16 +255,39 @@ class GRPOConfig(_trl.GRPOConfig):
                   "'seq-mean-token-sum-norm' (= TRL dr_grpo, constant max_completion_length)."},
     )
 
+    routing_replay: Optional[str] = field(
+        default=None,
+        metadata={"help": "MoE routing replay (stablerl.routing_replay): 'R3' replays the experts the rollout chose "
+                  "(HF generate, recorded around generation; or a rollout_func returning vLLM 'routed_experts') in "
+                  "the old/ref log-prob passes and in every training forward; 'R2' records the experts of the "
+                  "old-log-prob pass and replays them in the training forwards. None: native routing."},
+    )
+
     def __post_init__(self):
         super().__post_init__()
         # TRL validates loss_type only at the first loss call; stablerl names are validated now.
         self.stablerl_loss_params = _as_dict(self.stablerl_loss_params, "stablerl_loss_params")
         self.stablerl_advantage_params = _as_dict(self.stablerl_advantage_params, "stablerl_advantage_params")
         validate_stablerl_args(self)
+        self.routing_replay = routing_replay_mode(self)
+
+
+ROUTING_REPLAY_MODES = ("R2", "R3")
+
+
+def routing_replay_mode(args) -> Optional[str]:
+    """``"R2"``, ``"R3"`` or ``None`` from ``args.routing_replay`` (case-insensitive; unknown names raise)."""
+    mode = getattr(args, "routing_replay", None)
+    if mode is None or (isinstance(mode, str) and mode.strip().lower() in ("", "none", "off", "false")):
+        return None
+    if not isinstance(mode, str) or mode.strip().upper() not in ROUTING_REPLAY_MODES:
+        raise UnknownNameError(unknown_name_message("routing_replay", str(mode), ROUTING_REPLAY_MODES))
+    return mode.strip().upper()
 
 
 def validate_stablerl_args(args, warn: bool = True) -> tuple[Optional[str], Optional[str]]:
     """Check the stablerl selections of a (stablerl or plain TRL) GRPOConfig; return (loss, estimator)."""
+    routing_replay_mode(args)
     loss = resolve_loss_type(args.loss_type)
     loss_params = _as_dict(getattr(args, "stablerl_loss_params", None), "stablerl_loss_params")
     adv_params = _as_dict(getattr(args, "stablerl_advantage_params", None), "stablerl_advantage_params")
@@ -296,6 +326,50 @@ def validate_stablerl_args(args, warn: bool = True) -> tuple[Optional[str], Opti
     return loss, estimator or None
 
 
+# ----------------------------------------------------------------------------- routing replay
+
+_VLLM_ROUTES_MIN = (0, 14)  # enable_return_routed_experts (vLLM PR #28284); ms-swift documents vLLM >= 0.14
+
+_R3_VLLM_MESSAGE = (
+    "routing_replay='R3' with use_vllm=True: TRL 1.16's vLLM path (VLLMGeneration) does not ask vLLM for the routed "
+    "experts, so the rollout's routes never reach the trainer. Pass a rollout_func (it may drive a VLLMGeneration "
+    "subclass) that runs vLLM with enable_return_routed_experts=True and returns, next to prompt_ids/completion_ids/"
+    "logprobs, a 'routed_experts' list holding each completion's RequestOutput.outputs[i].routed_experts (stablerl "
+    "converts them with stablerl.routing_replay.Routes.from_vllm). Otherwise use routing_replay='R2' (routes of the "
+    "training engine's old-log-prob pass) or use_vllm=False (R3 recorded around HF generate)."
+)
+
+
+def _rr_check_rollout(args, kwargs) -> None:
+    """R3 needs a rollout whose routes reach the trainer: HF generate, or a rollout_func returning them."""
+    try:
+        bound = inspect.signature(_trl.GRPOTrainer.__init__).bind_partial(None, *args, **kwargs).arguments
+    except TypeError:
+        return  # TRL reports its own signature error
+    cfg = bound.get("args")
+    if cfg is None or routing_replay_mode(cfg) != "R3":
+        return
+    if getattr(cfg, "use_transformers_continuous_batching", False):
+        raise StableRLError("routing_replay='R3' does not support use_transformers_continuous_batching (generate_batch "
+                            "gives no per-step batch layout); use the regular HF generate path or routing_replay='R2'")
+    if getattr(cfg, "use_vllm", False):
+        if bound.get("rollout_func") is None:
+            raise StableRLError(_R3_VLLM_MESSAGE)
+        try:
+            from importlib.metadata import version
+
+            found = version("vllm")
+        except Exception:  # vLLM not installed here (server mode) or no metadata
+            return
+        if _version_tuple(found) < _VLLM_ROUTES_MIN:
+            warnings.warn(
+                f"routing_replay='R3': vLLM {found} may predate enable_return_routed_experts (vLLM PR #28284; "
+                f"documented for vLLM >= {'.'.join(map(str, _VLLM_ROUTES_MIN))}, >= 0.22 for hybrid-attention models)",
+                UserWarning,
+                stacklevel=3,
+            )
+
+
 # ----------------------------------------------------------------------------- trainer
 
 
@@ -305,9 +379,14 @@ class GRPOTrainer(_trl.GRPOTrainer):
     Accepts this module's :class:`GRPOConfig` (or TRL's, then with defaults for the stablerl fields).
     """
 
+    _rr_mode: Optional[str] = None  # routing_replay, set in __init__
+
     def __init__(self, *args, **kwargs):
+        _rr_check_rollout(args, kwargs)  # before TRL builds (or imports) vLLM
         super().__init__(*args, **kwargs)
         cfg = self.args
+        self._rr_mode = routing_replay_mode(cfg)
+        self._rr_setup()
         # a stablerl GRPOConfig was validated when it was built; a plain TRL one is validated here
         self._stablerl_loss, self._stablerl_estimator = validate_stablerl_args(cfg, warn=not isinstance(cfg, GRPOConfig))
         self._stablerl_loss_params = _as_dict(getattr(cfg, "stablerl_loss_params", None), "stablerl_loss_params")
@@ -348,6 +427,182 @@ class GRPOTrainer(_trl.GRPOTrainer):
         for key, value in zip(metrics, gathered):
             self._metrics[mode][prefix + key].append(value)
 
+    # -- routing replay (routing_replay="R2" / "R3"; the mechanics are stablerl.routing_replay's) ---------
+
+    def _rr_setup(self) -> None:
+        self._rr_gen = None  # (per-sequence Routes of the last rollout, prompt lengths)
+        self._rr_rollout: Optional[dict] = None  # state while a generation batch is scored
+        self._rr_current: Optional[rr.Routes] = None  # routes of the micro-batch in compute_loss
+        self._rr_handles: list = []  # replay handles kept until after backward
+        if self._rr_mode is None:
+            return
+        model = self.accelerator.unwrap_model(self.model)
+        routers = rr.find_routers(model)
+        if not routers:
+            families = [f.name for f in rr.router_families()]
+            raise StableRLError(
+                f"routing_replay={self._rr_mode!r} needs a Mixture-of-Experts model, but {type(model).__name__} has no "
+                f"MoE router of a known family ({', '.join(families)}); remove routing_replay for a dense model, or "
+                "register a RouterFamily through the register_router_families hook")
+        self._rr_num_experts = max(r.num_experts for r in routers)
+        self._rr_layer_ids = tuple(r.layer_id for r in routers)
+        if self._rr_mode == "R3" and self.tools:
+            raise StableRLError("routing_replay='R3' does not support tool calling (multi-turn generation splits the "
+                                "rollout into several generate calls); use routing_replay='R2'")
+
+    def _rr_release(self) -> None:
+        for handle in self._rr_handles:
+            handle.remove()
+        self._rr_handles.clear()
+
+    def _rr_routes_of(self, inputs) -> Optional[rr.Routes]:
+        t = inputs.get("stablerl_routes")
+        if t is None:
+            return None
+        return rr.Routes.from_batch_tensor(t, num_experts=self._rr_num_experts, layer_ids=self._rr_layer_ids,
+                                           valid=inputs.get("stablerl_routes_valid"))
+
+    def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
+        if self._rr_mode != "R3" or self.use_vllm or self.use_transformers_continuous_batching:
+            return super()._generate_single_turn(prompt_ids, images, multimodal_fields, num_generations,
+                                                 has_tool_images=has_tool_images)
+        with rr.capture(self.accelerator.unwrap_model(self.model)) as cap:
+            completion_ids, logprobs = super()._generate_single_turn(
+                prompt_ids, images, multimodal_fields, num_generations, has_tool_images=has_tool_images)
+        # generate: [left-padded prompt (P) | C_gen - 1 forwarded tokens]; +1 invalid column for the last token
+        routes = cap.routes().extend(1)
+        width = max(len(p) for p in prompt_ids)
+        if self.pad_to_multiple_of:
+            width = -(-width // self.pad_to_multiple_of) * self.pad_to_multiple_of
+        seqs = [row.slice_tokens(width - len(p), width + len(c))
+                for row, p, c in zip(routes.sequences(), prompt_ids, completion_ids)]
+        self._rr_gen = (seqs, [len(p) for p in prompt_ids])
+        return completion_ids, logprobs
+
+    def _generate(self, prompts):
+        out = super()._generate(prompts)
+        if self._rr_mode == "R3" and self.rollout_func is not None:
+            prompt_ids, completion_ids, extra_fields = out[0], out[1], out[5]
+            experts = extra_fields.pop("routed_experts", None)
+            if experts is None or len(experts) != len(completion_ids):
+                raise StableRLError("routing_replay='R3' with a rollout_func: its output needs a 'routed_experts' list "
+                                    "with one vLLM routed_experts array per completion. " + _R3_VLLM_MESSAGE)
+            model = self.accelerator.unwrap_model(self.model)
+            seqs = [rr.Routes.from_vllm(e, model=model, num_tokens=len(p) + len(c))
+                    for e, p, c in zip(experts, prompt_ids, completion_ids)]
+            self._rr_gen = (seqs, [len(p) for p in prompt_ids])
+        return out
+
+    def _rr_rollout_routes(self, prompt_width: int, completion_width: int) -> Optional[rr.Routes]:
+        """Routes of the generation batch in TRL's [left-padded prompt | right-padded completion] layout."""
+        state = self._rr_rollout
+        if state["routes"] is None and self._rr_mode == "R3":
+            if self._rr_gen is None:
+                raise StableRLError("routing_replay='R3': the rollout recorded no routes")
+            seqs, prompt_lengths = self._rr_gen
+            state["routes"] = rr.Routes.pad_prompt_response(seqs, prompt_lengths, prompt_width, completion_width)
+        return state["routes"]
+
+    def _rr_generate_and_score(self, inputs):
+        every = self.args.steps_per_generation * self.num_iterations
+        # TRL's own condition for computing old log-probs (R2 records there)
+        old_pass = self.args.gradient_accumulation_steps % every != 0 or bool(
+            self.use_vllm and self.vllm_importance_sampling_correction)
+        self._rr_gen = None
+        self._rr_rollout = {"routes": None, "record": self._rr_mode == "R2" and old_pass}
+        try:
+            out = super()._generate_and_score_completions(inputs)
+            routes = self._rr_rollout_routes(out["prompt_ids"].size(1), out["completion_ids"].size(1))
+        finally:
+            self._rr_rollout = None
+            self._rr_gen = None
+        if routes is not None:  # batch-first (TRL shuffles and splits them with their rows), on the CPU
+            indices, valid = routes.batch_tensor()
+            out["stablerl_routes"] = indices.cpu()
+            if valid is not None:
+                out["stablerl_routes_valid"] = valid.cpu()
+        return out
+
+    def _rr_forward(self, model, routes: rr.Routes, input_ids, fn, keep: bool):
+        """Run ``fn`` (TRL's chunked forward) with ``routes`` replayed, each chunk getting its rows."""
+        if routes.batch_shape != tuple(input_ids.shape[:2]):
+            raise rr.RoutesMismatchError(f"routing replay: routes for a batch of {routes.batch_shape}, the forward "
+                                         f"input is {tuple(input_ids.shape[:2])}")
+        target = self.accelerator.unwrap_model(model)
+        handle = rr.replay(target, None)
+        cursor = [0]
+
+        def next_rows(module, args, kwargs):
+            ids = kwargs.get("input_ids", args[0] if args else None)
+            n = ids.shape[0]
+            handle.set_routes(routes.rows(slice(cursor[0], cursor[0] + n)))
+            cursor[0] += n
+
+        hook = target.register_forward_pre_hook(next_rows, with_kwargs=True)
+        kept = False
+        try:
+            out = fn()
+            kept = keep
+        finally:
+            hook.remove()
+            if kept:  # gradient checkpointing re-runs the routers in backward: removed in training_step
+                self._rr_handles.append(handle)
+            else:
+                handle.remove()
+        return out
+
+    def _rr_logps(self, fn, model, input_ids, logits_to_keep):
+        state = self._rr_rollout
+        if state is not None:  # old / ref log-prob passes of a fresh generation batch
+            routes = self._rr_rollout_routes(input_ids.size(1) - logits_to_keep, logits_to_keep)
+            if routes is not None:
+                return self._rr_forward(model, routes, input_ids, fn, keep=False)
+            target = self.accelerator.unwrap_model(model)
+            if state["record"] and target is self.accelerator.unwrap_model(self.model):  # R2: the old-log-prob pass
+                state["record"] = False
+                with rr.capture(target) as cap:
+                    out = fn()
+                parts = [r.batch_tensor()[0] for r in cap.routes_list()]  # one per TRL chunk
+                state["routes"] = rr.Routes.from_batch_tensor(
+                    torch.cat(parts), num_experts=self._rr_num_experts, layer_ids=self._rr_layer_ids)
+                return out
+            return fn()
+        if self._rr_current is None:
+            return fn()
+        return self._rr_forward(model, self._rr_current, input_ids, fn, keep=torch.is_grad_enabled())
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        if self._rr_mode is None:
+            return super().compute_loss(model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch)
+        self._rr_release()
+        routes = self._rr_routes_of(inputs)
+        cap = None
+        if routes is None and self._rr_mode == "R2":
+            # TRL skipped the old-log-prob pass (each micro-batch is trained once, at theta_old): record the
+            # routes of this first training forward; they travel with the micro-batch
+            cap = rr.capture(self.accelerator.unwrap_model(model))
+        self._rr_current = routes
+        try:
+            loss = super().compute_loss(model, inputs, return_outputs=return_outputs,
+                                        num_items_in_batch=num_items_in_batch)
+        finally:
+            self._rr_current = None
+            if cap is not None:
+                cap.stop()
+            if not self.model.training:
+                self._rr_release()
+        if cap is not None and cap.passes:
+            inputs["stablerl_routes"] = cap.routes().batch_tensor()[0].cpu()
+        return loss
+
+    def training_step(self, model, inputs, num_items_in_batch):
+        if self._rr_mode is None:
+            return super().training_step(model, inputs, num_items_in_batch)
+        try:
+            return super().training_step(model, inputs, num_items_in_batch)
+        finally:
+            self._rr_release()  # after backward
+
     # -- advantages ------------------------------------------------------------------------
 
     def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
@@ -356,7 +611,10 @@ class GRPOTrainer(_trl.GRPOTrainer):
         return rewards_per_func
 
     def _generate_and_score_completions(self, inputs):
-        out = super()._generate_and_score_completions(inputs)
+        if self._rr_mode is None:
+            out = super()._generate_and_score_completions(inputs)
+        else:
+            out = self._rr_generate_and_score(inputs)
         if not (self._stablerl_estimator or self._stablerl_needs_rows):
             self._stablerl_rewards = None
             return out
@@ -413,7 +671,13 @@ class GRPOTrainer(_trl.GRPOTrainer):
     # -- loss ------------------------------------------------------------------------------
 
     def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, *args, **kwargs):
-        out = super()._get_per_token_logps_and_entropies(model, input_ids, attention_mask, logits_to_keep, *args, **kwargs)
+        if self._rr_mode is None:
+            out = super()._get_per_token_logps_and_entropies(model, input_ids, attention_mask, logits_to_keep, *args,
+                                                             **kwargs)
+        else:
+            fn = functools.partial(super()._get_per_token_logps_and_entropies, model, input_ids, attention_mask,
+                                   logits_to_keep, *args, **kwargs)
+            out = self._rr_logps(fn, model, input_ids, logits_to_keep)
         if self._stablerl_capture is not None and kwargs.get("compute_entropy"):
             self._stablerl_capture["logps"], self._stablerl_capture["entropies"] = out[0], out[1]
         return out
@@ -532,10 +796,12 @@ class GRPOTrainer(_trl.GRPOTrainer):
 __all__ = [
     "GRPOConfig",
     "GRPOTrainer",
+    "ROUTING_REPLAY_MODES",
     "SUPPORTED_TRL",
     "TRL_LOSS_TYPES",
     "UnsupportedTRLVersionError",
     "check_trl",
     "resolve_loss_type",
+    "routing_replay_mode",
     "validate_stablerl_args",
 ]

@@ -24,12 +24,12 @@ logger = logging.getLogger("stablerl.adapters.verl")
 #: verl actor-config keys that map 1:1 onto stablerl hyper-parameters of the same name (the PPO
 #: clip bounds and dual clip; SAPO's temperatures). They are read from the actor config
 #: (``actor_rollout_ref.actor.<key>``), never from ``policy_loss``, exactly as verl's built-ins do.
-ACTOR_KEYS = ("clip_ratio_low", "clip_ratio_high", "clip_ratio_c", "tau_pos", "tau_neg")
+from stablerl.adapters.config_keys import FEEDABLE_INPUTS
+from stablerl.adapters.config_keys import VERL_ACTOR_KEYS as ACTOR_KEYS
 
-#: extra inputs (``AlgorithmSpec.requires``) verl 0.9.1 hands to each kind of function. verl's
-#: policy-loss call passes none beyond the basic tensors and ``rollout_is_weights``; its
-#: estimator call passes the group ids (``uid``) as ``index``.
-VERL_PROVIDES = {POLICY_LOSS: frozenset(), ADVANTAGE_ESTIMATOR: frozenset({"index"})}
+#: extra inputs (``AlgorithmSpec.requires``) verl hands to each kind of function (single source:
+#: ``stablerl.adapters.config_keys``, which the docs are generated from)
+VERL_PROVIDES = FEEDABLE_INPUTS["verl"]
 
 _warned: set[str] = set()
 

@@ -1,0 +1,177 @@
+"""OpenRLHF's PPO/GRPO entry point with stablerl names: the same flags, plus stablerl algorithms.
+
+    python -m stablerl.adapters.openrlhf.train_ppo_ray <your usual openrlhf.cli.train_ppo_ray flags> \\
+        --actor.policy_loss_type m2po --actor.stablerl_params m2_threshold=0.04 \\
+        --algo.advantage.estimator qae --algo.advantage.stablerl_params quantile_k=0.4
+
+It runs OpenRLHF's own ``openrlhf.cli.train_ppo_ray`` module (``runpy``, as ``__main__``) with, in
+this driver process only and only for the run:
+
+1. ``argparse.ArgumentParser.add_argument`` extended so that ``--actor.policy_loss_type`` and
+   ``--algo.advantage.estimator`` also accept stablerl names (argparse still rejects unknown
+   names, listing the valid ones), and adding ``--actor.stablerl_params`` /
+   ``--algo.advantage.stablerl_params`` (``KEY=VALUE`` items or one JSON object);
+2. ``openrlhf.utils.config.hierarchize`` wrapped to attach ``args.stablerl`` (a
+   :class:`stablerl.adapters.openrlhf.Selection`, validated here so a bad key fails before Ray
+   starts); it reaches every model actor inside the pickled ``DeepspeedStrategy``;
+3. ``ray.init`` wrapped to add ``worker_process_setup_hook="stablerl.adapters.openrlhf.setup"``
+   to OpenRLHF's ``runtime_env``, so every Ray worker arms the stablerl patches.
+"""
+
+from __future__ import annotations
+
+import argparse
+import runpy
+import sys
+from typing import Optional, Sequence
+
+import stablerl
+from stablerl.params import StableRLError
+
+from . import (
+    OPENRLHF_ADV_ESTIMATORS,
+    OPENRLHF_POLICY_LOSSES,
+    PREFIX,
+    Selection,
+    add_setup_hook,
+    check_openrlhf,
+    openrlhf_choices,
+    parse_params,
+    resolve,
+)
+
+_LOSS_FLAG = "--actor.policy_loss_type"
+_ADV_FLAG = "--algo.advantage.estimator"
+_LOSS_PARAMS_FLAG = "--actor.stablerl_params"
+_ADV_PARAMS_FLAG = "--algo.advantage.stablerl_params"
+
+
+class _Choices(list):
+    """argparse choices: lists (and iterates) the documented names; also accepts ``stablerl_<name>``
+    for every stablerl algorithm OpenRLHF can feed."""
+
+    def __init__(self, names, prefixed):
+        super().__init__(names)
+        self._prefixed = frozenset(prefixed)
+
+    def __contains__(self, item) -> bool:
+        return list.__contains__(self, item) or item in self._prefixed
+
+
+def _choices(kind: str, builtins: Sequence[str]) -> _Choices:
+    names = openrlhf_choices(kind)
+    bare = [n[len(PREFIX):] if n.startswith(PREFIX) else n for n in names if n not in builtins]
+    return _Choices(names, [PREFIX + n for n in bare])
+
+
+def _help(kind: str, builtins: Sequence[str], original_help: Optional[str]) -> str:
+    names = [n for n in openrlhf_choices(kind) if n not in builtins]
+    text = (original_help or "").replace("%", "%%")
+    text += (" " if text else "") + f"OpenRLHF: {', '.join(builtins)}. stablerl: {', '.join(names)}"
+    text += f" (every stablerl name also as {PREFIX}<name>; `stablerl describe <name>` shows its parameters)."
+    return text
+
+
+class _ParserPatch:
+    """Extends the two name flags of OpenRLHF's parser and adds the stablerl parameter flags."""
+
+    def __init__(self):
+        self.parser: Optional[argparse.ArgumentParser] = None
+        self._original = None
+
+    def __enter__(self):
+        original = argparse.ArgumentParser.add_argument
+        self._original = original
+        patch = self
+
+        def add_argument(parser, *args, **kwargs):
+            flags = set(a for a in args if isinstance(a, str))
+            if _LOSS_FLAG in flags:
+                kind, builtins, params_flag, what = stablerl.POLICY_LOSS, OPENRLHF_POLICY_LOSSES, _LOSS_PARAMS_FLAG, "loss"
+            elif _ADV_FLAG in flags:
+                kind, builtins, params_flag, what = (stablerl.ADVANTAGE_ESTIMATOR, OPENRLHF_ADV_ESTIMATORS,
+                                                     _ADV_PARAMS_FLAG, "advantage estimator")
+            else:
+                return original(parser, *args, **kwargs)
+            patch.parser = parser
+            kwargs["choices"] = _choices(kind, builtins)
+            kwargs["help"] = _help(kind, builtins, kwargs.get("help"))
+            kwargs.setdefault("metavar", "NAME")
+            action = original(parser, *args, **kwargs)
+            original(
+                parser, params_flag, type=str, nargs="+", default=None, metavar="KEY=VALUE",
+                help=f"stablerl {what} hyper-parameters, KEY=VALUE items (VALUE read as JSON) or one JSON object; "
+                "unset keys take the paper's defaults",
+            )
+            return action
+
+        argparse.ArgumentParser.add_argument = add_argument
+        return self
+
+    def __exit__(self, *exc):
+        argparse.ArgumentParser.add_argument = self._original
+        return False
+
+    def error(self, message: str):
+        if self.parser is not None:
+            self.parser.error(message)  # exits 2, like every argparse error
+        raise SystemExit(f"error: {message}")
+
+
+def selection_from_cli(args) -> Selection:
+    """``args.stablerl`` from OpenRLHF's hierarchized args (names resolved, params parsed and validated)."""
+    loss = resolve(stablerl.POLICY_LOSS, args.actor.policy_loss_type)
+    adv = resolve(stablerl.ADVANTAGE_ESTIMATOR, args.algo.advantage.estimator)
+    sel = Selection(
+        policy_loss=loss,
+        policy_loss_params=parse_params(getattr(args.actor, "stablerl_params", None), _LOSS_PARAMS_FLAG),
+        advantage_estimator=adv,
+        advantage_params=parse_params(getattr(args.algo.advantage, "stablerl_params", None), _ADV_PARAMS_FLAG),
+    )
+    sel.validate()
+    if loss is not None:
+        spec = stablerl.get_spec(stablerl.POLICY_LOSS, loss)
+        if "rollout_log_prob" in spec.requires and args.algo.advantage.is_correction_level == "off":
+            raise StableRLError(
+                f"policy loss {loss!r} needs rollout log-probs: add --algo.advantage.is_correction_level token "
+                "(or seq); OpenRLHF requests vLLM log-probs only then"
+            )
+    return sel
+
+
+def main(argv: Optional[Sequence[str]] = None) -> None:
+    """Run ``openrlhf.cli.train_ppo_ray`` with stablerl names accepted (``argv``: its flags)."""
+    check_openrlhf()
+    if argv is not None:
+        sys.argv = [sys.argv[0], *argv]
+    import ray
+    import openrlhf.utils.config as config
+
+    parser_patch = _ParserPatch()
+    original_hierarchize = config.hierarchize
+    original_ray_init = ray.init
+
+    def hierarchize(args):
+        out = original_hierarchize(args)
+        try:
+            out.stablerl = selection_from_cli(out)
+        except StableRLError as e:
+            parser_patch.error(str(e))
+        return out
+
+    def ray_init(*args, **kwargs):
+        kwargs["runtime_env"] = add_setup_hook(kwargs.get("runtime_env"))
+        return original_ray_init(*args, **kwargs)
+
+    config.hierarchize = hierarchize
+    ray.init = ray_init
+    try:
+        with parser_patch:
+            runpy.run_module("openrlhf.cli.train_ppo_ray", run_name="__main__", alter_sys=True)
+    finally:
+        config.hierarchize = original_hierarchize
+        ray.init = original_ray_init
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,112 @@
+"""Shared builders for the OpenRLHF tests: hierarchized args, experiences, padded batches."""
+
+from __future__ import annotations
+
+import copy
+from types import SimpleNamespace
+
+import torch
+
+
+def make_args(
+    *,
+    policy_loss_type="ppo",
+    estimator="group_norm",
+    eps=(0.2, 0.2),
+    dual_clip=None,
+    loss_agg_mode="token-mean",
+    is_level="off",
+    is_mode="mask",
+    is_gating="ratio",
+    is_threshold=(0.5, 5.0),
+    n_samples=4,
+    clip_range=(-10.0, 10.0),
+    stablerl=None,
+):
+    """The slice of OpenRLHF 0.11.2's hierarchized args that the patched code reads."""
+    args = SimpleNamespace(
+        actor=SimpleNamespace(
+            eps_clip=eps[0], eps_clip_low_high=tuple(eps), dual_clip=dual_clip, loss_agg_mode=loss_agg_mode,
+            policy_loss_type=policy_loss_type, aux_loss_coef=0.0, entropy_coef=None,
+        ),
+        algo=SimpleNamespace(
+            advantage=SimpleNamespace(
+                estimator=estimator, is_correction_level=is_level, is_correction_mode=is_mode,
+                is_correction_gating=is_gating, is_correction_threshold=list(is_threshold), gamma=1.0, lambd=1.0,
+                no_std_norm=False,
+            ),
+            kl=SimpleNamespace(use_loss=False, init_coef=0.01, estimator="k1"),
+        ),
+        rollout=SimpleNamespace(n_samples_per_prompt=n_samples, max_new_tokens=64),
+        reward=SimpleNamespace(clip_range=clip_range, overlong_buffer_len=None, stop_properly_penalty_coef=None),
+        train=SimpleNamespace(max_epochs=1, dynamic_batch_enable=False, colocate_all=False, async_enable=False),
+        ds=SimpleNamespace(packing_samples=False),
+        vllm=SimpleNamespace(sync_backend="gloo"),
+        data=SimpleNamespace(max_len=64),
+    )
+    if stablerl is not None:
+        args.stablerl = stablerl
+    return args
+
+
+def loss_batch(B=6, T=9, seed=0, dtype=torch.float64, spread=0.3):
+    """Padded random [B, T] log-probs, advantages (one per sequence) and a right-padded mask."""
+    g = torch.Generator().manual_seed(seed)
+    old = -torch.rand(B, T, generator=g, dtype=dtype) * 2 - 0.05
+    new = (old + spread * torch.randn(B, T, generator=g, dtype=dtype)).clamp(max=-1e-3)
+    rollout = (old + 0.4 * torch.randn(B, T, generator=g, dtype=dtype)).clamp(max=-1e-3)
+    lengths = torch.randint(1, T + 1, (B,), generator=g)
+    lengths[0] = T
+    if B > 2:
+        lengths[2] = 0  # an empty row
+    mask = torch.arange(T).unsqueeze(0) < lengths.unsqueeze(1)
+    adv_seq = torch.randn(B, 1, generator=g, dtype=dtype)
+    adv = adv_seq.expand(B, T).clone()
+    adv_tok = torch.randn(B, T, generator=g, dtype=dtype)
+    return SimpleNamespace(old=old, new=new, rollout=rollout, mask=mask, adv=adv, adv_tok=adv_tok)
+
+
+def make_experiences(n_prompts=3, n=4, seed=0, lengths=(7, 5), kl_scale=0.05):
+    """Experiences as OpenRLHF's trainer hands them to compute_advantages_and_returns: rollout order
+    shuffled across experiences of different padded lengths, index = position in prompt order."""
+    from openrlhf.trainer.ppo_utils.experience import Experience
+
+    g = torch.Generator().manual_seed(seed)
+    total = n_prompts * n
+    order = torch.randperm(total, generator=g).tolist()
+    rewards = torch.randint(0, 2, (total,), generator=g).float() + 0.25 * torch.randn(total, generator=g)
+    rewards[:n] = 1.0  # one group with equal rewards
+    chunks = [order[: total // 2], order[total // 2:]]
+    out = []
+    for chunk, T in zip(chunks, lengths):
+        B = len(chunk)
+        lens = torch.randint(1, T + 1, (B,), generator=g)
+        mask = torch.arange(T).unsqueeze(0) < lens.unsqueeze(1)
+        kl = kl_scale * torch.randn(B, T, generator=g) * mask
+        out.append(
+            Experience(
+                action_mask=mask,
+                rewards=rewards[chunk].clone(),
+                kl=kl,
+                index=list(chunk),
+                response_length=lens.float(),
+                info={},
+            )
+        )
+    return out
+
+
+def make_maker(args, estimator, kl_coef=0.01):
+    """RemoteExperienceMaker without Ray actors (as upstream tests/test_reward_shaping.py does)."""
+    from openrlhf.trainer.ppo_utils.experience_maker import RemoteExperienceMaker
+
+    maker = RemoteExperienceMaker.__new__(RemoteExperienceMaker)
+    maker.strategy = SimpleNamespace(args=args)
+    maker.args = args
+    maker.advantage_estimator = estimator
+    maker.kl_ctl = SimpleNamespace(value=kl_coef)
+    return maker
+
+
+def clone(experiences):
+    return copy.deepcopy(experiences)

@@ -1,0 +1,1 @@
+"""Test stand-in package flash_attn.utils (import-only)."""
