@@ -4,11 +4,12 @@
     nox -s unit         # torch-only unit tests of core and every plugin
     nox -s verl         # integration tests against the real verl 0.9.1
     nox -s trl          # TRL 1.16 adapter, real CPU training, demo smoke test, MoE routing replay
+    nox -s openrlhf     # OpenRLHF 0.11.2 adapter: parity with its real PolicyLoss / estimators, CLI, a Ray worker
 """
 
 import nox
 
-nox.options.sessions = ["unit", "verl", "trl"]
+nox.options.sessions = ["unit", "verl", "trl", "openrlhf"]
 nox.options.reuse_existing_virtualenvs = True
 
 TORCH = "torch==2.13.0"  # the CPU build; frameworks' extras would pull CUDA builds
@@ -41,4 +42,21 @@ def trl(session):
     session.run(
         *PYTEST, "integrations_tests/trl", "integrations_tests/moe", "integrations_tests/template", *session.posargs,
         env={"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "HF_HUB_DISABLE_TELEMETRY": "1"},
+    )
+
+
+@nox.session
+def openrlhf(session):
+    session.install(TORCH)
+    # OpenRLHF's wheel without its GPU pins (flash-attn, vllm, bitsandbytes); the real modules its
+    # loss, experience maker, actor trainer and CLI import on CPU. flash_attn's padding helpers and
+    # vLLM's engine classes are import stand-ins under integrations_tests/openrlhf/stubs (tests only).
+    session.install("--no-deps", "openrlhf==0.11.2")
+    session.install("transformers==5.15.0", "peft", "pylatexenc", "ray==2.55.0", "aiohttp", "torchdata", "pillow", "datasets")
+    session.install("setuptools", "wheel")
+    session.install("--no-build-isolation", "deepspeed==0.19.6")  # an sdist; builds no op on CPU
+    session.install("-e", ".[test]")
+    session.run(
+        *PYTEST, "integrations_tests/openrlhf", *session.posargs,
+        env={"DS_ACCELERATOR": "cpu", "RAY_USAGE_STATS_ENABLED": "0", "TOKENIZERS_PARALLELISM": "false"},
     )

@@ -26,20 +26,41 @@ VERL_PREFIX = "stablerl_"
 TRL_BUILTIN_LOSS_TYPES = frozenset({"grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo"})
 TRL_PREFIX = "stablerl_"
 
+# OpenRLHF 0.11.2 built-ins (argparse choices of openrlhf/cli/train_ppo_ray.py): these names keep
+# OpenRLHF's code; a stablerl algorithm of the same name is `stablerl_<name>`.
+OPENRLHF_BUILTIN_POLICY_LOSSES = ("ppo", "gspo")
+OPENRLHF_BUILTIN_ADV_ESTIMATORS = (
+    "gae", "reinforce", "rloo", "reinforce_baseline", "group_norm", "dr_grpo", "flash_reinforce",
+)
+OPENRLHF_PREFIX = "stablerl_"
+OPENRLHF_COMMAND = "python -m stablerl.adapters.openrlhf.train_ppo_ray <your OpenRLHF flags>"
+
 # verl actor-config keys a stablerl loss reads (not policy_loss fields): verl's built-ins read them there
 VERL_ACTOR_KEYS = ("clip_ratio_low", "clip_ratio_high", "clip_ratio_c", "tau_pos", "tau_neg")
 
 # Inputs each adapter can hand to an algorithm (beyond log-probs, advantages and the mask).
-# verl 0.9.1's policy-loss call passes none beyond the basic tensors and rollout_is_weights; its
-# estimator call passes the group ids (uid) as index.
+# verl 0.9.1's policy-loss call passes none beyond the basic tensors and rollout_is_weights; the
+# verl adapter wraps that call site (verl.workers.utils.losses.ppo_loss) and gathers these from
+# verl's model_output / batch (sources: stablerl.adapters.verl._inputs.SOURCES; entropy needs
+# actor.calculate_entropy=True, old_entropy the v1 trainer). Its estimator call passes the group
+# ids (uid) as index.
 FEEDABLE_INPUTS = {
     "verl": {
-        POLICY_LOSS: frozenset(),
+        POLICY_LOSS: frozenset({"entropy", "old_entropy", "token_ids", "rollout_log_prob", "index", "scores"}),
         ADVANTAGE_ESTIMATOR: frozenset({"index"}),
     },
     "trl": {
-        # rollout_log_prob only with use_vllm=True and vllm_importance_sampling_correction=True
-        POLICY_LOSS: frozenset({"rollout_log_prob", "entropy", "token_ids", "index", "scores"}),
+        # rollout_log_prob only with use_vllm=True and vllm_importance_sampling_correction=True;
+        # router log-probs only with routing_replay="R2"|"R3"
+        POLICY_LOSS: frozenset(
+            {"rollout_log_prob", "entropy", "token_ids", "index", "scores", "router_log_prob", "old_router_log_prob"}
+        ),
+        ADVANTAGE_ESTIMATOR: frozenset({"index"}),
+    },
+    "openrlhf": {
+        # OpenRLHF's loss call passes rollout_log_probs only with --algo.advantage.is_correction_level
+        # token|seq; its advantage step groups responses by prompt (index)
+        POLICY_LOSS: frozenset({"rollout_log_prob"}),
         ADVANTAGE_ESTIMATOR: frozenset({"index"}),
     },
 }
@@ -52,6 +73,12 @@ def verl_names(spec: AlgorithmSpec) -> list[str]:
     if spec.name not in builtins and not spec.name.startswith(VERL_PREFIX):
         names.insert(0, spec.name)
     return names
+
+
+def openrlhf_name(spec: AlgorithmSpec) -> str:
+    """The ``--actor.policy_loss_type`` / ``--algo.advantage.estimator`` value for ``spec``."""
+    builtins = OPENRLHF_BUILTIN_POLICY_LOSSES if spec.kind == POLICY_LOSS else OPENRLHF_BUILTIN_ADV_ESTIMATORS
+    return OPENRLHF_PREFIX + spec.name if spec.name in builtins else spec.name
 
 
 def trl_name(spec: AlgorithmSpec) -> str:
@@ -99,4 +126,19 @@ def config_keys(spec: AlgorithmSpec) -> dict[str, list[str]]:
             lines.append(f"GRPOConfig(..., {params_key}={{{example}}})")
             lines.append(f"CLI/YAML: --{key} {trl_name(spec)} --{params_key} '{{{example}}}'")
         out["trl"] = lines
+    if "openrlhf" in frameworks:
+        loss = spec.kind == POLICY_LOSS
+        flag, params_flag = (
+            ("--actor.policy_loss_type", "--actor.stablerl_params") if loss
+            else ("--algo.advantage.estimator", "--algo.advantage.stablerl_params")
+        )
+        lines = [OPENRLHF_COMMAND, f"  {flag} {openrlhf_name(spec)}"]
+        if fields:
+            lines.append(f"  {params_flag} " + " ".join(f"{f}=<value>" for f in fields))
+        if loss and set(fields) & {"clip_ratio_low", "clip_ratio_high", "clip_ratio_c"}:
+            lines.append("  (--actor.eps_clip / --actor.eps_clip_low_high / --actor.dual_clip, when given, "
+                         "set clip_ratio_low/high/c)")
+        if "rollout_log_prob" in spec.requires:
+            lines.append("  --algo.advantage.is_correction_level token   # OpenRLHF passes vLLM log-probs only then")
+        out["openrlhf"] = lines
     return out

@@ -162,7 +162,7 @@ def compute_policy_loss(
     index = inputs.get("index")
     if index is not None:
         index = group_ids(index, n=shape[0], device=log_prob.device)
-    valid = mask.bool()
+    valid = response_mask if response_mask.dtype == torch.bool else mask.bool()
 
     def clean(t: Optional[torch.Tensor], detach: bool = True) -> Optional[torch.Tensor]:
         # padding may hold garbage (NaN/inf) in framework tensors: zero it before any arithmetic,

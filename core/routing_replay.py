@@ -745,6 +745,7 @@ class _Pass:
     group: int
     auto: bool = False  # started by a router call, not by a call of the captured model
     layers: dict = field(default_factory=dict)  # layer position -> indices [N, k] (compact dtype, model device)
+    log_probs: dict = field(default_factory=dict)  # layer position -> fp32 [N, k] (record_log_probs=True)
 
 
 class RouteCapture:
@@ -758,8 +759,9 @@ class RouteCapture:
     :meth:`routes_list` every group's, in order.
     """
 
-    def __init__(self, model, families: Optional[Iterable[RouterFamily]] = None):
+    def __init__(self, model, families: Optional[Iterable[RouterFamily]] = None, record_log_probs: bool = False):
         self.model = model
+        self.record_log_probs = bool(record_log_probs)
         self.routers = _require_routers(model, families)
         self._pos = {id(r.module): i for i, r in enumerate(self.routers)}
         self.num_experts = max(r.num_experts for r in self.routers)
@@ -842,6 +844,10 @@ class RouteCapture:
         idx = output[2].detach()
         # uint8 on any device; wider ids as int32 until routes() (uint16 kernels are CPU-limited)
         last.layers[pos] = idx.reshape(-1, idx.shape[-1]).to(torch.uint8 if self.dtype == torch.uint8 else torch.int32)
+        if self.record_log_probs:  # log-softmax over all experts of the live logits, at the experts used (no grad)
+            logits = output[0].detach()
+            lp = torch.log_softmax(logits.reshape(-1, logits.shape[-1]).float(), dim=-1)
+            last.log_probs[pos] = lp.gather(-1, idx.reshape(-1, idx.shape[-1]).long())
 
     # -- results
     def _group_routes(self, passes: list[_Pass], device) -> Routes:
@@ -889,14 +895,45 @@ class RouteCapture:
                 f"capture recorded {len(rl)} forward passes / generate calls; use routes_list() to get each")
         return rl[0]
 
+    def log_probs_list(self, device="cpu", batch_first: bool = False) -> list[torch.Tensor]:
+        """With ``record_log_probs=True``: per forward pass / generate call, in the order and token layout of
+        :meth:`routes_list`, the router log-probabilities ``log_softmax(router_logits, fp32)`` over all experts,
+        gathered at the k experts each token used (after any replay): fp32 ``[L, N, k]``, or ``[B, T, L, k]``
+        with ``batch_first`` (needs the pass's batch shape). Detached. RSPO's ``router_log_prob`` per token."""
+        if not self.record_log_probs:
+            raise StableRLError("capture(model, record_log_probs=True) is needed for log_probs_list()")
+        groups: dict[int, list[_Pass]] = {}
+        for p in self.passes:
+            groups.setdefault(p.group, []).append(p)
+        out = []
+        L = len(self.routers)
+        for passes in groups.values():
+            routes = self._group_routes(passes, "cpu")  # validates the passes and gives the layout
+            per_layer = []
+            for i in range(L):
+                parts = []
+                for p in passes:
+                    lp = p.log_probs[i]
+                    b = p.shape[0] if len(passes) > 1 else 1
+                    parts.append(lp.view(b, -1, lp.shape[-1]))
+                per_layer.append(torch.cat(parts, dim=1).reshape(-1, parts[0].shape[-1]))
+            lp = torch.stack(per_layer).to(device)  # [L, N, k]
+            if batch_first:
+                if routes.batch_shape is None:
+                    raise StableRLError("log_probs_list(batch_first=True): the pass has no [B, T] batch shape")
+                lp = lp.view(L, *routes.batch_shape, lp.shape[-1]).permute(1, 2, 0, 3).contiguous()
+            out.append(lp)
+        return out
+
     def clear(self) -> None:
         self.passes.clear()
 
 
-def capture(model, families: Optional[Iterable[RouterFamily]] = None) -> RouteCapture:
+def capture(model, families: Optional[Iterable[RouterFamily]] = None, record_log_probs: bool = False) -> RouteCapture:
     """Record the top-k experts of every MoE layer and token (see :class:`RouteCapture`). Records stay on
-    the model's device in the compact dtype until :meth:`RouteCapture.routes` moves them (default CPU)."""
-    return RouteCapture(model, families)
+    the model's device in the compact dtype until :meth:`RouteCapture.routes` moves them (default CPU).
+    ``record_log_probs=True`` also records the router log-probs at those experts (:meth:`RouteCapture.log_probs_list`)."""
+    return RouteCapture(model, families, record_log_probs=record_log_probs)
 
 
 # --------------------------------------------------------------------------------------------

@@ -98,6 +98,7 @@ def register_policy_losses(register):
             "Unverified against the paper: the mapping exp(-mean |d log g|), the floor gamma_min=0.8, and whether gamma "
             "is taken at the current theta (assumed here: the router log-probs passed in). For base='gmpo' the weight "
             "is added to the token log-ratio before the log-space clip and the geometric mean (a reading of 'rescale "
-            "before clipping and aggregation'). ppo_kl is logged from the raw ratio."
+            "before clipping and aggregation'). ppo_kl is logged from the raw ratio. TRL: needs "
+            "GRPOConfig(routing_replay='R3' or 'R2'), which records the router log-probs at the replayed experts."
         ),
     )

@@ -29,7 +29,7 @@ def test_list_json_has_required_fields(capsys):
         assert {"name", "kind", "status", "paper", "frameworks"} <= set(r)
         assert r["status"] in ("stable", "experimental", "unavailable")
     vanilla = next(r for r in rows if r["name"] == "vanilla")
-    assert vanilla["frameworks"] == ["verl", "trl"] and vanilla["paper"] == "2503.14476"
+    assert vanilla["frameworks"] == ["verl", "trl", "openrlhf"] and vanilla["paper"] == "2503.14476"
 
 
 def test_list_filters_by_kind(capsys):

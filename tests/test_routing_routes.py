@@ -473,3 +473,40 @@ def test_batch_tensor_wide_and_top1_mask():
         Routes.from_batch_tensor(t1, num_experts=4, valid=v1[:, :2])
     with pytest.raises(StableRLError, match="batch_shape"):
         Routes(idx, num_experts=4).batch_tensor()
+
+
+# ---------------------------------------------------------------- router log-probs at the experts used (RSPO)
+
+
+def test_capture_records_router_log_probs_at_used_experts():
+    m = toy()
+    x = torch.randint(0, 16, (2, 5))
+    logits = []
+    hooks = [layer.mlp.gate.register_forward_hook(lambda mod, a, out: logits.append(out[0].detach()))
+             for layer in m.layers]
+    other = rand_routes(3, 10, 2, 6, seed=5, batch_shape=(2, 5))
+    with rr.replay(m, other, [TOY]), rr.capture(m, [TOY], record_log_probs=True) as cap:
+        m(x).sum().backward()
+    for h in hooks:
+        h.remove()
+    (lp,) = cap.log_probs_list()
+    assert lp.shape == (3, 10, 2) and lp.dtype == torch.float32 and not lp.requires_grad
+    idx = other.indices.long()
+    for layer in range(3):  # log_softmax over all 6 experts, at the replayed experts (float64 reference)
+        ref = torch.log_softmax(logits[layer].double(), -1).gather(-1, idx[layer])
+        assert torch.allclose(lp[layer].double(), ref, atol=1e-6)
+    (bf,) = cap.log_probs_list(batch_first=True)
+    assert bf.shape == (2, 5, 3, 2) and torch.equal(bf[1, 3, 2], lp[2, 1 * 5 + 3])
+    with rr.capture(m, [TOY]) as plain:
+        m(x)
+    with pytest.raises(StableRLError, match="record_log_probs"):
+        plain.log_probs_list()
+
+
+def test_capture_log_probs_ignore_checkpoint_recomputation():
+    m = toy(gc=True)
+    x = torch.randint(0, 16, (1, 4))
+    with rr.capture(m, [TOY], record_log_probs=True) as cap:
+        m(x).sum().backward()  # the routers run again in backward
+    lps = cap.log_probs_list()
+    assert len(lps) == 1 and lps[0].shape == (3, 4, 2) and bool((lps[0] <= 0).all())

@@ -48,16 +48,20 @@ from typing import Any, Optional
 #: its 5-tuple return and the ``--algo.advantage.is_correction_*`` flags.
 SUPPORTED_OPENRLHF = ">=0.11.2,<0.11.3"
 _MIN, _MAX = (0, 11, 2), (0, 11, 3)
-PREFIX = "stablerl_"
 
-#: OpenRLHF 0.11.2's own names (argparse choices of ``openrlhf/cli/train_ppo_ray.py``).
-OPENRLHF_POLICY_LOSSES = ("ppo", "gspo")
-OPENRLHF_ADV_ESTIMATORS = ("gae", "reinforce", "rloo", "reinforce_baseline", "group_norm", "dr_grpo", "flash_reinforce")
+#: OpenRLHF 0.11.2's own names (argparse choices of ``openrlhf/cli/train_ppo_ray.py``) and the
+#: inputs the adapter can feed: one source with ``stablerl describe`` (stablerl.adapters.config_keys).
+#: ``rollout_log_prob`` exists only while ``--algo.advantage.is_correction_level`` is not ``off``.
+from stablerl.adapters.config_keys import (  # noqa: E402  (framework-free)
+    FEEDABLE_INPUTS as _FEEDABLE,
+    OPENRLHF_BUILTIN_ADV_ESTIMATORS as OPENRLHF_ADV_ESTIMATORS,
+    OPENRLHF_BUILTIN_POLICY_LOSSES as OPENRLHF_POLICY_LOSSES,
+    OPENRLHF_PREFIX as PREFIX,
+)
+from stablerl.contracts import ADVANTAGE_ESTIMATOR as _ADV, POLICY_LOSS as _LOSS  # noqa: E402
 
-#: Inputs the adapter can hand to a stablerl algorithm. ``rollout_log_prob`` exists only while
-#: ``--algo.advantage.is_correction_level`` is not ``off`` (OpenRLHF requests vLLM log-probs then).
-FEEDABLE_LOSS_INPUTS = frozenset({"rollout_log_prob"})
-FEEDABLE_ADVANTAGE_INPUTS = frozenset({"index"})
+FEEDABLE_LOSS_INPUTS = _FEEDABLE["openrlhf"][_LOSS]
+FEEDABLE_ADVANTAGE_INPUTS = _FEEDABLE["openrlhf"][_ADV]
 _WHY_NOT = {
     "rollout_log_prob": "set --algo.advantage.is_correction_level token|seq (OpenRLHF requests vLLM log-probs only then)",
     "entropy": "OpenRLHF's loss call site passes no entropy",
@@ -234,6 +238,10 @@ class Selection:
     policy_loss_params: dict = field(default_factory=dict)
     advantage_estimator: Optional[str] = None
     advantage_params: dict = field(default_factory=dict)
+    #: OpenRLHF clip flags given explicitly (--actor.eps_clip, --actor.eps_clip_low_high,
+    #: --actor.dual_clip) as clip_ratio_low/high/c: they set those fields of a stablerl loss that
+    #: has them. Flags left at OpenRLHF's defaults leave the paper's defaults in place.
+    openrlhf_clip: dict = field(default_factory=dict)
 
     def validate(self) -> "Selection":
         """Build the Params now so a bad key or value fails in the driver, not in a worker."""

@@ -58,6 +58,7 @@ class StablePolicyLoss(PolicyLoss):
         *,
         stablerl_params: Optional[dict] = None,
         dp_group: Any = None,
+        clip_to_params: bool = True,
     ) -> None:
         super().__init__(
             clip_eps_low=clip_eps_low,
@@ -81,14 +82,14 @@ class StablePolicyLoss(PolicyLoss):
         spec = stablerl.get_spec(stablerl.POLICY_LOSS, self.stablerl_name)
         fields = spec.params.field_names()
         params: dict[str, Any] = {}
-        # OpenRLHF's clip flags set the stablerl loss's clip fields where it has them (as in verl:
-        # --actor.eps_clip / eps_clip_low_high / dual_clip); explicit stablerl params win.
-        if "clip_ratio_low" in fields:
-            params["clip_ratio_low"] = clip_eps_low
-        if "clip_ratio_high" in fields:
-            params["clip_ratio_high"] = clip_eps_high
-        if "clip_ratio_c" in fields:
-            params["clip_ratio_c"] = dual_clip
+        # clip_to_params: the clip kwargs set the stablerl loss's clip fields where it has them
+        # (clip_ratio_low/high/c); explicit stablerl params win. build_policy_loss passes False and
+        # maps only the clip flags the user gave on the command line.
+        if clip_to_params:
+            for key, value in (("clip_ratio_low", clip_eps_low), ("clip_ratio_high", clip_eps_high),
+                               ("clip_ratio_c", dual_clip)):
+                if key in fields:
+                    params[key] = value
         params.update(stablerl_params or {})
         from stablerl.params import build_params
 
@@ -212,6 +213,16 @@ def build_policy_loss(args, selection: Selection, strategy=None) -> StablePolicy
         is_correction_mode=args.algo.advantage.is_correction_mode,
         is_correction_gating=args.algo.advantage.is_correction_gating,
         is_correction_threshold=args.algo.advantage.is_correction_threshold,
-        stablerl_params=selection.policy_loss_params,
+        stablerl_params=loss_params(selection),
         dp_group=dp_group,
+        clip_to_params=False,
     )
+
+
+def loss_params(selection: Selection) -> dict:
+    """The stablerl loss hyper-parameters: the OpenRLHF clip flags given on the command line
+    (``selection.openrlhf_clip``, for the loss's clip fields only), then ``--actor.stablerl_params``."""
+    fields = stablerl.get_spec(stablerl.POLICY_LOSS, selection.policy_loss).params.field_names()
+    out = {k: v for k, v in (selection.openrlhf_clip or {}).items() if k in fields}
+    out.update(selection.policy_loss_params or {})
+    return out

@@ -66,7 +66,9 @@ def _choices(kind: str, builtins: Sequence[str]) -> _Choices:
 
 def _help(kind: str, builtins: Sequence[str], original_help: Optional[str]) -> str:
     names = [n for n in openrlhf_choices(kind) if n not in builtins]
-    text = (original_help or "").replace("%", "%%")
+    text = (original_help or "").replace("%", "%%").rstrip()
+    if text and not text.endswith("."):
+        text += "."
     text += (" " if text else "") + f"OpenRLHF: {', '.join(builtins)}. stablerl: {', '.join(names)}"
     text += f" (every stablerl name also as {PREFIX}<name>; `stablerl describe <name>` shows its parameters)."
     return text
@@ -108,14 +110,33 @@ class _ParserPatch:
         argparse.ArgumentParser.add_argument = add_argument
         return self
 
+    def restore(self):
+        if self._original is not None:
+            argparse.ArgumentParser.add_argument = self._original
+
     def __exit__(self, *exc):
-        argparse.ArgumentParser.add_argument = self._original
+        self.restore()
         return False
 
     def error(self, message: str):
         if self.parser is not None:
             self.parser.error(message)  # exits 2, like every argparse error
         raise SystemExit(f"error: {message}")
+
+
+def _given(argv: Sequence[str], flag: str) -> bool:
+    return any(a == flag or a.startswith(flag + "=") for a in argv)
+
+
+def explicit_clip_flags(args, argv: Sequence[str]) -> dict:
+    """The OpenRLHF clip flags the user gave, as stablerl clip fields (see Selection.openrlhf_clip)."""
+    out = {}
+    if _given(argv, "--actor.eps_clip_low_high") or _given(argv, "--actor.eps_clip"):
+        low, high = args.actor.eps_clip_low_high or (args.actor.eps_clip, args.actor.eps_clip)
+        out.update(clip_ratio_low=float(low), clip_ratio_high=float(high))
+    if _given(argv, "--actor.dual_clip"):
+        out["clip_ratio_c"] = args.actor.dual_clip
+    return out
 
 
 def selection_from_cli(args) -> Selection:
@@ -128,7 +149,14 @@ def selection_from_cli(args) -> Selection:
         advantage_estimator=adv,
         advantage_params=parse_params(getattr(args.algo.advantage, "stablerl_params", None), _ADV_PARAMS_FLAG),
     )
+    sel.openrlhf_clip = explicit_clip_flags(args, sys.argv[1:])
     sel.validate()
+    if loss is not None:
+        from stablerl.params import build_params
+
+        spec = stablerl.get_spec(stablerl.POLICY_LOSS, loss)
+        fields = spec.params.field_names()
+        build_params(spec, {**{k: v for k, v in sel.openrlhf_clip.items() if k in fields}, **sel.policy_loss_params})
     if loss is not None:
         spec = stablerl.get_spec(stablerl.POLICY_LOSS, loss)
         if "rollout_log_prob" in spec.requires and args.algo.advantage.is_correction_level == "off":
@@ -142,6 +170,7 @@ def selection_from_cli(args) -> Selection:
 def main(argv: Optional[Sequence[str]] = None) -> None:
     """Run ``openrlhf.cli.train_ppo_ray`` with stablerl names accepted (``argv``: its flags)."""
     check_openrlhf()
+    saved_argv = list(sys.argv)
     if argv is not None:
         sys.argv = [sys.argv[0], *argv]
     import ray
@@ -152,6 +181,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     original_ray_init = ray.init
 
     def hierarchize(args):
+        parser_patch.restore()  # OpenRLHF's parser is complete: argparse is argparse again
         out = original_hierarchize(args)
         try:
             out.stablerl = selection_from_cli(out)
@@ -171,6 +201,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     finally:
         config.hierarchize = original_hierarchize
         ray.init = original_ray_init
+        sys.argv = saved_argv
 
 
 if __name__ == "__main__":

@@ -12,6 +12,11 @@ What it translates, and nothing more (the algorithms live in ``stablerl.plugins`
 * ``advantage_estimator``: ``None`` keeps TRL's advantages; a stablerl estimator name replaces them,
   computed on the rewards TRL gathered over every process (groups are TRL's contiguous blocks of
   ``num_generations``), then sliced to this process's rows exactly as TRL slices its own.
+* ``routing_replay``: ``"R3"`` / ``"R2"`` MoE routing replay (``stablerl.routing_replay``; see
+  docs/routing-replay.md): routes recorded around HF ``generate`` (R3; or taken from a ``rollout_func``'s
+  vLLM ``routed_experts``) or in TRL's old-log-prob pass (R2) travel with the batch rows as the
+  batch-first ``stablerl_routes`` tensor and are replayed in the old/ref passes and the training
+  forward, kept until after backward. Also feeds ``rspo`` its router log-probs.
 
 Everything TRL does around the loss is kept by running TRL's own ``_compute_loss`` for it: for a
 stablerl loss, ``_compute_loss`` calls the parent's method with zero advantages under the TRL
@@ -70,14 +75,17 @@ _HOST_CLIP_METRICS = (
 # Inputs a stablerl algorithm may declare (core.contracts.OPTIONAL_INPUTS) that TRL can feed.
 _LOSS_INPUTS_ALWAYS = {"entropy", "token_ids", "index", "scores"}
 _LOSS_INPUTS_VLLM_IS = {"rollout_log_prob"}  # sampling_per_token_logps, with vllm_importance_sampling_correction
+# router log-probs at the replayed experts, recorded in the old-log-prob pass and the training forward
+_LOSS_INPUTS_ROUTING_REPLAY = {"router_log_prob", "old_router_log_prob"}
 _ADVANTAGE_INPUTS = {"index"}
 _WHY_NOT = {
     "old_entropy": "TRL computes no entropies in its old-log-prob pass",
     "turn_ids": "TRL marks tool tokens with tool_mask but gives no per-token turn ids",
     "versions": "TRL's GRPOTrainer is synchronous: no per-token policy versions",
     "policy_version": "TRL's GRPOTrainer is synchronous: no per-token policy versions",
-    "router_log_prob": "TRL's fused LM head drops router logits",
-    "old_router_log_prob": "TRL's fused LM head drops router logits",
+    "router_log_prob": "needs routing_replay='R2' or 'R3' on an MoE model (TRL's fused LM head drops router logits; "
+    "stablerl records the router log-probs at the replayed experts)",
+    "old_router_log_prob": "needs routing_replay='R2' or 'R3' on an MoE model (recorded in the old-log-prob pass)",
     "rollout_log_prob": "needs use_vllm=True and vllm_importance_sampling_correction=True",
     "entropy": "TRL computes entropies only inside _compute_loss, after advantages",
     "old_log_prob": "TRL computes advantages before (and independently of) old log-probs",
@@ -201,14 +209,15 @@ def _unfeedable(requires, feedable) -> list[str]:
     return [r for r in requires if r not in feedable]
 
 
-def loss_inputs_trl_can_feed(use_vllm_is: bool) -> set[str]:
-    return set(_LOSS_INPUTS_ALWAYS) | (set(_LOSS_INPUTS_VLLM_IS) if use_vllm_is else set())
+def loss_inputs_trl_can_feed(use_vllm_is: bool, routing_replay: bool = False) -> set[str]:
+    return (set(_LOSS_INPUTS_ALWAYS) | (set(_LOSS_INPUTS_VLLM_IS) if use_vllm_is else set())
+            | (set(_LOSS_INPUTS_ROUTING_REPLAY) if routing_replay else set()))
 
 
-def check_loss_inputs(name: str, use_vllm_is: bool) -> None:
+def check_loss_inputs(name: str, use_vllm_is: bool, routing_replay: bool = False) -> None:
     """Raise :class:`stablerl.MissingInputError` if the loss declares inputs TRL cannot feed."""
     spec = stablerl.get_spec(POLICY_LOSS, name)
-    missing = _unfeedable(spec.requires, loss_inputs_trl_can_feed(use_vllm_is))
+    missing = _unfeedable(spec.requires, loss_inputs_trl_can_feed(use_vllm_is, routing_replay))
     if missing:
         reasons = "; ".join(f"{m}: {_WHY_NOT.get(m, OPTIONAL_INPUTS.get(m, ''))}" for m in missing)
         raise stablerl.MissingInputError(f"policy loss {name!r} needs input(s) TRL cannot provide ({reasons})")
@@ -303,7 +312,8 @@ def validate_stablerl_args(args, warn: bool = True) -> tuple[Optional[str], Opti
         build_params(stablerl.get_spec(POLICY_LOSS, loss), loss_params)  # unknown key / bad value -> clear error
         if agg not in AGG_MODES:
             raise UnknownNameError(unknown_name_message("stablerl_loss_agg_mode", agg, AGG_MODES))
-        check_loss_inputs(loss, bool(args.use_vllm and args.vllm_importance_sampling_correction))
+        check_loss_inputs(loss, bool(args.use_vllm and args.vllm_importance_sampling_correction),
+                          routing_replay=routing_replay_mode(args) is not None)
         if warn and (args.epsilon != 0.2 or args.epsilon_high is not None or args.delta is not None):
             warnings.warn(
                 f"epsilon/epsilon_high/delta configure TRL's built-in loss types; the stablerl loss {loss!r} takes "
@@ -393,6 +403,8 @@ class GRPOTrainer(_trl.GRPOTrainer):
         self._stablerl_adv_params = _as_dict(getattr(cfg, "stablerl_advantage_params", None), "stablerl_advantage_params")
         self._stablerl_agg_mode = getattr(cfg, "stablerl_loss_agg_mode", "token-mean")
         self._stablerl_spec = stablerl.get_spec(POLICY_LOSS, self._stablerl_loss) if self._stablerl_loss else None
+        # rspo: router log-probs at the replayed experts (old pass and training forward)
+        self._rr_router_lp = bool(self._rr_mode and self._stablerl_spec and "router_log_prob" in self._stablerl_spec.requires)
         self._stablerl_state: dict[str, dict] = {}  # persistent per-algorithm state (Context.state)
         self._stablerl_capture: Optional[dict] = None
         self._stablerl_rewards: Optional[torch.Tensor] = None
@@ -509,13 +521,16 @@ class GRPOTrainer(_trl.GRPOTrainer):
         old_pass = self.args.gradient_accumulation_steps % every != 0 or bool(
             self.use_vllm and self.vllm_importance_sampling_correction)
         self._rr_gen = None
-        self._rr_rollout = {"routes": None, "record": self._rr_mode == "R2" and old_pass}
+        self._rr_rollout = {"routes": None, "record": self._rr_mode == "R2" and old_pass, "old": old_pass}
+        lp_sink = self._rr_rollout["router_lp"] = {}
         try:
             out = super()._generate_and_score_completions(inputs)
             routes = self._rr_rollout_routes(out["prompt_ids"].size(1), out["completion_ids"].size(1))
         finally:
             self._rr_rollout = None
             self._rr_gen = None
+        if lp_sink.get("router_log_prob") is not None:  # [B, C, L, k] fp32, old policy at the replayed experts
+            out["stablerl_old_router_log_prob"] = lp_sink["router_log_prob"]
         if routes is not None:  # batch-first (TRL shuffles and splits them with their rows), on the CPU
             indices, valid = routes.batch_tensor()
             out["stablerl_routes"] = indices.cpu()
@@ -551,21 +566,40 @@ class GRPOTrainer(_trl.GRPOTrainer):
                 handle.remove()
         return out
 
+    def _rr_recording(self, fn, model, logits_to_keep, record_routes: bool, lp_sink: Optional[dict]):
+        """``fn`` under a capture: R2's routes (into the rollout state) and/or, for rspo, the router log-probs
+        at the experts used, ``[B, C, L, k]`` at the positions that predict the completion tokens."""
+        target = self.accelerator.unwrap_model(model)
+        state = self._rr_rollout
+
+        def run():
+            with rr.capture(target, record_log_probs=lp_sink is not None) as cap:
+                out = fn()
+            if record_routes:
+                parts = [r.batch_tensor()[0] for r in cap.routes_list()]  # one per TRL chunk
+                state["routes"] = rr.Routes.from_batch_tensor(
+                    torch.cat(parts), num_experts=self._rr_num_experts, layer_ids=self._rr_layer_ids)
+            if lp_sink is not None:
+                lp = torch.cat(cap.log_probs_list(device=self.accelerator.device, batch_first=True))
+                width = lp.size(1)
+                lp_sink["router_log_prob"] = lp[:, width - logits_to_keep - 1: width - 1]
+            return out
+
+        return run
+
     def _rr_logps(self, fn, model, input_ids, logits_to_keep):
         state = self._rr_rollout
         if state is not None:  # old / ref log-prob passes of a fresh generation batch
             routes = self._rr_rollout_routes(input_ids.size(1) - logits_to_keep, logits_to_keep)
+            old = state["old"] and self.accelerator.unwrap_model(model) is self.accelerator.unwrap_model(self.model)
+            if old:  # TRL's old-log-prob pass comes first (the ref pass, also of the PEFT policy, after it)
+                state["old"] = False
+                record = routes is None and state["record"]  # R2
+                if record or self._rr_router_lp:
+                    fn = self._rr_recording(fn, model, logits_to_keep, record,
+                                            state["router_lp"] if self._rr_router_lp else None)
             if routes is not None:
                 return self._rr_forward(model, routes, input_ids, fn, keep=False)
-            target = self.accelerator.unwrap_model(model)
-            if state["record"] and target is self.accelerator.unwrap_model(self.model):  # R2: the old-log-prob pass
-                state["record"] = False
-                with rr.capture(target) as cap:
-                    out = fn()
-                parts = [r.batch_tensor()[0] for r in cap.routes_list()]  # one per TRL chunk
-                state["routes"] = rr.Routes.from_batch_tensor(
-                    torch.cat(parts), num_experts=self._rr_num_experts, layer_ids=self._rr_layer_ids)
-                return out
             return fn()
         if self._rr_current is None:
             return fn()
@@ -677,6 +711,8 @@ class GRPOTrainer(_trl.GRPOTrainer):
         else:
             fn = functools.partial(super()._get_per_token_logps_and_entropies, model, input_ids, attention_mask,
                                    logits_to_keep, *args, **kwargs)
+            if self._rr_router_lp and self._stablerl_capture is not None and kwargs.get("compute_entropy"):
+                fn = self._rr_recording(fn, model, logits_to_keep, False, self._stablerl_capture)
             out = self._rr_logps(fn, model, input_ids, logits_to_keep)
         if self._stablerl_capture is not None and kwargs.get("compute_entropy"):
             self._stablerl_capture["logps"], self._stablerl_capture["entropies"] = out[0], out[1]
@@ -707,13 +743,14 @@ class GRPOTrainer(_trl.GRPOTrainer):
                 del metrics[key][before.get(key, 0):]
                 if not metrics[key]:
                     del metrics[key]
-        loss, loss_value = self._stablerl_policy_loss(inputs, captured["logps"], captured["entropies"], mode)
+        loss, loss_value = self._stablerl_policy_loss(inputs, captured["logps"], captured["entropies"], mode,
+                                                      router_log_prob=captured.get("router_log_prob"))
         if "policy_loss" in metrics and len(metrics["policy_loss"]) > policy_loss_logged:
             # TRL logs its (KL-inclusive) policy loss only when the entropy bonus is on; add ours to it
             metrics["policy_loss"][-1] += self.accelerator.gather(loss_value).nanmean().item()
         return surroundings + loss
 
-    def _stablerl_policy_loss(self, inputs, logps, entropies, mode):
+    def _stablerl_policy_loss(self, inputs, logps, entropies, mode, router_log_prob=None):
         spec = self._stablerl_spec
         completion_mask = inputs["completion_mask"]
         mask = completion_mask if "tool_mask" not in inputs else completion_mask * inputs["tool_mask"]
@@ -774,6 +811,13 @@ class GRPOTrainer(_trl.GRPOTrainer):
             extra["index"] = inputs["stablerl_index"]
         if "scores" in spec.requires:
             extra["scores"] = inputs["stablerl_scores"]
+        if "router_log_prob" in spec.requires:
+            if router_log_prob is None:
+                raise StableRLError(f"policy loss {self._stablerl_loss!r} needs router log-probs: set routing_replay")
+            old_router = inputs.get("stablerl_old_router_log_prob")
+            extra["router_log_prob"] = router_log_prob
+            # no old-log-prob pass (TRL trains each micro-batch once, at theta_old): old == current, like TRL's logps
+            extra["old_router_log_prob"] = router_log_prob if old_router is None else old_router.to(router_log_prob.device)
         loss, metrics = stablerl.compute_policy_loss(
             self._stablerl_loss,
             log_prob=logps,

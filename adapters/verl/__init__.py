@@ -10,8 +10,15 @@ point of the stablerl distribution) registers, in verl's own registries:
 
 A verl built-in is never replaced (``vanilla``, ``gspo``, ``cispo``, ``grpo``, ``rloo``, ``opo``
 stay verl's; stablerl's are ``stablerl_vanilla``...). Algorithms with status ``unavailable``, and
-algorithms that need an input verl does not pass to that kind of function (verl's loss call
-gets no entropy, rollout log-probs, uids...), are skipped; :func:`registration_report` says why.
+algorithms that need an input verl cannot provide to that kind of function, are skipped;
+:func:`registration_report` says why.
+
+verl's loss call passes no entropy, token ids, rollout log-probs, uids or scores. The adapter
+therefore wraps verl's loss call site ``verl.workers.utils.losses.ppo_loss`` (see
+:mod:`stablerl.adapters.verl._inputs`): for the selected stablerl loss it gathers exactly the
+inputs the loss declares from verl's ``model_output``/batch and hands them over; verl's own
+entropy bonus, KL loss and metrics still run. ``entropy`` needs
+``actor_rollout_ref.actor.calculate_entropy=True``. :func:`unpatch_ppo_loss` undoes the wrap.
 
 Usage (verl >= 0.9: nothing but the name)::
 
@@ -37,6 +44,12 @@ from typing import Any
 
 logger = logging.getLogger("stablerl.adapters.verl")
 
+# absolute: one ppo_loss wrapper / ContextVar / state dict per process (see _translate)
+from stablerl.adapters.verl import _inputs as _declared  # noqa: E402  (imports no verl)
+
+patch_ppo_loss = _declared.patch
+unpatch_ppo_loss = _declared.unpatch
+
 #: verl versions this adapter is written against: the ``(loss, metrics)`` return (>= 0.6.1),
 #: ``rollout_is_weights`` and ``config.global_batch_info`` (>= 0.7.0); tested with 0.9.1.
 SUPPORTED_VERL = ">=0.7.0,<0.10"
@@ -59,6 +72,7 @@ _REPORT: dict[str, Any] = {
     "ok": False,
     "verl_version": None,
     "error": None,
+    "ppo_loss_patch": None,  # "patched" | "deferred" (on import of verl.workers.utils.losses) | "failed"
     "registered": [],  # {"kind", "verl_name", "stablerl_name"}
     "skipped": [],  # {"kind", "name", "reason"}
     "policy_loss_config_fields": {},
@@ -120,6 +134,11 @@ def _is_ours(fn: Any, kind: str, name: str) -> bool:
     return getattr(fn, "_stablerl_verl", None) == (kind, name)
 
 
+#: extra inputs this process can hand to each kind (verl's, plus the ppo_loss wrapper's gathered
+#: inputs for policy losses while the wrapper is installed); set by _setup
+_PROVIDES: dict[str, frozenset] = {}
+
+
 def _register_all(core_algos) -> None:
     import stablerl
 
@@ -140,9 +159,13 @@ def _register_all(core_algos) -> None:
             if spec.status == stablerl.UNAVAILABLE:
                 _skip(kind, spec.name, f"status unavailable: {spec.notes}")
                 continue
-            missing = [r for r in spec.requires if r not in tr.VERL_PROVIDES[kind]]
+            missing = [r for r in spec.requires if r not in _PROVIDES.get(kind, tr.VERL_PROVIDES[kind])]
             if missing:
-                _skip(kind, spec.name, f"needs {', '.join(missing)}, which verl 0.9 does not pass to a {kind}")
+                why = "; ".join(f"{m}: {_declared.NOT_PROVIDED[m]}" for m in missing if m in _declared.NOT_PROVIDED)
+                _skip(
+                    kind, spec.name,
+                    f"needs {', '.join(missing)}, which verl 0.9 cannot provide to a {kind}" + (f" ({why})" if why else ""),
+                )
                 continue
             fn = make(spec.name)
             for verl_name, bare in ((PREFIX + spec.name, False), (spec.name, True)):
@@ -219,6 +242,9 @@ def registration_report() -> dict[str, Any]:
         "verl_version": _REPORT["verl_version"],
         "supported": SUPPORTED_VERL,
         "error": _REPORT["error"],
+        "ppo_loss_patch": _REPORT["ppo_loss_patch"],
+        "ppo_loss_patched": _declared.is_patched(),
+        "declared_inputs": _declared.describe(),
         "registered": registered,
         "skipped": [dict(s) for s in _REPORT["skipped"]],
         "policy_loss_config_fields": dict(_REPORT["policy_loss_config_fields"]),
@@ -251,10 +277,15 @@ def _setup():
     from ._translate import VERL_PROVIDES
 
     _check_signatures(core_algos)
+    status = _declared.patch()  # wrap verl's loss call site (now, or when its module is imported)
+    _REPORT["ppo_loss_patch"] = status
+    _PROVIDES.update(VERL_PROVIDES)
+    if status == "failed":  # no wrapper: only verl's own loss arguments reach the losses
+        _PROVIDES[stablerl.POLICY_LOSS] = frozenset()
     usable = [
         s
         for s in stablerl.list_algorithms(stablerl.POLICY_LOSS)
-        if s.status != stablerl.UNAVAILABLE and set(s.requires) <= VERL_PROVIDES[stablerl.POLICY_LOSS]
+        if s.status != stablerl.UNAVAILABLE and set(s.requires) <= _PROVIDES[stablerl.POLICY_LOSS]
     ]
     cls, owners = build_policy_loss_config(PolicyLossConfig, usable, __name__, check=_check_policy_loss_config)
     _REPORT["policy_loss_config_fields"] = owners
@@ -287,4 +318,6 @@ __all__ = [
     "SUPPORTED_VERL",
     "registration_report",
     "UnsupportedVerlVersion",
+    "patch_ppo_loss",
+    "unpatch_ppo_loss",
 ]

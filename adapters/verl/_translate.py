@@ -3,7 +3,8 @@
 Nothing here computes an algorithm: tensors and config come in from verl, one call to
 :func:`stablerl.compute_policy_loss` / :func:`stablerl.compute_advantage` is made, and the
 result goes back in verl's format. This module imports only torch and stablerl (no verl), so
-it can be unit-tested and imported in every process without side effects.
+it can be unit-tested and imported in every process without side effects (``_inputs`` imports no
+verl either).
 """
 
 from __future__ import annotations
@@ -26,6 +27,10 @@ logger = logging.getLogger("stablerl.adapters.verl")
 #: (``actor_rollout_ref.actor.<key>``), never from ``policy_loss``, exactly as verl's built-ins do.
 from stablerl.adapters.config_keys import FEEDABLE_INPUTS
 from stablerl.adapters.config_keys import VERL_ACTOR_KEYS as ACTOR_KEYS
+
+# absolute import: one gatherer (one ContextVar, one state dict) per process, even when the
+# adapter package is executed a second time under another module name
+from stablerl.adapters.verl import _inputs as _declared
 
 #: extra inputs (``AlgorithmSpec.requires``) verl hands to each kind of function (single source:
 #: ``stablerl.adapters.config_keys``, which the docs are generated from)
@@ -127,7 +132,9 @@ def loss_hyperparameters(spec, config: Any) -> dict[str, Any]:
 def make_policy_loss_fn(name: str):
     """A verl policy-loss function that computes the stablerl loss ``name``.
 
-    verl 0.9.1 calls it by keyword from ``verl.workers.utils.losses.ppo_loss``.
+    verl 0.9.1 calls it by keyword from ``verl.workers.utils.losses.ppo_loss``. The inputs the
+    loss declares beyond verl's arguments come from the ``ppo_loss`` wrapper
+    (:mod:`stablerl.adapters.verl._inputs`); ``ctx.state`` is this process's state of ``name``.
     """
 
     def stablerl_policy_loss(
@@ -142,6 +149,9 @@ def make_policy_loss_fn(name: str):
     ) -> tuple[torch.Tensor, dict[str, float]]:
         spec = get_spec(POLICY_LOSS, name)
         ctx, mode = verl_context(config, response_mask, loss_agg_mode)
+        ctx.state = _declared.state_for(name)  # per-process, persists across steps (not checkpointed)
+        # declared inputs (entropy, token ids, uids...), gathered by the ppo_loss wrapper
+        extra = _declared.inputs_for(name, spec.requires)
         loss, metrics = _compute_policy_loss(
             name,
             log_prob=log_prob,
@@ -151,6 +161,7 @@ def make_policy_loss_fn(name: str):
             loss_agg_mode=mode,
             ctx=ctx,
             is_weights=rollout_is_weights,
+            **extra,
             **loss_hyperparameters(spec, config),
         )
         return loss, {f"actor/{k}": v for k, v in metrics.items()}

@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import copy
+from pathlib import Path
 from types import SimpleNamespace
 
 import torch
+
+HERE_PATH = str(Path(__file__).parent)
+STUBS_PATH = str(Path(__file__).parent / "stubs")
 
 
 def make_args(

@@ -14,9 +14,12 @@ import torch
 
 import trl_helpers as H  # noqa: I001
 
+import stablerl
+
 from stablerl import StableRLError, UnknownNameError
 from stablerl import routing_replay as rr
 from stablerl.adapters.trl import GRPOConfig, GRPOTrainer
+from stablerl.adapters.trl.demo import DIGITS
 
 
 def tiny_moe(seed=0):
@@ -73,14 +76,29 @@ class NoReplay:
         pass
 
 
+def prompts_of_varied_length(n=64, seed=0):
+    """``copy <d> ... :`` prompts of 3 to 6 words, so TRL left-pads the prompts of a batch."""
+    import random
+
+    from datasets import Dataset
+
+    rng = random.Random(seed)
+    return Dataset.from_dict({"prompt": [" ".join(["copy"] + rng.choices(DIGITS, k=rng.randint(1, 4)) + [":"])
+                                         for _ in range(n)]})
+
+
 def run(tmp_path, model=None, trainer_cls=Probe, **overrides):
     kw = dict(max_completion_length=6, max_steps=1, learning_rate=0.0, routing_replay="R3")
     kw.update(overrides)
     args = GRPOConfig(**H.base_kwargs(tmp_path, **kw))
     model = model if model is not None else tiny_moe()
+    initial = torch.cat([p.detach().reshape(-1).clone() for p in model.parameters()])
     grads = []
     model.model.layers[0].mlp.gate.weight.register_hook(lambda g: grads.append(float(g.norm())))
-    trainer, rec, initial = H.train(trainer_cls, args, model=model, reward=H.binary_digit_reward)
+    rec = H.Recorder(model)
+    trainer = trainer_cls(model=model, reward_funcs=H.binary_digit_reward, args=args,
+                          train_dataset=prompts_of_varied_length(), processing_class=H.TOKENIZER, callbacks=[rec])
+    trainer.train()
     return trainer, rec, initial, grads
 
 
@@ -105,6 +123,8 @@ def test_r3_training_forward_uses_the_generation_routes(tmp_path):
     rollout = [c for c in trainer.calls if c["phase"] == "rollout"]
     train = [c for c in trainer.calls if c["phase"] == "train"]
     assert len(rollout) == 1 and len(train) == 2
+    prompt_lengths = rollout[0]["attention_mask"][:, : -rollout[0]["logits_to_keep"]].sum(1)
+    assert prompt_lengths.min() < prompt_lengths.max()  # left padding is exercised
     model = trainer.accelerator.unwrap_model(trainer.model).eval()
     for call in rollout + train:
         meant = call["meant"]
@@ -112,6 +132,10 @@ def test_r3_training_forward_uses_the_generation_routes(tmp_path):
         assert rr.mismatch_fraction(meant, call["used"]) == 0.0
         # the routes cover the real tokens: only padding and the last sampled token are routed natively
         assert attended_fraction_valid(meant, call["attention_mask"]) > 0.85
+        # lr = 0: a native forward routes exactly like generate did, so the aligned routes are the right ones
+        with torch.no_grad(), rr.capture(model) as cap:
+            model(input_ids=call["input_ids"], attention_mask=call["attention_mask"])
+        assert rr.mismatch_fraction(meant, cap.routes()) <= 0.01
         ref, mask = logps_under_replay(model, call)
         assert torch.allclose(call["logps"][mask], ref[mask], atol=1e-5, rtol=0), (call["logps"] - ref).abs().max()
     # the micro-batches are shuffled rows of the generation batch: their routes are rows of the rollout's
@@ -122,11 +146,11 @@ def test_r3_training_forward_uses_the_generation_routes(tmp_path):
     assert math.isfinite(rec.logs[0]["loss"])
 
 
-def _drift(tmp_path, monkeypatch, replay):
+def _drift(tmp_path, monkeypatch, replay, lr):
     if not replay:
         monkeypatch.setattr(rr, "replay", NoReplay)
     # GA=1, num_iterations=2: step 1 trains at the rollout's weights, step 2 re-uses the batch after one update
-    trainer, rec, initial, _ = run(tmp_path, gradient_accumulation_steps=1, max_steps=2, learning_rate=0.02)
+    trainer, rec, initial, _ = run(tmp_path, gradient_accumulation_steps=1, max_steps=2, learning_rate=lr)
     monkeypatch.undo()
     train = [c for c in trainer.calls if c["phase"] == "train"]
     assert [c["step"] for c in train] == [0, 1]
@@ -134,13 +158,15 @@ def _drift(tmp_path, monkeypatch, replay):
 
 
 def test_routes_drift_after_an_update_without_replay_not_with(tmp_path, monkeypatch):
-    native = _drift(tmp_path / "native", monkeypatch, replay=False)
-    replayed = _drift(tmp_path / "replay", monkeypatch, replay=True)
-    print(f"\nrouting decisions differing from generate's: without replay {native[0]:.4f} before / {native[1]:.4f} "
-          f"after one optimizer step (lr 0.02); with R3 replay {replayed[0]:.4f} / {replayed[1]:.4f}")
-    # same weights: the aligned generate routes are the training forward's own (alignment is right)
-    assert native[0] <= 0.01
-    assert native[1] > 0.02  # one Adam step moves the routers
+    small = _drift(tmp_path / "native_small", monkeypatch, replay=False, lr=1e-3)
+    native = _drift(tmp_path / "native", monkeypatch, replay=False, lr=0.02)
+    replayed = _drift(tmp_path / "replay", monkeypatch, replay=True, lr=0.02)
+    print(f"\nrouting decisions differing from generate's, before / after one Adam step: without replay "
+          f"{small[0]:.4f} / {small[1]:.4f} (lr 1e-3), {native[0]:.4f} / {native[1]:.4f} (lr 0.02); "
+          f"with R3 replay {replayed[0]:.4f} / {replayed[1]:.4f} (lr 0.02)")
+    # same weights: the aligned generate routes are the training forward's own (the alignment is right)
+    assert native[0] <= 0.01 and small[0] <= 0.01
+    assert native[1] > 0.05 and small[1] > 0.0  # one Adam step moves the routers
     assert replayed == [0.0, 0.0]
 
 
@@ -177,7 +203,7 @@ def test_gradient_checkpointing_replays_in_recomputation(tmp_path, monkeypatch):
 
     def recording(model, routes, families=None):
         h = real(model, routes, families)
-        handles.append(h)
+        handles.append((torch.is_grad_enabled(), h))  # grad enabled: a training forward (else old-log-prob pass)
         return h
 
     losses = {}
@@ -188,10 +214,10 @@ def test_gradient_checkpointing_replays_in_recomputation(tmp_path, monkeypatch):
                                            learning_rate=5e-3, trainer_cls=GRPOTrainer)
         monkeypatch.undo()
         losses[gc] = ([log["loss"] for log in rec.logs], rec.params[-1], grads)
-        train_calls = [h.calls for h in handles if h.calls and max(h.calls) != min(h.calls) or h.calls[0] in (1, 2)]
-        # training forwards: one chunk each; under checkpointing the routers fire again in backward
-        assert any(c == ([2, 2] if gc else [1, 1]) for c in train_calls), [h.calls for h in handles]
-        assert not any(h.active for h in handles)
+        train_calls = [h.calls for grad, h in handles if grad]
+        # 4 training forwards of one chunk each; under checkpointing the routers fire again in backward
+        assert train_calls == [[2, 2] if gc else [1, 1]] * 4, train_calls
+        assert not any(h.active for _, h in handles)
     (l0, p0, g0), (l1, p1, g1) = losses[False], losses[True]
     assert all(math.isfinite(x) for x in l1)
     assert l0 == pytest.approx(l1, abs=1e-6)
@@ -210,3 +236,86 @@ def test_errors(tmp_path):
     with pytest.raises(StableRLError, match="routed_experts"):
         GRPOTrainer(model=tiny_moe(), reward_funcs=H.binary_digit_reward, args=vargs,
                     train_dataset=H.build_dataset(8), processing_class=H.TOKENIZER)
+
+
+def test_r3_from_a_rollout_func_returning_vllm_routes(tmp_path):
+    """The vLLM route: a rollout_func returns vLLM-format routed_experts ([tokens - 1, layers, k] uint8, the
+    last sampled token missing); here produced by HF generate one request at a time."""
+    model = tiny_moe()
+    tok = H.TOKENIZER
+
+    def rollout_func(prompts, trainer):
+        out = {"prompt_ids": [], "completion_ids": [], "logprobs": None, "routed_experts": []}
+        for text in prompts:
+            p = tok(text)["input_ids"]
+            x = torch.tensor([p])
+            with torch.no_grad(), rr.capture(model) as cap:
+                seq = model.generate(input_ids=x, attention_mask=torch.ones_like(x), max_new_tokens=5, do_sample=True)
+            c = seq[0, len(p):].tolist()
+            if tok.eos_token_id in c:
+                c = c[: c.index(tok.eos_token_id) + 1]
+            arr = cap.routes().to_token_layer_slot(2)[: len(p) + len(c) - 1].numpy().astype("uint8")
+            out["prompt_ids"].append(p)
+            out["completion_ids"].append(c)
+            out["routed_experts"].append(arr)
+        return out
+
+    args = GRPOConfig(**H.base_kwargs(tmp_path, max_completion_length=5, max_steps=1, learning_rate=0.0,
+                                      routing_replay="R3"))
+    trainer = Probe(model=model, reward_funcs=H.binary_digit_reward, args=args, train_dataset=prompts_of_varied_length(),
+                    processing_class=tok, rollout_func=rollout_func)
+    trainer.train()
+    assert [c["phase"] for c in trainer.calls] == ["rollout", "train", "train"]
+    m = trainer.accelerator.unwrap_model(trainer.model).eval()
+    for call in trainer.calls:
+        assert rr.mismatch_fraction(call["meant"], call["used"]) == 0.0
+        assert attended_fraction_valid(call["meant"], call["attention_mask"]) > 0.8
+        with torch.no_grad(), rr.capture(m) as cap:  # lr = 0: the rollout's routes are the native ones
+            m(input_ids=call["input_ids"], attention_mask=call["attention_mask"])
+        assert rr.mismatch_fraction(call["meant"], cap.routes()) <= 0.01
+
+
+def test_r3_rollout_func_without_routes_is_an_error(tmp_path):
+    def rollout_func(prompts, trainer):
+        ids = [H.TOKENIZER(t)["input_ids"] for t in prompts]
+        return {"prompt_ids": ids, "completion_ids": [[5, 6] for _ in ids], "logprobs": None}
+
+    args = GRPOConfig(**H.base_kwargs(tmp_path, max_completion_length=2, max_steps=1, routing_replay="R3"))
+    trainer = GRPOTrainer(model=tiny_moe(), reward_funcs=H.binary_digit_reward, args=args,
+                          train_dataset=prompts_of_varied_length(), processing_class=H.TOKENIZER,
+                          rollout_func=rollout_func)
+    with pytest.raises(StableRLError, match="routed_experts"):
+        trainer.train()
+
+
+class RouterLogProbProbe(GRPOTrainer):
+    """Keeps the router log-probs handed to the rspo loss."""
+
+    def _stablerl_policy_loss(self, inputs, logps, entropies, mode, router_log_prob=None):
+        self.__dict__.setdefault("seen", []).append(
+            (router_log_prob.detach().clone(), inputs.get("stablerl_old_router_log_prob"), logps.shape))
+        return super()._stablerl_policy_loss(inputs, logps, entropies, mode, router_log_prob=router_log_prob)
+
+
+@pytest.mark.parametrize("mode", ["R2", "R3"])
+def test_rspo_gets_router_log_probs(tmp_path, mode):
+    # lr = 0: the training forward's router log-probs at the replayed experts equal the old pass's -> gamma = 1
+    trainer, rec, _, _ = run(tmp_path / "lr0", routing_replay=mode, loss_type="rspo",
+                             trainer_cls=RouterLogProbProbe)
+    for cur, old, shape in trainer.seen:
+        assert cur.shape == (*shape, 2, 2) and old is not None and old.shape == cur.shape
+        assert bool((cur <= 0).all()) and torch.allclose(cur, old, atol=1e-5)
+    assert rec.logs[0]["stablerl/rspo/gamma_mean"] == pytest.approx(1.0, abs=1e-5)
+    # lr > 0: the router moves between the old pass and the second step -> gamma < 1, training goes on
+    trainer, rec, initial, grads = run(tmp_path / "lr", routing_replay=mode, loss_type="rspo", max_steps=2,
+                                       learning_rate=0.02)
+    gammas = [log["stablerl/rspo/gamma_mean"] for log in rec.logs]
+    print(f"\nrspo with {mode}: gamma_mean per step {gammas}")
+    assert gammas[0] == pytest.approx(1.0, abs=1e-3) and gammas[1] < 0.9999
+    assert all(math.isfinite(log["loss"]) for log in rec.logs) and min(grads) > 0
+    assert not torch.equal(rec.params[-1], initial)
+
+
+def test_rspo_needs_routing_replay(tmp_path):
+    with pytest.raises(stablerl.MissingInputError, match="routing_replay"):
+        GRPOConfig(**H.base_kwargs(tmp_path, loss_type="rspo"))

@@ -1,0 +1,387 @@
+"""Declared inputs for stablerl losses under verl: gathered once, at verl's loss call site.
+
+verl 0.9.1 calls a registered policy loss with ``old_log_prob, log_prob, advantages,
+response_mask, loss_agg_mode, config, rollout_is_weights`` only. The extra inputs a stablerl loss
+declares (``AlgorithmSpec.requires``: entropies, token ids, rollout log-probs, uids, scores) are
+in the arguments of the function that makes that call,
+``verl.workers.utils.losses.ppo_loss(config, model_output, data, dp_group=None)``. This module
+wraps that function: for the stablerl loss selected by ``config.policy_loss.loss_mode`` it gathers
+exactly the declared inputs from verl's own ``model_output`` / ``data``, converts them to the
+padded ``[B, T]`` layout ``ppo_loss`` gives ``old_log_prob``, and makes them visible to the
+registered loss through a :class:`contextvars.ContextVar` set around the call to the *original*
+``ppo_loss`` (so verl's entropy bonus, KL loss and metrics run unchanged). The variable is reset
+when the call returns or raises: nothing leaks from one call to the next, and nested calls
+(distillation's ``ppo_loss`` inside its own loss) each see their own inputs.
+
+Where each input comes from (verl 0.9.1):
+
+* ``entropy``: ``model_output["entropy"]`` (current policy, same forward pass as the log-probs),
+  present when ``actor_rollout_ref.actor.calculate_entropy=True`` (or ``entropy_coeff != 0``);
+  converted with verl's ``no_padding_2_padding`` exactly as ``ppo_loss`` converts it.
+* ``token_ids``: ``data["responses"]``.
+* ``rollout_log_prob``: ``data["rollout_log_probs"]`` (``rollout.calculate_log_probs=True``, the default).
+* ``index``: the ``uid`` non-tensor field (group ids).
+* ``scores``: per-response sum over the response of ``token_level_scores`` (legacy trainer),
+  else ``rm_scores`` (v1 trainer), else ``token_level_rewards``.
+* ``old_entropy``: ``data["entropy"]`` (the v1 trainer writes the old-log-prob pass's entropy
+  under that key) or ``data["entropys"]``; the legacy trainer drops them before the update.
+
+Not provided by verl 0.9.1 (a loss declaring them is not registered): ``turn_ids``, ``versions``,
+``policy_version``, ``router_log_prob``, ``old_router_log_prob``, ``pos_count``, ``neg_count`` and
+the per-response extras of reward shapers; the training step is not passed either (``ctx.step`` is
+None).
+
+Callers bind the name at import time (``from verl.workers.utils.losses import ppo_loss`` in
+``verl.workers.engine_workers`` and ``verl.trainer.distillation.losses``), so :func:`patch`
+replaces the attribute of the losses module *before* they import it: if the module is not loaded
+yet, a post-import hook (a ``sys.meta_path`` finder that imports nothing itself) patches it right
+after it executes; if it is loaded already, it is patched at once, together with the callers'
+bound names. :func:`patch` is idempotent (also across re-imports of the adapter) and
+:func:`unpatch` restores verl's function.
+
+Controller state (``Context.state``) lives in :data:`STATE`, one dict per loss name and per
+process; it persists across steps in a worker but is **not** saved in verl's checkpoint.
+
+This module imports no verl at import time (verl's helpers are imported inside the wrapper, when
+verl already loaded them).
+"""
+
+from __future__ import annotations
+
+import contextvars
+import functools
+import importlib.abc
+import logging
+import sys
+from typing import Any, Optional
+
+import numpy as np
+import torch
+
+from stablerl import POLICY_LOSS, MissingInputError, get_spec
+from stablerl.contracts import OPTIONAL_INPUTS
+
+logger = logging.getLogger("stablerl.adapters.verl")
+
+LOSSES_MODULE = "verl.workers.utils.losses"
+#: modules that do ``from verl.workers.utils.losses import ppo_loss`` (bound at import time)
+CALLER_MODULES = ("verl.workers.engine_workers", "verl.trainer.distillation.losses")
+
+#: declared input -> where the wrapper takes it from (the single place this is written down; the
+#: set of keys must equal ``FEEDABLE_INPUTS["verl"][POLICY_LOSS]`` in stablerl.adapters.config_keys)
+SOURCES: dict[str, str] = {
+    "entropy": 'model_output["entropy"] (needs actor_rollout_ref.actor.calculate_entropy=True)',
+    "token_ids": 'data["responses"]',
+    "rollout_log_prob": 'data["rollout_log_probs"] (actor_rollout_ref.rollout.calculate_log_probs=True)',
+    "index": 'the "uid" non-tensor field',
+    "scores": 'response sum of data["token_level_scores"], else data["rm_scores"], else data["token_level_rewards"]',
+    "old_entropy": 'data["entropy"] (written by the v1 trainer\'s old-log-prob pass) or data["entropys"]',
+}
+
+#: declared inputs verl 0.9.1 cannot provide to a policy loss, and why
+NOT_PROVIDED: dict[str, str] = {
+    "turn_ids": "verl's batch has no per-token turn ids (only the per-sample num_turns)",
+    "versions": "verl's batch has no per-token policy versions",
+    "policy_version": "the worker's loss call does not know the current policy version / step",
+    "router_log_prob": "verl's loss gets no router log-probs",
+    "old_router_log_prob": "verl's loss gets no router log-probs",
+    "pos_count": "no verl trainer counts samples per prompt over sampling rounds",
+    "neg_count": "no verl trainer counts samples per prompt over sampling rounds",
+}
+
+_SCORE_FIELDS = ("token_level_scores", "rm_scores", "token_level_rewards")
+_OLD_ENTROPY_FIELDS = ("entropy", "entropys")
+
+#: per-process controller state, one dict per stablerl loss name (``Context.state``)
+STATE: dict[str, dict] = {}
+
+_CURRENT: contextvars.ContextVar[Optional[dict[str, Any]]] = contextvars.ContextVar(
+    "stablerl_verl_declared_inputs", default=None
+)
+_MARK = "_stablerl_verl_wrapper"
+
+
+def state_for(name: str) -> dict:
+    """The persistent ``Context.state`` of loss ``name`` in this process."""
+    return STATE.setdefault(name, {})
+
+
+def current() -> Optional[dict[str, Any]]:
+    """The inputs gathered by the innermost active ``ppo_loss`` wrapper call (None outside one)."""
+    return _CURRENT.get()
+
+
+# ----------------------------------------------------------------------------- gathering
+
+
+class VerlInputError(MissingInputError):
+    """A declared input of the selected stablerl loss is not in verl's batch."""
+
+
+def _stablerl_name(loss_mode: str) -> Optional[str]:
+    """The stablerl loss registered in verl under ``loss_mode`` (None for verl's own losses)."""
+    from verl.trainer.ppo import core_algos
+
+    fn = core_algos.POLICY_LOSS_REGISTRY.get(loss_mode)
+    mark = getattr(fn, "_stablerl_verl", None)
+    if mark is None or mark[0] != POLICY_LOSS:
+        return None
+    return mark[1]
+
+
+def _missing(name: str, loss_mode: str, what: str, fix: str) -> VerlInputError:
+    return VerlInputError(
+        f"stablerl loss {name!r} (loss_mode={loss_mode}) needs {what} ({OPTIONAL_INPUTS.get(what, '')}), "
+        f"but verl's batch has none: {fix}"
+    )
+
+
+def _padded(data, keys: list[str]) -> dict[str, torch.Tensor]:
+    """``data[keys]`` in the padded ``[B, T]`` layout, converted exactly as ``ppo_loss`` converts
+    ``old_log_probs`` (``select(...).to_padded_tensor()``; jagged -> zero-padded, dense unchanged)."""
+    wanted = sorted(set(keys) | {"response_mask"})
+    sel = data.select(*wanted).to_padded_tensor()
+    return {k: sel[k] for k in wanted}
+
+
+def _group_index(data) -> Any:
+    from verl.utils import tensordict_utils as tu
+
+    uid = tu.get(data, "uid", None)
+    if uid is None:
+        return None
+    if isinstance(uid, torch.Tensor):
+        return uid
+    return np.asarray(list(uid), dtype=object)
+
+
+def gather(name: str, loss_mode: str, model_output: Any, data: Any) -> dict[str, Any]:
+    """Exactly the declared inputs of stablerl loss ``name`` from ``ppo_loss``'s arguments."""
+    spec = get_spec(POLICY_LOSS, name)
+    out: dict[str, Any] = {}
+    need = list(spec.requires)
+    unknown = [r for r in need if r not in SOURCES]
+    if unknown:
+        raise VerlInputError(
+            f"stablerl loss {name!r} (loss_mode={loss_mode}) needs "
+            + ", ".join(f"{r!r} ({NOT_PROVIDED.get(r, OPTIONAL_INPUTS.get(r, ''))})" for r in unknown)
+            + ", which verl 0.9.1 cannot provide to a policy loss"
+        )
+    keys = set(data.keys())
+    if "entropy" in need:
+        entropy = model_output.get("entropy", None) if hasattr(model_output, "get") else None
+        if entropy is None:
+            raise _missing(
+                name, loss_mode, "entropy",
+                "set actor_rollout_ref.actor.calculate_entropy=True (verl computes the entropy in the update "
+                "forward pass only then, or with entropy_coeff != 0)",
+            )
+        from verl.workers.utils.padding import no_padding_2_padding
+
+        out["entropy"] = no_padding_2_padding(entropy, data)
+    dense = []
+    if "token_ids" in need:
+        if "responses" not in keys:
+            raise _missing(name, loss_mode, "token_ids", 'the batch has no "responses" field')
+        dense.append(("token_ids", "responses"))
+    if "rollout_log_prob" in need:
+        if "rollout_log_probs" not in keys:
+            raise _missing(
+                name, loss_mode, "rollout_log_prob",
+                'the batch has no "rollout_log_probs"; set actor_rollout_ref.rollout.calculate_log_probs=True',
+            )
+        dense.append(("rollout_log_prob", "rollout_log_probs"))
+    if "old_entropy" in need:
+        field = next((f for f in _OLD_ENTROPY_FIELDS if f in keys), None)
+        if field is None:
+            raise _missing(
+                name, loss_mode, "old_entropy",
+                'the batch has no old-pass entropy ("entropy"/"entropys"); verl\'s v1 trainer (trainer.use_v1=true) '
+                "stores it from the old-log-prob pass, the legacy trainer drops it, and bypass mode skips that pass",
+            )
+        dense.append(("old_entropy", field))
+    if "scores" in need:
+        field = next((f for f in _SCORE_FIELDS if f in keys), None)
+        if field is None:
+            raise _missing(
+                name, loss_mode, "scores",
+                "the batch has none of " + ", ".join(_SCORE_FIELDS),
+            )
+        dense.append(("scores", field))
+    if dense:
+        padded = _padded(data, [field for _, field in dense])
+        for input_name, field in dense:
+            value = padded[field]
+            if input_name == "scores":  # per-response outcome: sum of the token-level scores
+                mask = padded["response_mask"].to(value.dtype)
+                value = (value * mask).sum(-1) if value.dim() == 2 else value.reshape(-1)
+            out[input_name] = value
+    if "index" in need:
+        index = _group_index(data)
+        if index is None:
+            raise _missing(name, loss_mode, "index", 'the batch has no "uid" field')
+        out["index"] = index
+    return out
+
+
+# ----------------------------------------------------------------------------- the wrapper
+
+
+def _wrap(original):
+    @functools.wraps(original)
+    def ppo_loss(config, model_output, data, dp_group=None):
+        policy_loss = getattr(config, "policy_loss", None)
+        loss_mode = policy_loss.get("loss_mode", "vanilla") if policy_loss is not None else "vanilla"
+        name = _stablerl_name(loss_mode)
+        if name is None:  # a verl loss (or not a policy-loss config): nothing to gather
+            return original(config, model_output, data, dp_group)
+        inputs = {"__name__": name, **gather(name, loss_mode, model_output, data)}
+        token = _CURRENT.set(inputs)
+        try:
+            return original(config, model_output, data, dp_group)
+        finally:
+            _CURRENT.reset(token)
+
+    setattr(ppo_loss, _MARK, True)
+    ppo_loss.__wrapped__ = original
+    return ppo_loss
+
+
+def _is_wrapper(fn: Any) -> bool:
+    return bool(getattr(fn, _MARK, False))
+
+
+def _patch_module(module) -> bool:
+    fn = getattr(module, "ppo_loss", None)
+    if fn is None:
+        logger.warning("stablerl: %s has no ppo_loss; declared loss inputs are not gathered", module.__name__)
+        return False
+    if not _is_wrapper(fn):
+        wrapper = _wrap(fn)
+        module.ppo_loss = wrapper
+    wrapper = module.ppo_loss
+    original = wrapper.__wrapped__
+    for caller in CALLER_MODULES:  # already imported: rebind their name too
+        mod = sys.modules.get(caller)
+        if mod is not None and getattr(mod, "ppo_loss", None) is original:
+            mod.ppo_loss = wrapper
+    return True
+
+
+class _PatchingLoader(importlib.abc.Loader):
+    """Delegates to the real loader, then wraps ``ppo_loss`` before anyone can import it."""
+
+    def __init__(self, loader):
+        self._loader = loader
+
+    def create_module(self, spec):
+        return self._loader.create_module(spec)
+
+    def exec_module(self, module):
+        self._loader.exec_module(module)
+        _remove_finder()
+        _patch_module(module)
+
+    def __getattr__(self, attr):  # get_source, get_filename, is_package... (linecache, inspect)
+        return getattr(self._loader, attr)
+
+
+class _PostImportFinder(importlib.abc.MetaPathFinder):
+    _stablerl_verl_finder = True
+
+    def __init__(self):
+        self._busy = False
+
+    def find_spec(self, fullname, path, target=None):
+        if fullname != LOSSES_MODULE or self._busy:
+            return None
+        self._busy = True
+        try:
+            spec = None
+            for finder in sys.meta_path:
+                if getattr(finder, "_stablerl_verl_finder", False):
+                    continue
+                find = getattr(finder, "find_spec", None)
+                spec = find(fullname, path, target) if find is not None else None
+                if spec is not None:
+                    break
+        finally:
+            self._busy = False
+        if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
+            return spec
+        spec.loader = _PatchingLoader(spec.loader)
+        return spec
+
+
+def _remove_finder() -> None:
+    sys.meta_path[:] = [f for f in sys.meta_path if not getattr(f, "_stablerl_verl_finder", False)]
+
+
+def patch() -> str:
+    """Wrap verl's ``ppo_loss`` (now, or right after its module is imported). Idempotent.
+
+    Returns ``"patched"`` (the module was loaded and is now wrapped) or ``"deferred"`` (a
+    post-import hook will wrap it when it is first imported)."""
+    module = sys.modules.get(LOSSES_MODULE)
+    if module is not None:
+        _remove_finder()
+        return "patched" if _patch_module(module) else "failed"
+    if not any(getattr(f, "_stablerl_verl_finder", False) for f in sys.meta_path):
+        sys.meta_path.insert(0, _PostImportFinder())
+    return "deferred"
+
+
+def unpatch() -> None:
+    """Restore verl's own ``ppo_loss`` (in the losses module and the callers' bound names) and
+    remove the post-import hook."""
+    _remove_finder()
+    module = sys.modules.get(LOSSES_MODULE)
+    if module is None:
+        return
+    wrapper = getattr(module, "ppo_loss", None)
+    if not _is_wrapper(wrapper):
+        return
+    original = wrapper.__wrapped__
+    while _is_wrapper(original):
+        original = original.__wrapped__
+    module.ppo_loss = original
+    for caller in CALLER_MODULES:
+        mod = sys.modules.get(caller)
+        if mod is not None and _is_wrapper(getattr(mod, "ppo_loss", None)):
+            mod.ppo_loss = original
+
+
+def is_patched() -> bool:
+    """True when verl's ``ppo_loss`` is wrapped, or will be on import."""
+    module = sys.modules.get(LOSSES_MODULE)
+    if module is None:
+        return any(getattr(f, "_stablerl_verl_finder", False) for f in sys.meta_path)
+    return _is_wrapper(getattr(module, "ppo_loss", None))
+
+
+def inputs_for(name: str, requires) -> dict[str, Any]:
+    """The declared inputs for a call of stablerl loss ``name`` (from the active wrapper call).
+
+    Raises a clear error when the loss declares inputs and no wrapper call is active for it (the
+    loss was called from somewhere other than ``verl.workers.utils.losses.ppo_loss``)."""
+    if not requires:
+        return {}
+    got = _CURRENT.get()
+    if got is None or got.get("__name__") != name:
+        raise VerlInputError(
+            f"stablerl loss {name!r} needs {', '.join(requires)}, which stablerl gathers at verl's "
+            "verl.workers.utils.losses.ppo_loss; this call did not come through it (or the patch is off: "
+            "stablerl.adapters.verl.patch_ppo_loss())"
+        )
+    return {k: got[k] for k in requires if k in got}
+
+
+def describe() -> dict[str, dict[str, str]]:
+    """``{"provided": {input: source}, "not_provided": {input: reason}}`` for docs and reports."""
+    return {"provided": dict(SOURCES), "not_provided": dict(NOT_PROVIDED)}
+
+
+__all__ = [
+    "SOURCES", "NOT_PROVIDED", "STATE", "state_for", "current", "gather", "patch", "unpatch", "is_patched",
+    "inputs_for", "describe", "VerlInputError",
+]

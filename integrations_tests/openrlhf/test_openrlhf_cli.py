@@ -1,0 +1,110 @@
+"""The wrapper CLI runs OpenRLHF's real openrlhf.cli.train_ppo_ray parser and validation (dry run: Ray is faked)."""
+
+import json
+
+import pytest
+
+import stablerl
+import stablerl.adapters.openrlhf as adapter
+from stablerl.adapters.openrlhf import train_ppo_ray as wrapper
+
+BASE = ["--actor.model_name_or_path", "Qwen/Qwen3-0.6B", "--rollout.n_samples_per_prompt", "4"]
+
+
+class _Stop(Exception):
+    pass
+
+
+def _dry_run(monkeypatch, argv):
+    """Run the wrapper until OpenRLHF's train() calls ray.init; return (args, ray.init kwargs)."""
+    import ray
+    import openrlhf.utils.config as config
+
+    seen = {}
+    original = config.hierarchize
+
+    def recording_hierarchize(a):
+        seen["args"] = original(a)
+        return seen["args"]
+
+    def fake_init(*a, **kw):
+        seen["ray_init"] = kw
+        raise _Stop
+
+    monkeypatch.setattr(config, "hierarchize", recording_hierarchize)
+    monkeypatch.setattr(ray, "init", fake_init)
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    import argparse
+
+    before = argparse.ArgumentParser.add_argument
+    with pytest.raises(_Stop):
+        wrapper.main(argv)
+    assert argparse.ArgumentParser.add_argument is before
+    assert config.hierarchize is recording_hierarchize and ray.init is fake_init  # the wrapper restored them
+    return seen["args"], seen["ray_init"]
+
+
+def test_dry_run_attaches_selection_and_setup_hook(monkeypatch):
+    args, init = _dry_run(monkeypatch, BASE + [
+        "--actor.policy_loss_type", "m2po", "--actor.stablerl_params", "m2_threshold=0.05", "variant=mask",
+        "--algo.advantage.estimator", "qae", "--algo.advantage.stablerl_params", '{"quantile_k": 0.3}',
+        "--actor.eps_clip_low_high", "0.2", "0.28",
+    ])
+    sel = args.stablerl
+    assert sel.policy_loss == "m2po" and sel.policy_loss_params == {"m2_threshold": 0.05, "variant": "mask"}
+    assert sel.advantage_estimator == "qae" and sel.advantage_params == {"quantile_k": 0.3}
+    assert sel.openrlhf_clip == {"clip_ratio_low": 0.2, "clip_ratio_high": 0.28}
+    assert args.critic.model_name_or_path is None  # OpenRLHF's own driver logic saw a non-gae estimator
+    assert init["runtime_env"]["worker_process_setup_hook"] == "stablerl.adapters.openrlhf.setup"
+    assert "NCCL_DEBUG" in init["runtime_env"]["env_vars"]  # OpenRLHF's own runtime_env is kept
+    import argparse
+
+    assert "<locals>" not in argparse.ArgumentParser.add_argument.__qualname__  # restored
+
+
+def test_builtin_names_select_nothing(monkeypatch):
+    args, _ = _dry_run(monkeypatch, BASE + ["--actor.policy_loss_type", "gspo", "--algo.advantage.estimator", "group_norm"])
+    assert args.stablerl.policy_loss is None and args.stablerl.advantage_estimator is None
+    args, _ = _dry_run(monkeypatch, BASE + ["--actor.policy_loss_type", "stablerl_gspo",
+                                            "--algo.advantage.estimator", "stablerl_rloo"])
+    assert args.stablerl.policy_loss == "gspo" and args.stablerl.advantage_estimator == "rloo"
+
+
+def test_help_lists_stablerl_names(capsys):
+    with pytest.raises(SystemExit) as e:
+        wrapper.main(["--help"])
+    assert e.value.code == 0
+    out = " ".join(capsys.readouterr().out.split())
+    for name in ("m2po", "cispo", "vanilla", "stablerl_gspo", "qae", "grpo", "stablerl_rloo", "group_norm", "gae"):
+        assert name in out, name
+    assert "--actor.stablerl_params" in out and "--algo.advantage.stablerl_params" in out
+
+
+@pytest.mark.parametrize(
+    "argv,expected",
+    [
+        (["--actor.policy_loss_type", "m3po"], ["argument --actor.policy_loss_type: invalid choice: 'm3po'", "'m2po'", "'ppo'"]),
+        (["--algo.advantage.estimator", "qea"], ["argument --algo.advantage.estimator: invalid choice: 'qea'", "'qae'", "'group_norm'"]),
+        (["--actor.policy_loss_type", "haepo"], ["invalid choice: 'haepo'"]),  # listed by stablerl, not implemented
+        (["--actor.policy_loss_type", "m2po", "--actor.stablerl_params", "m2_treshold=0.1"], ["m2_threshold"]),
+        (["--algo.advantage.estimator", "qae", "--algo.advantage.stablerl_params", "quantile_k"], ["KEY=VALUE"]),
+        (["--actor.policy_loss_type", "decoupled_ppo"], ["is_correction_level"]),
+    ],
+)
+def test_bad_names_get_argparse_errors(capsys, argv, expected):
+    with pytest.raises(SystemExit) as e:
+        wrapper.main(BASE + argv)
+    assert e.value.code == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert "error:" in err
+    for piece in expected:
+        assert piece in err, (piece, err[-800:])
+
+
+def test_choices_cover_the_registry():
+    names = adapter.openrlhf_choices(stablerl.POLICY_LOSS)
+    assert names[:2] == ["ppo", "gspo"] and "stablerl_gspo" in names and "gspo" not in names[2:]
+    assert "a3po" not in names and "haepo" not in names  # needs versions / unavailable
+    est = adapter.openrlhf_choices(stablerl.ADVANTAGE_ESTIMATOR)
+    assert {"stablerl_rloo", "stablerl_dr_grpo", "grpo", "qae"} <= set(est) and "empg" not in est
+    assert json.dumps(names)  # plain strings

@@ -1,0 +1,362 @@
+"""Declared loss inputs under verl: the adapter wraps verl's loss call site
+``verl.workers.utils.losses.ppo_loss`` and hands each stablerl loss exactly the inputs it declares
+(entropy, token ids, uids, scores, rollout log-probs, old entropy), gathered from verl's own
+``model_output`` and batch. Every test goes through verl's real ``ppo_loss`` and compares with
+``stablerl.compute_policy_loss`` called directly on padded tensors built here by hand."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+import stablerl
+
+P = [3, 2, 4, 1, 2, 3]  # prompt lengths
+R = [4, 3, 5, 2, 5, 1]  # response lengths
+UIDS = ["a", "b", "a", "b", "a", "b"]  # two interleaved groups of 3
+T = max(R)
+
+
+def _nt(xs):
+    return torch.nested.as_nested_tensor(xs, layout=torch.jagged)
+
+
+def _batch(seed=0, *, entropy=True, uid=True, old_entropy=False, labels=False, uids=UIDS):
+    """What an engine worker hands to ppo_loss (jagged tensors, uid as a NonTensorStack as
+    ``DataProto.to_tensordict`` makes it), the model output, and the hand-padded [B, T] tensors
+    the loss must see."""
+    from tensordict import TensorDict
+    from tensordict.tensorclass import NonTensorData, NonTensorStack
+    from verl.utils import tensordict_utils as tu
+
+    g = torch.Generator().manual_seed(seed)
+    B = len(R)
+    vocab = 3  # few token ids: responses of a group share prefixes (GTPO conflicts)
+    responses = [torch.randint(0, vocab, (n,), generator=g) for n in R]
+    old = [torch.randn(n, generator=g, dtype=torch.float64) * 0.3 - 0.4 for n in R]
+    rollout = [o + 0.1 * torch.randn(n, generator=g, dtype=torch.float64) for o, n in zip(old, R)]
+    adv = [1.0, -0.5, -0.7, 1.2, 0.4, -0.9]
+    score = [1.0, 0.0, 0.0, 1.0, 1.0, 0.0] if labels else [0.8, -0.3, 0.1, 1.1, 0.6, -0.2]
+    token_scores = [F.pad(torch.zeros(n - 1, dtype=torch.float64), (0, 1), value=s) for n, s in zip(R, score)]
+    old_ent = [torch.rand(n, generator=g, dtype=torch.float64) * 1.5 for n in R]
+    fields = {
+        "prompts": _nt([torch.arange(n) + 1 for n in P]),
+        "responses": _nt(responses),
+        "response_mask": _nt([torch.ones(n) for n in R]),
+        "old_log_probs": _nt(old),
+        "advantages": _nt([torch.full((n,), a, dtype=torch.float64) for n, a in zip(R, adv)]),
+        "rollout_log_probs": _nt(rollout),
+        "token_level_scores": _nt(token_scores),
+    }
+    if old_entropy:
+        fields["entropy"] = _nt(old_ent)  # the v1 trainer's old-log-prob-pass entropy
+    data = TensorDict(fields, batch_size=[B])
+    if uid:
+        data["uid"] = NonTensorStack.from_list([NonTensorData(u) for u in uids])
+    tu.assign_non_tensor(data, dp_size=1, batch_num_tokens=sum(R) + 4, global_batch_size=B + 2)
+    # model output over prompt + response; position p-1+t predicts response token t
+    leaves = [(torch.randn(p + r, generator=g, dtype=torch.float64) * 0.3 - 0.5).requires_grad_(True) for p, r in zip(P, R)]
+    ent = [torch.rand(p + r, generator=g, dtype=torch.float64) * 1.2 for p, r in zip(P, R)]
+    model_output = {"log_probs": _nt(leaves)}
+    if entropy:
+        model_output["entropy"] = _nt(ent)
+
+    def pad(rows, dtype=None):
+        return torch.stack([F.pad(x, (0, T - x.shape[0])) for x in rows]).to(dtype or rows[0].dtype)
+
+    padded = {
+        "log_prob": pad([leaf[p - 1 : p + r - 1] for leaf, p, r in zip(leaves, P, R)]),
+        "entropy": pad([e[p - 1 : p + r - 1] for e, p, r in zip(ent, P, R)]),
+        "old_log_prob": pad(old),
+        "advantages": pad([torch.full((n,), a, dtype=torch.float64) for n, a in zip(R, adv)]),
+        "response_mask": pad([torch.ones(n, dtype=torch.bool) for n in R]),
+        "rollout_log_prob": pad(rollout),
+        "token_ids": pad(responses),
+        "index": np.array(UIDS, dtype=object),
+        "scores": torch.tensor(score, dtype=torch.float64),
+        "old_entropy": pad(old_ent),
+    }
+    return data, model_output, leaves, padded
+
+
+def _config(adapter, loss_mode, **kw):
+    from verl.workers.config import FSDPActorConfig
+
+    kw.setdefault("clip_ratio_low", 0.2)
+    kw.setdefault("clip_ratio_high", 0.28)
+    kw.setdefault("clip_ratio_c", 10.0)
+    return FSDPActorConfig(
+        strategy="fsdp", rollout_n=1, ppo_micro_batch_size_per_gpu=2, calculate_entropy=True,
+        policy_loss=adapter.StablePolicyLossConfig(loss_mode=loss_mode), **kw,
+    )
+
+
+def _through_verl(cfg, data, model_output, leaves):
+    from verl.workers.utils.losses import ppo_loss
+
+    loss, metrics = ppo_loss(cfg, model_output, data)
+    grads = torch.autograd.grad(loss, leaves)
+    values = {k: float(v.aggregate()) if hasattr(v, "aggregate") else float(v) for k, v in metrics.items()}
+    return loss.detach(), torch.cat(grads), values
+
+
+def _direct(name, padded, leaves, inputs, state=None, **params):
+    ctx = stablerl.Context(token_count=sum(R) + 4, seq_count=len(R) + 2, dp_size=1, state=state if state is not None else {})
+    extra = {k: padded[k] for k in inputs if k != "entropy"}
+    loss, metrics = stablerl.compute_policy_loss(
+        name,
+        log_prob=padded["log_prob"],
+        old_log_prob=padded["old_log_prob"],
+        advantages=padded["advantages"],
+        response_mask=padded["response_mask"],
+        entropy=padded["entropy"] if "entropy" in inputs else None,
+        ctx=ctx,
+        **extra,
+        **params,
+    )
+    grads = torch.autograd.grad(loss, leaves, allow_unused=True)
+    grads = [torch.zeros_like(leaf) if gr is None else gr for gr, leaf in zip(grads, leaves)]
+    return loss.detach(), torch.cat(grads), metrics
+
+
+@pytest.fixture
+def declared(adapter):
+    from stablerl.adapters.verl import _inputs
+
+    _inputs.patch()
+    _inputs.STATE.clear()
+    yield _inputs
+    _inputs.patch()
+    _inputs.STATE.clear()
+
+
+CLIP = dict(clip_ratio_low=0.2, clip_ratio_high=0.28, clip_ratio_c=10.0)
+
+CASES = [
+    # name, its declared inputs, the hyper-parameters the actor config gives it, batch options
+    ("steer", ("entropy",), CLIP, {}),
+    ("gtpo", ("token_ids", "index", "entropy"), {}, {}),
+    ("entropic", ("entropy",), CLIP, {}),
+    ("erc", ("entropy", "old_entropy"), CLIP, {"old_entropy": True}),
+    ("decoupled_ppo", ("rollout_log_prob",), CLIP, {}),
+    ("pacs", ("scores", "index"), {}, {"labels": True}),
+    ("gvpo", ("scores", "index"), {}, {}),
+]
+
+
+@pytest.mark.parametrize("name, inputs, params, opts", CASES, ids=[c[0] for c in CASES])
+def test_declared_inputs_reach_the_loss_through_ppo_loss(adapter, declared, name, inputs, params, opts):
+    assert set(stablerl.get_spec("policy_loss", name).requires) == set(inputs)
+    data, model_output, leaves, padded = _batch(seed=1, **opts)
+    loss, grad, metrics = _through_verl(_config(adapter, name), data, model_output, leaves)
+    ref_loss, ref_grad, ref_metrics = _direct(name, padded, leaves, inputs, **params)
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-9, atol=1e-12)
+    torch.testing.assert_close(grad, ref_grad, rtol=1e-9, atol=1e-12)
+    assert grad.abs().sum() > 0 and torch.isfinite(loss)
+    for k, v in ref_metrics.items():
+        assert metrics[f"actor/{k}"] == pytest.approx(v, rel=1e-9, abs=1e-12), k
+    if name == "gtpo":  # the batch exercises both GTPO mechanisms
+        assert metrics["actor/gtpo/conflict_tokens"] > 0
+        assert 0 < metrics["actor/gtpo/entropy_filtered_fraction"] < 1
+    assert declared.current() is None  # nothing leaks out of the call
+
+
+def test_inputs_matter(adapter, declared):
+    """The gathered inputs are the ones used: other entropies / token ids / uids change the result."""
+    data, model_output, leaves, padded = _batch(seed=2)
+    base = _through_verl(_config(adapter, "gtpo"), data, model_output, leaves)[0]
+    for key, change in (
+        ("entropy", lambda p: {**p, "entropy": p["entropy"] * 0.1}),
+        ("token_ids", lambda p: {**p, "token_ids": torch.zeros_like(p["token_ids"])}),
+        ("index", lambda p: {**p, "index": np.array(["a", "a", "a", "b", "b", "b"], dtype=object)}),
+    ):
+        other = _direct("gtpo", change(padded), leaves, ("token_ids", "index", "entropy"))[0]
+        assert abs(float(other) - float(base)) > 1e-6, key
+
+
+def test_steer_uses_the_current_entropy_from_model_output(adapter, declared):
+    data, model_output, leaves, padded = _batch(seed=3)
+    loss = _through_verl(_config(adapter, "steer"), data, model_output, leaves)[0]
+    scaled = {**model_output, "entropy": model_output["entropy"] * 3.0}
+    loss3 = _through_verl(_config(adapter, "steer"), data, scaled, leaves)[0]
+    ref3 = _direct("steer", {**padded, "entropy": padded["entropy"] * 3.0}, leaves, ("entropy",), **CLIP)[0]
+    assert abs(float(loss3) - float(loss)) > 1e-6
+    torch.testing.assert_close(loss3, ref3, rtol=1e-9, atol=1e-12)
+
+
+def test_verl_wrapper_logic_still_runs(adapter, declared):
+    """entropy bonus and KL loss are added by verl's own ppo_loss around the stablerl loss."""
+    data, model_output, leaves, padded = _batch(seed=4)
+    data["ref_log_prob"] = data["old_log_probs"].clone()
+    cfg = _config(adapter, "steer", entropy_coeff=0.01, use_kl_loss=True, kl_loss_coef=0.1, kl_loss_type="k1")
+    loss, _, metrics = _through_verl(cfg, data, model_output, leaves)
+    assert {"actor/entropy_loss", "kl_loss", "actor/pg_loss"} <= set(metrics)
+    expected = metrics["actor/pg_loss"] - 0.01 * metrics["actor/entropy_loss"] + 0.1 * metrics["kl_loss"]
+    assert float(loss) == pytest.approx(expected, rel=1e-9)
+    ref_pg = _direct("steer", padded, leaves, ("entropy",), **CLIP)[0]
+    assert metrics["actor/pg_loss"] == pytest.approx(float(ref_pg), rel=1e-9)
+
+
+def test_entropic_integral_accumulates_across_calls(adapter, declared):
+    data, model_output, leaves, padded = _batch(seed=5)
+    cfg = _config(adapter, "entropic")
+    state: dict = {}
+    integrals = []
+    for _ in range(2):
+        loss, grad, metrics = _through_verl(cfg, data, model_output, leaves)
+        ref_loss, ref_grad, ref_metrics = _direct("entropic", padded, leaves, ("entropy",), state=state, **CLIP)
+        torch.testing.assert_close(loss, ref_loss, rtol=1e-9, atol=1e-12)
+        torch.testing.assert_close(grad, ref_grad, rtol=1e-9, atol=1e-12)
+        integrals.append(metrics["actor/entropic/integral"])
+    # the error of each call, weighted by sequences-in-call / sequences-in-mini-batch, is added up
+    m = padded["response_mask"].double()
+    error = float((padded["entropy"] * m).sum() / m.sum()) - 0.1
+    step = error * len(R) / (len(R) + 2)
+    assert integrals[0] == pytest.approx(step, rel=1e-6)
+    assert integrals[1] == pytest.approx(2 * step, rel=1e-6)
+    assert declared.STATE["entropic"]["entropic"]["integral"] == pytest.approx(2 * step, rel=1e-6)
+    assert declared.STATE["entropic"]["entropic"]["updates"] == 2
+
+
+def test_missing_entropy_names_the_key(adapter, declared):
+    data, model_output, leaves, _ = _batch(seed=6, entropy=False)
+    with pytest.raises(stablerl.StableRLError, match=r"actor_rollout_ref\.actor\.calculate_entropy=True"):
+        _through_verl(_config(adapter, "steer"), data, model_output, leaves)
+    assert declared.current() is None
+
+
+def test_missing_uid_and_old_entropy_are_clear(adapter, declared):
+    data, model_output, leaves, _ = _batch(seed=6, uid=False)
+    with pytest.raises(stablerl.StableRLError, match=r"gtpo.*index.*uid"):
+        _through_verl(_config(adapter, "gtpo"), data, model_output, leaves)
+    data, model_output, leaves, _ = _batch(seed=6)
+    with pytest.raises(stablerl.StableRLError, match=r"old_entropy.*v1 trainer"):
+        _through_verl(_config(adapter, "erc"), data, model_output, leaves)
+
+
+def test_input_verl_cannot_provide_is_a_clear_error(adapter, declared, core_algos):
+    """turn_ppo (turn_ids) is not registered, and the report says why; forced into verl's
+    registry, the wrapper refuses it with the reason instead of a shape error deep inside."""
+    assert "turn_ppo" not in core_algos.POLICY_LOSS_REGISTRY
+    assert "stablerl_turn_ppo" not in core_algos.POLICY_LOSS_REGISTRY
+    reasons = {s["name"]: s["reason"] for s in adapter.registration_report()["skipped"] if s["kind"] == "policy_loss"}
+    assert "turn_ids" in reasons["turn_ppo"] and "cannot provide" in reasons["turn_ppo"]
+    from stablerl.adapters.verl._translate import make_policy_loss_fn
+
+    core_algos.register_policy_loss("_stablerl_test_turn_ppo")(make_policy_loss_fn("turn_ppo"))
+    try:
+        data, model_output, leaves, _ = _batch(seed=7)
+        with pytest.raises(stablerl.StableRLError, match=r"turn_ids.*verl 0\.9\.1 cannot provide"):
+            _through_verl(_config(adapter, "_stablerl_test_turn_ppo"), data, model_output, leaves)
+    finally:
+        core_algos.POLICY_LOSS_REGISTRY.pop("_stablerl_test_turn_ppo", None)
+    assert declared.current() is None
+
+
+def test_loss_called_outside_ppo_loss_says_so(adapter, declared, core_algos):
+    _, _, _, p = _batch(seed=8)
+    fn = core_algos.get_policy_loss_fn("steer")
+    with pytest.raises(stablerl.StableRLError, match=r"did not come through"):
+        fn(old_log_prob=p["old_log_prob"], log_prob=p["log_prob"], advantages=p["advantages"],
+           response_mask=p["response_mask"], config=_config(adapter, "steer"))
+
+
+def test_verl_losses_untouched_and_no_inputs_for_them(adapter, declared):
+    """Under a verl loss the wrapper gathers nothing and the result is verl's."""
+    from verl.workers.utils import losses
+
+    data, model_output, leaves, _ = _batch(seed=9)
+    cfg = _config(adapter, "vanilla")
+    wrapped = _through_verl(cfg, data, model_output, leaves)
+    plain = losses.ppo_loss.__wrapped__(cfg, model_output, data)[0]
+    torch.testing.assert_close(wrapped[0], plain.detach(), rtol=0, atol=0)
+
+
+def test_unpatch_and_patch_are_reversible_and_idempotent(adapter, declared):
+    import verl.trainer.distillation.losses as distill
+    from verl.workers.utils import losses
+
+    wrapper = losses.ppo_loss
+    assert declared.is_patched() and wrapper.__wrapped__ is not wrapper
+    original = wrapper.__wrapped__
+    assert not getattr(original, "_stablerl_verl_wrapper", False) and original.__module__ == losses.__name__
+    assert distill.ppo_loss is wrapper  # bound at import time: the post-import hook was first
+    adapter.unpatch_ppo_loss()
+    assert losses.ppo_loss is original and distill.ppo_loss is original and not declared.is_patched()
+    data, model_output, leaves, _ = _batch(seed=10)
+    with pytest.raises(stablerl.StableRLError, match=r"did not come through"):
+        _through_verl(_config(adapter, "steer"), data, model_output, leaves)
+    assert declared.patch() == "patched" and declared.patch() == "patched"
+    assert losses.ppo_loss.__wrapped__ is original and distill.ppo_loss is losses.ppo_loss
+    _through_verl(_config(adapter, "steer"), data, model_output, leaves)
+
+
+def test_nested_calls_see_their_own_inputs(adapter, declared, core_algos):
+    """A loss that itself runs ppo_loss (as distillation does) gets its inputs back afterwards."""
+    from stablerl.adapters.verl._translate import make_policy_loss_fn
+    from verl.workers.utils.losses import ppo_loss
+
+    inner_data, inner_out, inner_leaves, _ = _batch(seed=11)
+    gtpo = make_policy_loss_fn("gtpo")
+    seen = {}
+
+    def outer(**kw):
+        seen["before"] = declared.current()["index"].tolist()
+        ppo_loss(_config(adapter, "steer"), inner_out, inner_data)
+        seen["after"] = declared.current()["index"].tolist()
+        return gtpo(**kw)
+
+    outer._stablerl_verl = ("policy_loss", "gtpo")
+    core_algos.register_policy_loss("_stablerl_test_outer")(outer)
+    try:
+        data, model_output, leaves, _ = _batch(seed=12, uids=list("xxxyyy"))
+        _through_verl(_config(adapter, "_stablerl_test_outer"), data, model_output, leaves)
+    finally:
+        core_algos.POLICY_LOSS_REGISTRY.pop("_stablerl_test_outer", None)
+    assert seen["before"] == seen["after"] == list("xxxyyy")
+    assert declared.current() is None
+
+
+FRESH = """
+import json, sys, verl
+from verl.trainer.ppo.core_algos import POLICY_LOSS_REGISTRY
+import verl.workers.utils.losses as losses
+import verl.trainer.distillation.losses as distill
+import stablerl.adapters.verl as a
+try:
+    import verl.workers.engine_workers as ew  # the worker's `partial(ppo_loss, ...)` uses this binding
+    ew_bound = ew.ppo_loss is losses.ppo_loss
+except ImportError:  # needs uvicorn
+    ew_bound = None
+r = a.registration_report()
+print(json.dumps({"losses": sorted(POLICY_LOSS_REGISTRY), "patch": r["ppo_loss_patch"],
+                  "wrapped": getattr(losses.ppo_loss, "_stablerl_verl_wrapper", False),
+                  "distill_bound": distill.ppo_loss is losses.ppo_loss, "ew_bound": ew_bound,
+                  "provided": sorted(r["declared_inputs"]["provided"])}))
+"""
+
+
+def test_fresh_process_registers_the_losses_with_declared_inputs():
+    env = {k: v for k, v in os.environ.items() if not k.startswith("VERL_USE_EXTERNAL")}
+    proc = subprocess.run([sys.executable, "-c", FRESH], capture_output=True, text=True, env=env, cwd="/", timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    have = set(stablerl.get_registry().names("policy_loss"))
+    new = {"steer", "entropic", "gtpo", "erc", "decoupled_ppo", "pacs", "gvpo"} & have
+    assert new, "none of the input-needing losses exists in this checkout"
+    for name in new:
+        assert name in out["losses"] and "stablerl_" + name in out["losses"], name
+    for name in ("turn_ppo", "a3po", "rspo"):
+        assert name not in out["losses"] and "stablerl_" + name not in out["losses"], name
+    # deferred at `import verl` (the adapter imports nothing heavy), then in place before any caller binds it
+    assert out["patch"] == "deferred" and out["wrapped"] and out["distill_bound"] and out["ew_bound"] in (True, None)
+    from stablerl.adapters.config_keys import FEEDABLE_INPUTS
+
+    assert set(out["provided"]) == set(FEEDABLE_INPUTS["verl"]["policy_loss"])

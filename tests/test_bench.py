@@ -1,0 +1,66 @@
+"""``stablerl bench``: the relative-to-vanilla path (torch only), its JSON schema and the memory counter."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import torch
+
+from stablerl import cli
+from stablerl.adapters import bench
+
+TINY = [("B4xT32", 4, 32)]
+
+
+def test_relative_to_vanilla_schema():
+    result = bench.run(shapes=TINY, repeats=2, dtypes=("fp32", "bf16"), use_verl=False, losses=["vanilla", "gspo", "m2po"])
+    assert set(result) >= {"machine", "config", "losses"}
+    assert result["config"]["native"] is None
+    assert set(result["losses"]) == {"vanilla", "gspo", "m2po"}
+    for name, entry in result["losses"].items():
+        assert entry["baseline"] == "stablerl:vanilla"
+        assert set(entry["cases"]) == {"B4xT32/fp32", "B4xT32/bf16"}
+        for case in entry["cases"].values():
+            assert "error" not in case, (name, case)
+            for key in ("time_ratio", "time_ratio_min", "time_ratio_best", "mem_ratio", "ours_ms_min", "base_mem_mb"):
+                assert math.isfinite(case[key]) and case[key] > 0, (name, key)
+        # the headline is the worst case over shapes and dtypes
+        assert entry["time_ratio"] == max(c["time_ratio"] for c in entry["cases"].values())
+        assert entry["mem_ratio"] == max(c["mem_ratio"] for c in entry["cases"].values())
+    # vanilla against itself keeps exactly the same tensors for backward
+    assert result["losses"]["vanilla"]["mem_ratio"] == 1.0
+    md = bench.markdown(result)
+    assert "| m2po | stablerl:vanilla | B4xT32/fp32 |" in md
+
+
+def test_every_loss_runs_with_the_bench_inputs():
+    # every registered (available) loss finds its declared extra inputs in make_inputs
+    result = bench.run(shapes=[("B8xT16", 8, 16)], repeats=1, dtypes=("fp32",), use_verl=False)
+    errors = {n: c["error"] for n, e in result["losses"].items() for c in e["cases"].values() if "error" in c}
+    assert not errors
+    assert len(result["losses"]) >= 20
+
+
+def test_saved_bytes_counts_graph_tensors_not_inputs():
+    inputs = bench.make_inputs(4, 32, torch.float32)
+
+    def exp_loss(lp):  # exp saves its output (4*32 floats); the sum saves nothing
+        return torch.exp(lp).sum(), {}
+
+    def mul_input(lp):  # lp * old saves both operands, which are inputs: nothing new
+        return (lp * inputs["old_log_prob"]).sum(), {}
+
+    assert bench.saved_bytes(exp_loss, inputs) == 4 * 32 * 4 + 4
+    assert bench.saved_bytes(mul_input, inputs) == 4
+
+
+def test_cli_bench_without_verl(tmp_path, capsys):
+    out = tmp_path / "bench.md"
+    rc = cli.main(["bench", "--no-verl", "--json", "--out", str(out), "--losses", "vanilla,cispo",
+                   "--shape", "4x16", "--repeats", "1", "--dtypes", "fp32"])
+    assert rc == 0
+    data = json.loads(capsys.readouterr().out)
+    assert set(data["losses"]) == {"vanilla", "cispo"}
+    assert data["losses"]["cispo"]["baseline"] == "stablerl:vanilla"
+    assert "| cispo |" in out.read_text()
