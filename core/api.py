@@ -188,6 +188,10 @@ def compute_policy_loss(
         scores=_detached(inputs.get("scores")),
         router_log_prob=_detached(inputs.get("router_log_prob")),
         old_router_log_prob=_detached(inputs.get("old_router_log_prob")),
+        hidden_states=_detached(inputs.get("hidden_states")),
+        lm_head_weight=_detached(inputs.get("lm_head_weight")),
+        lm_head_exp_avg=_detached(inputs.get("lm_head_exp_avg")),
+        lm_head_exp_avg_sq=_detached(inputs.get("lm_head_exp_avg_sq")),
         is_weights=None if inputs.get("is_weights") is None else _as_compute_dtype(inputs["is_weights"].detach()),
         loss_agg_mode=loss_agg_mode,
     )

@@ -55,6 +55,12 @@ OPTIONAL_INPUTS: dict[str, str] = {
     "router_log_prob": "current-policy router log-probs at the old policy's top-k experts, [B, T, layers, k] (MoE; "
     "stablerl.routing_replay records them)",
     "old_router_log_prob": "old-policy router log-probs at its top-k experts, [B, T, layers, k] (MoE)",
+    # CAPO (arXiv 2510.00819): the LM-head linear model of the update
+    "hidden_states": "last-layer hidden states [B, T, H] at the positions that predict each response token "
+    "(the input of the LM head; HF: output_hidden_states=True, hidden_states[-1] shifted like the logits)",
+    "lm_head_weight": "LM-head (unembedding) weight [V, H], logits = hidden_states @ W^T (model.lm_head.weight)",
+    "lm_head_exp_avg": "Adam first moment of the LM-head weight [V, H] (torch Adam/AdamW state['exp_avg'])",
+    "lm_head_exp_avg_sq": "Adam second moment of the LM-head weight [V, H] (torch Adam/AdamW state['exp_avg_sq'])",
     # per-response extras of reward shapers and batch filters (the user's reward function / agent loop)
     "correct": "per-response correctness [B] bool (from the user's reward function / verifier)",
     "lengths": "per-response lengths [B] in tokens (e.g. response_mask.sum(-1))",
@@ -151,6 +157,10 @@ class PolicyLossBatch:
     scores: Optional[torch.Tensor] = None  # [B]
     router_log_prob: Optional[torch.Tensor] = None  # [B, T, layers, k]
     old_router_log_prob: Optional[torch.Tensor] = None
+    hidden_states: Optional[torch.Tensor] = None  # [B, T, H] (CAPO)
+    lm_head_weight: Optional[torch.Tensor] = None  # [V, H] (CAPO)
+    lm_head_exp_avg: Optional[torch.Tensor] = None  # [V, H] (CAPO, optimizer="adam")
+    lm_head_exp_avg_sq: Optional[torch.Tensor] = None  # [V, H] (CAPO, optimizer="adam")
     # framework-computed rollout-correction weights (verl rollout_is_weights), detached
     is_weights: Optional[torch.Tensor] = None
     loss_agg_mode: str = "token-mean"

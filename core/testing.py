@@ -57,7 +57,8 @@ the mask are ignored), ``padding_length``, ``group_of_one``, ``equal_rewards``, 
 
 Inputs named in ``spec.requires`` are synthesised (``rollout_log_prob``, ``entropy``,
 ``old_entropy``, ``token_ids``, ``index``, ``turn_ids``, ``versions``, ``policy_version``,
-``scores``, ``old_log_prob``, ``router_log_prob``, ``old_router_log_prob``); pass ``inputs={"name": value_or_fn}`` for anything else, where a
+``scores``, ``old_log_prob``, ``router_log_prob``, ``old_router_log_prob``, ``hidden_states``,
+``lm_head_weight``); pass ``inputs={"name": value_or_fn}`` for anything else, where a
 function receives the base batch dict and returns the value (an estimator's ``extras`` dict
 goes in as ``inputs={"extras": fn}``; its ``[B]`` tensors follow row selections and shuffles).
 """
@@ -186,6 +187,10 @@ def _synth_input(name: str, B: int, T: int, g: torch.Generator, dtype: torch.dty
         if name == "old_router_log_prob":
             return old.to(dtype)
         return (old + 0.05 * torch.randn(B, T, 2, 2, generator=gr, dtype=torch.float64)).clamp(max=0).to(dtype)
+    if name == "hidden_states":  # [B, T, H=8] (CAPO's LM-head model)
+        return torch.randn(B, T, 8, generator=g, dtype=dtype)
+    if name == "lm_head_weight":  # [V=1000, H=8]: covers the synthesised token_ids
+        return 0.5 * torch.randn(1000, 8, generator=g, dtype=dtype)
     return None
 
 

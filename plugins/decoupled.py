@@ -25,7 +25,7 @@ import torch
 
 from stablerl import EXPERIMENTAL, Params, hookimpl
 from stablerl.ops import clamped_log_ratio, masked_mean, seq_mean
-from stablerl.params import check
+from stablerl.params import StableRLError, check
 
 from .ppo import ppo_clip_terms
 
@@ -50,6 +50,13 @@ class DecoupledParams(Params):
 
 def decoupled_terms(lp, lp_prox, lp_behav, b, p: DecoupledParams):
     """The decoupled PPO per-token loss given a proximal log-prob (shared by decoupled_ppo and a3po)."""
+    if b.is_weights is not None:
+        # the behaviour IS weight is this loss's own; a framework correction on top would apply it twice
+        raise StableRLError(
+            "decoupled_ppo/a3po apply their own behaviour-policy IS weight; turn the framework's rollout "
+            "correction off (verl: algorithm.rollout_correction.rollout_is=null; TRL: "
+            "vllm_importance_sampling_correction=False) or use rollout_correction= instead"
+        )
     mask = b.response_mask
     log_w = clamped_log_ratio(lp_prox, lp_behav)
     if p.behave_imp_weight_level == "sequence":

@@ -57,7 +57,7 @@ def test_saved_bytes_counts_graph_tensors_not_inputs():
 
 def test_cli_bench_without_verl(tmp_path, capsys):
     out = tmp_path / "bench.md"
-    rc = cli.main(["bench", "--no-verl", "--json", "--out", str(out), "--losses", "vanilla,cispo",
+    rc = cli.main(["bench", "--no-verl", "--no-routing", "--json", "--out", str(out), "--losses", "vanilla,cispo",
                    "--shape", "4x16", "--repeats", "1", "--dtypes", "fp32"])
     assert rc == 0
     data = json.loads(capsys.readouterr().out)

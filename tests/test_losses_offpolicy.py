@@ -97,3 +97,9 @@ def test_degenerate_and_bf16():
     l32, _ = stablerl.compute_policy_loss("a3po", rollout_log_prob=roll, versions=torch.ones(3, 4, dtype=torch.long),
                                           policy_version=3, **b)
     assert torch.isfinite(l16) and abs(l16.item() - l32.item()) < 0.05
+
+
+def test_framework_is_weights_are_refused_not_applied_twice():
+    b = make_batch(B=2, T=3, seed=16, dtype=torch.float64)
+    with pytest.raises(stablerl.StableRLError, match="apply their own behaviour-policy IS weight"):
+        stablerl.compute_policy_loss("decoupled_ppo", rollout_log_prob=b["old_log_prob"], is_weights=torch.ones(2, 3), **b)

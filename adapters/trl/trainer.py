@@ -44,7 +44,8 @@ import torch
 
 import stablerl
 from stablerl import routing_replay as rr
-from stablerl.contracts import ADVANTAGE_ESTIMATOR, OPTIONAL_INPUTS, POLICY_LOSS
+from stablerl.contracts import (ADVANTAGE_ESTIMATOR, BATCH_FILTER, CONTROLLER, OPTIONAL_INPUTS, POLICY_LOSS,
+                                REWARD_SHAPER)
 from stablerl.ops import AGG_MODES
 from stablerl.params import StableRLError, UnknownNameError, build_params, unknown_name_message
 
@@ -113,6 +114,8 @@ _REQUIRED_SIGNATURES = {
     "_generate_single_turn": ("prompt_ids", "images", "multimodal_fields", "num_generations", "has_tool_images"),
     "training_step": ("model", "inputs", "num_items_in_batch"),
     "compute_loss": ("model", "inputs", "return_outputs", "num_items_in_batch"),
+    # controller / loss-state checkpointing
+    "_load_optimizer_and_scheduler": ("checkpoint",),
 }
 
 
@@ -160,6 +163,7 @@ def check_trl(trl_module=None) -> None:
 
 
 import trl as _trl  # noqa: E402  (after the guard's definition, before anything uses trl)
+from transformers import TrainerCallback as _TrainerCallback  # noqa: E402
 
 check_trl(_trl)
 
@@ -272,6 +276,37 @@ class GRPOConfig(_trl.GRPOConfig):
                   "old-log-prob pass and replays them in the training forwards. None: native routing."},
     )
 
+    # reward shapers, batch filters and entropy controllers (see _ext_* in GRPOTrainer and docs/trl.md)
+    reward_shaper: Optional[str] = field(
+        default=None,
+        metadata={"help": "stablerl reward shaper (e.g. 'redit', 'fapo', 'grpo_lambda') applied to the rewards "
+                  "gathered over all processes before the advantage estimator; needs advantage_estimator. "
+                  "Per-completion inputs (correct, flawed, ...) come from reward functions through TRL's "
+                  "log_extra(name, values) kwarg, or from rollout_func extra fields / dataset columns."},
+    )
+    stablerl_reward_shaper_params: Optional[Union[dict, str]] = field(
+        default=None, metadata={"help": "Hyper-parameters of the reward shaper, a dict or a JSON object string."},
+    )
+    batch_filter: Optional[str] = field(
+        default=None,
+        metadata={"help": "stablerl batch filter (e.g. 'dynamic_sampling', 'gtpo_entropy_filter', 'd3s') applied "
+                  "after the advantages on the gathered batch: dropped rows get advantage 0 and loss mask 0 "
+                  "(TRL's batch size is fixed); token masks multiply the loss mask; filters that resample or "
+                  "reorder rows are refused."},
+    )
+    stablerl_batch_filter_params: Optional[Union[dict, str]] = field(
+        default=None, metadata={"help": "Hyper-parameters of the batch filter, a dict or a JSON object string."},
+    )
+    entropy_controller: Optional[str] = field(
+        default=None,
+        metadata={"help": "stablerl entropy controller ('aepo', 'epo'): one instance per trainer, stepped once per "
+                  "optimizer step with TRL's (process-reduced) mean entropy; its state is saved with each "
+                  "checkpoint (stablerl_controller.json) and restored on resume."},
+    )
+    stablerl_entropy_controller_params: Optional[Union[dict, str]] = field(
+        default=None, metadata={"help": "Hyper-parameters of the entropy controller, a dict or a JSON object string."},
+    )
+
     def __post_init__(self):
         super().__post_init__()
         # TRL validates loss_type only at the first loss call; stablerl names are validated now.
@@ -279,6 +314,9 @@ class GRPOConfig(_trl.GRPOConfig):
         self.stablerl_advantage_params = _as_dict(self.stablerl_advantage_params, "stablerl_advantage_params")
         validate_stablerl_args(self)
         self.routing_replay = routing_replay_mode(self)
+        for key in _EXT_PARAM_KEYS.values():
+            setattr(self, key, _as_dict(getattr(self, key), key))
+        validate_stablerl_extensions(self)
 
 
 ROUTING_REPLAY_MODES = ("R2", "R3")
@@ -336,6 +374,76 @@ def validate_stablerl_args(args, warn: bool = True) -> tuple[Optional[str], Opti
     return loss, estimator or None
 
 
+# ----------------------------------------------------------------------------- shapers, filters, controllers
+
+# config key of each extension -> its hyper-parameter key
+_EXT_PARAM_KEYS = {
+    "reward_shaper": "stablerl_reward_shaper_params",
+    "batch_filter": "stablerl_batch_filter_params",
+    "entropy_controller": "stablerl_entropy_controller_params",
+}
+# per-response inputs the adapter computes itself: group ids, the (gathered) rewards, completion lengths
+# (tokens of the loss mask); batch filters also get the rollout policy's entropies (one extra no-grad forward)
+_EXT_INPUTS_AUTO = {"index", "scores", "lengths"}
+# per-response inputs the user provides (reward function via TRL's log_extra, rollout_func extra field or dataset column)
+_EXT_INPUTS_USER = ("correct", "flawed", "void_turn", "pos_count", "neg_count")
+_EXT_HOW_TO_PROVIDE = (
+    "have a reward function call TRL's log_extra({name!r}, values) with one value per completion it was given "
+    "(TRL passes log_extra to every reward function), or return {name!r} from a rollout_func as an extra field "
+    "(one value per completion), or give the dataset a {name!r} column"
+)
+_EXT_STATE_FILE = "stablerl_controller.json"
+_EXT_MULTIMODAL_KEYS = ("pixel_values", "image_grid_thw", "pixel_attention_mask", "image_sizes", "token_type_ids",
+                        "mm_token_type_ids", "image_position_ids", "spatial_shapes")
+
+
+def _ext_name(args, key: str) -> Optional[str]:
+    name = getattr(args, key, None)
+    if name is None or (isinstance(name, str) and name.strip().lower() in ("", "none")):
+        return None
+    return name
+
+
+def _ext_unfeedable(spec, filter_: bool) -> list[str]:
+    feedable = _EXT_INPUTS_AUTO | set(_EXT_INPUTS_USER) | ({"entropy"} if filter_ else set())
+    return [r for r in spec.requires if r not in feedable]
+
+
+def validate_stablerl_extensions(args) -> dict[str, Optional[str]]:
+    """Check ``reward_shaper`` / ``batch_filter`` / ``entropy_controller`` and their parameters; return the names.
+
+    Unknown names and hyper-parameters raise with the nearest valid one; inputs TRL cannot provide raise
+    :class:`stablerl.MissingInputError` with the reason. Inputs the user's reward function must provide
+    (``correct``, ``flawed``, ...) are checked at the first generation batch.
+    """
+    names = {}
+    for key, params_key in _EXT_PARAM_KEYS.items():
+        name = _ext_name(args, key)
+        params = _as_dict(getattr(args, params_key, None), params_key)
+        names[key] = name
+        if name is None:
+            if params:
+                raise StableRLError(f"{params_key} is set but {key} is not")
+            continue
+        kind = {"reward_shaper": REWARD_SHAPER, "batch_filter": BATCH_FILTER, "entropy_controller": CONTROLLER}[key]
+        if name not in stablerl.get_registry().names(kind):
+            raise UnknownNameError(unknown_name_message(key, name, stablerl.get_registry().names(kind)))
+        spec = stablerl.get_spec(kind, name)  # raises for 'unavailable' entries, with the reason
+        build_params(spec, params)
+        missing = _ext_unfeedable(spec, filter_=key == "batch_filter") if kind != CONTROLLER else []
+        if missing:
+            reasons = "; ".join(f"{m}: {_WHY_NOT.get(m, OPTIONAL_INPUTS.get(m, ''))}" for m in missing)
+            raise stablerl.MissingInputError(f"{key} {name!r} needs input(s) TRL cannot provide ({reasons})")
+    if names["reward_shaper"] and not getattr(args, "advantage_estimator", None):
+        raise StableRLError(
+            f"reward_shaper={names['reward_shaper']!r} needs a stablerl advantage_estimator: TRL computes its "
+            "built-in advantages inside _generate_and_score_completions from the unshaped rewards. For TRL's "
+            "default advantages (scale_rewards='group') use advantage_estimator='grpo' with "
+            "stablerl_advantage_params={'epsilon': 1e-4}"
+        )
+    return names
+
+
 # ----------------------------------------------------------------------------- routing replay
 
 _VLLM_ROUTES_MIN = (0, 14)  # enable_return_routed_experts (vLLM PR #28284); ms-swift documents vLLM >= 0.14
@@ -380,6 +488,48 @@ def _rr_check_rollout(args, kwargs) -> None:
             )
 
 
+def _json_encode(value: Any) -> Any:
+    """Controller / ctx.state values as JSON (tensors tagged with their dtype, restored exactly)."""
+    if isinstance(value, torch.Tensor):
+        t = value.detach().cpu()
+        return {"__tensor__": t.tolist(), "dtype": str(t.dtype).replace("torch.", ""), "shape": list(t.shape)}
+    if isinstance(value, dict):
+        return {str(k): _json_encode(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_json_encode(v) for v in value]
+    return value
+
+
+def _json_decode(value: Any) -> Any:
+    if isinstance(value, dict):
+        if "__tensor__" in value:
+            return torch.tensor(value["__tensor__"], dtype=getattr(torch, value["dtype"])).reshape(value["shape"])
+        return {k: _json_decode(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_json_decode(v) for v in value]
+    return value
+
+
+class _StablerlStateCallback(_TrainerCallback):
+    """Steps the entropy controller once per optimizer step and writes the stablerl state
+    (``stablerl_controller.json``) into every checkpoint folder (restored in ``_load_optimizer_and_scheduler``)."""
+
+    def __init__(self, trainer):
+        self.trainer = trainer
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.trainer._ext_controller_step()
+
+    def on_save(self, args, state, control, **kwargs):
+        if not args.should_save:
+            return
+        from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+
+        folder = os.path.join(self.trainer._get_output_dir(trial=None), f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}")
+        if os.path.isdir(folder):
+            self.trainer.save_stablerl_state(folder)
+
+
 # ----------------------------------------------------------------------------- trainer
 
 
@@ -390,6 +540,7 @@ class GRPOTrainer(_trl.GRPOTrainer):
     """
 
     _rr_mode: Optional[str] = None  # routing_replay, set in __init__
+    _ext_penalty_capture: Optional[dict] = None  # entropies of the training forward, for a controller's penalty
 
     def __init__(self, *args, **kwargs):
         _rr_check_rollout(args, kwargs)  # before TRL builds (or imports) vLLM
@@ -421,6 +572,7 @@ class GRPOTrainer(_trl.GRPOTrainer):
                 UserWarning,
                 stacklevel=2,
             )
+        self._ext_setup()
 
     # -- shared ----------------------------------------------------------------------------
 
@@ -637,11 +789,307 @@ class GRPOTrainer(_trl.GRPOTrainer):
         finally:
             self._rr_release()  # after backward
 
+    # -- reward shapers, batch filters, entropy controllers (generic: driven by the specs) ---------
+
+    def _ext_setup(self) -> None:
+        cfg = self.args
+        names = validate_stablerl_extensions(cfg)
+        self._ext_shaper, self._ext_filter = names["reward_shaper"], names["batch_filter"]
+        self._ext_controller_name = names["entropy_controller"]
+        self._ext_params = {key: _as_dict(getattr(cfg, pk, None), pk) for key, pk in _EXT_PARAM_KEYS.items()}
+        self._ext_inputs: Optional[dict] = None
+        # one generator for shapers/filters, seeded alike on every process (they run on the gathered batch,
+        # so every process draws the same numbers); saved with the checkpoint
+        self._ext_rng = torch.Generator().manual_seed(int(cfg.seed))
+        self._ext_controller = None
+        self._ext_decision: dict[str, Any] = {}
+        self._ext_entropy_seen: tuple = (None, 0)
+        self._ext_penalty = False
+        if self._ext_controller_name:
+            ctrl = stablerl.make_controller(self._ext_controller_name, **self._ext_params["entropy_controller"])
+            accepted = inspect.signature(ctrl.step).parameters
+            needed = [n for n, p in accepted.items() if p.default is inspect.Parameter.empty
+                      and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and n not in ("entropy", "turn_entropy")]
+            if needed:
+                raise stablerl.MissingInputError(
+                    f"entropy_controller {self._ext_controller_name!r} needs statistic(s) {needed} that TRL does not "
+                    "provide (TRL gives the mean entropy of each optimizer step)")
+            self._ext_controller = ctrl
+            penalty = getattr(ctrl, "penalty", None)
+            self._ext_penalty = callable(penalty)
+            if self._ext_penalty and "turn_index" in inspect.signature(penalty).parameters:
+                warnings.warn(
+                    f"entropy_controller {self._ext_controller_name!r} works per turn; TRL's GRPOTrainer has no turn "
+                    "ids, so every sample is turn 0 and the controller keeps one entropy history (for epo: its "
+                    "penalty applies only to turns >= max_steps/2, so with turn 0 it stays 0 -- epo is meant for "
+                    "multi-turn agent loops)",
+                    UserWarning,
+                    stacklevel=3,
+                )
+        if self._ext_controller is not None or self._stablerl_loss or self._stablerl_estimator or self._ext_shaper \
+                or self._ext_filter:
+            self.add_callback(_StablerlStateCallback(self))
+
+    def _ext_gather_user_inputs(self, inputs) -> dict[str, Any]:
+        """Per-completion user inputs (``correct``, ``flawed``, ...) of every process, in TRL's row order.
+
+        Taken from what reward functions passed to ``log_extra(name, values)`` (TRL's per-completion channel),
+        else from the rows (rollout_func extra fields, dataset columns). Every process joins every gather.
+        """
+        from accelerate.utils import gather_object
+
+        n = len(inputs)
+        found = {}
+        for name in _EXT_INPUTS_USER:
+            local = self._pending_extra_logs.get(name) if hasattr(self, "_pending_extra_logs") else None
+            if local is not None and len(local) != n:
+                raise StableRLError(
+                    f"log_extra({name!r}, ...) got {len(local)} values for {n} completions on this process: call it "
+                    "from exactly one reward function, with one value per completion")
+            if local is None and n and all(name in row for row in inputs):
+                local = [row[name] for row in inputs]
+            parts = gather_object([None if local is None else list(local)])
+            if all(p is None for p in parts):
+                continue
+            if any(p is None for p in parts):
+                raise StableRLError(f"input {name!r} was given on some processes only")
+            found[name] = [v for p in parts for v in p]
+        return found
+
+    def _ext_extras(self, spec, key: str, gathered_mask: Optional[torch.Tensor]) -> dict[str, Any]:
+        """The per-response extras ``spec`` uses: user inputs given (required ones must be) and ``lengths``."""
+        extras: dict[str, Any] = {}
+        user = self._ext_inputs or {}
+        for name in spec.requires:
+            if name in ("index", "scores", "entropy"):
+                continue
+            if name == "lengths":
+                extras["lengths"] = gathered_mask.sum(-1).to(torch.float64)
+            elif user.get(name) is not None:
+                extras[name] = user[name]
+            else:
+                raise stablerl.MissingInputError(
+                    f"{key} {spec.name!r} needs input {name!r} ({OPTIONAL_INPUTS.get(name, '')}): "
+                    + _EXT_HOW_TO_PROVIDE.format(name=name))
+        for name, value in user.items():  # optional inputs the user gave (e.g. fapo's correct)
+            extras.setdefault(name, value)
+        return extras
+
+    def _ext_gathered_mask(self, out) -> torch.Tensor:
+        local = out["completion_mask"] if "tool_mask" not in out else out["completion_mask"] * out["tool_mask"]
+        return self.accelerator.gather(self.accelerator.pad_across_processes(local, dim=1, pad_index=0)).float()
+
+    def _ext_ctx(self, state_key: str) -> "stablerl.Context":
+        return stablerl.Context(step=int(self.state.global_step), total_steps=int(self.state.max_steps or 0) or None,
+                                generator=self._ext_rng, state=self._stablerl_state.setdefault(state_key, {}))
+
+    def _ext_log(self, mode: str, metrics: dict[str, float]) -> None:
+        for k, v in metrics.items():  # computed on the gathered batch: the same on every process
+            self._metrics[mode]["stablerl/" + k].append(float(v))
+
+    def _ext_shape(self, out, rewards, group, mode):
+        name = self._ext_shaper
+        spec = stablerl.get_spec(REWARD_SHAPER, name)
+        mask = self._ext_gathered_mask(out).to(rewards.device) if "lengths" in spec.requires else None
+        extras = self._ext_extras(spec, "reward_shaper", mask)
+        shaped, metrics = stablerl.shape_rewards(name, scores=rewards, index=group, ctx=self._ext_ctx("shaper:" + name),
+                                                 **extras, **self._ext_params["reward_shaper"])
+        self._ext_log(mode, metrics)
+        self._metrics[mode]["stablerl/shaped_reward/mean"].append(shaped.float().mean().item())
+        return shaped.to(rewards.dtype)
+
+    def _ext_rollout_entropy(self, out, mode) -> torch.Tensor:
+        """Per-token entropies ``[n, T]`` of the policy on this process's rollout (one extra no-grad forward).
+
+        TRL computes entropies only inside ``_compute_loss``, after the advantages; filters that need them get
+        the entropies of the policy that generated the batch, at TRL's temperature, with native MoE routing.
+        """
+        multimodal = [k for k in _EXT_MULTIMODAL_KEYS if k in out]
+        if multimodal:
+            raise StableRLError(f"batch_filter={self._ext_filter!r} needs the rollout's entropies, computed in an extra "
+                                f"forward pass that stablerl runs for text-only batches; this batch has {multimodal}")
+        ids = torch.cat([out["prompt_ids"], out["completion_ids"]], dim=1)
+        attention = torch.cat([out["prompt_mask"], out["completion_mask"]], dim=1)
+        bs = self.args.per_device_train_batch_size if mode == "train" else self.args.per_device_eval_batch_size
+        with torch.no_grad():
+            _, entropies, _ = _trl.GRPOTrainer._get_per_token_logps_and_entropies(
+                self, self.model, ids, attention, out["completion_ids"].size(1), batch_size=bs, compute_entropy=True)
+        return entropies
+
+    def _ext_filter_batch(self, out, rewards, group, rows, mode):
+        """Apply the batch filter on the gathered batch; TRL's batch is fixed, so dropped rows and tokens get
+        advantage 0 and loss mask 0 (``tool_mask``, which multiplies ``completion_mask`` in the loss only, so
+        attention is unchanged), and ``num_items_in_batch`` becomes the kept tokens."""
+        name = self._ext_filter
+        spec = stablerl.get_spec(BATCH_FILTER, name)
+        local_adv = out["advantages"]
+        T_local = out["completion_ids"].size(1)
+        gmask = self._ext_gathered_mask(out).to(rewards.device)
+        one_d = local_adv.dim() == 1
+        if one_d:
+            gadv_rows = self.accelerator.gather(local_adv.float()).to(rewards.device)
+            gadv = gadv_rows.unsqueeze(-1) * gmask
+        else:
+            gadv = self.accelerator.gather(self.accelerator.pad_across_processes(local_adv.float(), dim=1, pad_index=0))
+            gadv = gadv.to(rewards.device) * gmask
+        entropy = None
+        if "entropy" in spec.requires:
+            local_h = self._ext_rollout_entropy(out, mode).float()
+            entropy = self.accelerator.gather(self.accelerator.pad_across_processes(local_h, dim=1, pad_index=0))
+            entropy = entropy.to(rewards.device)
+        extras = self._ext_extras(spec, "batch_filter", gmask)
+        result = stablerl.filter_batch(name, advantages=gadv, response_mask=gmask, index=group, scores=rewards.float(),
+                                       entropy=entropy, ctx=self._ext_ctx("filter:" + name), **extras,
+                                       **self._ext_params["batch_filter"])
+        kept = result.rows.to(gmask.device).long()
+        if kept.numel() > 1 and not bool((kept[1:] > kept[:-1]).all()):
+            raise StableRLError(
+                f"batch_filter={name!r} returned repeated or reordered rows (a resampling sampler); TRL's generation "
+                "batch has a fixed size and layout (each process's slice, split into micro-batches), so only filters "
+                "that keep or drop rows in order can run in TRL (shuffle_r1: use shuffle=False for its pairwise "
+                "sampling alone)")
+        N = gmask.size(0)
+        new_mask = torch.zeros_like(gmask)
+        new_mask[kept] = result.response_mask.to(gmask.device, gmask.dtype)
+        new_mask = (new_mask * gmask > 0).to(gmask.dtype)  # a filter only removes tokens
+        dropped = torch.ones(N, dtype=torch.bool, device=gmask.device)
+        dropped[kept] = False
+        if one_d and result.advantages is None:
+            new_rows = torch.where(dropped, torch.zeros_like(gadv_rows), gadv_rows)
+            out["advantages"] = new_rows[rows].to(local_adv.dtype).contiguous()
+        else:
+            new_adv = torch.zeros_like(gadv)
+            new_adv[kept] = (gadv[kept] if result.advantages is None
+                             else result.advantages.to(gadv.device, gadv.dtype))
+            new_adv = new_adv * new_mask
+            out["advantages"] = new_adv[rows, :T_local].to(torch.float32).contiguous()
+        local_keep = new_mask[rows, :T_local].to(out["completion_mask"].device, out["completion_mask"].dtype)
+        out["tool_mask"] = local_keep if "tool_mask" not in out else out["tool_mask"] * local_keep
+        kept_tokens = new_mask.sum()
+        old_items = out["num_items_in_batch"]
+        out["num_items_in_batch"] = kept_tokens.clamp(min=1).to(old_items.device, old_items.dtype)
+        self._ext_log(mode, result.metrics)
+        self._metrics[mode]["stablerl/filter/kept_row_frac"].append(float((~dropped).float().mean()))
+        self._metrics[mode]["stablerl/filter/kept_token_frac"].append(
+            float(kept_tokens / gmask.sum().clamp(min=1)))
+        return out
+
+    def _ext_set_temperature(self, temperature: float) -> None:
+        """The sampling temperature of the next generations (not TRL's ``self.temperature``, which scales the
+        logits of every log-prob pass: AEPO computes log-probs at the training temperature)."""
+        if self.use_vllm:
+            self.vllm_generation.temperature = temperature
+        if getattr(self, "generation_config", None) is not None:
+            self.generation_config.temperature = temperature
+        if isinstance(getattr(self, "generation_kwargs", None), dict):
+            self.generation_kwargs["temperature"] = temperature
+
+    def _ext_apply(self, decision: dict[str, Any]) -> None:
+        if decision.get("temperature") is not None:
+            self._ext_set_temperature(float(decision["temperature"]))
+
+    def _ext_controller_step(self) -> None:
+        """Once per optimizer step: feed the controller TRL's mean entropy of the step (each micro-batch's value is
+        already reduced over processes by TRL, so every process computes the same update)."""
+        if self._ext_controller is None:
+            return
+        values = self._metrics["train"].get("entropy")
+        values = [] if values is None else values
+        seen, count = self._ext_entropy_seen
+        new = values[count:] if seen is values else values  # TRL's log() replaces the lists after logging
+        self._ext_entropy_seen = (values, len(values))
+        new = [v for v in new if not (isinstance(v, float) and v != v)]
+        entropy = sum(new) / len(new) if new else None
+        stats = {"entropy": entropy, "turn_entropy": [float("nan") if entropy is None else entropy]}
+        accepted = inspect.signature(self._ext_controller.step).parameters
+        decision = self._ext_controller.step(**{k: v for k, v in stats.items() if k in accepted})
+        self._ext_decision = {k: v for k, v in (decision or {}).items()
+                              if v is None or isinstance(v, (bool, int, float, str))}
+        self._ext_apply(self._ext_decision)
+        for k, v in self._ext_decision.items():
+            if isinstance(v, (bool, int, float)):
+                self._metrics["train"][f"stablerl/{self._ext_controller_name}/{k}"].append(float(v))
+
+    def _ext_loss_with_penalty(self, model, inputs):
+        """The controller's loss term (EPO), from the entropies of the training forward, added to the loss.
+
+        Token-mean over the tokens of the accumulation window on every process (TRL dapo's normaliser);
+        every sample is turn 0 (TRL has no turn ids)."""
+        self._ext_penalty_capture = {}
+        try:
+            loss = self._compute_loss(model, inputs)
+            entropies = self._ext_penalty_capture.get("entropies")
+        finally:
+            self._ext_penalty_capture = None
+        if entropies is None:
+            return loss
+        mode = "train" if self.model.training else "eval"
+        mask = inputs["completion_mask"] if "tool_mask" not in inputs else inputs["completion_mask"] * inputs["tool_mask"]
+        GA = self.current_gradient_accumulation_steps if mode == "train" else 1
+        token_count = inputs["num_items_in_batch"].to(torch.float32)
+        if mode == "train":
+            token_count = token_count * GA / self.args.steps_per_generation
+        ctx = self._stablerl_context(token_count=token_count, seq_count=entropies.size(0) * self.accelerator.num_processes * GA)
+        penalty = self._ext_controller.penalty
+        kwargs: dict[str, Any] = {"loss_agg_mode": "token-mean", "ctx": ctx}
+        if "turn_index" in inspect.signature(penalty).parameters:
+            kwargs["turn_index"] = torch.zeros(entropies.size(0), dtype=torch.long, device=entropies.device)
+        term, metrics = penalty(entropies, response_mask=mask.to(entropies.dtype), **kwargs)
+        self._stablerl_log(mode, {k: float(v) for k, v in metrics.items()})
+        return loss + term
+
+    # -- checkpointed state: the controller, every ctx.state dict, the shapers/filters' generator -----
+
+    def stablerl_state_dict(self) -> dict[str, Any]:
+        """What :meth:`save_stablerl_state` writes: JSON-able, the same on every process."""
+        controller = None
+        if self._ext_controller is not None:
+            controller = {"name": self._ext_controller_name, "state": _json_encode(self._ext_controller.state_dict()),
+                          "decision": _json_encode(self._ext_decision)}
+        return {"format": 1, "controller": controller, "ctx_state": _json_encode(self._stablerl_state),
+                "rng": self._ext_rng.get_state().tolist()}
+
+    def load_stablerl_state_dict(self, state: dict[str, Any]) -> None:
+        ctrl = state.get("controller")
+        if ctrl is not None and self._ext_controller is not None:
+            if ctrl.get("name") != self._ext_controller_name:
+                raise StableRLError(f"the checkpoint's controller state is {ctrl.get('name')!r}'s, this run uses "
+                                    f"entropy_controller={self._ext_controller_name!r}")
+            self._ext_controller.load_state_dict(_json_decode(ctrl["state"]))
+            self._ext_decision = dict(_json_decode(ctrl.get("decision") or {}))
+            self._ext_apply(self._ext_decision)
+        self._stablerl_state.clear()
+        self._stablerl_state.update(_json_decode(state.get("ctx_state") or {}))
+        if state.get("rng") is not None:
+            self._ext_rng.set_state(torch.tensor(state["rng"], dtype=torch.uint8))
+
+    def save_stablerl_state(self, folder: str) -> str:
+        path = os.path.join(folder, _EXT_STATE_FILE)
+        with open(path, "w") as f:
+            json.dump(self.stablerl_state_dict(), f)
+        return path
+
+    def load_stablerl_state(self, folder: str) -> bool:
+        """Restore from ``folder``/stablerl_controller.json; False when the folder has none."""
+        path = os.path.join(folder, _EXT_STATE_FILE)
+        if not os.path.exists(path):
+            return False
+        with open(path) as f:
+            self.load_stablerl_state_dict(json.load(f))
+        return True
+
+    def _load_optimizer_and_scheduler(self, checkpoint):
+        super()._load_optimizer_and_scheduler(checkpoint)
+        if checkpoint is not None and getattr(self, "_ext_rng", None) is not None:
+            self.load_stablerl_state(checkpoint)  # every process reads the same file
+
     # -- advantages ------------------------------------------------------------------------
 
     def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
         rewards_per_func = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
         self._stablerl_rewards = rewards_per_func  # (N_global, n_funcs), gathered over processes
+        if self._ext_shaper or self._ext_filter:  # per-completion inputs of shapers/filters, before TRL flushes them
+            self._ext_inputs = self._ext_gather_user_inputs(inputs)
         return rewards_per_func
 
     def _generate_and_score_completions(self, inputs):
@@ -649,7 +1097,7 @@ class GRPOTrainer(_trl.GRPOTrainer):
             out = super()._generate_and_score_completions(inputs)
         else:
             out = self._rr_generate_and_score(inputs)
-        if not (self._stablerl_estimator or self._stablerl_needs_rows):
+        if not (self._stablerl_estimator or self._stablerl_needs_rows or self._ext_filter):
             self._stablerl_rewards = None
             return out
         rewards_per_func, self._stablerl_rewards = self._stablerl_rewards, None
@@ -663,11 +1111,16 @@ class GRPOTrainer(_trl.GRPOTrainer):
         n = out["completion_ids"].size(0)
         rows = slice(self.accelerator.process_index * n, (self.accelerator.process_index + 1) * n)  # TRL's slice
         group = torch.arange(rewards.numel(), device=device) // G  # RepeatSampler: contiguous groups of G
+        if self._ext_shaper:  # before everything that uses the rewards (needs advantage_estimator)
+            rewards = self._ext_shape(out, rewards, group, mode)
         if self._stablerl_needs_rows:  # extra batch-first keys travel with their rows through TRL's shuffles
             out["stablerl_index"] = group[rows].clone()
             out["stablerl_scores"] = rewards[rows].clone()
         if self._stablerl_estimator:
             out["advantages"] = self._stablerl_advantages(out, rewards, unscorable, group, rows, mode)
+        if self._ext_filter:
+            out = self._ext_filter_batch(out, rewards, group, rows, mode)
+        self._ext_inputs = None
         return out
 
     def _stablerl_advantages(self, out, rewards, unscorable, group, rows, mode):
@@ -716,9 +1169,13 @@ class GRPOTrainer(_trl.GRPOTrainer):
             out = self._rr_logps(fn, model, input_ids, logits_to_keep)
         if self._stablerl_capture is not None and kwargs.get("compute_entropy"):
             self._stablerl_capture["logps"], self._stablerl_capture["entropies"] = out[0], out[1]
+        if self._ext_penalty_capture is not None and kwargs.get("compute_entropy"):
+            self._ext_penalty_capture["entropies"] = out[1]
         return out
 
     def _compute_loss(self, model, inputs):
+        if self._ext_penalty and self._ext_penalty_capture is None:
+            return self._ext_loss_with_penalty(model, inputs)
         if self._stablerl_loss is None:
             return super()._compute_loss(model, inputs)
         mode = "train" if self.model.training else "eval"
@@ -848,4 +1305,5 @@ __all__ = [
     "resolve_loss_type",
     "routing_replay_mode",
     "validate_stablerl_args",
+    "validate_stablerl_extensions",
 ]

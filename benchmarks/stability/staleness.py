@@ -19,6 +19,7 @@ the time budget are skipped and listed as such.
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 from pathlib import Path
@@ -37,9 +38,15 @@ def main() -> int:
     ap.add_argument("--budget-min", type=float, default=25.0)
     ap.add_argument("--out", default=str(C.DOCS), help="directory for the PNG / table / JSON")
     ap.add_argument("--name", default="staleness", help="file stem of the outputs (default: %(default)s)")
+    ap.add_argument("--from-json", action="store_true", help="only rewrite the table and plot from <name>.json")
     a = ap.parse_args()
-    C.setup()
     C.DOCS = Path(a.out)
+    if a.from_json:
+        data = json.loads((C.DOCS / f"{a.name}.json").read_text())
+        write_table(data["runs"], data["skipped"], data["config"], a.name)
+        plot(data["runs"], data["config"]["ks"], data["config"]["losses"], a.name)
+        return 0
+    C.setup()
     budget = C.Budget(a.budget_min)
     seeds = [int(s) for s in a.seeds.split(",")]
     ks = [int(k) for k in a.ks.split(",")]
@@ -70,10 +77,16 @@ def main() -> int:
     return 0
 
 
+def steps_to(run: dict, level: float):
+    """First optimizer step whose logged reward reaches ``level`` (``-`` if never)."""
+    return next((s for s, y in zip(run["steps"], run["reward"]) if y is not None and y >= level), "-")
+
+
 def write_table(runs, skipped, config, name: str = "staleness") -> None:
     lines = [
-        "| k (updates stale) | loss_type | seeds | initial reward | best reward | final reward (per seed) | collapsed | s / run |",
-        "|---|---|---|---|---|---|---|---|",
+        "| k (updates stale) | loss_type | seeds | initial reward | best reward | final reward (per seed) | "
+        "steps to reward 0.8 (per seed) | collapsed | s / run |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for k in config["ks"]:
         for loss in config["losses"]:
@@ -84,6 +97,7 @@ def write_table(runs, skipped, config, name: str = "staleness") -> None:
             lines.append(
                 f"| {k} | {loss} | {','.join(str(r['seed']) for r in rs)} | {C.fmt(mean('initial_reward'))} | "
                 f"{C.fmt(mean('best_reward'))} | {C.fmt(mean('final_reward'))} ({', '.join(C.fmt(r['final_reward']) for r in rs)}) | "
+                f"{', '.join(str(steps_to(r, 0.8)) for r in rs)} | "
                 f"{sum(r['collapsed'] for r in rs)}/{len(rs)} | {mean('time_s'):.0f} |"
             )
     if skipped:

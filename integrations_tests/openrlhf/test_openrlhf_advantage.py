@@ -1,6 +1,9 @@
 """stablerl estimators inside OpenRLHF 0.11.2's real RemoteExperienceMaker.compute_advantages_and_returns."""
 
 import pytest
+
+pytest.importorskip("openrlhf", reason="OpenRLHF is not installed (nox -s openrlhf installs it)")
+
 import torch
 
 import stablerl

@@ -1,8 +1,11 @@
 """The wrapper CLI runs OpenRLHF's real openrlhf.cli.train_ppo_ray parser and validation (dry run: Ray is faked)."""
 
+import pytest
+
+pytest.importorskip("openrlhf", reason="OpenRLHF is not installed (nox -s openrlhf installs it)")
+
 import json
 
-import pytest
 
 import stablerl
 import stablerl.adapters.openrlhf as adapter

@@ -1,6 +1,9 @@
 """stablerl losses against OpenRLHF 0.11.2's real PolicyLoss (value, gradient, 5-tuple, IS correction)."""
 
 import pytest
+
+pytest.importorskip("openrlhf", reason="OpenRLHF is not installed (nox -s openrlhf installs it)")
+
 import torch
 
 import stablerl

@@ -1,13 +1,15 @@
 """Patching: reversible, once per process, light setup, version guard, real ActorPPOTrainer construction."""
 
+import pytest
+
+pytest.importorskip("openrlhf", reason="OpenRLHF is not installed (nox -s openrlhf installs it)")
+
 import subprocess
 import sys
 from types import SimpleNamespace
 
-import pytest
 import torch
 
-import stablerl
 import stablerl.adapters.openrlhf as adapter
 from orlhf_helpers import STUBS_PATH, loss_batch, make_args
 from stablerl.adapters.openrlhf import Selection

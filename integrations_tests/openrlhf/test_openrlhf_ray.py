@@ -1,8 +1,11 @@
 """In a real local Ray worker, the setup hook alone makes OpenRLHF's classes use stablerl (one short actor call)."""
 
+import pytest
+
+pytest.importorskip("openrlhf", reason="OpenRLHF is not installed (nox -s openrlhf installs it)")
+
 import os
 
-import pytest
 import torch
 
 ray = pytest.importorskip("ray")

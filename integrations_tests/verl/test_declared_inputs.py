@@ -360,3 +360,53 @@ def test_fresh_process_registers_the_losses_with_declared_inputs():
     from stablerl.adapters.config_keys import FEEDABLE_INPUTS
 
     assert set(out["provided"]) == set(FEEDABLE_INPUTS["verl"]["policy_loss"])
+
+
+def _dense(batch_out, pad_id=7):
+    """The same batch in the legacy trainer's layout (``DataProto.to_tensordict`` +
+    ``left_right_2_no_padding``): dense left-padded prompts, dense right-padded response fields
+    (padding token ids are ``pad_id``, not 0), an attention mask, ``max_response_len``."""
+    from tensordict import TensorDict
+    from tensordict.tensorclass import NonTensorData, NonTensorStack
+    from verl.utils import tensordict_utils as tu
+
+    data, model_output, leaves, padded = batch_out
+    B, Pm = len(R), max(P)
+    prompts = torch.zeros(B, Pm, dtype=torch.long)
+    attention = torch.zeros(B, Pm + T, dtype=torch.long)
+    for i, (p, r) in enumerate(zip(P, R)):
+        prompts[i, Pm - p :] = torch.arange(p) + 1
+        attention[i, Pm - p : Pm + r] = 1
+    mask = padded["response_mask"]
+    scores = torch.zeros(B, T, dtype=torch.float64)
+    scores[torch.arange(B), torch.tensor(R) - 1] = padded["scores"]
+    dense = TensorDict(
+        {
+            "prompts": prompts,
+            "responses": torch.where(mask, padded["token_ids"], torch.full_like(padded["token_ids"], pad_id)),
+            "attention_mask": attention,
+            "response_mask": mask.long(),
+            "old_log_probs": padded["old_log_prob"],
+            "advantages": padded["advantages"],
+            "rollout_log_probs": padded["rollout_log_prob"],
+            "token_level_scores": scores,
+        },
+        batch_size=[B],
+    )
+    dense["uid"] = NonTensorStack.from_list([NonTensorData(u) for u in UIDS])
+    tu.assign_non_tensor(dense, dp_size=1, batch_num_tokens=sum(R) + 4, global_batch_size=B + 2, max_response_len=T)
+    return dense, model_output, leaves, padded
+
+
+LEGACY = [c for c in CASES if c[0] in ("steer", "gtpo", "pacs", "decoupled_ppo")]
+
+
+@pytest.mark.parametrize("name, inputs, params, opts", LEGACY, ids=[c[0] for c in LEGACY])
+def test_legacy_dense_layout(adapter, declared, name, inputs, params, opts):
+    """verl's legacy trainer hands ppo_loss dense padded response fields: same result."""
+    data, model_output, leaves, padded = _dense(_batch(seed=13, **opts))
+    loss, grad, _ = _through_verl(_config(adapter, name), data, model_output, leaves)
+    ref_loss, ref_grad, _ = _direct(name, padded, leaves, inputs, **params)
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-9, atol=1e-12)
+    torch.testing.assert_close(grad, ref_grad, rtol=1e-9, atol=1e-12)
+    assert grad.abs().sum() > 0
