@@ -100,6 +100,9 @@ def make_inputs(B: int, T: int, dtype: torch.dtype, device: str = "cpu", seed: i
         "neg_count": torch.randint(0, 8, (B,), generator=g).to(device),
         "router_log_prob": f(router),
         "old_router_log_prob": f(router_old),
+        # CAPO's LM-head model (H=16; V=32000 covers token_ids); drawn last so the tensors above are unchanged
+        "hidden_states": f(torch.randn(B, T, 16, generator=g)),
+        "lm_head_weight": f(0.1 * torch.randn(32000, 16, generator=g)),
     }
 
 

@@ -6,6 +6,7 @@ aggregation mode exists once, here.
 
 from __future__ import annotations
 
+import math
 from typing import Any, Optional, Sequence
 
 import numpy as np
@@ -37,6 +38,16 @@ def masked_var(values: torch.Tensor, mask: torch.Tensor, unbiased: bool = True) 
     sq = masked_sum((values - mean) ** 2, mask)
     denom = (count - 1) if unbiased else count
     return sq / denom.clamp(min=1)
+
+
+def masked_extreme(values: torch.Tensor, mask: torch.Tensor, op: str, empty: float = 0.0) -> torch.Tensor:
+    """Min or max of ``values`` over the masked-in entries (``empty`` when there are none)."""
+    if values.numel() == 0:
+        return torch.full((), empty, dtype=values.dtype, device=values.device)
+    fill = math.inf if op == "min" else -math.inf
+    v = torch.where(mask.bool(), values, torch.full((), fill, dtype=values.dtype, device=values.device))
+    out = v.amin() if op == "min" else v.amax()
+    return torch.where(torch.isfinite(out), out, torch.full((), empty, dtype=values.dtype, device=values.device))
 
 
 def clamped_log_ratio(log_prob: torch.Tensor, old_log_prob: torch.Tensor, bound: float = LOG_RATIO_BOUND) -> torch.Tensor:

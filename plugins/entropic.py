@@ -30,10 +30,10 @@ from typing import Any, Mapping, Optional
 
 import torch
 
-from stablerl import EXPERIMENTAL, Params, hookimpl
+from stablerl import EXPERIMENTAL, hookimpl
 from stablerl.ops import aggregate, clamped_log_ratio, masked_mean
 from stablerl.params import check
-from stablerl.plugins.ppo import ppo_clip_terms
+from stablerl.plugins.ppo import ClipParams, ppo_clip_terms
 from stablerl.plugins.steer import entropy_input
 
 STATE_KEY = "entropic"
@@ -88,7 +88,7 @@ class EntroPICController:
 
 
 @dataclass
-class EntroPICParams(Params):
+class EntroPICParams(ClipParams):
     """PPO dual-clip bounds, the entropy target and the PI gains."""
 
     clip_ratio_low: float = 0.2
@@ -100,12 +100,7 @@ class EntroPICParams(Params):
     high_prob_thresh: float = 0.95
 
     def validate(self) -> None:
-        check(0 <= self.clip_ratio_low, f"clip_ratio_low must be >= 0, got {self.clip_ratio_low}")
-        check(0 <= self.clip_ratio_high, f"clip_ratio_high must be >= 0, got {self.clip_ratio_high}")
-        check(
-            self.clip_ratio_c is None or self.clip_ratio_c > 1.0,
-            f"clip_ratio_c (dual clip) must be > 1 or None, got {self.clip_ratio_c}",
-        )
+        super().validate()  # the clip bounds (ClipParams)
         check(math.isfinite(self.target_entropy), f"target_entropy must be finite (negative disables), got {self.target_entropy}")
         check(self.entropy_control_p >= 0, f"entropy_control_p (K_p) must be >= 0, got {self.entropy_control_p}")
         check(self.entropy_control_i >= 0, f"entropy_control_i (K_i) must be >= 0, got {self.entropy_control_i}")

@@ -21,17 +21,17 @@ from typing import Optional
 
 import torch
 
-from stablerl import STABLE, Params, hookimpl
+from stablerl import STABLE, hookimpl
 from stablerl.ops import clamped_log_ratio, masked_mean
 from stablerl.params import check
-from stablerl.plugins.ppo import ppo_clip_terms
+from stablerl.plugins.ppo import ClipParams, ppo_clip_terms
 from stablerl.plugins.steer import entropy_input
 
 ERC_BASES = ("vanilla", "gppo")
 
 
 @dataclass
-class ERCParams(Params):
+class ERCParams(ClipParams):
     """PPO/GPPO bounds of the base loss plus the entropy-ratio band ``(entropy_mask_low, entropy_mask_high)``."""
 
     clip_ratio_low: float = 0.2
@@ -42,12 +42,7 @@ class ERCParams(Params):
     base: str = "vanilla"
 
     def validate(self) -> None:
-        check(0 <= self.clip_ratio_low, f"clip_ratio_low must be >= 0, got {self.clip_ratio_low}")
-        check(0 <= self.clip_ratio_high, f"clip_ratio_high must be >= 0, got {self.clip_ratio_high}")
-        check(
-            self.clip_ratio_c is None or self.clip_ratio_c > 1.0,
-            f"clip_ratio_c (dual clip) must be > 1 or None, got {self.clip_ratio_c}",
-        )
+        super().validate()  # the clip bounds (ClipParams)
         check(
             0 <= self.entropy_mask_low <= 1.0,
             f"entropy_mask_low is a bound on the entropy ratio H/H_old and must be in [0, 1], got {self.entropy_mask_low}",

@@ -13,7 +13,6 @@ of the group gets 0, so which tied response is "the" argmax does not matter.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 
 import torch
 

@@ -13,7 +13,7 @@ from typing import Optional
 
 import torch
 
-from stablerl import POLICY_LOSS, STABLE, Params, hookimpl
+from stablerl import STABLE, Params, hookimpl
 from stablerl.ops import clamped_log_ratio, masked_mean
 from stablerl.params import check
 

@@ -29,10 +29,10 @@ from typing import Optional
 
 import torch
 
-from stablerl import STABLE, Params, hookimpl
-from stablerl.ops import clamped_log_ratio, masked_mean
+from stablerl import STABLE, hookimpl
+from stablerl.ops import clamped_log_ratio, masked_extreme, masked_mean
 from stablerl.params import StableRLError, check
-from stablerl.plugins.ppo import ppo_clip_terms
+from stablerl.plugins.ppo import ClipParams, ppo_clip_terms
 
 OMEGA_FLOOR = 0.02  # the reference's floor on max |Omega| in the adaptive k
 
@@ -55,18 +55,8 @@ def entropy_input(t: Optional[torch.Tensor], mask: torch.Tensor, name: str) -> t
     return torch.where(valid, t, torch.zeros((), dtype=t.dtype, device=t.device))
 
 
-def masked_extreme(values: torch.Tensor, mask: torch.Tensor, op: str, empty: float = 0.0) -> torch.Tensor:
-    """Min or max of ``values`` over the masked-in entries (``empty`` when there are none)."""
-    if values.numel() == 0:
-        return torch.full((), empty, dtype=values.dtype, device=values.device)
-    fill = math.inf if op == "min" else -math.inf
-    v = torch.where(mask.bool(), values, torch.full((), fill, dtype=values.dtype, device=values.device))
-    out = v.amin() if op == "min" else v.amax()
-    return torch.where(torch.isfinite(out), out, torch.full((), empty, dtype=values.dtype, device=values.device))
-
-
 @dataclass
-class STEERParams(Params):
+class STEERParams(ClipParams):
     """STEER token weights and the PPO dual-clip bounds it multiplies."""
 
     clip_ratio_low: float = 0.2
@@ -77,12 +67,7 @@ class STEERParams(Params):
     linear: bool = False
 
     def validate(self) -> None:
-        check(0 <= self.clip_ratio_low, f"clip_ratio_low must be >= 0, got {self.clip_ratio_low}")
-        check(0 <= self.clip_ratio_high, f"clip_ratio_high must be >= 0, got {self.clip_ratio_high}")
-        check(
-            self.clip_ratio_c is None or self.clip_ratio_c > 1.0,
-            f"clip_ratio_c (dual clip) must be > 1 or None, got {self.clip_ratio_c}",
-        )
+        super().validate()  # the clip bounds (ClipParams)
         check(
             0 < self.token_weight_min <= 1.0,
             f"token_weight_min must be in (0, 1], got {self.token_weight_min}",
