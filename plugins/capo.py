@@ -9,12 +9,18 @@ The LM head is treated as a linear model of the update. For response token t wit
 logits renormalised, as in the reference, or the full vocabulary with ``top_k=0``), ``v = e_a - pi``:
 
     per-token LM-head gradient (ascent)   g_k = A v_k h                      (row k of a [K, H] matrix)
-    effective update direction            G_k = g_k (sgd)  or  Adam(m_k, s_k, g_k) (adam, prospective step t+1)
+    effective update direction            G_k = g_k (sgd, or Adam before any moment exists)
+                                          G_k = mhat_k / (sqrt(vhat_k) + eps),  m, v stepped with g_k (t -> t+1)
     u_k = G_k . h,  s = v . u             (Fisher term; <g, G> = A s)
     approx_kl   = 0.5 lr^2 s^2
     hessian     = A (s^2 - u^T (diag(pi) - pi pi^T) u)
     full_update = lr A s + 0.5 lr^2 hessian
     keep_t = [approx_kl < tau_F] and [full_update in (-tau_H, tau_H)]   (symmetric; else [0, tau_H))
+
+The Adam moments (per vocabulary row) are, by default, the reference's own model kept in
+``ctx.state["capo"]`` (``moments="tracked"``): after the mask, one Adam step on each row's mean gradient
+over the kept tokens whose support holds it (:func:`capo_moment_update`). ``moments="input"`` takes them
+from ``lm_head_exp_avg`` / ``lm_head_exp_avg_sq`` (torch Adam convention) and ``adam_step`` instead.
 
 Masked tokens leave the loss mask; the base loss is the PPO clip loss (TRL GRPO's ``-min(r A,
 clip(r) A)``, eps 0.2) aggregated with ``loss_agg_mode`` over the kept tokens (masked tokens drop out
@@ -46,6 +52,8 @@ from stablerl.plugins.ppo import ppo_clip_terms
 
 
 _OPTIMIZERS = ("adam", "sgd")
+_MOMENTS = ("tracked", "input")
+STATE_KEY = "capo"
 
 
 @dataclass
@@ -57,7 +65,10 @@ class CapoParams(Params):
     hessian_symmetric_clipping: bool = True
     lr: float = 1.5e-5  # pass the optimizer's CURRENT lr each step (default: the recipes' peak learning_rate)
     optimizer: str = "adam"  # reference optim_model_type: "adam" or "sgd"
-    adam_step: int = 0  # Adam updates already taken (torch state['step']); 0: raw gradient (reference)
+    # "tracked": the reference's own Adam model of the LM-head linear model, kept in ctx.state["capo"] and
+    # stepped once per call with the kept tokens; "input": lm_head_exp_avg/_sq inputs with adam_step
+    moments: str = "tracked"
+    adam_step: int = 0  # moments="input": Adam updates already taken (torch state['step']); 0: raw gradient
     adam_beta1: float = 0.9
     adam_beta2: float = 0.999
     adam_epsilon: float = 1e-8
@@ -71,6 +82,7 @@ class CapoParams(Params):
         check(self.fisher_token_mask_tau >= 0, f"fisher_token_mask_tau must be >= 0 (0 disables), got {self.fisher_token_mask_tau}")
         check(self.hessian_token_mask_tau >= 0, f"hessian_token_mask_tau must be >= 0 (0 disables), got {self.hessian_token_mask_tau}")
         check(self.optimizer in _OPTIMIZERS, f"optimizer must be one of {_OPTIMIZERS}, got {self.optimizer!r}")
+        check(self.moments in _MOMENTS, f"moments must be one of {_MOMENTS}, got {self.moments!r}")
         check(int(self.adam_step) == self.adam_step and self.adam_step >= 0, f"adam_step must be an integer >= 0, got {self.adam_step}")
         check(0 <= self.adam_beta1 < 1, f"adam_beta1 must be in [0, 1), got {self.adam_beta1}")
         check(0 <= self.adam_beta2 < 1, f"adam_beta2 must be in [0, 1), got {self.adam_beta2}")
@@ -113,6 +125,8 @@ def capo_curvature(
 
     Returns ``fisher_s`` (s = v^T G h), ``approx_kl`` (0.5 lr^2 s^2), ``hessian`` (A (s^2 - u^T F u))
     and ``full_update`` (lr A s + 0.5 lr^2 hessian). No gradient flows through any of them.
+    ``exp_avg`` / ``exp_avg_sq`` ([V, H]) follow torch Adam (moments of the loss gradient ``-g``);
+    ``adam_step`` is the number of steps they have taken (0: the raw gradient, as the reference does).
     """
     if optimizer not in _OPTIMIZERS:
         raise StableRLError(f"optimizer must be one of {_OPTIMIZERS}, got {optimizer!r}")
@@ -151,6 +165,9 @@ def capo_curvature(
     A = advantages[pos].to(dt)  # [N]
     if not bool(torch.isfinite(hs).all()):
         raise StableRLError("hidden_states has non-finite values on valid tokens")
+    for name, t in (("lm_head_weight", W), ("lm_head_exp_avg", M), ("lm_head_exp_avg_sq", S)):
+        if t is not None and not bool(torch.isfinite(t).all()):
+            raise StableRLError(f"{name} has non-finite values")
     if bool((ids < 0).any()) or bool((ids >= V).any()):
         raise StableRLError(f"token_ids must lie in [0, V={V}) on valid tokens")
     K = V if top_k == 0 or top_k >= V else int(top_k)
@@ -203,6 +220,66 @@ def capo_curvature(
 
 
 @torch.no_grad()
+def capo_moment_update(
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    hidden_states: torch.Tensor,
+    lm_head_weight: torch.Tensor,
+    token_ids: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    top_k: int = 50,
+    adam_beta1: float = 0.9,
+    adam_beta2: float = 0.999,
+    chunk_elements: int = 2**26,
+    ctx=None,
+) -> int:
+    """One step of the reference's Adam model of the LM head, in place (torch convention: moments of
+    the LOSS gradient, i.e. of ``-g``). Returns the number of vocabulary rows updated.
+
+    For every vocabulary row k, ``gbar_k`` is the mean of ``g_tk = A_t v_tk h_t`` over the tokens t of
+    ``mask`` whose support contains k (one term per token); rows that no token touches keep their
+    moments unchanged (no decay), as in the reference's per-key dict. ``ctx.all_reduce`` sums the
+    per-row sums and counts over DP ranks (dense [V, H]: costly on large vocabularies).
+    """
+    V, H = lm_head_weight.shape
+    dt = exp_avg.dtype
+    dev = exp_avg.device
+    sums = torch.zeros(V, H, dtype=dt, device=dev)
+    counts = torch.zeros(V, dtype=dt, device=dev)
+    pos = mask.bool().nonzero(as_tuple=True)
+    N = pos[0].numel()
+    K = V if top_k == 0 or top_k >= V else int(top_k)
+    if N > 0:
+        W = lm_head_weight.to(dt)
+        hs, ids, A = hidden_states[pos].to(dt), token_ids[pos].long(), advantages[pos].to(dt)
+        step_tok = max(1, chunk_elements // max(V, K * H))
+        for a in range(0, N, step_tok):
+            b = min(N, a + step_tok)
+            h = hs[a:b]
+            logits = h @ W.T
+            if K < V:
+                top_logits, top_idx = logits.topk(K, dim=-1)
+                v = (top_idx == ids[a:b, None]).to(dt) - torch.softmax(top_logits, dim=-1)
+                g = (A[a:b, None] * v).unsqueeze(-1) * h.unsqueeze(-2)  # [n, K, H]
+                sums.index_add_(0, top_idx.reshape(-1), g.reshape(-1, H))
+                counts.index_add_(0, top_idx.reshape(-1), torch.ones(top_idx.numel(), dtype=dt, device=dev))
+            else:
+                v = torch.zeros_like(logits).scatter_(1, ids[a:b, None], 1.0) - torch.softmax(logits, dim=-1)
+                sums += (A[a:b, None] * v).T @ h
+                counts += float(b - a)
+    if ctx is not None:
+        sums = ctx.all_reduce(sums, "sum")
+        counts = ctx.all_reduce(counts, "sum")
+    rows = counts > 0
+    gbar = -(sums[rows] / counts[rows, None])  # the loss gradient's batch mean
+    exp_avg[rows] = adam_beta1 * exp_avg[rows] + (1.0 - adam_beta1) * gbar
+    exp_avg_sq[rows] = adam_beta2 * exp_avg_sq[rows] + (1.0 - adam_beta2) * gbar * gbar
+    return int(rows.sum())
+
+
+@torch.no_grad()
 def capo_token_mask(
     hidden_states: torch.Tensor,
     lm_head_weight: torch.Tensor,
@@ -242,6 +319,16 @@ def capo_loss(b, p: CapoParams, ctx):
     if b.hidden_states is None or b.lm_head_weight is None or b.token_ids is None:
         raise MissingInputError("capo needs hidden_states, lm_head_weight and token_ids")
     valid = b.response_mask.bool()
+    exp_avg, exp_avg_sq, adam_step = b.lm_head_exp_avg, b.lm_head_exp_avg_sq, int(p.adam_step)
+    state = None
+    if p.optimizer == "adam" and p.moments == "tracked":
+        V, H = b.lm_head_weight.shape
+        dt = torch.float64 if b.hidden_states.dtype == torch.float64 else torch.float32
+        state = ctx.state.get(STATE_KEY)
+        if state is None or tuple(state["exp_avg"].shape) != (V, H):
+            z = torch.zeros(V, H, dtype=dt, device=b.lm_head_weight.device)
+            state = ctx.state[STATE_KEY] = {"exp_avg": z, "exp_avg_sq": z.clone(), "step": 0}
+        exp_avg, exp_avg_sq, adam_step = state["exp_avg"], state["exp_avg_sq"], int(state["step"])
     keep, terms = capo_token_mask(
         b.hidden_states,
         b.lm_head_weight,
@@ -253,15 +340,22 @@ def capo_loss(b, p: CapoParams, ctx):
         hessian_token_mask_tau=p.hessian_token_mask_tau,
         hessian_symmetric_clipping=p.hessian_symmetric_clipping,
         optimizer=p.optimizer,
-        exp_avg=b.lm_head_exp_avg,
-        exp_avg_sq=b.lm_head_exp_avg_sq,
-        adam_step=int(p.adam_step),
+        exp_avg=exp_avg,
+        exp_avg_sq=exp_avg_sq,
+        adam_step=adam_step,
         adam_beta1=p.adam_beta1,
         adam_beta2=p.adam_beta2,
         adam_epsilon=p.adam_epsilon,
         top_k=int(p.top_k),
         chunk_elements=int(p.chunk_elements),
     )
+    if state is not None:  # the reference steps its model once per loss call, with the kept tokens
+        capo_moment_update(
+            state["exp_avg"], state["exp_avg_sq"], b.hidden_states, b.lm_head_weight, b.token_ids, b.advantages,
+            keep, top_k=int(p.top_k), adam_beta1=p.adam_beta1, adam_beta2=p.adam_beta2,
+            chunk_elements=int(p.chunk_elements), ctx=ctx,
+        )
+        state["step"] = adam_step + 1
     log_ratio = clamped_log_ratio(b.log_prob, b.old_log_prob)
     ratio = torch.exp(log_ratio)
     pg_losses, metrics = ppo_clip_terms(ratio, b.advantages, b.response_mask, p.clip_ratio_low, p.clip_ratio_high, None)
@@ -281,6 +375,7 @@ def capo_loss(b, p: CapoParams, ctx):
             "capo/hessian_mask_fraction": ((valid & ~terms["hessian_keep"]).sum() / n).float(),
             "capo/fisher_kl_mean": (terms["approx_kl"].to(torch.float64).sum() / n).float(),
             "capo/full_update_mean": (terms["full_update"].to(torch.float64).sum() / n).float(),
+            "capo/adam_step": torch.tensor(float(adam_step)),  # the moments' step used for this call's mask
         }
     )
     return loss, metrics
@@ -303,36 +398,43 @@ def register_policy_losses(register):
         metrics=(
             "pg_clipfrac", "pg_clipfrac_lower", "clip_high", "clip_low", "ppo_kl",
             "capo/mask_fraction", "capo/fisher_mask_fraction", "capo/hessian_mask_fraction",
-            "capo/fisher_kl_mean", "capo/full_update_mean",
+            "capo/fisher_kl_mean", "capo/full_update_mean", "capo/adam_step",
         ),
         output="scalar",
+        batch_statistics=True,
         reference=(
             "luckeciano/stable-pg-llm src/open_r1/grpo_entropy_trainer.py::{_compute_token_level_gradients, "
             "_compute_and_log_fisher_curvature, _compute_and_log_hessian_coefficient, _compute_*_token_mask, "
             "_compute_final_loss}, sparse_optim_models/sparse_adam_model.py (read, re-derived; token level only)"
         ),
         notes=(
-            "Token-level CAPO only (the reference's sentence/global granularities and sequential masking are not "
-            "ported). Verified from the reference code: the per-token gradient A (e_a - pi) h^T over the top-k support "
-            "with pi renormalised over the top-k logits (no temperature) and e_a = 0 when the sampled token is outside; "
-            "approx_kl = 0.5 lr^2 (v^T G h)^2; hessian = A((v.u)^2 - u^T(diag pi - pi pi^T)u), u = G h; "
-            "full_update = lr <g, G> + 0.5 lr^2 hessian (<g, G> = A s); keep iff kl < tau_F and "
-            "-tau_H < full_update < tau_H (symmetric) or 0 <= full_update < tau_H; tau = 0 disables; recipe "
-            "taus 1e-4 / 0.01 (CAPO), 1e-3 / 5e-4 (Dr.CAPO, with seq-mean-token-sum-norm); the masked tokens "
-            "leave the per-sequence token count; mask_fraction = masked valid tokens / valid tokens "
-            "(curvature_clip_ratio_total). ASSUMPTIONS (unverified or deliberately different): (1) the Adam "
-            "moments: the reference keeps its OWN per-vocab-row moments of the linear model's batch-mean gradient "
-            "(top-k rows, masked tokens, one step per loss call); here G uses the moments you pass "
-            "(lm_head_exp_avg/_sq: the torch Adam state of lm_head.weight, moments of the loss gradient, so -exp_avg "
-            "is used as the ascent moment; adam_step = state['step'] before this update; G then equals minus torch "
-            "Adam's lr=1 step on the token's loss gradient, restricted to the support rows), "
-            "whose scale differs (the real gradient is divided by the loss normaliser); adam_step=0 uses the raw "
-            "gradient like the reference's empty state; AdamW weight decay is ignored (the reference raises for "
-            "AdamW). (2) top_k=50 is TRL's generation default, the reference uses generation_config.top_k "
-            "(not set in its recipes). (3) lr must be passed as the optimizer's current lr each step (reference: "
-            "lr_scheduler.get_last_lr()[0]); the default 1.5e-5 is only the recipes' peak learning_rate. (4) logits = h W^T (no bias, no soft-capping, no temperature). "
-            "(5) base loss: TRL GRPO's -min(rA, clip(r)A) with eps 0.2 (no dual clip), aggregated with "
-            "loss_agg_mode over kept tokens; sequences count = rows with a valid token before masking. "
-            "The mask is per token (no batch statistics); the capo/* metrics are per call, over the valid tokens."
+            "Token-level CAPO only (the reference's capo_only path; its sentence/global granularities, sequential "
+            "masking and curvature-penalty lambdas are not ported). Verified from the reference code: the per-token "
+            "gradient A (e_a - pi) h^T over the top-k support with pi renormalised over the top-k logits (no "
+            "temperature) and e_a = 0 when the sampled token is outside; G = prospective Adam step (m, v updated with "
+            "the token's own gradient, bias correction at t+1, m_hat/(sqrt(v_hat)+eps)) on the support rows, or the raw "
+            "gradient when no moment exists yet (t = 0) or optimizer='sgd'; approx_kl = 0.5 lr^2 (v^T G h)^2; "
+            "hessian = A((v.u)^2 - u^T(diag pi - pi pi^T)u), u = G h; full_update = lr <g, G> + 0.5 lr^2 hessian; "
+            "keep iff kl < tau_F and -tau_H < full_update < tau_H (symmetric) or 0 <= full_update < tau_H; tau = 0 "
+            "disables; the Adam model (moments='tracked', ctx.state['capo']) is stepped once per loss call with "
+            "the per-vocab-row mean of A v_k h over the KEPT tokens whose support holds the row (untouched rows "
+            "keep their moments); recipe taus 1e-4 / 0.01 (CAPO), 1e-3 / 5e-4 (Dr.CAPO, with "
+            "seq-mean-token-sum-norm and max_completion_length as ctx.loss_scale_factor); masked tokens leave the "
+            "per-sequence token count; capo/mask_fraction = masked valid tokens / valid tokens "
+            "(curvature_clip_ratio_total_full). UNVERIFIED / DIFFERENT: (1) top_k=50 is TRL's generation default; "
+            "the reference uses generation_config.top_k, which its recipes do not set. (2) lr must be passed each "
+            "call as the optimizer's current lr (reference: lr_scheduler.get_last_lr()[0]); the default 1.5e-5 is "
+            "the recipes' peak learning_rate. (3) moments='tracked' needs an adapter that keeps ctx.state across "
+            "calls (TRL adapter: yes; a fresh Context each call silently stays at step 0 = raw gradient: watch "
+            "capo/adam_step); the state is dense [V, H] x2 (fp32) and the per-call update all-reduces a [V, H] sum "
+            "over DP ranks (the reference gathers sparse dicts); it is stepped per micro-batch call, like the "
+            "reference. moments='input' instead takes lm_head_exp_avg/_sq (e.g. the real torch Adam state of "
+            "lm_head.weight, moments of the LOSS gradient, used negated; adam_step = its state['step']), whose "
+            "scale differs from the reference's model (the real gradient is divided by the loss normaliser). "
+            "AdamW weight decay is not modelled (the reference raises for AdamW). (4) logits = h W^T (no bias, no "
+            "soft-capping). (5) base loss: TRL GRPO's -min(rA, clip(r)A), eps 0.2, no dual clip, aggregated with "
+            "loss_agg_mode over kept tokens (reference GRPOEntropyTrainer: seq-mean-token-mean); sequence count = "
+            "rows with a valid token before masking. batch_statistics=True because of the tracked moment update "
+            "(the mask itself is per token); capo/* metrics are per call."
         ),
     )

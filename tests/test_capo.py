@@ -9,7 +9,6 @@ A * pi_a(W + alpha G) / pi_a(W) in alpha.
 
 from __future__ import annotations
 
-import copy
 
 import pytest
 import torch
@@ -17,7 +16,7 @@ import torch
 import stablerl
 from stablerl import MissingInputError, StableRLError
 from stablerl.context import Context
-from stablerl.plugins.capo import capo_curvature, capo_token_mask
+from stablerl.plugins.capo import capo_curvature, capo_moment_update, capo_token_mask
 
 V, H, B, T = 11, 5, 3, 4
 
@@ -263,7 +262,7 @@ def test_adam_real_optimizer_state_through_api():
     _, metrics = stablerl.compute_policy_loss(
         "capo", log_prob=lp, old_log_prob=old, advantages=d["advantages"], response_mask=d["response_mask"],
         hidden_states=d["hidden_states"], lm_head_weight=d["lm_head_weight"], token_ids=d["token_ids"],
-        lm_head_exp_avg=m, lm_head_exp_avg_sq=s, adam_step=3, top_k=4, lr=0.3,
+        lm_head_exp_avg=m, lm_head_exp_avg_sq=s, moments="input", adam_step=3, top_k=4, lr=0.3,
         fisher_token_mask_tau=1e9, hessian_token_mask_tau=0.0,
     )
     ref = _brute(d["hidden_states"], d["lm_head_weight"], d["token_ids"], d["advantages"], d["response_mask"],
@@ -274,7 +273,7 @@ def test_adam_real_optimizer_state_through_api():
         stablerl.compute_policy_loss(
             "capo", log_prob=lp, old_log_prob=old, advantages=d["advantages"], response_mask=d["response_mask"],
             hidden_states=d["hidden_states"], lm_head_weight=d["lm_head_weight"], token_ids=d["token_ids"],
-            adam_step=1,
+            moments="input", adam_step=1,
         )
 
 
@@ -305,6 +304,10 @@ def test_degenerate_inputs():
     hs[0, 0] = float("inf")
     with pytest.raises(StableRLError, match="hidden_states"):
         _api(dict(d, hidden_states=hs), lp, old, lr=0.1)
+    w = d["lm_head_weight"].clone()
+    w[0, 0] = float("nan")
+    with pytest.raises(StableRLError, match="lm_head_weight"):
+        _api(dict(d, lm_head_weight=w), lp, old, lr=0.1)
     with pytest.raises(MissingInputError, match="hidden_states"):
         stablerl.compute_policy_loss("capo", log_prob=lp, old_log_prob=old, advantages=d["advantages"],
                                      response_mask=d["response_mask"], lm_head_weight=d["lm_head_weight"],
@@ -333,7 +336,7 @@ def test_bf16_close_to_fp32():
     scale = float(t32["approx_kl"].abs().max())
     assert float((tbf["approx_kl"] - t32["approx_kl"]).abs().max()) < 0.1 * scale
     lp, old = _loss_inputs(d)
-    kw_loss = dict(lr=0.05, top_k=4, adam_step=2, fisher_token_mask_tau=float(t32["approx_kl"].max()) * 10,
+    kw_loss = dict(lr=0.05, top_k=4, moments="input", adam_step=2, fisher_token_mask_tau=float(t32["approx_kl"].max()) * 10,
                    hessian_token_mask_tau=0.0)
     l32, m32 = _api(d32, lp.float(), old.float(), lm_head_exp_avg=m.float(), lm_head_exp_avg_sq=s.float(), **kw_loss)
     lbf, mbf = _api(dbf, lp.bfloat16(), old.bfloat16(), lm_head_exp_avg=m.bfloat16(),
@@ -357,3 +360,80 @@ def test_spec_registered_experimental():
     assert spec.status == stablerl.EXPERIMENTAL and spec.paper == "2510.00819"
     assert set(spec.requires) == {"hidden_states", "lm_head_weight", "token_ids"}
     assert "capo/mask_fraction" in spec.metrics and "capo/fisher_kl_mean" in spec.metrics
+
+
+def _brute_moments(exp_avg, exp_avg_sq, d, mask, top_k, betas=(0.9, 0.999)):
+    """The reference's per-key dict: mean of A v_k h over the masked tokens whose support holds k."""
+    acc = {}
+    hs, W = d["hidden_states"], d["lm_head_weight"]
+    for b in range(mask.shape[0]):
+        for t in range(mask.shape[1]):
+            if not mask[b, t]:
+                continue
+            h, a, A = hs[b, t], int(d["token_ids"][b, t]), float(d["advantages"][b, t])
+            z = W @ h
+            support = torch.arange(W.shape[0]) if top_k == 0 else z.topk(top_k).indices
+            pi = torch.softmax(z[support], -1)
+            for j, k in enumerate(support.tolist()):
+                g = A * ((1.0 if k == a else 0.0) - pi[j]) * h
+                s_, c_ = acc.get(k, (torch.zeros_like(h), 0))
+                acc[k] = (s_ + g, c_ + 1)
+    m, v = exp_avg.clone(), exp_avg_sq.clone()
+    for k, (s_, c_) in acc.items():
+        gbar = -(s_ / c_)  # torch convention: moments of the loss gradient
+        m[k] = betas[0] * m[k] + (1 - betas[0]) * gbar
+        v[k] = betas[1] * v[k] + (1 - betas[1]) * gbar * gbar
+    return m, v, len(acc)
+
+
+@pytest.mark.parametrize("top_k", [0, 3])
+def test_moment_update_matches_reference_dict(top_k):
+    d, m, s = _data(10)
+    mask = d["response_mask"].clone()
+    mask[0, 1] = False
+    m_ref, v_ref, n_ref = _brute_moments(m, s, d, mask, top_k)
+    m_got, v_got = m.clone(), s.clone()
+    n = capo_moment_update(m_got, v_got, d["hidden_states"], d["lm_head_weight"], d["token_ids"], d["advantages"],
+                           mask, top_k=top_k, chunk_elements=5)
+    assert n == n_ref and (top_k == 0 or n < V)  # with top-k some rows are untouched
+    torch.testing.assert_close(m_got, m_ref, rtol=1e-12, atol=1e-14)
+    torch.testing.assert_close(v_got, v_ref, rtol=1e-12, atol=1e-14)
+    untouched = (m_got == m).all(-1)
+    assert int(untouched.sum()) == V - n  # untouched rows keep their moments: no decay
+
+
+def test_tracked_moments_across_calls():
+    d, _, _ = _with_tokens_in_topk(11, 4, B=4, T=6)
+    lp, old = _loss_inputs(d, 3)
+    ctx = Context()
+    kw = dict(lr=0.3, top_k=4, fisher_token_mask_tau=0.0, hessian_token_mask_tau=0.0)
+    steps = []
+    for call in range(3):
+        before = {k: (v.clone() if torch.is_tensor(v) else v) for k, v in ctx.state.get("capo", {}).items()}
+        tau = 1e9 if call == 0 else None
+        if call > 0:  # mask about half of the tokens, so the update must use the kept ones only
+            t = capo_curvature(**d, lr=0.3, top_k=4, optimizer="adam", exp_avg=before["exp_avg"],
+                               exp_avg_sq=before["exp_avg_sq"], adam_step=before["step"])
+            tau = float(t["approx_kl"][d["response_mask"]].median())
+            # the mask of this call is computed from the moments as they were before it
+            keep, _ = capo_token_mask(**d, lr=0.3, top_k=4, fisher_token_mask_tau=tau, hessian_token_mask_tau=0.0,
+                                      optimizer="adam", exp_avg=before["exp_avg"], exp_avg_sq=before["exp_avg_sq"],
+                                      adam_step=before["step"])
+        _, metrics = _api(d, lp, old, ctx=ctx, **dict(kw, fisher_token_mask_tau=tau))
+        steps.append(metrics["capo/adam_step"])
+        st = ctx.state["capo"]
+        assert st["step"] == call + 1
+        if call > 0:
+            assert 0 < metrics["capo/mask_fraction"] < 1
+            m_ref, v_ref = before["exp_avg"].clone(), before["exp_avg_sq"].clone()
+            capo_moment_update(m_ref, v_ref, d["hidden_states"], d["lm_head_weight"], d["token_ids"],
+                               d["advantages"], keep, top_k=4)
+            torch.testing.assert_close(st["exp_avg"], m_ref, rtol=1e-12, atol=1e-15)
+            torch.testing.assert_close(st["exp_avg_sq"], v_ref, rtol=1e-12, atol=1e-15)
+    assert steps == [0.0, 1.0, 2.0]
+    assert float(ctx.state["capo"]["exp_avg"].abs().max()) > 0
+    # sgd and moments="input" keep no state
+    ctx2 = Context()
+    _api(d, lp, old, ctx=ctx2, optimizer="sgd", **kw)
+    _api(d, lp, old, ctx=ctx2, moments="input", **kw)
+    assert "capo" not in ctx2.state

@@ -17,6 +17,12 @@ What it translates, and nothing more (the algorithms live in ``stablerl.plugins`
   vLLM ``routed_experts``) or in TRL's old-log-prob pass (R2) travel with the batch rows as the
   batch-first ``stablerl_routes`` tensor and are replayed in the old/ref passes and the training
   forward, kept until after backward. Also feeds ``rspo`` its router log-probs.
+* ``reward_shaper`` / ``batch_filter`` / ``entropy_controller`` (+ ``stablerl_<kind>_params``): shapers run
+  on the gathered rewards before a stablerl estimator; filters after the advantages, on the gathered batch
+  (dropped rows/tokens: advantage 0 and loss mask 0 through ``tool_mask``; ``num_items_in_batch`` = kept
+  tokens); controllers are stepped once per optimizer step with TRL's process-reduced entropy, their
+  temperature applied to generation and their penalty added to the loss; controller, ``ctx.state`` and
+  generator state are saved as ``stablerl_controller.json`` in each checkpoint (see docs/trl.md).
 
 Everything TRL does around the loss is kept by running TRL's own ``_compute_loss`` for it: for a
 stablerl loss, ``_compute_loss`` calls the parent's method with zero advantages under the TRL
@@ -541,6 +547,9 @@ class GRPOTrainer(_trl.GRPOTrainer):
 
     _rr_mode: Optional[str] = None  # routing_replay, set in __init__
     _ext_penalty_capture: Optional[dict] = None  # entropies of the training forward, for a controller's penalty
+    _ext_shaper: Optional[str] = None  # reward_shaper / batch_filter names and the penalty flag, set in __init__
+    _ext_filter: Optional[str] = None
+    _ext_penalty: bool = False
 
     def __init__(self, *args, **kwargs):
         _rr_check_rollout(args, kwargs)  # before TRL builds (or imports) vLLM
@@ -954,6 +963,7 @@ class GRPOTrainer(_trl.GRPOTrainer):
         new_mask = (new_mask * gmask > 0).to(gmask.dtype)  # a filter only removes tokens
         dropped = torch.ones(N, dtype=torch.bool, device=gmask.device)
         dropped[kept] = False
+        dropped |= new_mask.sum(-1) == 0  # rows left without a token (e.g. simpletir's void rows) count as dropped
         if one_d and result.advantages is None:
             new_rows = torch.where(dropped, torch.zeros_like(gadv_rows), gadv_rows)
             out["advantages"] = new_rows[rows].to(local_adv.dtype).contiguous()
@@ -969,7 +979,9 @@ class GRPOTrainer(_trl.GRPOTrainer):
         old_items = out["num_items_in_batch"]
         out["num_items_in_batch"] = kept_tokens.clamp(min=1).to(old_items.device, old_items.dtype)
         self._ext_log(mode, result.metrics)
-        self._metrics[mode]["stablerl/filter/kept_row_frac"].append(float((~dropped).float().mean()))
+        had_tokens = gmask.sum(-1) > 0
+        self._metrics[mode]["stablerl/filter/kept_row_frac"].append(
+            float((~dropped & had_tokens).sum() / had_tokens.sum().clamp(min=1)))
         self._metrics[mode]["stablerl/filter/kept_token_frac"].append(
             float(kept_tokens / gmask.sum().clamp(min=1)))
         return out

@@ -337,17 +337,22 @@ def test_two_processes_identical_state(tmp_path):
     torchrun = shutil.which("torchrun", path=str(Path(sys.executable).parent)) or shutil.which("torchrun")
     if torchrun is None:
         pytest.skip("torchrun not found")
-    worker = tmp_path / "worker.py"
-    worker.write_text(_WORKER)
-    out = tmp_path / "result"
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    proc = subprocess.run([torchrun, "--nproc_per_node", "2", "--master_port", "29547", str(worker), str(out)],
-                          capture_output=True, text=True, timeout=300, env=env)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    r0, r1 = (json.loads(Path(f"{out}.{r}").read_text()) for r in (0, 1))
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="stablerl_trl_ext_") as work:  # not tmp_path: concurrent pytest
+        worker = Path(work) / "worker.py"                                  # runs may prune its base folder
+        worker.write_text(_WORKER)
+        out = Path(work) / "result"
+        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+        proc = subprocess.run([torchrun, "--nproc_per_node", "2", "--master_port", "29547", str(worker), str(out)],
+                              capture_output=True, text=True, timeout=300, env=env)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        r0, r1 = (json.loads(Path(f"{out}.{r}").read_text()) for r in (0, 1))
     assert r0["world"] == 2 and r0["checks"] == 3 and r1["checks"] == 3
     assert r0["finite"] and r1["finite"]
     assert r0["state"] == r1["state"] and r0["state"]["controller"]["state"]["steps"] == 3
     assert r0["temperature"] == r1["temperature"] == 0.8
     assert r0["stablerl_logs"] == r1["stablerl_logs"]
     assert any(log["stablerl/simpletir/void_frac"] > 0 for log in r0["stablerl_logs"])
+    for log in r0["stablerl_logs"]:  # void rows count as dropped
+        assert log["stablerl/filter/kept_row_frac"] == pytest.approx(1 - log["stablerl/simpletir/void_frac"], abs=1e-6)
