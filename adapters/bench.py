@@ -23,7 +23,9 @@ Usage::
 
 ``--json`` prints one JSON object: ``losses.<name>`` has ``baseline`` (``verl:<name>`` or
 ``stablerl:vanilla``), ``time_ratio`` and ``mem_ratio`` (worst case over shapes/dtypes of the
-median per-repeat ratio), and the per-case details.
+median per-repeat ratio), and the per-case details; ``routing_replay`` has the forward-time ratio
+replay on / off on a tiny Qwen3-MoE and the bytes per token of the stored routes (when
+transformers is installed; ``--no-routing`` skips it).
 """
 
 from __future__ import annotations
