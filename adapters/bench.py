@@ -64,7 +64,8 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 # ----------------------------------------------------------------------------- inputs
 
 
-def make_inputs(B: int, T: int, dtype: torch.dtype, device: str = "cpu", seed: int = 0, group: int = 8) -> dict:
+def make_inputs(B: int, T: int, dtype: torch.dtype, device: str = "cpu", seed: int = 0, group: int = 8,
+                vocab: int = 32000) -> dict:
     """A verl-style right-padded batch with every optional input a loss may declare.
 
     Response lengths are uniform in [T/4, T]; ratios cross the clip bounds (log-ratio noise 0.3);
@@ -92,7 +93,7 @@ def make_inputs(B: int, T: int, dtype: torch.dtype, device: str = "cpu", seed: i
         "rollout_log_prob": f(rollout),
         "entropy": f(entropy),
         "old_entropy": f(old_entropy),
-        "token_ids": torch.randint(0, 32000, (B, T), generator=g).to(device),
+        "token_ids": torch.randint(0, vocab, (B, T), generator=g).to(device),
         "index": torch.arange(B, device=device) // group,
         "turn_ids": (torch.arange(T).unsqueeze(0).expand(B, T) * 4 // T).to(device),
         "versions": (4 - torch.randint(0, 3, (B, 1), generator=g)).expand(B, T).contiguous().to(device),
@@ -102,9 +103,9 @@ def make_inputs(B: int, T: int, dtype: torch.dtype, device: str = "cpu", seed: i
         "neg_count": torch.randint(0, 8, (B,), generator=g).to(device),
         "router_log_prob": f(router),
         "old_router_log_prob": f(router_old),
-        # CAPO's LM-head model (H=16; V=32000 covers token_ids); drawn last so the tensors above are unchanged
+        # CAPO's LM-head model (H=16; V=vocab covers token_ids); drawn last so the tensors above are unchanged
         "hidden_states": f(torch.randn(B, T, 16, generator=g)),
-        "lm_head_weight": f(0.1 * torch.randn(32000, 16, generator=g)),
+        "lm_head_weight": f(0.1 * torch.randn(vocab, 16, generator=g)),
     }
 
 
@@ -247,11 +248,16 @@ def cuda_peak_bytes(call: Callable, inputs: dict) -> int:
     return torch.cuda.max_memory_allocated() - base
 
 
-def compare(ours: Callable, base: Callable, inputs: dict, device: str, repeats: int, warmup: int = 1) -> dict:
-    """Interleaved timing and memory of ``ours`` against ``base`` on the same inputs."""
+def compare(ours: Callable, base: Callable, inputs: dict, device: str, repeats: int, warmup: int = 1,
+            max_s: Optional[float] = None) -> dict:
+    """Interleaved timing and memory of ``ours`` against ``base`` on the same inputs.
+
+    ``max_s`` caps the timed pairs of an expensive loss (e.g. CAPO's LM-head pass): the repeats
+    are cut to fit, but never below 3."""
     for _ in range(warmup):
-        time_step(ours, inputs, device)
-        time_step(base, inputs, device)
+        step = time_step(ours, inputs, device) + time_step(base, inputs, device)
+    if max_s is not None and warmup and step * repeats > max_s:
+        repeats = max(3, int(max_s / step))
     t_ours, t_base, ratios = [], [], []
     for r in range(repeats):
         if r % 2 == 0:  # alternate the order so neither side always runs on a warm cache
@@ -272,6 +278,7 @@ def compare(ours: Callable, base: Callable, inputs: dict, device: str, repeats: 
         "saved_ratio": s_ours / s_base if s_base else float("nan"),
         # headline: median of the per-repeat paired ratios (both sides of a pair see the same
         # machine load); also their min, and the ratio of the best times
+        "repeats": repeats,
         "time_ratio": statistics.median(ratios),
         "time_ratio_min": min(ratios),
         "time_ratio_best": min(t_ours) / min(t_base),
@@ -410,6 +417,7 @@ def run(
     """Measure every policy loss; returns the JSON-able result object."""
     shapes = shapes or (QUICK_SHAPES if quick else FULL_SHAPES)
     repeats = repeats or (7 if quick else 15)
+    max_s = 4.0 if quick else 30.0  # per loss and case; only expensive losses get fewer repeats
     core_algos = _verl_core_algos() if use_verl else None
     names = [s.name for s in stablerl.list_algorithms(POLICY_LOSS) if s.status != "unavailable" and s.fn is not None]
     if losses:
@@ -422,6 +430,7 @@ def run(
             "shapes": [list(s) for s in shapes],
             "dtypes": list(dtypes),
             "loss_agg_mode": "token-mean",
+            "max_s_per_case": max_s,
             "memory_method": "cuda_peak_allocated" if device.startswith("cuda") else "autograd_saved_tensor_bytes",
             "native": "verl" if core_algos is not None else None,
         },
@@ -432,7 +441,7 @@ def run(
     torch.manual_seed(0)
     for label, B, T in shapes:
         for dname in dtypes:
-            inputs = make_inputs(B, T, DTYPES[dname], device)
+            inputs = make_inputs(B, T, DTYPES[dname], device, vocab=4096 if quick else 32000)
             case = f"{label}/{dname}"
             vanilla_ours = ours_fn("vanilla", inputs)
             for name in names:
@@ -442,12 +451,12 @@ def run(
                         base, params = native_fn(core_algos, name, inputs)
                         ours = ours_fn(name, inputs, params)
                         entry["baseline"] = f"verl:{VERL_TWINS[name]}"
-                        row = compare(ours, base, inputs, device, repeats)
+                        row = compare(ours, base, inputs, device, repeats, max_s=max_s)
                         row.update(agreement(ours, base, inputs))
                     else:
                         ours = ours_fn(name, inputs)
                         entry["baseline"] = "stablerl:vanilla"
-                        row = compare(ours, vanilla_ours, inputs, device, repeats)
+                        row = compare(ours, vanilla_ours, inputs, device, repeats, max_s=max_s)
                 except Exception as e:  # noqa: BLE001 - one broken loss must not stop the bench
                     row = {"error": f"{type(e).__name__}: {e}"}
                 entry["cases"][case] = row
@@ -477,7 +486,8 @@ def markdown(result: dict) -> str:
         + (f", load {m['load_avg_1m']:.1f}" if "load_avg_1m" in m else "")
         + f"), device {m['device']}" + (f" ({m['gpu']})" if m.get("gpu") else "")
         + f", torch {m['torch']}, verl {m.get('verl')}.",
-        f"Repeats: {cfg['repeats']} interleaved pairs per case (order alternating). Time ratio = ours / baseline within "
+        f"Repeats: {cfg['repeats']} interleaved pairs per case (order alternating; fewer, at least 3, for a loss "
+        f"whose pairs would exceed {cfg.get('max_s_per_case')} s). Time ratio = ours / baseline within "
         f"one repeat, median [min] over repeats; best/best = best ours / best baseline. "
         f"Memory: {cfg['memory_method']}; ratio = ours / baseline.",
         "",

@@ -47,7 +47,10 @@ VERL_ACTOR_KEYS = ("clip_ratio_low", "clip_ratio_high", "clip_ratio_c", "tau_pos
 FEEDABLE_INPUTS = {
     "verl": {
         POLICY_LOSS: frozenset({"entropy", "old_entropy", "token_ids", "rollout_log_prob", "index", "scores"}),
-        ADVANTAGE_ESTIMATOR: frozenset({"index"}),
+        # estimators: gathered from the DataProto at verl's compute_advantage by the adapter's wrapper
+        # (stablerl.adapters.verl._advantage.SOURCES); only fields both the legacy and the v1 trainer
+        # have there. entropy / turn_ids: opt-in (register_batch_field_estimators), no stock trainer writes them.
+        ADVANTAGE_ESTIMATOR: frozenset({"index", "scores", "lengths", "old_log_prob", "rollout_log_prob"}),
     },
     "trl": {
         # rollout_log_prob only with use_vllm=True and vllm_importance_sampling_correction=True;

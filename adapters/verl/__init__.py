@@ -50,6 +50,13 @@ from stablerl.adapters.verl import _inputs as _declared  # noqa: E402  (imports 
 patch_ppo_loss = _declared.patch
 unpatch_ppo_loss = _declared.unpatch
 
+# verl's advantage call site (ray_trainer.compute_advantage): declared estimator inputs, reward
+# shapers and batch filters (``+algorithm.stablerl_reward_shaper`` / ``stablerl_batch_filter``)
+from stablerl.adapters.verl import _advantage as _adv_site  # noqa: E402  (imports no verl)
+
+patch_compute_advantage = _adv_site.patch
+unpatch_compute_advantage = _adv_site.unpatch
+
 #: verl versions this adapter is written against: the ``(loss, metrics)`` return (>= 0.6.1),
 #: ``rollout_is_weights`` and ``config.global_batch_info`` (>= 0.7.0); tested with 0.9.1.
 SUPPORTED_VERL = ">=0.7.0,<0.10"
@@ -139,7 +146,7 @@ def _is_ours(fn: Any, kind: str, name: str) -> bool:
 _PROVIDES: dict[str, frozenset] = {}
 
 
-def _register_all(core_algos) -> None:
+def _register_all(core_algos, only=None, provides=None) -> None:
     import stablerl
 
     from . import _translate as tr
@@ -156,12 +163,16 @@ def _register_all(core_algos) -> None:
     reserved = {stablerl.ADVANTAGE_ESTIMATOR: {"gae", "grpo"}, stablerl.POLICY_LOSS: set()}
     for kind, (registry, register, make) in registries.items():
         for spec in stablerl.list_algorithms(kind):
+            if only is not None and (kind, spec.name) not in only:
+                continue
             if spec.status == stablerl.UNAVAILABLE:
                 _skip(kind, spec.name, f"status unavailable: {spec.notes}")
                 continue
-            missing = [r for r in spec.requires if r not in _PROVIDES.get(kind, tr.VERL_PROVIDES[kind])]
+            missing = [r for r in spec.requires if r not in (provides or _PROVIDES).get(kind, tr.VERL_PROVIDES[kind])]
             if missing:
-                why = "; ".join(f"{m}: {_declared.NOT_PROVIDED[m]}" for m in missing if m in _declared.NOT_PROVIDED)
+                notes = _declared.NOT_PROVIDED if kind == stablerl.POLICY_LOSS else {
+                    k: v[1] for k, v in _adv_site.SOURCES.items() if k in _adv_site.BATCH_FIELD_INPUTS}
+                why = "; ".join(f"{m}: {notes[m]}" for m in missing if m in notes)
                 _skip(
                     kind, spec.name,
                     f"needs {', '.join(missing)}, which verl 0.9 cannot provide to a {kind}" + (f" ({why})" if why else ""),
@@ -243,6 +254,9 @@ def registration_report() -> dict[str, Any]:
         "supported": SUPPORTED_VERL,
         "error": _REPORT["error"],
         "ppo_loss_patch": _REPORT["ppo_loss_patch"],
+        "compute_advantage_patch": _REPORT.get("compute_advantage_patch"),
+        "compute_advantage_patched": _adv_site.is_patched(),
+        "advantage_inputs": _adv_site.describe(),
         "ppo_loss_patched": _declared.is_patched(),
         "declared_inputs": _declared.describe(),
         "registered": registered,
@@ -282,6 +296,10 @@ def _setup():
     _PROVIDES.update(VERL_PROVIDES)
     if status == "failed":  # no wrapper: only verl's own loss arguments reach the losses
         _PROVIDES[stablerl.POLICY_LOSS] = frozenset()
+    adv_status = _adv_site.patch()  # wrap verl's advantage call site (now, or when ray_trainer is imported)
+    _REPORT["compute_advantage_patch"] = adv_status
+    if adv_status == "failed":  # no wrapper: verl passes the uid only
+        _PROVIDES[stablerl.ADVANTAGE_ESTIMATOR] = frozenset({"index"})
     usable = [
         s
         for s in stablerl.list_algorithms(stablerl.POLICY_LOSS)
@@ -292,6 +310,40 @@ def _setup():
     _register_all(core_algos)
     _REPORT["ok"] = True
     return cls
+
+
+def register_batch_field_estimators() -> list[str]:
+    """Also register the stablerl estimators whose declared inputs only a customised pipeline puts in
+    verl's batch (``entropy`` as an ``entropys`` field, per-token ``turn_ids``; see
+    :data:`stablerl.adapters.verl._advantage.SOURCES`): e.g. ``empg``. No stock verl 0.9.1 trainer
+    writes these fields at ``compute_advantage`` (the legacy trainer pops ``entropys``; v1 fetches a
+    fixed field list), so they are opt-in; a missing field raises a ``MissingInputError`` naming it at
+    the first step. Call it in the driver (e.g. from your trainer subclass' module). Idempotent.
+    Returns the verl names registered by this call."""
+    import stablerl
+    from verl.trainer.ppo import core_algos
+
+    kind = stablerl.ADVANTAGE_ESTIMATOR
+    if not _adv_site.is_patched():
+        raise stablerl.StableRLError(
+            "the compute_advantage wrapper is off (stablerl.adapters.verl.patch_compute_advantage()): the batch fields "
+            "would not reach the estimators"
+        )
+    extended = _PROVIDES.get(kind, frozenset()) | _adv_site.BATCH_FIELD_INPUTS
+    candidates = {
+        (kind, s.name)
+        for s in stablerl.list_algorithms(kind)
+        if s.status != stablerl.UNAVAILABLE and set(s.requires) <= extended
+        and not set(s.requires) <= _PROVIDES.get(kind, frozenset())
+    }
+    before = set(VERL_NAMES[kind])
+    skipped = list(_REPORT["skipped"])
+    _REPORT["skipped"][:] = [s for s in skipped if (s["kind"], s["name"]) not in candidates]
+    _register_all(core_algos, only=candidates, provides={kind: extended})
+    # a second call re-records the same names: keep one entry each
+    _REPORT["skipped"][:] = [s for i, s in enumerate(_REPORT["skipped"]) if s not in _REPORT["skipped"][:i]]
+    _REPORT["registered"][:] = list({(r["kind"], r["verl_name"]): r for r in _REPORT["registered"]}.values())
+    return sorted(set(VERL_NAMES[kind]) - before)
 
 
 try:
@@ -320,4 +372,7 @@ __all__ = [
     "UnsupportedVerlVersion",
     "patch_ppo_loss",
     "unpatch_ppo_loss",
+    "patch_compute_advantage",
+    "unpatch_compute_advantage",
+    "register_batch_field_estimators",
 ]

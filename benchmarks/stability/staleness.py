@@ -2,7 +2,7 @@
 
 One command (CPU, TRL 1.16, the demo's ~0.3M-parameter Qwen2-style model on "copy the digit")::
 
-    python benchmarks/stability/staleness.py [--steps 120] [--seeds 0,1] [--budget-min 25]
+    python benchmarks/stability/staleness.py [--steps 200] [--seeds 0,1] [--budget-min 25]
 
 Staleness is made with TRL's own mechanism: ``steps_per_generation = k + 1`` and
 ``num_iterations = 1``, so each generation of (k+1) x 64 completions is split into k+1 optimizer
@@ -30,7 +30,7 @@ import _common as C  # noqa: E402
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--steps", type=int, default=120)
+    ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--seeds", default="0,1")
     ap.add_argument("--ks", default="0,4,16")
     ap.add_argument("--losses", default="grpo,stablerl_m2po")

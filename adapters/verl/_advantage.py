@@ -1,0 +1,562 @@
+"""stablerl at verl's advantage call site: declared estimator inputs, reward shapers, batch filters.
+
+verl 0.9.1 calls a registered advantage estimator with ``token_level_rewards, response_mask,
+index (uid), config`` only. Every other field the estimator, a reward shaper or a batch filter
+needs is in the ``DataProto`` handed to the function that makes that call,
+``verl.trainer.ppo.ray_trainer.compute_advantage(data, adv_estimator, gamma, lam, num_repeat,
+norm_adv_by_std_in_grpo, config)``. This module wraps that function once, for every algorithm
+(no per-algorithm code): when ``adv_estimator`` is a stablerl estimator, or ``config`` (verl's
+``algorithm`` config) names a stablerl reward shaper / batch filter, the wrapper
+
+1. shapes the per-response rewards with ``algorithm.stablerl_reward_shaper`` (the response sum of
+   ``token_level_rewards``; the change is added on the last valid token, verl's convention for
+   outcome rewards, so per-token terms such as an in-reward KL penalty are kept);
+2. computes the advantages: a stablerl estimator gets its declared inputs (``AlgorithmSpec.requires``)
+   and the optional extras in :data:`ESTIMATOR_EXTRAS` that are present, from ``data.batch`` /
+   ``data.non_tensor_batch`` (see :data:`SOURCES`); a verl estimator runs verl's own code;
+3. applies ``algorithm.stablerl_batch_filter``: verl's batch size is fixed there, so dropped rows
+   and tokens get advantage 0 and ``response_mask`` 0; a filter that repeats or reorders rows (a
+   resampler) is refused.
+
+Any other call (a verl estimator and no shaper/filter) goes to verl's function untouched.
+
+Callers: ``ray_trainer`` calls ``compute_advantage`` through its module global (legacy trainer);
+``verl.trainer.ppo.v1.utils`` (v1 trainer, ``compute_advantage_for_multi_trajectories``) and
+``verl.experimental.separation.ray_trainer`` bind it by ``from ... import``: :func:`patch` wraps the
+attribute right after ``ray_trainer`` executes (post-import hook) or at once if it is loaded, and
+rebinds the callers' names; idempotent, :func:`unpatch` restores verl's function.
+
+What reaches the call site differs by trainer (verl 0.9.1):
+
+* legacy ``RayPPOTrainer``: the whole rollout batch (``responses``, ``old_log_probs``,
+  ``rollout_log_probs``, ``token_level_scores``, the reward function's ``reward_extra_info`` as
+  non-tensor fields...), except the old-pass entropies, which it pops (``entropys``) before;
+* v1 trainer (``trainer.use_v1=true``): ``_compute_advantage`` fetches only ``uid, response_mask,
+  rm_scores, rollout_log_probs, old_log_probs, ref_log_prob, values`` from the transfer queue, and
+  writes back only ``advantages``/``returns`` (``response_mask`` only with rollout correction).
+
+This module imports no verl at import time.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.abc
+import logging
+import sys
+from typing import Any, Optional
+
+import numpy as np
+import torch
+
+import stablerl
+from stablerl import ADVANTAGE_ESTIMATOR, BATCH_FILTER, CONTROLLER, REWARD_SHAPER, Context, MissingInputError, StableRLError
+from stablerl.contracts import OPTIONAL_INPUTS
+from stablerl.params import UnknownNameError, build_params, unknown_name_message
+
+logger = logging.getLogger("stablerl.adapters.verl")
+
+TRAINER_MODULE = "verl.trainer.ppo.ray_trainer"
+#: modules that bind ``compute_advantage`` with ``from verl.trainer.ppo.ray_trainer import compute_advantage``
+CALLER_MODULES = ("verl.trainer.ppo.v1.utils", "verl.experimental.separation.ray_trainer")
+
+#: ``algorithm.<key>`` config keys read by the wrapper
+SHAPER_KEY, SHAPER_PARAMS_KEY = "stablerl_reward_shaper", "stablerl_reward_shaper_params"
+FILTER_KEY, FILTER_PARAMS_KEY = "stablerl_batch_filter", "stablerl_batch_filter_params"
+SEED_KEY = "stablerl_seed"
+CONTROLLER_KEY = "stablerl_entropy_controller"
+#: ``+algorithm.stablerl_batch_field_estimators=true``: register the estimators whose inputs only a customised
+#: pipeline puts in the batch (``empg``) on the first call (see ``register_batch_field_estimators``)
+BATCH_FIELDS_KEY = "stablerl_batch_field_estimators"
+
+_V1_FIELDS = "uid, response_mask, rm_scores, rollout_log_probs, old_log_probs, ref_log_prob, values"
+
+#: declared input -> (batch fields tried in order, where verl has it). Any other declared input is
+#: looked up under its own name in ``data.batch`` / ``data.non_tensor_batch``.
+SOURCES: dict[str, tuple[tuple[str, ...], str]] = {
+    "index": (("uid",), 'the "uid" non-tensor field (both trainers)'),
+    "scores": (
+        ("token_level_scores", "rm_scores", "token_level_rewards"),
+        "response sum of token_level_scores (both trainers; v1 copies rm_scores there)",
+    ),
+    "lengths": (("response_mask",), "response_mask.sum(-1) (both trainers)"),
+    "old_log_prob": (("old_log_probs",), "old_log_probs (both trainers; not in bypass mode)"),
+    "rollout_log_prob": (
+        ("rollout_log_probs",),
+        "rollout_log_probs (both trainers, with actor_rollout_ref.rollout.calculate_log_probs=True)",
+    ),
+    "token_ids": (("responses",), "responses (legacy trainer only: v1 fetches " + _V1_FIELDS + ")"),
+    "entropy": (
+        ("entropys", "entropy"),
+        "a per-token 'entropys' (or 'entropy') batch field; neither stock trainer has it there: the legacy "
+        "trainer pops 'entropys' after the old-log-prob pass and v1's _compute_advantage fetches only "
+        + _V1_FIELDS + "; a trainer subclass or agent loop must keep/put it in the batch",
+    ),
+    "turn_ids": (
+        ("turn_ids",),
+        "a per-token 'turn_ids' batch field ([B, T] ints), written by your agent loop; no stock verl component "
+        "writes it (only the per-sample __num_turns__), and v1 does not fetch it",
+    ),
+}
+
+#: declared inputs of estimators that only a customised pipeline puts in verl's batch (see SOURCES)
+BATCH_FIELD_INPUTS = frozenset({"entropy", "turn_ids"})
+
+#: optional per-response extras an estimator reads when present (not declared: the estimator works
+#: without them or raises its own message): taken from the batch / non-tensor batch by this name
+ESTIMATOR_EXTRAS = ("pos_count", "neg_count", "bundle_index", "reward_components")
+
+_OTHER_WHERE = (
+    "a batch or non-tensor field of that name: the legacy trainer adds the reward function's reward_extra_info "
+    "as non-tensor fields (return {'score': ..., '<name>': ...} from compute_score); v1's _compute_advantage "
+    "fetches only " + _V1_FIELDS
+)
+
+#: per-process state: generators per seed, the call counter (ctx.step), filter/shaper state dicts
+STATE: dict[str, Any] = {}
+_MARK = "_stablerl_verl_adv_wrapper"
+
+
+def reset_state() -> None:
+    """Forget generators, step counter and state (a fresh process)."""
+    STATE.clear()
+
+
+class VerlAdvantageInputError(MissingInputError):
+    """A declared input of a stablerl estimator / shaper / filter is not in verl's batch."""
+
+
+# ----------------------------------------------------------------------------- config
+
+
+def _cfg(config: Any, key: str, default: Any = None) -> Any:
+    from ._translate import cfg_get
+
+    return cfg_get(config, key, default)
+
+
+def _truthy(value: Any) -> bool:
+    if isinstance(value, str):
+        return value.strip().lower() in ("1", "true", "yes", "on")
+    return bool(value)
+
+
+def _name_or_none(value: Any) -> Optional[str]:
+    if value is None or (isinstance(value, str) and value.strip().lower() in ("", "none", "null")):
+        return None
+    return str(value)
+
+
+def _params(config: Any, key: str) -> dict[str, Any]:
+    value = _cfg(config, key, None)
+    if value is None:
+        return {}
+    try:
+        from omegaconf import DictConfig, OmegaConf
+
+        if isinstance(value, DictConfig):
+            value = OmegaConf.to_container(value, resolve=True)
+    except ImportError:  # pragma: no cover - verl always has omegaconf
+        pass
+    if not isinstance(value, dict):
+        raise StableRLError(f"algorithm.{key} must be a mapping (e.g. +algorithm.{key}.scale=0.1), got {value!r}")
+    return dict(value)
+
+
+def _spec_for(kind: str, config_key: str, name: str):
+    names = stablerl.get_registry().names(kind)
+    if name not in names:
+        raise UnknownNameError(unknown_name_message(f"algorithm.{config_key}", name, names))
+    return stablerl.get_spec(kind, name)  # raises for 'unavailable' entries, with the reason
+
+
+def selection(config: Any) -> dict[str, Any]:
+    """The stablerl extensions named in verl's ``algorithm`` config, validated (names, hyper-parameters)."""
+    controller = _name_or_none(_cfg(config, CONTROLLER_KEY, None))
+    if controller is not None:
+        raise StableRLError(
+            f"algorithm.{CONTROLLER_KEY}={controller!r}: entropy controllers are not wired into verl's trainer loop "
+            "(they must change the rollout temperature / add a loss term every step and be checkpointed with the "
+            "trainer; verl 0.9.1 has no hook for either). Use the TRL adapter, or stablerl.make_controller in your "
+            "own trainer subclass"
+        )
+    out: dict[str, Any] = {"shaper": None, "filter": None}
+    for slot, kind, key, pkey in (
+        ("shaper", REWARD_SHAPER, SHAPER_KEY, SHAPER_PARAMS_KEY),
+        ("filter", BATCH_FILTER, FILTER_KEY, FILTER_PARAMS_KEY),
+    ):
+        name = _name_or_none(_cfg(config, key, None))
+        params = _params(config, pkey)
+        if name is None:
+            if params:
+                raise StableRLError(f"algorithm.{pkey} is set but algorithm.{key} is not")
+            continue
+        spec = _spec_for(kind, key, name)
+        build_params(spec, params)  # unknown / out-of-range hyper-parameter -> error naming it
+        out[slot] = (name, params)
+    return out
+
+
+def _stablerl_estimator(adv_estimator: Any) -> Optional[str]:
+    from verl.trainer.ppo import core_algos
+
+    key = getattr(adv_estimator, "value", adv_estimator)
+    fn = core_algos.ADV_ESTIMATOR_REGISTRY.get(key) if isinstance(key, str) else None
+    mark = getattr(fn, "_stablerl_verl", None)
+    if mark is None or mark[0] != ADVANTAGE_ESTIMATOR:
+        return None
+    return mark[1]
+
+
+def _refuse_unregistered(adv_estimator: Any) -> None:
+    """A stablerl estimator name that is not in verl's registry: say why instead of verl's 'Unknown'."""
+    from verl.trainer.ppo import core_algos
+
+    from stablerl.adapters.config_keys import FEEDABLE_INPUTS, verl_names
+
+    key = getattr(adv_estimator, "value", adv_estimator)
+    if not isinstance(key, str) or key in core_algos.ADV_ESTIMATOR_REGISTRY or key in ("gae", "grpo"):
+        return
+    for spec in stablerl.list_algorithms(ADVANTAGE_ESTIMATOR):
+        if key in verl_names(spec) and spec.status != stablerl.UNAVAILABLE:
+            missing = sorted(set(spec.requires) - FEEDABLE_INPUTS["verl"][ADVANTAGE_ESTIMATOR])
+            hint = (
+                f"; it needs {missing}, batch fields no stock verl trainer writes (see "
+                "stablerl.adapters.verl._advantage.SOURCES): put them in the batch and set "
+                f"+algorithm.{BATCH_FIELDS_KEY}=true" if set(missing) <= BATCH_FIELD_INPUTS else ""
+            )
+            raise StableRLError(
+                f"algorithm.adv_estimator={key}: the stablerl estimator {spec.name!r} is not registered in verl"
+                + (hint or f"; stablerl.adapters.verl.registration_report() says why")
+            )
+
+
+# ----------------------------------------------------------------------------- gathering
+
+
+def _as_tensor(value: Any, n: int, device) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value
+    arr = np.asarray(value)
+    if arr.dtype == object:
+        try:
+            arr = np.asarray(arr.tolist())
+        except Exception:  # noqa: BLE001 - ragged: hand it over as is
+            return value
+    if arr.dtype.kind in "biuf":
+        return torch.as_tensor(arr, device=device)
+    return value
+
+
+def _field(data, field: str) -> Any:
+    if field in data.batch.keys():
+        return data.batch[field]
+    if field in data.non_tensor_batch:
+        return data.non_tensor_batch[field]
+    return None
+
+
+def _scores(data) -> Optional[torch.Tensor]:
+    mask = data.batch["response_mask"]
+    for field in SOURCES["scores"][0]:
+        if field in data.batch.keys():
+            value = data.batch[field]
+            return (value * mask.to(value.dtype)).sum(-1) if value.dim() == 2 else value.reshape(-1)
+    return None
+
+
+def gather_one(what: str, data) -> Any:
+    """Input ``what`` from verl's batch (None when absent)."""
+    mask = data.batch["response_mask"]
+    if what == "index":
+        return data.non_tensor_batch.get("uid")
+    if what == "scores":
+        return _scores(data)
+    if what == "lengths":
+        return mask.sum(-1)
+    fields = SOURCES[what][0] if what in SOURCES else (what,)
+    for field in fields:
+        value = _field(data, field)
+        if value is not None:
+            return _as_tensor(value, mask.shape[0], mask.device)
+    return None
+
+
+def gather(kind: str, name: str, data, skip=()) -> dict[str, Any]:
+    """The declared inputs of stablerl ``kind`` ``name`` from verl's ``data``; a missing one raises."""
+    spec = stablerl.get_spec(kind, name)
+    out: dict[str, Any] = {}
+    for what in spec.requires:
+        if what in skip:
+            continue
+        value = gather_one(what, data)
+        if value is None:
+            where = SOURCES[what][1] if what in SOURCES else _OTHER_WHERE
+            raise VerlAdvantageInputError(
+                f"stablerl {kind} {name!r} needs {what!r} ({OPTIONAL_INPUTS.get(what, '')}) at verl's "
+                f"compute_advantage, but verl's batch has none; it is taken from {where}"
+            )
+        out[what] = value
+    return out
+
+
+def _context(config: Any, slot: str) -> Context:
+    seed = _cfg(config, SEED_KEY, None)
+    seed = 0 if seed is None else int(seed)
+    gens = STATE.setdefault("generators", {})
+    if (slot, seed) not in gens:
+        gens[(slot, seed)] = torch.Generator().manual_seed(seed)
+    return Context(step=STATE.get("step", 0), generator=gens[(slot, seed)], state=STATE.setdefault("state:" + slot, {}))
+
+
+# ----------------------------------------------------------------------------- the three stages
+
+
+def _shape(data, config, name: str, params: dict) -> dict[str, float]:
+    rewards = data.batch["token_level_rewards"]
+    mask = data.batch["response_mask"]
+    scores = (rewards * mask.to(rewards.dtype)).sum(-1)
+    inputs = gather(REWARD_SHAPER, name, data, skip=("index",))
+    inputs.pop("scores", None)
+    index = data.non_tensor_batch.get("uid")
+    if index is None:
+        raise VerlAdvantageInputError(f"reward shaper {name!r} needs the 'uid' non-tensor field (group ids)")
+    shaped, metrics = stablerl.shape_rewards(
+        name, scores=scores, index=index, ctx=_context(config, "shaper:" + name), **inputs, **params
+    )
+    has = mask.sum(-1) > 0
+    last = (mask.shape[-1] - 1 - torch.flip(mask.to(torch.int64), [-1]).argmax(-1)).clamp(min=0)
+    delta = torch.where(has, shaped.to(rewards.dtype) - scores, torch.zeros_like(scores))
+    new = rewards.clone()
+    new[torch.arange(new.shape[0], device=new.device), last] += delta
+    data.batch["token_level_rewards"] = new
+    return metrics
+
+
+def _estimate(data, config, name: str) -> None:
+    from ._translate import estimator_hyperparameters
+
+    spec = stablerl.get_spec(ADVANTAGE_ESTIMATOR, name)
+    index = data.non_tensor_batch.get("uid")
+    if index is None:
+        raise VerlAdvantageInputError(
+            f"verl's batch has no 'uid' (group ids) for the stablerl estimator {name!r}"
+        )
+    inputs = gather(ADVANTAGE_ESTIMATOR, name, data, skip=("index",))
+    extras = {}
+    for key in ESTIMATOR_EXTRAS:
+        if key not in inputs:
+            value = gather_one(key, data)
+            if value is not None:
+                extras[key] = value
+    advantages, returns = stablerl.compute_advantage(
+        name,
+        token_level_rewards=data.batch["token_level_rewards"],
+        response_mask=data.batch["response_mask"],
+        index=index,
+        ctx=_context(config, "estimator:" + name),
+        **({"extras": extras} if extras else {}),
+        **inputs,
+        **estimator_hyperparameters(spec, config),
+    )
+    data.batch["advantages"] = advantages
+    data.batch["returns"] = returns
+
+
+def _filter(data, config, name: str, params: dict) -> dict[str, float]:
+    mask = data.batch["response_mask"]
+    adv = data.batch["advantages"]
+    inputs = gather(BATCH_FILTER, name, data, skip=("index",))
+    scores = inputs.pop("scores", None)
+    entropy = inputs.pop("entropy", None)
+    result = stablerl.filter_batch(
+        name, advantages=adv, response_mask=mask, index=data.non_tensor_batch.get("uid"),
+        scores=scores if scores is not None else _scores(data), entropy=entropy,
+        ctx=_context(config, "filter:" + name), **inputs, **params,
+    )
+    kept = result.rows.to(mask.device).long()
+    if kept.numel() > 1 and not bool((kept[1:] > kept[:-1]).all()):
+        raise StableRLError(
+            f"algorithm.{FILTER_KEY}={name!r} returned repeated or reordered rows (a resampling sampler); verl's "
+            "batch keeps its size and order after compute_advantage (it is already balanced and split over the "
+            "workers), so only filters that keep or drop rows in order can run there"
+        )
+    new_mask = torch.zeros_like(mask)
+    new_mask[kept] = result.response_mask.to(mask.device, mask.dtype)
+    new_mask = ((new_mask * mask) > 0).to(mask.dtype)  # a filter only removes tokens
+    new_adv = torch.zeros_like(adv)
+    new_adv[kept] = adv[kept] if result.advantages is None else result.advantages.to(adv.device, adv.dtype)
+    data.batch["advantages"] = new_adv * new_mask.to(adv.dtype)
+    if "returns" in data.batch.keys():
+        data.batch["returns"] = data.batch["returns"] * new_mask.to(data.batch["returns"].dtype)
+    data.batch["response_mask"] = new_mask
+    had = mask.sum(-1) > 0
+    metrics = dict(result.metrics)
+    metrics["filter/kept_row_frac"] = float(((new_mask.sum(-1) > 0) & had).sum() / had.sum().clamp(min=1))
+    metrics["filter/kept_token_frac"] = float(new_mask.sum() / mask.sum().clamp(min=1))
+    return metrics
+
+
+#: metrics of the last wrapped call (``stablerl/<name>``), for logging by a trainer subclass
+LAST_METRICS: dict[str, float] = {}
+
+
+def _wrap(original):
+    @functools.wraps(original)
+    def compute_advantage(data, adv_estimator, gamma=1.0, lam=1.0, num_repeat=1, norm_adv_by_std_in_grpo=True,
+                          config=None):
+        name = _stablerl_estimator(adv_estimator)
+        if name is None and _truthy(_cfg(config, BATCH_FIELDS_KEY, False)):
+            from stablerl.adapters.verl import register_batch_field_estimators
+
+            register_batch_field_estimators()
+            name = _stablerl_estimator(adv_estimator)
+        if name is None:
+            _refuse_unregistered(adv_estimator)
+        chosen = selection(config)
+        if name is None and chosen["shaper"] is None and chosen["filter"] is None:
+            return original(data, adv_estimator=adv_estimator, gamma=gamma, lam=lam, num_repeat=num_repeat,
+                            norm_adv_by_std_in_grpo=norm_adv_by_std_in_grpo, config=config)
+        if "response_mask" not in data.batch.keys():  # as verl does for old trainers
+            from verl.trainer.ppo.ray_trainer import compute_response_mask
+
+            data.batch["response_mask"] = compute_response_mask(data)
+        metrics: dict[str, float] = {}
+        if chosen["shaper"] is not None:
+            metrics.update(_shape(data, config, *chosen["shaper"]))
+        if name is not None:
+            _estimate(data, config, name)
+        else:
+            data = original(data, adv_estimator=adv_estimator, gamma=gamma, lam=lam, num_repeat=num_repeat,
+                            norm_adv_by_std_in_grpo=norm_adv_by_std_in_grpo, config=config)
+        if chosen["filter"] is not None:
+            metrics.update(_filter(data, config, *chosen["filter"]))
+        STATE["step"] = STATE.get("step", 0) + 1
+        LAST_METRICS.clear()
+        LAST_METRICS.update({f"stablerl/{k}": float(v) for k, v in metrics.items()})
+        return data
+
+    setattr(compute_advantage, _MARK, True)
+    compute_advantage.__wrapped__ = original
+    return compute_advantage
+
+
+# ----------------------------------------------------------------------------- patching
+
+
+def _is_wrapper(fn: Any) -> bool:
+    return bool(getattr(fn, _MARK, False))
+
+
+def _patch_module(module) -> bool:
+    fn = getattr(module, "compute_advantage", None)
+    if fn is None:
+        logger.warning("stablerl: %s has no compute_advantage; estimator inputs are not gathered", module.__name__)
+        return False
+    if not _is_wrapper(fn):
+        module.compute_advantage = _wrap(fn)
+    wrapper = module.compute_advantage
+    for caller in CALLER_MODULES:
+        mod = sys.modules.get(caller)
+        if mod is not None and getattr(mod, "compute_advantage", None) is wrapper.__wrapped__:
+            mod.compute_advantage = wrapper
+    return True
+
+
+class _PatchingLoader(importlib.abc.Loader):
+    def __init__(self, loader):
+        self._loader = loader
+
+    def create_module(self, spec):
+        return self._loader.create_module(spec)
+
+    def exec_module(self, module):
+        self._loader.exec_module(module)
+        _remove_finder()
+        _patch_module(module)
+
+    def __getattr__(self, attr):
+        return getattr(self._loader, attr)
+
+
+class _PostImportFinder(importlib.abc.MetaPathFinder):
+    _stablerl_verl_adv_finder = True
+
+    def __init__(self):
+        self._busy = False
+
+    def find_spec(self, fullname, path, target=None):
+        if fullname != TRAINER_MODULE or self._busy:
+            return None
+        self._busy = True
+        try:
+            spec = None
+            for finder in sys.meta_path:
+                if getattr(finder, "_stablerl_verl_adv_finder", False):
+                    continue
+                find = getattr(finder, "find_spec", None)
+                spec = find(fullname, path, target) if find is not None else None
+                if spec is not None:
+                    break
+        finally:
+            self._busy = False
+        if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
+            return spec
+        spec.loader = _PatchingLoader(spec.loader)
+        return spec
+
+
+def _remove_finder() -> None:
+    sys.meta_path[:] = [f for f in sys.meta_path if not getattr(f, "_stablerl_verl_adv_finder", False)]
+
+
+def patch() -> str:
+    """Wrap verl's ``compute_advantage`` now (``"patched"``) or right after ``ray_trainer`` is imported
+    (``"deferred"``). Idempotent."""
+    module = sys.modules.get(TRAINER_MODULE)
+    if module is not None:
+        _remove_finder()
+        return "patched" if _patch_module(module) else "failed"
+    if not any(getattr(f, "_stablerl_verl_adv_finder", False) for f in sys.meta_path):
+        sys.meta_path.insert(0, _PostImportFinder())
+    return "deferred"
+
+
+def unpatch() -> None:
+    """Restore verl's ``compute_advantage`` (in ``ray_trainer`` and the callers' bound names)."""
+    _remove_finder()
+    module = sys.modules.get(TRAINER_MODULE)
+    if module is None:
+        return
+    wrapper = getattr(module, "compute_advantage", None)
+    if not _is_wrapper(wrapper):
+        return
+    original = wrapper.__wrapped__
+    module.compute_advantage = original
+    for caller in CALLER_MODULES:
+        mod = sys.modules.get(caller)
+        if mod is not None and getattr(mod, "compute_advantage", None) is wrapper:
+            mod.compute_advantage = original
+
+
+def is_patched() -> bool:
+    module = sys.modules.get(TRAINER_MODULE)
+    if module is None:
+        return any(getattr(f, "_stablerl_verl_adv_finder", False) for f in sys.meta_path)
+    return _is_wrapper(getattr(module, "compute_advantage", None))
+
+
+def describe() -> dict[str, Any]:
+    """Sources of estimator inputs and the config keys, for docs and reports."""
+    return {
+        "sources": {k: v[1] for k, v in SOURCES.items()},
+        "batch_field_inputs": sorted(BATCH_FIELD_INPUTS),
+        "estimator_extras": list(ESTIMATOR_EXTRAS),
+        "keys": [SHAPER_KEY, SHAPER_PARAMS_KEY, FILTER_KEY, FILTER_PARAMS_KEY, SEED_KEY, BATCH_FIELDS_KEY],
+    }
+
+
+__all__ = [
+    "SOURCES", "BATCH_FIELD_INPUTS", "ESTIMATOR_EXTRAS", "STATE", "LAST_METRICS", "patch", "unpatch", "is_patched",
+    "selection", "gather", "describe", "reset_state", "VerlAdvantageInputError",
+]
