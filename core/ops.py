@@ -195,6 +195,20 @@ def group_stats(scores: torch.Tensor, gid: torch.Tensor, ctx: Optional[Context] 
     return mean[gid], std[gid], count[gid]
 
 
+def last_valid_index(mask: torch.Tensor) -> torch.Tensor:
+    """``[B]`` position of each row's last valid token (0 for a row without one)."""
+    last = mask.shape[-1] - 1 - torch.flip(mask.to(torch.int64), [-1]).argmax(-1)
+    return torch.where(mask.to(torch.bool).any(-1), last, torch.zeros_like(last))
+
+
+def scores_on_last_token(scores: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Place per-response scalar rewards ``[B]`` on each row's last valid token: the ``[B, T]``
+    token-level rewards whose sum is the score (verl's convention for outcome rewards)."""
+    out = torch.zeros(mask.shape, dtype=scores.dtype, device=scores.device)
+    out[torch.arange(mask.shape[0], device=scores.device), last_valid_index(mask).to(scores.device)] = scores
+    return out
+
+
 def broadcast_to_tokens(per_seq: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """``[B] -> [B, T]``, zero outside the mask."""
     return per_seq.unsqueeze(-1) * mask.to(per_seq.dtype)

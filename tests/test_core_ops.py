@@ -122,3 +122,12 @@ def test_dp_without_global_normalisers_is_an_error():
     for mode, needed in (("token-mean", "token_count"), ("seq-mean-token-mean", "seq_count")):
         with pytest.raises(StableRLError, match=f"needs the global {needed}"):
             aggregate(L, M, mode, Context(dp_size=2))
+
+
+def test_scores_on_last_token():
+    from stablerl.ops import last_valid_index, scores_on_last_token
+
+    mask = torch.tensor([[1, 1, 0, 0], [1, 1, 1, 1], [0, 0, 0, 0]])
+    assert last_valid_index(mask).tolist() == [1, 3, 0]
+    out = scores_on_last_token(torch.tensor([2.0, -1.0, 5.0]), mask)
+    assert out.tolist() == [[0, 2.0, 0, 0], [0, 0, 0, -1.0], [5.0, 0, 0, 0]]

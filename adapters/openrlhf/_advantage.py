@@ -25,6 +25,7 @@ import itertools
 import torch
 
 import stablerl
+from stablerl.ops import scores_on_last_token
 from openrlhf.models.utils import compute_reward
 from openrlhf.trainer.ppo_utils.length_penalty import apply_length_penalties
 
@@ -62,10 +63,8 @@ def stable_advantages_and_returns(maker, experiences, selection: Selection):
         mask = experience.action_mask
         pad = t_max - mask.shape[1]
         mask = torch.nn.functional.pad(mask.to(raw_rewards.dtype), (0, pad))
-        eos = mask.shape[1] - 1 - mask.long().fliplr().argmax(dim=1, keepdim=True)
-        r = torch.zeros_like(mask).scatter_(1, eos, experience.rewards.to(mask.dtype).unsqueeze(1)) * mask
         masks.append(mask)
-        token_rewards.append(r)
+        token_rewards.append(scores_on_last_token(experience.rewards.to(mask.dtype), mask) * mask)
     mask_all = torch.cat(masks)
     advantages, returns = stablerl.compute_advantage(
         selection.advantage_estimator,

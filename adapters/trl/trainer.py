@@ -52,7 +52,7 @@ import stablerl
 from stablerl import routing_replay as rr
 from stablerl.contracts import (ADVANTAGE_ESTIMATOR, BATCH_FILTER, CONTROLLER, OPTIONAL_INPUTS, POLICY_LOSS,
                                 REWARD_SHAPER)
-from stablerl.ops import AGG_MODES
+from stablerl.ops import AGG_MODES, last_valid_index, scores_on_last_token
 from stablerl.params import StableRLError, UnknownNameError, build_params, unknown_name_message
 
 SUPPORTED_TRL = ">=1.16,<1.17"
@@ -1146,9 +1146,8 @@ class GRPOTrainer(_trl.GRPOTrainer):
         mask = mask.to(rewards.device)
         empty = mask.sum(-1) == 0
         mask[empty, 0] = 1.0
-        last = mask.size(1) - 1 - torch.argmax(mask.flip(-1), dim=-1)
-        token_rewards = torch.zeros_like(mask)
-        token_rewards[torch.arange(mask.size(0), device=mask.device), last] = rewards.to(mask.dtype)
+        last = last_valid_index(mask)
+        token_rewards = scores_on_last_token(rewards.to(mask.dtype), mask)
         # unscorable rows (every reward function returned None): a group of their own each, so they
         # stay out of the others' statistics; their advantage is 0 (TRL's rule)
         index = group.clone()

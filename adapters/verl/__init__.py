@@ -173,6 +173,8 @@ def _register_all(core_algos, only=None, provides=None) -> None:
                 notes = _declared.NOT_PROVIDED if kind == stablerl.POLICY_LOSS else {
                     k: v[1] for k, v in _adv_site.SOURCES.items() if k in _adv_site.BATCH_FIELD_INPUTS}
                 why = "; ".join(f"{m}: {notes[m]}" for m in missing if m in notes)
+                if kind == stablerl.ADVANTAGE_ESTIMATOR and set(missing) <= _adv_site.BATCH_FIELD_INPUTS:
+                    why += f"; opt in with +algorithm.{_adv_site.BATCH_FIELDS_KEY}=true if your pipeline writes them"
                 _skip(
                     kind, spec.name,
                     f"needs {', '.join(missing)}, which verl 0.9 cannot provide to a {kind}" + (f" ({why})" if why else ""),

@@ -50,7 +50,7 @@ import numpy as np
 import torch
 
 import stablerl
-from stablerl import ADVANTAGE_ESTIMATOR, BATCH_FILTER, CONTROLLER, REWARD_SHAPER, Context, MissingInputError, StableRLError
+from stablerl import ADVANTAGE_ESTIMATOR, BATCH_FILTER, REWARD_SHAPER, Context, MissingInputError, StableRLError
 from stablerl.contracts import OPTIONAL_INPUTS
 from stablerl.params import UnknownNameError, build_params, unknown_name_message
 
@@ -227,7 +227,7 @@ def _refuse_unregistered(adv_estimator: Any) -> None:
             )
             raise StableRLError(
                 f"algorithm.adv_estimator={key}: the stablerl estimator {spec.name!r} is not registered in verl"
-                + (hint or f"; stablerl.adapters.verl.registration_report() says why")
+                + (hint or "; stablerl.adapters.verl.registration_report() says why")
             )
 
 

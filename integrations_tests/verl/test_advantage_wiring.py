@@ -214,3 +214,26 @@ def test_unpatch_restores_verl_function(adapter, site, monkeypatch):
     assert rt.compute_advantage.__wrapped__ is original and v1_utils.compute_advantage is rt.compute_advantage
     report = adapter.registration_report()
     assert report["compute_advantage_patched"] is True
+
+
+def test_shaper_inputs_from_reward_function_fields(adapter, site, rewards_batch):
+    """``flawed`` comes from a non-tensor field (where the legacy trainer puts reward_extra_info)."""
+    from verl import DataProto
+
+    rewards, mask, index = rewards_batch(seed=7)
+    mask = mask.float()
+    rewards = (rewards > 0).float() * mask  # 0/1 outcomes
+    flawed = np.array([i % 2 == 0 for i in range(len(index))])
+    cfg = _algorithm(stablerl_reward_shaper="fapo", stablerl_reward_shaper_params={"flawed_reward_penalty": 0.5})
+    data = DataProto.from_dict(
+        tensors={"token_level_rewards": rewards, "response_mask": mask.float()},
+        non_tensors={"uid": index, "flawed": flawed},
+    )
+    out = _compute(data, "qae", cfg)
+    scores = rewards.sum(-1)
+    shaped, _ = stablerl.shape_rewards("fapo", scores=scores, index=index, flawed=torch.as_tensor(flawed),
+                                       flawed_reward_penalty=0.5)
+    assert not torch.equal(shaped.float(), scores)  # the penalty applied somewhere
+    torch.testing.assert_close((out.batch["token_level_rewards"] * mask).sum(-1), shaped.float(), rtol=0, atol=1e-6)
+    with pytest.raises(stablerl.MissingInputError, match=r"'flawed'.*reward_extra_info"):
+        _compute(_data(rewards, mask, index), "qae", cfg)
