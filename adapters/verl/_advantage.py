@@ -52,6 +52,7 @@ import torch
 import stablerl
 from stablerl import ADVANTAGE_ESTIMATOR, BATCH_FILTER, REWARD_SHAPER, Context, MissingInputError, StableRLError
 from stablerl.contracts import OPTIONAL_INPUTS
+from stablerl.ops import last_valid_index
 from stablerl.params import UnknownNameError, build_params, unknown_name_message
 
 logger = logging.getLogger("stablerl.adapters.verl")
@@ -325,7 +326,7 @@ def _shape(data, config, name: str, params: dict) -> dict[str, float]:
         name, scores=scores, index=index, ctx=_context(config, "shaper:" + name), **inputs, **params
     )
     has = mask.sum(-1) > 0
-    last = (mask.shape[-1] - 1 - torch.flip(mask.to(torch.int64), [-1]).argmax(-1)).clamp(min=0)
+    last = last_valid_index(mask)
     delta = torch.where(has, shaped.to(rewards.dtype) - scores, torch.zeros_like(scores))
     new = rewards.clone()
     new[torch.arange(new.shape[0], device=new.device), last] += delta
