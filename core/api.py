@@ -85,10 +85,11 @@ def _check_finite_cleaned(names, tensors) -> None:
     present = [(name, t) for name, t in zip(names, tensors) if t is not None and t.numel() > 0]
     if not present:
         return
-    extremes = torch.stack([torch.stack(torch.aminmax(t)).double() for _, t in present])
-    ok = torch.isfinite(extremes).all(-1)
-    if bool(ok.all()):
+    # one stack of every min and max (promoted to a common dtype), one isfinite, one host sync
+    extremes = torch.stack([e for _, t in present for e in torch.aminmax(t)])
+    if bool(torch.isfinite(extremes).all()):
         return
+    ok = torch.isfinite(extremes).view(len(present), 2).all(-1)
     for (name, _), good in zip(present, ok.tolist()):
         if not good:
             raise StableRLError(f"{name} has non-finite values (NaN or inf) on tokens where response_mask is 1")
@@ -158,11 +159,17 @@ def compute_policy_loss(
     )
     for k in ("old_entropy", "token_ids", "turn_ids", "versions", "is_weights"):
         ensure_same_shape((k,), (inputs.get(k),), shape)
-    mask = response_mask.to(torch.float32)
+    if response_mask.dtype == torch.bool:
+        # bool -> float through a uint8 view: same 0/1 values, and a vectorised cast (the direct
+        # bool -> float cast is several times slower on CPU)
+        valid = response_mask
+        mask = response_mask.view(torch.uint8).to(torch.float32)
+    else:
+        mask = response_mask.to(torch.float32)
+        valid = mask.bool()
     index = inputs.get("index")
     if index is not None:
         index = group_ids(index, n=shape[0], device=log_prob.device)
-    valid = response_mask if response_mask.dtype == torch.bool else mask.bool()
 
     def clean(t: Optional[torch.Tensor], detach: bool = True) -> Optional[torch.Tensor]:
         # padding may hold garbage (NaN/inf) in framework tensors: zero it before any arithmetic,

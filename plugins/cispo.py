@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from stablerl import STABLE, Params, hookimpl
-from stablerl.ops import clamped_log_ratio, masked_mean
+from stablerl.ops import clamped_log_ratio, masked_sum
 from stablerl.params import check
 
 
@@ -33,19 +33,26 @@ class CISPOParams(Params):
 def cispo_loss(b, p: CISPOParams, ctx):
     mask = b.response_mask
     adv = b.advantages
-    log_ratio = clamped_log_ratio(b.log_prob, b.old_log_prob)
-    ratio = torch.exp(log_ratio.detach())
-    weight = torch.clamp(ratio, 1.0 - p.clip_ratio_low, 1.0 + p.clip_ratio_high)
+    with torch.no_grad():  # the weight and every metric are detached: record no autograd graph
+        log_ratio = clamped_log_ratio(b.log_prob.detach(), b.old_log_prob)
+        ratio = torch.exp(log_ratio)
+        weight = torch.clamp(ratio, 1.0 - p.clip_ratio_low, 1.0 + p.clip_ratio_high)
+        count = mask.sum().clamp(min=1)  # one token count shared by every metric
+        zero = torch.zeros((), dtype=mask.dtype, device=mask.device)
+        if 1.0 - p.clip_ratio_low > 0:
+            clip_low = masked_sum(((adv < 0) & (ratio < 1.0 - p.clip_ratio_low)).to(mask.dtype), mask) / count
+        else:  # ratio = exp(clamped log-ratio) > 0 >= the lower bound: never clipped below
+            clip_low = zero
+        metrics = {
+            # verl: any token whose weight was truncated
+            "pg_clipfrac": masked_sum((ratio != weight).to(mask.dtype), mask) / count,
+            "pg_clipfrac_lower": zero,
+            # TRL's cispo_clip_ratio is clip_high
+            "clip_high": masked_sum(((adv > 0) & (ratio > 1.0 + p.clip_ratio_high)).to(mask.dtype), mask) / count,
+            "clip_low": clip_low,
+            "ppo_kl": -masked_sum(log_ratio, mask) / count,
+        }
     pg_losses = -weight * adv * b.log_prob
-    metrics = {
-        # verl: any token whose weight was truncated
-        "pg_clipfrac": masked_mean((ratio != weight).to(mask.dtype), mask),
-        "pg_clipfrac_lower": torch.zeros((), dtype=mask.dtype, device=mask.device),
-        # TRL's cispo_clip_ratio is clip_high
-        "clip_high": masked_mean(((adv > 0) & (ratio > 1.0 + p.clip_ratio_high)).to(mask.dtype), mask),
-        "clip_low": masked_mean(((adv < 0) & (ratio < 1.0 - p.clip_ratio_low)).to(mask.dtype), mask),
-        "ppo_kl": masked_mean(-log_ratio.detach(), mask),
-    }
     return pg_losses, metrics
 
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from stablerl import STABLE, Params, hookimpl
-from stablerl.ops import aggregate, broadcast_to_tokens, clamped_log_ratio, masked_mean, seq_mean
+from stablerl.ops import LOG_RATIO_BOUND, aggregate, broadcast_to_tokens, masked_sum, seq_mean
 from stablerl.params import check
 
 
@@ -34,33 +34,41 @@ class GMPOParams(Params):
 
 def gmpo_loss(b, p: GMPOParams, ctx):
     mask = b.response_mask
+    # a bool mask gives the same sums (x * True = x, integer counts), and autograd keeps 1 byte
+    # per token for backward instead of a 4-byte float mask
+    valid = mask.bool()
     adv = b.advantages
-    d = clamped_log_ratio(b.log_prob, b.old_log_prob)
+    log_ratio = b.log_prob - b.old_log_prob
+    d = torch.clamp(log_ratio, -LOG_RATIO_BOUND, LOG_RATIO_BOUND)  # = clamped_log_ratio(lp, lp_old)
     sign = torch.sign(adv)
-    d_clamped = torch.clamp(d, -p.clip_ratio_low, p.clip_ratio_high)
+    # with bounds inside +-20, clamping the raw log-ratio gives the same values and gradient as
+    # clamping d, and autograd then keeps one saved log-ratio for both clamps instead of two
+    inner = log_ratio if max(p.clip_ratio_low, p.clip_ratio_high) <= LOG_RATIO_BOUND else d
+    d_clamped = torch.clamp(inner, -p.clip_ratio_low, p.clip_ratio_high)
     d_eff = sign * torch.minimum(sign * d, sign * d_clamped)
-    ratio = torch.exp(seq_mean(d_eff, mask))  # [B] geometric mean of the clipped token ratios
-    seq_adv = seq_mean(adv, mask)  # sequence-level advantage (0 for an all-masked row)
+    ratio = torch.exp(seq_mean(d_eff, valid))  # [B] geometric mean of the clipped token ratios
+    seq_adv = seq_mean(adv, valid)  # sequence-level advantage (0 for an all-masked row)
     seq_loss = -seq_adv * ratio
     if b.is_weights is not None:
         # per-sequence geometric mean of the framework's token IS weights (verl's convention)
-        seq_loss = seq_loss * torch.exp(seq_mean(torch.log(b.is_weights + 1e-10), mask))
+        seq_loss = seq_loss * torch.exp(seq_mean(torch.log(b.is_weights + 1e-10), valid))
     # sequence mean over the (global) number of sequences: seq_count from ctx, B by default;
     # "seq-mean-token-mean" of a per-sequence constant is exactly that
-    token_mask = mask.to(seq_loss.dtype)
-    loss = aggregate(broadcast_to_tokens(seq_loss, token_mask), token_mask, "seq-mean-token-mean", ctx)
+    loss = aggregate(broadcast_to_tokens(seq_loss, valid), valid, "seq-mean-token-mean", ctx)
 
-    d_det = d.detach()
-    clipped = (d_det != d_clamped.detach()).to(mask.dtype)
-    metrics = {
-        # verl's definitions: any token outside the log band, split by the sign of A
-        "pg_clipfrac": masked_mean(clipped * (adv > 0), mask),
-        "pg_clipfrac_lower": masked_mean(clipped * (adv < 0), mask),
-        # the tokens whose clip is active (gradient stopped)
-        "clip_high": masked_mean(((adv > 0) & (d_det > p.clip_ratio_high)).to(mask.dtype), mask),
-        "clip_low": masked_mean(((adv < 0) & (d_det < -p.clip_ratio_low)).to(mask.dtype), mask),
-        "ppo_kl": masked_mean(-d_det, mask),
-    }
+    with torch.no_grad():
+        d_det = d.detach()
+        count = mask.sum().clamp(min=1)  # one token count shared by every metric
+        clipped = (d_det != d_clamped.detach()).to(mask.dtype)
+        metrics = {
+            # verl's definitions: any token outside the log band, split by the sign of A
+            "pg_clipfrac": masked_sum(clipped * (adv > 0), mask) / count,
+            "pg_clipfrac_lower": masked_sum(clipped * (adv < 0), mask) / count,
+            # the tokens whose clip is active (gradient stopped)
+            "clip_high": masked_sum(((adv > 0) & (d_det > p.clip_ratio_high)).to(mask.dtype), mask) / count,
+            "clip_low": masked_sum(((adv < 0) & (d_det < -p.clip_ratio_low)).to(mask.dtype), mask) / count,
+            "ppo_kl": -masked_sum(d_det, mask) / count,
+        }
     return loss, metrics
 
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from stablerl import STABLE, Params, hookimpl
-from stablerl.ops import masked_mean, seq_mean
+from stablerl.ops import masked_mean, masked_sum, seq_mean
 from stablerl.params import check
 from stablerl.plugins.ppo import ppo_clip_terms
 
@@ -38,16 +38,18 @@ class GSPOParams(Params):
 
 def gspo_loss(b, p: GSPOParams, ctx):
     mask = b.response_mask
-    log_ratio = b.log_prob - b.old_log_prob
-    seq_log_ratio = seq_mean(log_ratio.detach(), mask)  # [B], masked tokens excluded, 0 for empty rows
+    with torch.no_grad():  # only the detached log-ratio is used: record no autograd graph for it
+        log_ratio = b.log_prob.detach() - b.old_log_prob
+        seq_log_ratio = seq_mean(log_ratio, mask)  # [B], masked tokens excluded, 0 for empty rows
     log_s = torch.clamp(b.log_prob - b.log_prob.detach() + seq_log_ratio.unsqueeze(-1), max=GSPO_LOG_RATIO_MAX)
     ratio = torch.exp(log_s)
     pg_losses, metrics = ppo_clip_terms(ratio, b.advantages, mask, p.clip_ratio_low, p.clip_ratio_high, None)
-    metrics["ppo_kl"] = masked_mean(-log_ratio.detach(), mask)
-    valid_rows = mask.sum(-1) > 0
-    s_i = torch.exp(torch.clamp(seq_log_ratio, max=GSPO_LOG_RATIO_MAX))
-    metrics["gspo/seq_ratio_mean"] = masked_mean(s_i, valid_rows.to(s_i.dtype))
-    metrics["gspo/seq_ratio_max"] = torch.cat([s_i[valid_rows], s_i.new_zeros(1)]).max()
+    with torch.no_grad():
+        metrics["ppo_kl"] = -masked_sum(log_ratio, mask) / mask.sum().clamp(min=1)
+        valid_rows = mask.sum(-1) > 0
+        s_i = torch.exp(torch.clamp(seq_log_ratio, max=GSPO_LOG_RATIO_MAX))
+        metrics["gspo/seq_ratio_mean"] = masked_mean(s_i, valid_rows.to(s_i.dtype))
+        metrics["gspo/seq_ratio_max"] = torch.cat([s_i[valid_rows], s_i.new_zeros(1)]).max()
     return pg_losses, metrics
 
 

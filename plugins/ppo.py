@@ -14,7 +14,7 @@ from typing import Optional
 import torch
 
 from stablerl import STABLE, Params, hookimpl
-from stablerl.ops import clamped_log_ratio, masked_mean
+from stablerl.ops import clamped_log_ratio, masked_mean, masked_sum
 from stablerl.params import check
 
 
@@ -40,19 +40,20 @@ def ppo_clip_terms(ratio, advantages, mask, low: float, high: float, dual_c: Opt
     pg_losses1 = -advantages * ratio
     pg_losses2 = -advantages * torch.clamp(ratio, 1.0 - low, 1.0 + high)
     clip_pg_losses1 = torch.maximum(pg_losses1, pg_losses2)
-    metrics = {
-        "pg_clipfrac": masked_mean((pg_losses2 > pg_losses1).float(), mask),
-        "clip_high": masked_mean(((advantages > 0) & (ratio > 1.0 + high)).float(), mask),
-        "clip_low": masked_mean(((advantages < 0) & (ratio < 1.0 - low)).float(), mask),
-    }
+    with torch.no_grad():  # metrics: no autograd graph, one token count shared by all of them
+        count = mask.sum().clamp(min=1)
+        metrics = {
+            "pg_clipfrac": masked_sum((pg_losses2 > pg_losses1).float(), mask) / count,
+            "clip_high": masked_sum(((advantages > 0) & (ratio > 1.0 + high)).float(), mask) / count,
+            "clip_low": masked_sum(((advantages < 0) & (ratio < 1.0 - low)).float(), mask) / count,
+        }
     if dual_c is None:
         metrics["pg_clipfrac_lower"] = torch.zeros((), device=ratio.device)
         return clip_pg_losses1, metrics
     pg_losses3 = -advantages * dual_c
     clip_pg_losses2 = torch.minimum(pg_losses3, clip_pg_losses1)
-    metrics["pg_clipfrac_lower"] = masked_mean(
-        ((clip_pg_losses1 > pg_losses3) & (advantages < 0)).float(), mask
-    )
+    with torch.no_grad():
+        metrics["pg_clipfrac_lower"] = masked_sum(((clip_pg_losses1 > pg_losses3) & (advantages < 0)).float(), mask) / count
     return torch.where(advantages < 0, clip_pg_losses2, clip_pg_losses1), metrics
 
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from stablerl import POLICY_LOSS, STABLE, Params, hookimpl
-from stablerl.ops import aggregate, clamped_log_ratio, masked_mean
+from stablerl.ops import aggregate, clamped_log_ratio, masked_sum
 from stablerl.params import check
 
 SAPO_AGG_MODE = "seq-mean-token-mean"
@@ -41,19 +41,26 @@ def sapo_loss(b, p: SAPOParams, ctx):
     adv = b.advantages
     log_ratio = clamped_log_ratio(b.log_prob, b.old_log_prob)
     ratio = torch.exp(log_ratio)
-    # A == 0 takes tau_neg (as verl); the loss is 0 there either way
-    tau = torch.where(adv > 0, torch.full_like(adv, p.tau_pos), torch.full_like(adv, p.tau_neg))
+    # A == 0 takes tau_neg (as verl); the loss is 0 there either way (0-dim bounds: no [B, T] fills)
+    tau = torch.where(
+        adv > 0,
+        torch.tensor(p.tau_pos, dtype=adv.dtype, device=adv.device),
+        torch.tensor(p.tau_neg, dtype=adv.dtype, device=adv.device),
+    )
     gate = torch.sigmoid(tau * (ratio - 1.0)) * (4.0 / tau)
     pg_losses = -gate * adv
     if b.is_weights is not None:
         pg_losses = pg_losses * b.is_weights
-    loss = aggregate(pg_losses, mask, SAPO_AGG_MODE, ctx)
-    zero = torch.zeros((), dtype=mask.dtype, device=mask.device)
-    metrics = {
-        "pg_clipfrac": zero,  # no hard clip (verl reports 0 for compatibility)
-        "pg_clipfrac_lower": zero,
-        "ppo_kl": masked_mean(-log_ratio.detach(), mask),
-    }
+    # a bool mask gives the same sums, and autograd keeps 1 byte per token for backward instead of 4
+    valid = mask.bool()
+    loss = aggregate(pg_losses, valid, SAPO_AGG_MODE, ctx)
+    with torch.no_grad():
+        zero = torch.zeros((), dtype=mask.dtype, device=mask.device)
+        metrics = {
+            "pg_clipfrac": zero,  # no hard clip (verl reports 0 for compatibility)
+            "pg_clipfrac_lower": zero,
+            "ppo_kl": -masked_sum(log_ratio, mask) / mask.sum().clamp(min=1),
+        }
     return loss, metrics
 
 

@@ -58,6 +58,7 @@ from stablerl.adapters.config_keys import (  # noqa: E402  (framework-free)
     OPENRLHF_BUILTIN_POLICY_LOSSES as OPENRLHF_POLICY_LOSSES,
     OPENRLHF_PREFIX as PREFIX,
 )
+from stablerl.adapters import _post_import as post_import  # noqa: E402
 from stablerl.contracts import ADVANTAGE_ESTIMATOR as _ADV, POLICY_LOSS as _LOSS  # noqa: E402
 
 FEEDABLE_LOSS_INPUTS = _FEEDABLE["openrlhf"][_LOSS]
@@ -342,37 +343,10 @@ def _patch_maker_module(module) -> None:
 _PATCHERS = {_ACTOR_MODULE: _patch_actor_module, _MAKER_MODULE: _patch_maker_module}
 
 
-class _PatchingLoader(importlib.abc.Loader):
-    def __init__(self, loader, patcher):
-        self._loader, self._patcher = loader, patcher
-
-    def create_module(self, spec):
-        return self._loader.create_module(spec)
-
-    def exec_module(self, module):
-        self._loader.exec_module(module)
-        self._patcher(module)
+_HOOK_TAG = "stablerl.openrlhf"
 
 
-class _PostImportHook(importlib.abc.MetaPathFinder):
-    """Applies the patch of a target module right after the module is executed (nothing else)."""
 
-    def find_spec(self, fullname, path, target=None):
-        patcher = _PATCHERS.get(fullname)
-        if patcher is None:
-            return None
-        for finder in sys.meta_path:
-            if finder is self or not hasattr(finder, "find_spec"):
-                continue
-            spec = finder.find_spec(fullname, path, target)
-            if spec is not None:
-                if spec.loader is not None and hasattr(spec.loader, "exec_module"):
-                    spec.loader = _PatchingLoader(spec.loader, patcher)
-                return spec
-        return None
-
-
-_HOOK: Optional[_PostImportHook] = None
 
 
 def setup() -> None:
@@ -380,14 +354,11 @@ def setup() -> None:
 
     Modules already imported are patched now; the others when (and if) they are imported. Safe to
     call many times. Also runs ``$STABLERL_CHAINED_SETUP_HOOK`` (a user's own setup hook)."""
-    global _HOOK
     found = openrlhf_version()
     if found is not None:
         check_openrlhf(found)
     with _LOCK:
-        if _HOOK is None:
-            _HOOK = _PostImportHook()
-            sys.meta_path.insert(0, _HOOK)
+        post_import.install(_HOOK_TAG, _PATCHERS, once=False)
         for name, patcher in _PATCHERS.items():
             if name in sys.modules:
                 patcher(sys.modules[name])
@@ -407,17 +378,11 @@ def apply() -> None:
 
 def remove() -> None:
     """Undo every patch and disarm the import hook (the exact original attributes come back)."""
-    global _HOOK
     with _LOCK:
         for owner, attr, original in _ORIGINALS.values():
             setattr(owner, attr, original)
         _ORIGINALS.clear()
-        if _HOOK is not None:
-            try:
-                sys.meta_path.remove(_HOOK)
-            except ValueError:
-                pass
-            _HOOK = None
+        post_import.remove(_HOOK_TAG)
 
 
 def is_applied() -> dict[str, bool]:

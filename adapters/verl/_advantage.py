@@ -41,7 +41,6 @@ This module imports no verl at import time.
 from __future__ import annotations
 
 import functools
-import importlib.abc
 import logging
 import sys
 from typing import Any, Optional
@@ -51,6 +50,7 @@ import torch
 
 import stablerl
 from stablerl import ADVANTAGE_ESTIMATOR, BATCH_FILTER, REWARD_SHAPER, Context, MissingInputError, StableRLError
+from stablerl.adapters import _post_import as post_import
 from stablerl.contracts import OPTIONAL_INPUTS
 from stablerl.ops import last_valid_index
 from stablerl.params import UnknownNameError, build_params, unknown_name_message
@@ -464,51 +464,7 @@ def _patch_module(module) -> bool:
     return True
 
 
-class _PatchingLoader(importlib.abc.Loader):
-    def __init__(self, loader):
-        self._loader = loader
-
-    def create_module(self, spec):
-        return self._loader.create_module(spec)
-
-    def exec_module(self, module):
-        self._loader.exec_module(module)
-        _remove_finder()
-        _patch_module(module)
-
-    def __getattr__(self, attr):
-        return getattr(self._loader, attr)
-
-
-class _PostImportFinder(importlib.abc.MetaPathFinder):
-    _stablerl_verl_adv_finder = True
-
-    def __init__(self):
-        self._busy = False
-
-    def find_spec(self, fullname, path, target=None):
-        if fullname != TRAINER_MODULE or self._busy:
-            return None
-        self._busy = True
-        try:
-            spec = None
-            for finder in sys.meta_path:
-                if getattr(finder, "_stablerl_verl_adv_finder", False):
-                    continue
-                find = getattr(finder, "find_spec", None)
-                spec = find(fullname, path, target) if find is not None else None
-                if spec is not None:
-                    break
-        finally:
-            self._busy = False
-        if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
-            return spec
-        spec.loader = _PatchingLoader(spec.loader)
-        return spec
-
-
-def _remove_finder() -> None:
-    sys.meta_path[:] = [f for f in sys.meta_path if not getattr(f, "_stablerl_verl_adv_finder", False)]
+_HOOK_TAG = "stablerl.verl.compute_advantage"
 
 
 def patch() -> str:
@@ -516,16 +472,15 @@ def patch() -> str:
     (``"deferred"``). Idempotent."""
     module = sys.modules.get(TRAINER_MODULE)
     if module is not None:
-        _remove_finder()
+        post_import.remove(_HOOK_TAG)
         return "patched" if _patch_module(module) else "failed"
-    if not any(getattr(f, "_stablerl_verl_adv_finder", False) for f in sys.meta_path):
-        sys.meta_path.insert(0, _PostImportFinder())
+    post_import.install(_HOOK_TAG, {TRAINER_MODULE: _patch_module})
     return "deferred"
 
 
 def unpatch() -> None:
     """Restore verl's ``compute_advantage`` (in ``ray_trainer`` and the callers' bound names)."""
-    _remove_finder()
+    post_import.remove(_HOOK_TAG)
     module = sys.modules.get(TRAINER_MODULE)
     if module is None:
         return
@@ -543,7 +498,7 @@ def unpatch() -> None:
 def is_patched() -> bool:
     module = sys.modules.get(TRAINER_MODULE)
     if module is None:
-        return any(getattr(f, "_stablerl_verl_adv_finder", False) for f in sys.meta_path)
+        return post_import.installed(_HOOK_TAG)
     return _is_wrapper(getattr(module, "compute_advantage", None))
 
 

@@ -50,7 +50,6 @@ from __future__ import annotations
 
 import contextvars
 import functools
-import importlib.abc
 import logging
 import sys
 from typing import Any, Optional
@@ -59,6 +58,7 @@ import numpy as np
 import torch
 
 from stablerl import POLICY_LOSS, MissingInputError, get_spec
+from stablerl.adapters import _post_import as post_import
 from stablerl.contracts import OPTIONAL_INPUTS
 
 logger = logging.getLogger("stablerl.adapters.verl")
@@ -268,53 +268,7 @@ def _patch_module(module) -> bool:
     return True
 
 
-class _PatchingLoader(importlib.abc.Loader):
-    """Delegates to the real loader, then wraps ``ppo_loss`` before anyone can import it."""
-
-    def __init__(self, loader):
-        self._loader = loader
-
-    def create_module(self, spec):
-        return self._loader.create_module(spec)
-
-    def exec_module(self, module):
-        self._loader.exec_module(module)
-        _remove_finder()
-        _patch_module(module)
-
-    def __getattr__(self, attr):  # get_source, get_filename, is_package... (linecache, inspect)
-        return getattr(self._loader, attr)
-
-
-class _PostImportFinder(importlib.abc.MetaPathFinder):
-    _stablerl_verl_finder = True
-
-    def __init__(self):
-        self._busy = False
-
-    def find_spec(self, fullname, path, target=None):
-        if fullname != LOSSES_MODULE or self._busy:
-            return None
-        self._busy = True
-        try:
-            spec = None
-            for finder in sys.meta_path:
-                if getattr(finder, "_stablerl_verl_finder", False):
-                    continue
-                find = getattr(finder, "find_spec", None)
-                spec = find(fullname, path, target) if find is not None else None
-                if spec is not None:
-                    break
-        finally:
-            self._busy = False
-        if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
-            return spec
-        spec.loader = _PatchingLoader(spec.loader)
-        return spec
-
-
-def _remove_finder() -> None:
-    sys.meta_path[:] = [f for f in sys.meta_path if not getattr(f, "_stablerl_verl_finder", False)]
+_HOOK_TAG = "stablerl.verl.ppo_loss"
 
 
 def patch() -> str:
@@ -324,17 +278,16 @@ def patch() -> str:
     post-import hook will wrap it when it is first imported)."""
     module = sys.modules.get(LOSSES_MODULE)
     if module is not None:
-        _remove_finder()
+        post_import.remove(_HOOK_TAG)
         return "patched" if _patch_module(module) else "failed"
-    if not any(getattr(f, "_stablerl_verl_finder", False) for f in sys.meta_path):
-        sys.meta_path.insert(0, _PostImportFinder())
+    post_import.install(_HOOK_TAG, {LOSSES_MODULE: _patch_module})
     return "deferred"
 
 
 def unpatch() -> None:
     """Restore verl's own ``ppo_loss`` (in the losses module and the callers' bound names) and
     remove the post-import hook."""
-    _remove_finder()
+    post_import.remove(_HOOK_TAG)
     module = sys.modules.get(LOSSES_MODULE)
     if module is None:
         return
@@ -355,7 +308,7 @@ def is_patched() -> bool:
     """True when verl's ``ppo_loss`` is wrapped, or will be on import."""
     module = sys.modules.get(LOSSES_MODULE)
     if module is None:
-        return any(getattr(f, "_stablerl_verl_finder", False) for f in sys.meta_path)
+        return post_import.installed(_HOOK_TAG)
     return _is_wrapper(getattr(module, "ppo_loss", None))
 
 
