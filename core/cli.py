@@ -128,8 +128,28 @@ def doctor_report() -> dict:
     return report
 
 
+def conformance_report() -> list[dict]:
+    """Run the conformance suite on every third-party policy loss and estimator (not the built-ins,
+    which the project's own tests cover). One entry per algorithm: ``ok`` or the failed property."""
+    from .testing import ConformanceError, check_advantage_estimator, check_policy_loss
+
+    checks = {"policy_loss": check_policy_loss, "advantage_estimator": check_advantage_estimator}
+    out = []
+    for spec in get_registry().list():
+        if spec.plugin.startswith("stablerl.plugins.") or spec.kind not in checks or spec.status == "unavailable":
+            continue
+        try:
+            checks[spec.kind](spec.name)
+            out.append({"name": spec.name, "kind": spec.kind, "plugin": spec.plugin, "ok": True})
+        except (ConformanceError, StableRLError) as e:
+            out.append({"name": spec.name, "kind": spec.kind, "plugin": spec.plugin, "ok": False, "error": str(e)})
+    return out
+
+
 def cmd_doctor(args: argparse.Namespace) -> int:
     report = doctor_report()
+    if args.conformance:
+        report["conformance"] = conformance_report()
     if args.json:
         print(json.dumps(report, indent=2, default=str))
     else:
@@ -146,7 +166,15 @@ def cmd_doctor(args: argparse.Namespace) -> int:
                 print(f"  {f['plugin']}: {f['error']}")
         else:
             print("plugin failures: none")
-    broken = bool(report["failures"]) or any("error" in e for e in report["frameworks"].values())
+        if args.conformance:
+            print(f"conformance of third-party algorithms ({len(report['conformance'])}):")
+            for c in report["conformance"]:
+                print(f"  {c['name']} ({c['plugin']}): " + ("ok" if c["ok"] else f"FAILS: {c['error']}"))
+    broken = (
+        bool(report["failures"])
+        or any("error" in e for e in report["frameworks"].values())
+        or any(not c["ok"] for c in report.get("conformance", []))
+    )
     return 1 if broken else 0
 
 
@@ -183,6 +211,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_describe)
     p = sub.add_parser("doctor", help="installed frameworks, registration, plugin failures")
     p.add_argument("--json", action="store_true")
+    p.add_argument("--conformance", action="store_true", help="also run the conformance suite on third-party plugins")
     p.set_defaults(func=cmd_doctor)
     sub.add_parser("demo", help="train a tiny model with GRPO through TRL, once per loss (see --help)", add_help=False)
     p = sub.add_parser("bench", help="time and memory of each loss against verl's native twin (or vanilla)")

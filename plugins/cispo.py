@@ -40,15 +40,17 @@ def cispo_loss(b, p: CISPOParams, ctx):
         count = mask.sum().clamp(min=1)  # one token count shared by every metric
         zero = torch.zeros((), dtype=mask.dtype, device=mask.device)
         if 1.0 - p.clip_ratio_low > 0:
-            clip_low = masked_sum(((adv < 0) & (ratio < 1.0 - p.clip_ratio_low)).to(mask.dtype), mask) / count
+            clip_low = masked_sum(((adv < 0) & (ratio < 1.0 - p.clip_ratio_low)).view(torch.uint8), mask) / count
         else:  # ratio = exp(clamped log-ratio) > 0 >= the lower bound: never clipped below
             clip_low = zero
+        # bool conditions enter the masked sums as uint8 views: the same 0/1 factors as a float
+        # cast (same sums), several times faster on CPU
         metrics = {
             # verl: any token whose weight was truncated
-            "pg_clipfrac": masked_sum((ratio != weight).to(mask.dtype), mask) / count,
+            "pg_clipfrac": masked_sum((ratio != weight).view(torch.uint8), mask) / count,
             "pg_clipfrac_lower": zero,
             # TRL's cispo_clip_ratio is clip_high
-            "clip_high": masked_sum(((adv > 0) & (ratio > 1.0 + p.clip_ratio_high)).to(mask.dtype), mask) / count,
+            "clip_high": masked_sum(((adv > 0) & (ratio > 1.0 + p.clip_ratio_high)).view(torch.uint8), mask) / count,
             "clip_low": clip_low,
             "ppo_kl": -masked_sum(log_ratio, mask) / count,
         }

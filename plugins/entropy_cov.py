@@ -125,13 +125,13 @@ def kl_cov_loss(b, p: KLCovParams, ctx):
         top = torch.topk(cov, k, largest=True).indices
         penalised[flat_valid[top]] = True
     penalised = penalised.reshape(mask.shape)
-    pg_losses = -adv * ratio + p.ppo_kl_coef * abs_kl * penalised
+    pg_losses = -adv * ratio + p.ppo_kl_coef * abs_kl * penalised.view(torch.uint8)
 
     with torch.no_grad():
         count = mask.sum().clamp(min=1)
         metrics = {
             "ppo_kl": masked_sum(abs_kl, mask) / count,  # verl: the ABSOLUTE log-ratio
-            "kl_cov/penalized_frac": masked_sum(penalised.to(mask.dtype), mask) / count,
+            "kl_cov/penalized_frac": masked_sum(penalised.view(torch.uint8), mask) / count,
         }
     return pg_losses, metrics
 

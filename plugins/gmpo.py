@@ -59,14 +59,17 @@ def gmpo_loss(b, p: GMPOParams, ctx):
     with torch.no_grad():
         d_det = d.detach()
         count = mask.sum().clamp(min=1)  # one token count shared by every metric
-        clipped = (d_det != d_clamped.detach()).to(mask.dtype)
+        clipped = d_det != d_clamped.detach()
+        pos, neg = adv > 0, adv < 0
+        # bool conditions enter the masked sums as uint8 views: the same 0/1 factors as a float
+        # cast (same sums), several times faster on CPU
         metrics = {
             # verl's definitions: any token outside the log band, split by the sign of A
-            "pg_clipfrac": masked_sum(clipped * (adv > 0), mask) / count,
-            "pg_clipfrac_lower": masked_sum(clipped * (adv < 0), mask) / count,
+            "pg_clipfrac": masked_sum((clipped & pos).view(torch.uint8), mask) / count,
+            "pg_clipfrac_lower": masked_sum((clipped & neg).view(torch.uint8), mask) / count,
             # the tokens whose clip is active (gradient stopped)
-            "clip_high": masked_sum(((adv > 0) & (d_det > p.clip_ratio_high)).to(mask.dtype), mask) / count,
-            "clip_low": masked_sum(((adv < 0) & (d_det < -p.clip_ratio_low)).to(mask.dtype), mask) / count,
+            "clip_high": masked_sum((pos & (d_det > p.clip_ratio_high)).view(torch.uint8), mask) / count,
+            "clip_low": masked_sum((neg & (d_det < -p.clip_ratio_low)).view(torch.uint8), mask) / count,
             "ppo_kl": -masked_sum(d_det, mask) / count,
         }
     return loss, metrics

@@ -42,10 +42,13 @@ def ppo_clip_terms(ratio, advantages, mask, low: float, high: float, dual_c: Opt
     clip_pg_losses1 = torch.maximum(pg_losses1, pg_losses2)
     with torch.no_grad():  # metrics: no autograd graph, one token count shared by all of them
         count = mask.sum().clamp(min=1)
+        neg = advantages < 0
+        # bool conditions enter the masked sums as uint8 views: the same 0/1 factors as a float
+        # cast (same sums), several times faster on CPU
         metrics = {
-            "pg_clipfrac": masked_sum((pg_losses2 > pg_losses1).float(), mask) / count,
-            "clip_high": masked_sum(((advantages > 0) & (ratio > 1.0 + high)).float(), mask) / count,
-            "clip_low": masked_sum(((advantages < 0) & (ratio < 1.0 - low)).float(), mask) / count,
+            "pg_clipfrac": masked_sum((pg_losses2 > pg_losses1).view(torch.uint8), mask) / count,
+            "clip_high": masked_sum(((advantages > 0) & (ratio > 1.0 + high)).view(torch.uint8), mask) / count,
+            "clip_low": masked_sum((neg & (ratio < 1.0 - low)).view(torch.uint8), mask) / count,
         }
     if dual_c is None:
         metrics["pg_clipfrac_lower"] = torch.zeros((), device=ratio.device)
@@ -53,8 +56,8 @@ def ppo_clip_terms(ratio, advantages, mask, low: float, high: float, dual_c: Opt
     pg_losses3 = -advantages * dual_c
     clip_pg_losses2 = torch.minimum(pg_losses3, clip_pg_losses1)
     with torch.no_grad():
-        metrics["pg_clipfrac_lower"] = masked_sum(((clip_pg_losses1 > pg_losses3) & (advantages < 0)).float(), mask) / count
-    return torch.where(advantages < 0, clip_pg_losses2, clip_pg_losses1), metrics
+        metrics["pg_clipfrac_lower"] = masked_sum(((clip_pg_losses1 > pg_losses3) & neg).view(torch.uint8), mask) / count
+    return torch.where(neg, clip_pg_losses2, clip_pg_losses1), metrics
 
 
 def vanilla_loss(b, p: ClipParams, ctx):

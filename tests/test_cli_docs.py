@@ -82,3 +82,24 @@ def test_docs_page_content():
     text = docs.page(spec)
     assert "arXiv 2503.14476" in text and "| `clip_ratio_c` | `3.0` |" in text
     assert "actor_rollout_ref.actor.policy_loss.loss_mode=stablerl_vanilla" in text
+
+
+def test_doctor_runs_conformance_on_third_party_plugins(capsys):
+    from stablerl import POLICY_LOSS, AlgorithmSpec
+
+    def broken_loss(b, p, ctx):  # claims a scalar but returns one value per sequence
+        return -(b.advantages * b.log_prob).sum(-1), {}
+
+    reg = stablerl.get_registry()
+    spec = AlgorithmSpec(name="doctor_probe", kind=POLICY_LOSS, fn=broken_loss, formula="l = -A lp",
+                         output="scalar", plugin="probe (x)")
+    reg.specs[(POLICY_LOSS, "doctor_probe")] = spec
+    try:
+        report = cli.conformance_report()
+        assert [c["name"] for c in report] == ["doctor_probe"]
+        code, out, _ = run_cli(capsys, "doctor", "--conformance")
+    finally:
+        del reg.specs[(POLICY_LOSS, "doctor_probe")]
+    assert "conformance of third-party algorithms (1)" in out and "doctor_probe (probe (x)): " in out
+    assert report[0]["ok"] is False and "expected a scalar" in report[0]["error"]
+    assert "doctor_probe (probe (x)): FAILS" in out and code == 1
