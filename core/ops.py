@@ -104,9 +104,13 @@ def aggregate(
         needed = "token_count" if mode == "token-mean" else "seq_count"
         raise StableRLError(f"loss aggregation {mode!r} with dp_size > 1 needs the global {needed} in the Context")
 
+    row_tokens = None  # per-row token counts, computed once when a mode needs them
+
     def sequences():
         # rows without a single valid token are not sequences (verl's convention)
-        return ctx.seq_count if ctx.seq_count is not None else (mask.sum(-1) > 0).sum()
+        if ctx.seq_count is not None:
+            return ctx.seq_count
+        return ((mask.sum(-1) if row_tokens is None else row_tokens) > 0).sum()
 
     if mode == "token-mean":
         denom = ctx.token_count if ctx.token_count is not None else mask.sum()
@@ -115,8 +119,9 @@ def aggregate(
         denom = sequences()
         total = masked_sum(loss_mat, mask)
     elif mode == "seq-mean-token-mean":
+        row_tokens = mask.sum(-1)  # = masked_mean(loss_mat, mask, dim=-1), sharing the row counts
         denom = sequences()
-        total = masked_mean(loss_mat, mask, dim=-1).sum()
+        total = (masked_sum(loss_mat, mask, dim=-1) / row_tokens.clamp(min=1)).sum()
     elif mode == "seq-mean-token-sum-norm":
         if ctx.loss_scale_factor is None:
             raise StableRLError(

@@ -52,7 +52,8 @@ def cispo_loss(b, p: CISPOParams, ctx):
             # TRL's cispo_clip_ratio is clip_high
             "clip_high": masked_sum(((adv > 0) & (ratio > 1.0 + p.clip_ratio_high)).view(torch.uint8), mask) / count,
             "clip_low": clip_low,
-            "ppo_kl": -masked_sum(log_ratio, mask) / count,
+            # = masked_mean(-log_ratio, mask); 0.0 - s (not -s) so an empty sum stays +0.0
+            "ppo_kl": (0.0 - masked_sum(log_ratio, mask)) / count,
         }
     pg_losses = -weight * adv * b.log_prob
     return pg_losses, metrics

@@ -46,8 +46,10 @@ def gmpo_loss(b, p: GMPOParams, ctx):
     inner = log_ratio if max(p.clip_ratio_low, p.clip_ratio_high) <= LOG_RATIO_BOUND else d
     d_clamped = torch.clamp(inner, -p.clip_ratio_low, p.clip_ratio_high)
     d_eff = sign * torch.minimum(sign * d, sign * d_clamped)
-    ratio = torch.exp(seq_mean(d_eff, valid))  # [B] geometric mean of the clipped token ratios
-    seq_adv = seq_mean(adv, valid)  # sequence-level advantage (0 for an all-masked row)
+    # seq_mean(x, valid) with the row lengths counted once (same values)
+    lengths = mask.sum(-1).clamp(min=1)
+    ratio = torch.exp(masked_sum(d_eff, valid, dim=-1) / lengths)  # [B] geometric mean of the clipped token ratios
+    seq_adv = masked_sum(adv, valid, dim=-1) / lengths  # sequence-level advantage (0 for an all-masked row)
     seq_loss = -seq_adv * ratio
     if b.is_weights is not None:
         # per-sequence geometric mean of the framework's token IS weights (verl's convention)
@@ -70,7 +72,8 @@ def gmpo_loss(b, p: GMPOParams, ctx):
             # the tokens whose clip is active (gradient stopped)
             "clip_high": masked_sum((pos & (d_det > p.clip_ratio_high)).view(torch.uint8), mask) / count,
             "clip_low": masked_sum((neg & (d_det < -p.clip_ratio_low)).view(torch.uint8), mask) / count,
-            "ppo_kl": -masked_sum(d_det, mask) / count,
+            # = masked_mean(-d, mask); 0.0 - s (not -s) so an empty sum stays +0.0
+            "ppo_kl": (0.0 - masked_sum(d_det, mask)) / count,
         }
     return loss, metrics
 

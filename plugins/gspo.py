@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from stablerl import STABLE, Params, hookimpl
-from stablerl.ops import masked_mean, masked_sum, seq_mean
+from stablerl.ops import masked_mean, masked_sum
 from stablerl.params import check
 from stablerl.plugins.ppo import ppo_clip_terms
 
@@ -40,16 +40,22 @@ def gspo_loss(b, p: GSPOParams, ctx):
     mask = b.response_mask
     with torch.no_grad():  # only the detached log-ratio is used: record no autograd graph for it
         log_ratio = b.log_prob.detach() - b.old_log_prob
-        seq_log_ratio = seq_mean(log_ratio, mask)  # [B], masked tokens excluded, 0 for empty rows
+        row_tokens = mask.sum(-1)  # counted once for seq_mean and the valid rows
+        # = seq_mean(log_ratio, mask): [B], masked tokens excluded, 0 for empty rows
+        seq_log_ratio = masked_sum(log_ratio, mask, dim=-1) / row_tokens.clamp(min=1)
     log_s = torch.clamp(b.log_prob - b.log_prob.detach() + seq_log_ratio.unsqueeze(-1), max=GSPO_LOG_RATIO_MAX)
     ratio = torch.exp(log_s)
     pg_losses, metrics = ppo_clip_terms(ratio, b.advantages, mask, p.clip_ratio_low, p.clip_ratio_high, None)
     with torch.no_grad():
-        metrics["ppo_kl"] = -masked_sum(log_ratio, mask) / mask.sum().clamp(min=1)
-        valid_rows = mask.sum(-1) > 0
+        # = masked_mean(-log_ratio, mask); 0.0 - s (not -s) so an empty sum stays +0.0
+        metrics["ppo_kl"] = (0.0 - masked_sum(log_ratio, mask)) / mask.sum().clamp(min=1)
+        valid_rows = row_tokens > 0
         s_i = torch.exp(torch.clamp(seq_log_ratio, max=GSPO_LOG_RATIO_MAX))
         metrics["gspo/seq_ratio_mean"] = masked_mean(s_i, valid_rows.to(s_i.dtype))
-        metrics["gspo/seq_ratio_max"] = torch.cat([s_i[valid_rows], s_i.new_zeros(1)]).max()
+        # max over the valid rows, 0 when there is none (s_i = exp(.) >= 0, so a 0 in the empty rows
+        # changes nothing); no boolean indexing, which costs a nonzero() and a device sync
+        zero = s_i.new_zeros(1)  # also the answer for B = 0
+        metrics["gspo/seq_ratio_max"] = torch.cat([torch.where(valid_rows, s_i, zero), zero]).max()
     return pg_losses, metrics
 
 

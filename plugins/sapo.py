@@ -59,7 +59,8 @@ def sapo_loss(b, p: SAPOParams, ctx):
         metrics = {
             "pg_clipfrac": zero,  # no hard clip (verl reports 0 for compatibility)
             "pg_clipfrac_lower": zero,
-            "ppo_kl": -masked_sum(log_ratio, mask) / mask.sum().clamp(min=1),
+            # = masked_mean(-log_ratio, mask); 0.0 - s (not -s) so an empty sum stays +0.0
+            "ppo_kl": (0.0 - masked_sum(log_ratio, mask)) / mask.sum().clamp(min=1),
         }
     return loss, metrics
 

@@ -2,7 +2,7 @@
 
 One command (CPU, transformers >= 5, tiny MoE models built in code, nothing downloaded)::
 
-    python benchmarks/stability/moe_mismatch.py [--seeds 0,1,2] [--families all] [--budget-min 6]
+    python benchmarks/stability/moe_mismatch.py [--seeds 0,1,2] [--families all] [--budget-min 8]
 
 For each router family (Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE, DeepSeek-V3) and seed:
 
@@ -20,7 +20,8 @@ For each router family (Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE, DeepSeek-V3) and s
    A control rolls out in fp32 through the same ``generate`` path (the decode-path floor).
 5. Drift: a few optimizer steps of a toy REINFORCE loss (reward: fraction of response tokens in
    the lower half of the vocabulary, batch-mean baseline, Adam) with a fresh bf16 rollout from the
-   current weights every step, training forward with replay on or off; the same metrics per step.
+   current weights every step, training forward with replay on or off; the same metrics per step
+   (seeds ``--drift-seeds``, default all three).
 
 Writes docs/stability/moe_mismatch.png, moe_mismatch.md and moe_mismatch.json. Work that would
 start after the time budget is skipped and listed as such.
@@ -247,19 +248,22 @@ def write_table(data: dict, name: str) -> None:
             f"{f('no_replay', 'rollout_entropy'):.2f} |")
     if drift:
         lines += ["", f"Drift: {cfg['drift_steps']} optimizer steps (toy REINFORCE, Adam lr {cfg['lr']}), a fresh bf16 "
-                  "rollout from the current weights every step. Mean over seeds of the per-step KL(train‖rollout) "
+                  "rollout from the current weights every step, seeds "
+                  f"{','.join(map(str, cfg.get('drift_seeds', cfg['seeds'])))}. Mean over seeds of the per-step KL(train‖rollout) "
                   "(first step → last step) and of the rollout-vs-fp32-native routing flips.", "",
-                  "| family | KL no replay (first → last) | KL replay (first → last) | flips, no-replay arm (first → last) | "
-                  "flips, replay arm (first → last) | reward no replay / replay (last) |",
-                  "|---|---|---|---|---|---|"]
+                  "| family | KL no replay (first → last) | KL replay (first → last) | KL over all steps, no replay / replay | "
+                  "flips, no-replay arm (first → last) | flips, replay arm (first → last) | reward no replay / replay (last) |",
+                  "|---|---|---|---|---|---|---|"]
         for fam in cfg["families"]:
             arms = {rep: [r for r in drift if r["family"] == fam and r["replay"] == rep] for rep in (False, True)}
             if not arms[False] or not arms[True]:
                 continue
             fl = lambda rs, key, i: mean([r[key][i] for r in rs])  # noqa: E731
+            allk = lambda rs: mean([x for r in rs for x in r["kl"]])  # noqa: E731
             lines.append(
                 f"| {LABELS[fam]} | {sci(fl(arms[False], 'kl', 0))} → {sci(fl(arms[False], 'kl', -1))} | "
                 f"{sci(fl(arms[True], 'kl', 0))} → {sci(fl(arms[True], 'kl', -1))} | "
+                f"{sci(allk(arms[False]))} / {sci(allk(arms[True]))} ({allk(arms[False]) / allk(arms[True]):.1f}×) | "
                 f"{pct(fl(arms[False], 'flip_frac', 0))} → {pct(fl(arms[False], 'flip_frac', -1))} | "
                 f"{pct(fl(arms[True], 'flip_frac', 0))} → {pct(fl(arms[True], 'flip_frac', -1))} | "
                 f"{fl(arms[False], 'reward', -1):.2f} / {fl(arms[True], 'reward', -1):.2f} |")
@@ -331,8 +335,9 @@ def main() -> int:
     ap.add_argument("--init-std", type=float, default=0.1, help="initializer_range of the random weights")
     ap.add_argument("--drift-steps", type=int, default=8, help="0 skips the drift part")
     ap.add_argument("--lr", type=float, default=3e-3)
+    ap.add_argument("--drift-seeds", default="0,1,2", help="seeds of the drift part (default: %(default)s)")
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--budget-min", type=float, default=6.0)
+    ap.add_argument("--budget-min", type=float, default=8.0)
     ap.add_argument("--out", default=str(C.DOCS), help="directory for the PNG / table / JSON")
     ap.add_argument("--name", default="moe_mismatch", help="file stem of the outputs (default: %(default)s)")
     ap.add_argument("--from-json", action="store_true", help="only rewrite the table and plot from <name>.json")
@@ -353,6 +358,7 @@ def main() -> int:
     transformers.logging.set_verbosity_error()
     budget = C.Budget(a.budget_min)
     seeds = [int(s) for s in a.seeds.split(",")]
+    drift_seeds = [int(s) for s in a.drift_seeds.split(",") if s]
     fams = list(FAMILIES) if a.families == "all" else [f for f in a.families.split(",") if f]
     t0 = time.perf_counter()
     static, drift, skipped = [], [], []
@@ -369,7 +375,7 @@ def main() -> int:
                   f"{sci(b['no_replay']['kl'])} vs replay {sci(b['replay']['kl'])}; fp32 floor flips "
                   f"{pct(r['fp32']['no_replay']['flip_frac'])} ({r['time_s']:.1f}s)")
     if a.drift_steps > 0:
-        for seed in seeds:
+        for seed in drift_seeds:
             for fam in fams:
                 for rep in (False, True):
                     if not budget.allows():
@@ -385,7 +391,7 @@ def main() -> int:
         e = getattr(c, "num_experts", None) or getattr(c, "num_local_experts", None) or getattr(c, "n_routed_experts")
         experts[fam] = f"{e} / {c.num_experts_per_tok}"
     config = dict(seeds=seeds, families=fams, experts=experts, batch=a.batch, prompt_len=a.prompt_len,
-                  new_tokens=a.new_tokens, vocab=a.vocab, init_std=a.init_std, drift_steps=a.drift_steps, lr=a.lr,
+                  new_tokens=a.new_tokens, vocab=a.vocab, init_std=a.init_std, drift_steps=a.drift_steps, drift_seeds=drift_seeds, lr=a.lr,
                   budget_min=a.budget_min, threads=a.threads,
                   model="4 decoder layers, hidden 64, 16 routed experts (DeepSeek-V3: layer 0 dense, 3 MoE layers)",
                   transformers=transformers.__version__, torch=torch.__version__,
