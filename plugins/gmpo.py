@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from stablerl import STABLE, Params, hookimpl
-from stablerl.ops import LOG_RATIO_BOUND, aggregate, broadcast_to_tokens, masked_sum, seq_mean
+from stablerl.ops import LOG_RATIO_BOUND, aggregate, masked_sum, seq_mean
 from stablerl.params import check
 
 
@@ -54,9 +54,10 @@ def gmpo_loss(b, p: GMPOParams, ctx):
     if b.is_weights is not None:
         # per-sequence geometric mean of the framework's token IS weights (verl's convention)
         seq_loss = seq_loss * torch.exp(seq_mean(torch.log(b.is_weights + 1e-10), valid))
-    # sequence mean over the (global) number of sequences: seq_count from ctx, B by default;
-    # "seq-mean-token-mean" of a per-sequence constant is exactly that
-    loss = aggregate(broadcast_to_tokens(seq_loss, valid), valid, "seq-mean-token-mean", ctx)
+    # sequence mean over the (global) number of sequences (seq_count from ctx; by default the rows
+    # with a valid token): the per-sequence loss aggregated as a one-token "sequence" each
+    has_tokens = (mask.sum(-1, keepdim=True) > 0).to(seq_loss.dtype)
+    loss = aggregate(seq_loss.unsqueeze(-1), has_tokens, "seq-mean-token-sum", ctx)
 
     with torch.no_grad():
         d_det = d.detach()
