@@ -1,7 +1,11 @@
 """Shared fixtures for the unit tests (torch only)."""
 
+import socket
+
 import pytest
 import torch
+
+import stablerl
 
 
 def make_batch(B=4, T=6, seed=0, dtype=torch.float32, spread=0.3, padded=True):
@@ -27,3 +31,25 @@ def make_batch(B=4, T=6, seed=0, dtype=torch.float32, spread=0.3, padded=True):
 @pytest.fixture
 def batch():
     return make_batch()
+
+
+def adv(name, r, mask, index, **kw):
+    """``stablerl.compute_advantage`` for an outcome estimator, checking returns == advantages."""
+    a, ret = stablerl.compute_advantage(name, token_level_rewards=r, response_mask=mask, index=index, **kw)
+    assert torch.equal(a, ret), "returns == advantages for outcome estimators"
+    return a
+
+
+def per_seq(a, mask):
+    """The scalar advantage of each response (outcome estimators broadcast one value per response)."""
+    lengths = mask.sum(-1).long()
+    out = a[torch.arange(a.shape[0]), (lengths - 1).clamp(min=0)]
+    assert torch.equal(a, out[:, None] * mask)
+    return out
+
+
+def free_port() -> int:
+    """A free localhost TCP port for a gloo rendezvous."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]

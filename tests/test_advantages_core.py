@@ -10,6 +10,7 @@ import statistics
 import numpy as np
 import pytest
 import torch
+from conftest import adv, per_seq
 
 import stablerl
 from stablerl import Context, StableRLError, UnknownNameError
@@ -26,20 +27,6 @@ def rewards_from_scores(scores, lengths, T=None, dtype=torch.float64):
     r = torch.zeros(len(scores), T, dtype=dtype)
     r[torch.arange(len(scores)), lengths - 1] = torch.as_tensor(scores, dtype=dtype)
     return r, mask
-
-
-def adv(name, r, mask, index, **kw):
-    a, ret = stablerl.compute_advantage(name, token_level_rewards=r, response_mask=mask, index=index, **kw)
-    assert torch.equal(a, ret), "returns == advantages for outcome estimators"
-    return a
-
-
-def per_seq(a, mask):
-    """The scalar advantage of each response (every valid token carries the same value)."""
-    lengths = mask.sum(-1).long()
-    out = a[torch.arange(a.shape[0]), (lengths - 1).clamp(min=0)]
-    assert torch.equal(a, out[:, None] * mask)
-    return out
 
 
 # ----------------------------------------------------------------------------- references (loops)

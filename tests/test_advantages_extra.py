@@ -11,6 +11,7 @@ import statistics
 import numpy as np
 import pytest
 import torch
+from conftest import adv, per_seq
 
 import stablerl
 from stablerl import Context, MissingInputError, StableRLError
@@ -30,20 +31,6 @@ def rewards_from_scores(scores, lengths=None, T=None, dtype=torch.float64):
     rows = torch.nonzero(lengths > 0).squeeze(-1)
     r[rows, lengths[rows] - 1] = torch.as_tensor(scores, dtype=dtype)[rows]
     return r, mask
-
-
-def adv(name, r, mask, index, **kw):
-    a, ret = stablerl.compute_advantage(name, token_level_rewards=r, response_mask=mask, index=index, **kw)
-    assert torch.equal(a, ret), "returns == advantages"
-    return a
-
-
-def per_seq(a, mask):
-    """The scalar advantage of each response (outcome estimators broadcast one value per response)."""
-    lengths = mask.sum(-1).long()
-    out = a[torch.arange(a.shape[0]), (lengths - 1).clamp(min=0)]
-    assert torch.equal(a, out[:, None] * mask)
-    return out
 
 
 def run(name, scores, ids, **kw):

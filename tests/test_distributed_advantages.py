@@ -6,7 +6,6 @@ only use their own group, so they are split-invariant by construction; checked t
 """
 
 import os
-import socket
 import tempfile
 
 import numpy as np
@@ -14,15 +13,10 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from conftest import free_port
 
 WORLD = 2
 NAMES = ("grpo", "dr_grpo", "rloo", "opo", "qae", "bnpo")
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def whole_batch(seed=0, n_prompts=9, T=6):
@@ -104,7 +98,7 @@ def test_two_gloo_ranks_equal_one_rank_whole_batch():
     with tempfile.TemporaryDirectory() as out_dir:
         # fork (where available) spares each child re-importing torch; spawn elsewhere
         method = "fork" if "fork" in mp.get_all_start_methods() else "spawn"
-        mp.start_processes(_worker, args=(_free_port(), out_dir), nprocs=WORLD, join=True, start_method=method)
+        mp.start_processes(_worker, args=(free_port(), out_dir), nprocs=WORLD, join=True, start_method=method)
         parts = [torch.load(os.path.join(out_dir, f"rank{r}.pt")) for r in range(WORLD)]
 
     covered = torch.cat([p["rows"] for p in parts]).sort().values

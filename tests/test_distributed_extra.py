@@ -6,7 +6,6 @@ Both reduce through ``ctx.all_reduce``, so prompts split over ranks must give th
 """
 
 import os
-import socket
 import tempfile
 
 import numpy as np
@@ -14,14 +13,9 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from conftest import free_port
 
 WORLD = 2
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def whole_batch(seed=0, n_prompts=7, T=9):
@@ -115,7 +109,7 @@ def test_two_gloo_ranks_equal_one_rank_whole_batch():
 
     with tempfile.TemporaryDirectory() as out_dir:
         method = "fork" if "fork" in mp.get_all_start_methods() else "spawn"
-        mp.start_processes(_worker, args=(_free_port(), out_dir), nprocs=WORLD, join=True, start_method=method)
+        mp.start_processes(_worker, args=(free_port(), out_dir), nprocs=WORLD, join=True, start_method=method)
         parts = [torch.load(os.path.join(out_dir, f"rank{r}.pt")) for r in range(WORLD)]
 
     covered = torch.cat([p["rows"] for p in parts]).sort().values
