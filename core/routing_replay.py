@@ -551,6 +551,27 @@ class Routes:
         return cls._from_token_layer_slot(arr, moe_layers=moe_layers, num_experts=num_experts,
                                           num_tokens=num_tokens, model=model, source="from_sglang")
 
+    @classmethod
+    def from_token_layer_slot(cls, arr, *, moe_layers: Optional[Sequence[int]] = None, num_experts: Optional[int] = None,
+                              model=None, batch_shape: Optional[Sequence[int]] = None,
+                              cu_seqlens: Optional[torch.Tensor] = None) -> "Routes":
+        """Routes from an ``[N, num_hidden_layers, k]`` array in the engines' absolute-layer layout with one
+        row per token (verl's ``routed_experts`` batch field; the inverse of :meth:`to_token_layer_slot`).
+        Dense layers are dropped (``moe_layers``, else from ``model``, else the layers that are not all zero);
+        rows that are not k distinct experts (zero padding, never-forwarded tokens) are invalid, so top-1
+        routes need ``valid`` information this layout cannot carry: they are refused."""
+        t = _as_int_tensor(arr)
+        if t.dim() == 3 and t.shape[2] < 2:
+            raise RoutesMismatchError(
+                "from_token_layer_slot: top-1 routes cannot mark padding rows in this layout (a zero row is expert 0)")
+        r = cls._from_token_layer_slot(t, moe_layers=moe_layers, num_experts=num_experts,
+                                       num_tokens=t.shape[0] if t.dim() == 3 else None, model=model,
+                                       source="from_token_layer_slot")
+        if batch_shape is None and cu_seqlens is None:
+            return r
+        return r._new(r.indices, batch_shape=batch_shape if batch_shape is not None else (1, r.num_tokens),
+                      cu_seqlens=cu_seqlens, valid=r.valid)
+
     def to_token_layer_slot(self, num_hidden_layers: Optional[int] = None) -> torch.Tensor:
         """``[N, num_hidden_layers, k]`` int64 in the engines' absolute-layer layout (dense layers 0)."""
         H = num_hidden_layers if num_hidden_layers is not None else max(self.layer_ids) + 1

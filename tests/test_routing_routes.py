@@ -121,6 +121,26 @@ def test_from_vllm_top1_needs_layers():
     assert r.valid.tolist() == [[True, True, True, False]] * 2
 
 
+def test_from_token_layer_slot_one_row_per_token_verl_layout():
+    """verl's ``routed_experts`` field: [N, H, k] absolute layers, one row per token, zero rows = no route."""
+    H, k, E, n = 4, 2, 8, 7
+    arr = torch.from_numpy(engine_array([1, 3], H, n, k, E).astype(np.int16))
+    arr[4] = 0  # padding / the last sampled token: no route
+    r = Routes.from_token_layer_slot(arr, num_experts=E, cu_seqlens=torch.tensor([0, 3, 7]))
+    assert r.num_tokens == n and r.layer_ids == (1, 3) and r.batch_shape == (1, n)
+    assert r.cu_seqlens.tolist() == [0, 3, 7]
+    assert r.valid.tolist() == [[True] * 4 + [False] + [True] * 2] * 2
+    back = r.to_token_layer_slot(H)
+    assert torch.equal(back, arr.long())  # exact inverse, zero rows included
+    # moe_layers given explicitly, and a [B, T] view
+    r2 = Routes.from_token_layer_slot(arr, moe_layers=[1, 3], num_experts=E, batch_shape=(1, n))
+    assert torch.equal(r2.indices, r.indices)
+    with pytest.raises(StableRLError, match="batch_shape"):
+        Routes.from_token_layer_slot(arr, moe_layers=[1, 3], batch_shape=(2, 3))
+    with pytest.raises(StableRLError, match="top-1"):
+        Routes.from_token_layer_slot(torch.ones(3, 2, 1, dtype=torch.int16), moe_layers=[0, 1])
+
+
 def sglang_b64(arr_int32):
     return base64.b64encode(np.ascontiguousarray(arr_int32, dtype="<i4").tobytes()).decode("utf-8")
 

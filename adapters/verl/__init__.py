@@ -28,6 +28,11 @@ Usage (verl >= 0.9: nothing but the name)::
     actor_rollout_ref.actor.policy_loss._target_=stablerl.adapters.verl.StablePolicyLossConfig
     +actor_rollout_ref.actor.policy_loss.m2_threshold=0.05
 
+MoE routing replay on verl's FSDP engine (:mod:`stablerl.adapters.verl._routing_replay`)::
+
+    +actor_rollout_ref.actor.fsdp_config.router_replay.mode=R3   # or R2
+    actor_rollout_ref.rollout.enable_rollout_routing_replay=True  # R3 only
+
 Fallback when entry points are disabled (``VERL_USE_EXTERNAL_PLUGINS=none``) or verl < 0.9:
 ``actor_rollout_ref.model.external_lib=stablerl.adapters.verl`` or
 ``VERL_USE_EXTERNAL_MODULES=stablerl.adapters.verl``.
@@ -56,6 +61,9 @@ from stablerl.adapters.verl import _advantage as _adv_site  # noqa: E402  (impor
 
 patch_compute_advantage = _adv_site.patch
 unpatch_compute_advantage = _adv_site.unpatch
+
+# MoE routing replay (R2/R3) on verl's FSDP engine: +actor_rollout_ref.actor.fsdp_config.router_replay.mode
+from stablerl.adapters.verl import _routing_replay as routing_replay  # noqa: E402  (imports no verl)
 
 #: verl versions this adapter is written against: the ``(loss, metrics)`` return (>= 0.6.1),
 #: ``rollout_is_weights`` and ``config.global_batch_info`` (>= 0.7.0); tested with 0.9.1.
@@ -258,6 +266,7 @@ def registration_report() -> dict[str, Any]:
         "ppo_loss_patch": _REPORT["ppo_loss_patch"],
         "compute_advantage_patch": _REPORT.get("compute_advantage_patch"),
         "compute_advantage_patched": _adv_site.is_patched(),
+        "routing_replay": routing_replay.status(),
         "advantage_inputs": _adv_site.describe(),
         "ppo_loss_patched": _declared.is_patched(),
         "declared_inputs": _declared.describe(),
@@ -302,6 +311,7 @@ def _setup():
     _REPORT["compute_advantage_patch"] = adv_status
     if adv_status == "failed":  # no wrapper: verl passes the uid only
         _PROVIDES[stablerl.ADVANTAGE_ESTIMATOR] = frozenset({"index"})
+    routing_replay.install()  # FSDP engine subclass + worker switch, on import of their modules
     usable = [
         s
         for s in stablerl.list_algorithms(stablerl.POLICY_LOSS)
@@ -377,4 +387,5 @@ __all__ = [
     "patch_compute_advantage",
     "unpatch_compute_advantage",
     "register_batch_field_estimators",
+    "routing_replay",
 ]

@@ -1,0 +1,365 @@
+"""Routing replay (R2/R3) on verl 0.9.1's FSDP engine, through verl's own engine code on CPU.
+
+The engine is verl's ``FSDPEngineWithLMHead`` as the registry hands it out (with the stablerl adapter
+imported: our subclass). verl has no CPU platform, so the test builds the engine with verl's
+``__init__`` and sets ``module`` to the plain tiny model instead of running ``initialize()`` (FSDP
+sharding needs a CUDA device mesh); everything else -- ``left_right_2_no_padding``, micro-batching,
+``prepare_model_inputs``, the forward, ``prepare_model_outputs``, backward, ``postprocess_batch_func`` --
+is verl's code. The routes come the way verl's agent loop stores them: ``routed_experts`` int16
+``[B, T, num_hidden_layers, k]`` over absolute layers, zero rows where the engine has no route (padding
+and the last sampled token).
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import socket
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("verl")
+
+from stablerl import routing_replay as rr  # noqa: E402
+from stablerl.params import StableRLError  # noqa: E402
+
+H, K, E = 2, 2, 8  # decoder layers, top-k, experts
+VOCAB = 48
+
+
+def _config():
+    return transformers.Qwen3MoeConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=H, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=8, moe_intermediate_size=32, num_experts=E, num_experts_per_tok=K, norm_topk_prob=True,
+        vocab_size=VOCAB, pad_token_id=0, eos_token_id=1, bos_token_id=1, tie_word_embeddings=False)
+
+
+def _model(seed=0):
+    torch.manual_seed(seed)
+    return transformers.AutoModelForCausalLM.from_config(_config()).float()
+
+
+@pytest.fixture(scope="module")
+def process_group():
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    yield
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    d = tmp_path_factory.mktemp("tiny_qwen3_moe")
+    _model().save_pretrained(d)
+    tok = Tokenizer(models.WordLevel({f"w{i}": i for i in range(VOCAB)}, unk_token="w2"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="w0", eos_token="w1", unk_token="w2").save_pretrained(d)
+    return str(d)
+
+
+@pytest.fixture
+def make_engine(adapter, process_group, model_dir, monkeypatch):
+    """``make_engine(mode, model, use_remove_padding=True)`` -> verl's registry engine around ``model``."""
+    from verl.trainer.config.config import CheckpointConfig
+    from verl.workers.config import FSDPEngineConfig, FSDPOptimizerConfig, HFModelConfig
+    from verl.workers.engine import EngineRegistry
+    from verl.workers.engine.fsdp import transformer_impl as ti
+
+    monkeypatch.setenv("VERL_ENGINE_DEVICE", "cuda")  # verl registers its FSDP engines for cuda/npu only
+    for name in ("get_device_id", "get_device_name"):
+        monkeypatch.setattr(ti, name, lambda: "cpu")
+    monkeypatch.setattr(ti, "create_device_mesh", lambda **kw: None)
+
+    def make(mode, model, use_remove_padding=True, engine_cls=None, **engine_kw):
+        cls = EngineRegistry.get_engine_cls("language_model", "fsdp2") if engine_cls is None else ti.FSDPEngineWithLMHead
+        ec = FSDPEngineConfig(strategy="fsdp2", model_dtype="fp32", use_torch_compile=False, **engine_kw)
+        if mode is not None:
+            object.__setattr__(ec, "router_replay", {"mode": mode})  # what Hydra leaves for `+...router_replay.mode`
+        mc = HFModelConfig(path=model_dir, use_remove_padding=use_remove_padding)
+        eng = cls(model_config=mc, engine_config=ec, optimizer_config=FSDPOptimizerConfig(lr=1e-3),
+                  checkpoint_config=CheckpointConfig())
+        eng.module = model
+        eng._autocast_dtype = torch.float32
+        return eng
+
+    return make
+
+
+# ---- a verl batch -------------------------------------------------------------------------------
+
+B, P, R = 4, 5, 6  # rows, prompt width (left-padded), response width (right-padded)
+PROMPT_LENS = [5, 3, 4, 2]
+RESP_LENS = [6, 4, 1, 5]
+
+
+def _padded_batch():
+    g = torch.Generator().manual_seed(1)
+    prompts = torch.zeros(B, P, dtype=torch.long)
+    responses = torch.zeros(B, R, dtype=torch.long)
+    for i in range(B):
+        prompts[i, P - PROMPT_LENS[i]:] = torch.randint(3, VOCAB, (PROMPT_LENS[i],), generator=g)
+        responses[i, :RESP_LENS[i]] = torch.randint(3, VOCAB, (RESP_LENS[i],), generator=g)
+    pmask = (torch.arange(P).unsqueeze(0) >= P - torch.tensor(PROMPT_LENS).unsqueeze(1)).long()
+    rmask = (torch.arange(R).unsqueeze(0) < torch.tensor(RESP_LENS).unsqueeze(1)).long()
+    attn = torch.cat([pmask, rmask], 1)
+    pos = (attn.cumsum(-1) - 1).clamp_min(0)
+    return dict(prompts=prompts, responses=responses, input_ids=torch.cat([prompts, responses], 1),
+                attention_mask=attn, position_ids=pos, response_mask=rmask)
+
+
+def _rollout_routes(model, batch, last_missing=True):
+    """The routes a rollout engine would report, in verl's layout: captured on a padded forward of
+    ``model``, int16 [B, T, H, k], zero rows on padding and (vLLM) on each sequence's last token."""
+    with rr.capture(model) as cap, torch.no_grad():
+        model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+              position_ids=batch["position_ids"])
+    routes = cap.routes()
+    T = batch["input_ids"].shape[1]
+    out = routes.to_token_layer_slot(H).reshape(B, T, H, K).to(torch.int16)
+    out[batch["attention_mask"] == 0] = 0
+    if last_missing:
+        last = batch["attention_mask"].cumsum(-1).argmax(-1)
+        out[torch.arange(B), last] = 0
+    return out
+
+
+def _verl_data(batch, routed=None, micro=2, use_remove_padding=True, flag=True, **extra):
+    from tensordict import TensorDict
+    from verl.utils import tensordict_utils as tu
+    from verl.workers.utils.padding import left_right_2_no_padding
+
+    fields = dict(batch)
+    if routed is not None:
+        fields["routed_experts"] = routed
+    td = TensorDict(fields, batch_size=[B])
+    td = left_right_2_no_padding(td)
+    tu.assign_non_tensor(td, temperature=1.0, use_remove_padding=use_remove_padding, use_dynamic_bsz=False,
+                         micro_batch_size_per_gpu=micro, use_fused_kernels=False, calculate_entropy=False, **extra)
+    if flag:  # what verl's @_with_routing_replay_flag(enabled=True) sets on compute_log_prob / update_actor
+        tu.assign_non_tensor(td, enable_routing_replay=True)
+    return td
+
+
+def _log_probs(output, drop_last=False):
+    """verl's per-token log-probs, packed; ``drop_last``: without each row's last position, whose label
+    is the wrap-around of verl's roll over the micro-batch (never a response token)."""
+    rows = output["model_output"]["log_probs"].unbind() if isinstance(output, dict) else output
+    return torch.cat([r[:-1] if drop_last else r for r in rows])
+
+
+def _rows(packed):
+    return list(torch.split(packed, [p + r for p, r in zip(PROMPT_LENS, RESP_LENS)]))
+
+
+def _reference_log_probs(model, batch, routes_bthk=None):
+    """Per-token log-probs of the next token over every valid position, packed row-major (verl's
+    ``log_probs`` before it cuts the responses), from a plain padded forward (optionally under replay)."""
+    ids, mask = batch["input_ids"], batch["attention_mask"]
+    ctx = None
+    if routes_bthk is not None:
+        T = ids.shape[1]
+        routes = rr.Routes.from_token_layer_slot(routes_bthk.reshape(B * T, H, K), model=model, batch_shape=(B, T))
+        ctx = rr.replay(model, routes)
+    try:
+        with torch.no_grad():
+            logits = model(input_ids=ids, attention_mask=mask, position_ids=batch["position_ids"]).logits
+    finally:
+        if ctx is not None:
+            ctx.remove()
+    keep = mask.bool()
+    # verl rolls the packed token stream as a whole: a row's last position "predicts" the next row's first
+    nxt = torch.roll(ids[keep], -1)
+    return torch.log_softmax(logits[keep].float(), -1).gather(-1, nxt.unsqueeze(-1)).squeeze(-1)
+
+
+def _experts_used(model, fn):
+    with rr.capture(model) as cap:
+        fn()
+    return cap.routes_list()
+
+
+# ---- tests --------------------------------------------------------------------------------------
+
+
+def test_registry_hands_out_the_replay_engine(adapter, make_engine):
+    from verl.workers.engine import EngineRegistry
+    from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
+
+    cls = EngineRegistry.get_engine_cls("language_model", "fsdp2")
+    assert cls.__name__ == "RoutingReplayFSDPEngineWithLMHead" and issubclass(cls, FSDPEngineWithLMHead)
+    assert EngineRegistry.get_engine_cls("language_model", "fsdp") is cls
+    status = adapter.registration_report()["routing_replay"]
+    assert status["engine_class"] == cls.__name__ and "fsdp2:cuda" in status["registry_entries"]
+
+
+@pytest.mark.parametrize("use_remove_padding", [True, False])
+def test_r3_replays_rollout_routes_in_compute_log_prob(make_engine, use_remove_padding):
+    model = _model()
+    batch = _padded_batch()
+    # the "rollout engine": same weights, different numerics -> partly different experts
+    rollout = copy.deepcopy(model)
+    with torch.no_grad():
+        for layer in rollout.model.layers:
+            layer.mlp.gate.weight.add_(0.5 * torch.randn_like(layer.mlp.gate.weight))
+    routed = _rollout_routes(rollout, batch)
+    eng = make_engine("R3", model, use_remove_padding=use_remove_padding)
+    native = _reference_log_probs(model, batch)
+    expected = _reference_log_probs(model, batch, routed)
+    assert (expected - native).abs().max() > 1e-3  # the rollout's routes really differ
+
+    out = eng.infer_batch(_verl_data(batch, routed, use_remove_padding=use_remove_padding))
+    got = _log_probs(out, drop_last=True)
+    expected, native = _log_probs(_rows(expected), True), _log_probs(_rows(native), True)
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+    assert not rr.find_routers(model)[0].module._forward_hooks  # replay removed after the step
+    # the same data without verl's routing-replay flag (the reference model's pass): native routing
+    out_ref = eng.infer_batch(_verl_data(batch, routed, use_remove_padding=use_remove_padding, flag=False))
+    torch.testing.assert_close(_log_probs(out_ref, drop_last=True), native, atol=1e-5, rtol=1e-5)
+
+
+def _loss(model_output, data, dp_group=None):
+    lp = model_output["log_probs"]
+    loss = -torch.cat(list(lp.unbind())).mean()
+    return loss, {"loss": loss.detach().item()}
+
+
+def test_r3_update_pins_experts_and_keeps_router_gradient(make_engine):
+    batch = _padded_batch()
+    results = {}
+    for mode in (None, "R3"):
+        model = _model()
+        routed = _rollout_routes(model, batch)  # rollout at the current weights
+        eng = make_engine(mode, model)
+        eng.optimizer = torch.optim.Adam(model.parameters(), lr=0.05)
+        data = _verl_data(batch, routed)
+        eng.optimizer.zero_grad()
+        eng.forward_backward_batch(data, _loss, forward_only=False)
+        router_grad = model.model.layers[0].mlp.gate.weight.grad.abs().sum().item()
+        eng.optimizer.step()
+        used = _experts_used(model, lambda: eng.forward_backward_batch(_verl_data(batch, routed), _loss,
+                                                                       forward_only=False))
+        # each micro-batch's experts, packed, against the rollout's at the same tokens
+        mb_routes = rr.Routes.concat_tokens([r for r in used])
+        full = rr.Routes.from_token_layer_slot(routed.reshape(-1, H, K), model=model, batch_shape=(B, P + R))
+        rollout = full.unpad(batch["attention_mask"])
+        results[mode] = (rr.mismatch_fraction(rollout, mb_routes), router_grad)
+    drift_native, _ = results[None]
+    drift_replay, grad = results["R3"]
+    print("R3 update drift native / replay, router grad:", results)
+    assert drift_native > 0.05, results
+    assert drift_replay == 0.0 and grad > 0, results
+
+
+def test_r2_records_in_compute_log_prob_and_replays_in_update(make_engine):
+    batch = _padded_batch()
+    model = _model()
+    eng = make_engine("R2", model)
+    out = eng.infer_batch(_verl_data(batch))  # compute_log_prob: no routed_experts yet -> record
+    rec = out["model_output"]["routed_experts"]
+    assert rec.is_nested and rec.dtype == torch.int16
+    lens = [int(m.sum()) for m in batch["attention_mask"]]
+    assert [t.shape for t in rec.unbind()] == [torch.Size([n, H, K]) for n in lens]
+    native = _rollout_routes(model, batch, last_missing=False)
+    torch.testing.assert_close(torch.cat(list(rec.unbind())), native[batch["attention_mask"].bool()])
+
+    # update with the recorded routes (verl's trainer puts them in the batch), after a big step
+    eng.optimizer = torch.optim.Adam(model.parameters(), lr=0.05)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    padded = torch.zeros(B, P + R, H, K, dtype=torch.int16)
+    padded[batch["attention_mask"].bool()] = torch.cat(list(rec.unbind()))
+    drifted = rr.mismatch_fraction(
+        rr.Routes.from_token_layer_slot(native.reshape(-1, H, K), model=model, batch_shape=(B, P + R)),
+        rr.Routes.from_token_layer_slot(_rollout_routes(model, batch, last_missing=False).reshape(-1, H, K),
+                                        model=model, batch_shape=(B, P + R)))
+    print("R2 drift after perturbation:", drifted)
+    assert drifted > 0.05
+    used = _experts_used(model, lambda: eng.forward_backward_batch(_verl_data(batch, padded), _loss,
+                                                                   forward_only=False))
+    recorded = rr.Routes.from_token_layer_slot(torch.cat(list(rec.unbind())), model=model)
+    assert rr.mismatch_fraction(recorded, rr.Routes.concat_tokens(used)) == 0.0
+    assert model.model.layers[1].mlp.gate.weight.grad.abs().sum() > 0
+
+
+def test_disabled_mode_is_verls_engine(make_engine):
+    batch = _padded_batch()
+    model = _model()
+    routed = _rollout_routes(_model(seed=3), batch)
+    eng = make_engine(None, model)
+    out = eng.infer_batch(_verl_data(batch, routed))
+    verls = make_engine(None, model, engine_cls="verl")  # verl's own FSDPEngineWithLMHead
+    assert type(verls).__name__ == "FSDPEngineWithLMHead"
+    torch.testing.assert_close(_log_probs(out), _log_probs(verls.infer_batch(_verl_data(batch, routed))),
+                               atol=0, rtol=0)
+    assert not rr.find_routers(model)[0].module._forward_hooks
+
+
+def test_errors(adapter, make_engine):
+    batch = _padded_batch()
+    eng = make_engine("R3", _model())
+    with pytest.raises(StableRLError, match="enable_rollout_routing_replay=True"):
+        eng.infer_batch(_verl_data(batch))  # R3 without routes from the rollout
+    eng = make_engine("R-3", _model())
+    with pytest.raises(StableRLError, match=r"not one of .*did you mean 'R3'"):
+        eng.infer_batch(_verl_data(batch, _rollout_routes(_model(), batch)))
+    dense = transformers.AutoModelForCausalLM.from_config(transformers.Qwen2Config(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+        vocab_size=VOCAB)).float()
+    eng = make_engine("R2", dense)
+    with pytest.raises(StableRLError, match="no MoE router of a known family"):
+        eng.infer_batch(_verl_data(batch))
+    eng = make_engine("R3", _model())
+    eng.use_ulysses_sp = True
+    with pytest.raises(StableRLError, match="sequence parallelism"):
+        eng.infer_batch(_verl_data(batch, _rollout_routes(_model(), batch)))
+
+
+def _worker(monkeypatch, *overrides):
+    import verl
+    from hydra import compose, initialize_config_dir
+
+    for k, v in dict(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT="29555").items():
+        monkeypatch.setenv(k, v)
+    conf = os.path.join(os.path.dirname(verl.__file__), "trainer/config")
+    with initialize_config_dir(config_dir=conf, version_base=None):
+        cfg = compose(config_name="ppo_trainer", overrides=[
+            *overrides, "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2", "actor_rollout_ref.rollout.n=1"])
+    from verl.workers.engine_workers import ActorRolloutRefWorker
+
+    return ActorRolloutRefWorker(cfg.actor_rollout_ref, role="actor_rollout")
+
+
+RR_KEY = "+actor_rollout_ref.actor.fsdp_config.router_replay.mode"
+ROLLOUT_RR = "actor_rollout_ref.rollout.enable_rollout_routing_replay=True"
+
+
+@pytest.mark.parametrize("overrides, enabled", [
+    ((), False),
+    ((f"{RR_KEY}=disabled",), False),
+    ((f"{RR_KEY}=R3", ROLLOUT_RR), True),
+    ((f"{RR_KEY}=R2",), True),
+])
+def test_worker_switch(adapter, monkeypatch, overrides, enabled):
+    """verl's ActorRolloutRefWorker forces routing replay off for FSDP; the adapter's switch turns it on
+    from fsdp_config.router_replay.mode, so verl's own decorators flag compute_log_prob / update_actor."""
+    assert _worker(monkeypatch, *overrides).enable_routing_replay is enabled
+
+
+@pytest.mark.parametrize("overrides, message", [
+    ((f"{RR_KEY}=R3",), "set actor_rollout_ref.rollout.enable_rollout_routing_replay=True"),
+    ((f"{RR_KEY}=R2", ROLLOUT_RR), "unset actor_rollout_ref.rollout.enable_rollout_routing_replay"),
+    ((f"{RR_KEY}=r4",), "not one of"),
+])
+def test_worker_switch_errors(adapter, monkeypatch, overrides, message):
+    with pytest.raises(StableRLError, match=message):
+        _worker(monkeypatch, *overrides)
