@@ -11,6 +11,8 @@ inside Ray actors. This adapter therefore patches, in every Ray worker that owns
   a stablerl ``--algo.advantage.estimator`` computes the baseline-shaped advantages, then
   OpenRLHF's own KL-in-reward, reward clip and cumulative return run after it; OpenRLHF's names go
   to OpenRLHF's method untouched.
+* ``--actor.stablerl_routing_replay R2`` (MoE routing replay): ``Actor.forward``,
+  ``RemoteExperienceMaker.make_experience`` and ``ActorPPOTrainer.training_step`` (see ``_routing_replay``).
 
 OpenRLHF's built-in names (``ppo``, ``gspo``; ``gae``, ``reinforce``, ``rloo``,
 ``reinforce_baseline``, ``group_norm``, ``dr_grpo``, ``flash_reinforce``) keep OpenRLHF's code.
@@ -77,9 +79,11 @@ ENV_POLICY_LOSS = "STABLERL_POLICY_LOSS"
 ENV_POLICY_LOSS_PARAMS = "STABLERL_POLICY_LOSS_PARAMS"
 ENV_ADVANTAGE = "STABLERL_ADVANTAGE_ESTIMATOR"
 ENV_ADVANTAGE_PARAMS = "STABLERL_ADVANTAGE_PARAMS"
+ENV_ROUTING_REPLAY = "STABLERL_ROUTING_REPLAY"
 ENV_CHAINED_SETUP_HOOK = "STABLERL_CHAINED_SETUP_HOOK"
 ENV_PREVIOUS_RUNTIME_ENV_HOOK = "STABLERL_PREVIOUS_RAY_RUNTIME_ENV_HOOK"
-_FORWARDED_ENV = (ENV_POLICY_LOSS, ENV_POLICY_LOSS_PARAMS, ENV_ADVANTAGE, ENV_ADVANTAGE_PARAMS, ENV_CHAINED_SETUP_HOOK)
+_FORWARDED_ENV = (ENV_POLICY_LOSS, ENV_POLICY_LOSS_PARAMS, ENV_ADVANTAGE, ENV_ADVANTAGE_PARAMS, ENV_ROUTING_REPLAY,
+                  ENV_CHAINED_SETUP_HOOK)
 SETUP_HOOK = "stablerl.adapters.openrlhf.setup"
 
 _ACTOR_MODULE = "openrlhf.trainer.ray.ppo_actor"
@@ -243,6 +247,8 @@ class Selection:
     #: --actor.dual_clip) as clip_ratio_low/high/c: they set those fields of a stablerl loss that
     #: has them. Flags left at OpenRLHF's defaults leave the paper's defaults in place.
     openrlhf_clip: dict = field(default_factory=dict)
+    #: MoE routing replay (--actor.stablerl_routing_replay): "R2", or None (native routing)
+    routing_replay: Optional[str] = None
 
     def validate(self) -> "Selection":
         """Build the Params now so a bad key or value fails in the driver, not in a worker."""
@@ -280,6 +286,7 @@ def selection_from_args(args) -> Selection:
         policy_loss_params=parse_params(os.environ.get(ENV_POLICY_LOSS_PARAMS), ENV_POLICY_LOSS_PARAMS) if env_loss else {},
         advantage_estimator=resolve(stablerl.ADVANTAGE_ESTIMATOR, adv_name),
         advantage_params=parse_params(os.environ.get(ENV_ADVANTAGE_PARAMS), ENV_ADVANTAGE_PARAMS) if env_adv else {},
+        routing_replay=os.environ.get(ENV_ROUTING_REPLAY) or None,
     )
 
 
@@ -314,10 +321,17 @@ def _patch_actor_module(module) -> None:
             from ._loss import build_policy_loss
 
             self.actor_loss_fn = build_policy_loss(self.args, sel, strategy=self.strategy)
+        if sel.routing_replay is not None:
+            from ._routing_replay import arm
+
+            arm(self, sel.routing_replay)
 
     __init__.__wrapped__ = original
     __init__.__doc__ = original.__doc__
     _set_patch("ActorPPOTrainer.__init__", cls, "__init__", __init__)
+    from ._routing_replay import patch_actor_module
+
+    patch_actor_module(module, _set_patch)  # training_step, Actor.forward (R2)
 
 
 def _patch_maker_module(module) -> None:
@@ -338,6 +352,9 @@ def _patch_maker_module(module) -> None:
     compute_advantages_and_returns.__doc__ = original.__doc__
     _set_patch("RemoteExperienceMaker.compute_advantages_and_returns", cls, "compute_advantages_and_returns",
                compute_advantages_and_returns)
+    from ._routing_replay import patch_maker_module
+
+    patch_maker_module(module, _set_patch, selection_from_args)  # make_experience (R2)
 
 
 _PATCHERS = {_ACTOR_MODULE: _patch_actor_module, _MAKER_MODULE: _patch_maker_module}
@@ -388,7 +405,9 @@ def remove() -> None:
 def is_applied() -> dict[str, bool]:
     """Which patches are in place in this process."""
     return {key: True for key in _ORIGINALS} | {
-        k: False for k in ("ActorPPOTrainer.__init__", "RemoteExperienceMaker.compute_advantages_and_returns")
+        k: False for k in ("ActorPPOTrainer.__init__", "RemoteExperienceMaker.compute_advantages_and_returns",
+                           "ActorPPOTrainer.training_step", "Actor.forward",
+                           "RemoteExperienceMaker.make_experience")
         if k not in _ORIGINALS
     }
 

@@ -10,7 +10,8 @@ this driver process only and only for the run:
 1. ``argparse.ArgumentParser.add_argument`` extended so that ``--actor.policy_loss_type`` and
    ``--algo.advantage.estimator`` also accept stablerl names (argparse still rejects unknown
    names, listing the valid ones), and adding ``--actor.stablerl_params`` /
-   ``--algo.advantage.stablerl_params`` (``KEY=VALUE`` items or one JSON object);
+   ``--algo.advantage.stablerl_params`` (``KEY=VALUE`` items or one JSON object), and
+   ``--actor.stablerl_routing_replay R2`` (MoE routing replay; ``R3`` is refused with the reason);
 2. ``openrlhf.utils.config.hierarchize`` wrapped to attach ``args.stablerl`` (a
    :class:`stablerl.adapters.openrlhf.Selection`, validated here so a bad key fails before Ray
    starts); it reaches every model actor inside the pickled ``DeepspeedStrategy``;
@@ -28,6 +29,7 @@ from typing import Optional, Sequence
 import stablerl
 from stablerl.params import StableRLError
 
+from . import _routing_replay
 from . import (
     OPENRLHF_ADV_ESTIMATORS,
     OPENRLHF_POLICY_LOSSES,
@@ -105,6 +107,14 @@ class _ParserPatch:
                 help=f"stablerl {what} hyper-parameters, KEY=VALUE items (VALUE read as JSON) or one JSON object; "
                 "unset keys take the paper's defaults",
             )
+            if kind == stablerl.POLICY_LOSS:
+                original(
+                    parser, _routing_replay.FLAG, type=lambda v: str(v).strip().upper(), choices=_routing_replay.MODES,
+                    default=None, metavar="{R2,R3}",
+                    help="stablerl MoE routing replay: R2 records the experts of the actor's old-log-prob pass and "
+                    "replays them in every training step (R3, the rollout's experts, is not possible with OpenRLHF "
+                    "0.11.2: the error says why)",
+                )
             return action
 
         argparse.ArgumentParser.add_argument = add_argument
@@ -150,6 +160,7 @@ def selection_from_cli(args) -> Selection:
         advantage_params=parse_params(getattr(args.algo.advantage, "stablerl_params", None), _ADV_PARAMS_FLAG),
     )
     sel.openrlhf_clip = explicit_clip_flags(args, sys.argv[1:])
+    sel.routing_replay = _routing_replay.check_mode(getattr(args.actor, "stablerl_routing_replay", None), args)
     sel.validate()
     if loss is not None:
         from stablerl.params import build_params

@@ -235,7 +235,7 @@ def _wrap(original):
         name = _stablerl_name(loss_mode)
         if name is None:  # a verl loss (or not a policy-loss config): nothing to gather
             return original(config, model_output, data, dp_group)
-        inputs = {"__name__": name, **gather(name, loss_mode, model_output, data)}
+        inputs = {"__name__": name, "__dp_group__": dp_group, **gather(name, loss_mode, model_output, data)}
         token = _CURRENT.set(inputs)
         try:
             return original(config, model_output, data, dp_group)
@@ -310,6 +310,13 @@ def is_patched() -> bool:
     if module is None:
         return post_import.installed(_HOOK_TAG)
     return _is_wrapper(getattr(module, "ppo_loss", None))
+
+
+def dp_group_for(name: str):
+    """The data-parallel group verl handed to the active ``ppo_loss`` call of loss ``name`` (None outside
+    one, or when verl passed none)."""
+    got = _CURRENT.get()
+    return got.get("__dp_group__") if got is not None and got.get("__name__") == name else None
 
 
 def inputs_for(name: str, requires) -> dict[str, Any]:

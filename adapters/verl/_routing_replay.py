@@ -36,14 +36,13 @@ built yet), as are top-1 routers (the int16 layout cannot mark padding rows for 
 
 from __future__ import annotations
 
-import difflib
 import logging
 from typing import Any, Optional
 
 import torch
 
 from stablerl.adapters import _post_import as post_import
-from stablerl.params import StableRLError
+from stablerl.params import StableRLError, UnknownNameError, unknown_name_message
 
 logger = logging.getLogger("stablerl.adapters.verl")
 
@@ -65,10 +64,7 @@ def mode_of(engine_config) -> str:
     mode = "disabled" if mode in (None, "", False) else str(mode)
     canon = {m.lower(): m for m in MODES}
     if mode.lower() not in canon:
-        near = difflib.get_close_matches(mode, MODES, n=1)
-        raise StableRLError(
-            f"fsdp_config.router_replay.mode={mode!r} is not one of {list(MODES)}"
-            + (f" (did you mean {near[0]!r}?)" if near else ""))
+        raise UnknownNameError(unknown_name_message("fsdp_config.router_replay.mode", mode, MODES))
     return canon[mode.lower()]
 
 

@@ -15,7 +15,7 @@ from typing import Any, Optional
 
 import torch
 
-from stablerl import ADVANTAGE_ESTIMATOR, POLICY_LOSS, Context, StableRLError
+from stablerl import ADVANTAGE_ESTIMATOR, POLICY_LOSS, Context, StableRLError, torch_distributed_context
 from stablerl import compute_advantage as _compute_advantage
 from stablerl import compute_policy_loss as _compute_policy_loss
 from stablerl import get_spec
@@ -63,7 +63,7 @@ def cfg_get(obj: Any, key: str, default: Any = None) -> Any:
 # ----------------------------------------------------------------------------- policy losses
 
 
-def verl_context(config: Any, response_mask: torch.Tensor, loss_agg_mode: str) -> tuple[Context, str]:
+def verl_context(config: Any, response_mask: torch.Tensor, loss_agg_mode: str, dp_group: Any = None) -> tuple[Context, str]:
     """The stablerl :class:`Context` (and aggregation mode) equal to verl's ``agg_loss`` semantics.
 
     verl fills ``config.global_batch_info`` before each call (``dp_size``, ``batch_num_tokens``:
@@ -96,7 +96,13 @@ def verl_context(config: Any, response_mask: torch.Tensor, loss_agg_mode: str) -
             "padded response length (verl's default), which changes from batch to batch; set "
             "actor_rollout_ref.actor.loss_scale_factor=<max_response_length> for Dr. GRPO",
         )
-    ctx = Context(token_count=token_count, seq_count=seq_count, dp_size=dp_size, loss_scale_factor=scale)
+    fields = dict(token_count=token_count, seq_count=seq_count, dp_size=dp_size, loss_scale_factor=scale)
+    if dp_group is not None and dp_size > 1:
+        # verl passes ppo_loss its DP group and runs the same number of micro-batches on every rank
+        # (same_micro_num_in_dp), so a loss's batch statistics can be reduced over the ranks' micro-batches
+        ctx = torch_distributed_context(dp_group, **fields)
+    else:
+        ctx = Context(**fields)
     return ctx, mode
 
 
@@ -148,7 +154,7 @@ def make_policy_loss_fn(name: str):
         **kwargs: Any,
     ) -> tuple[torch.Tensor, dict[str, float]]:
         spec = get_spec(POLICY_LOSS, name)
-        ctx, mode = verl_context(config, response_mask, loss_agg_mode)
+        ctx, mode = verl_context(config, response_mask, loss_agg_mode, _declared.dp_group_for(name))
         ctx.state = _declared.state_for(name)  # per-process, persists across steps (not checkpointed)
         # declared inputs (entropy, token ids, uids...), gathered by the ppo_loss wrapper
         extra = _declared.inputs_for(name, spec.requires)
