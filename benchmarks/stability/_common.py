@@ -53,18 +53,25 @@ def _window(values: list, frac: float = 0.1) -> list[float]:
 
 
 def train(loss: str, *, steps: int, seed: int, lr: float, out_dir: Path, num_iterations: int = 1,
-          **overrides: Any) -> dict:
+          off_policy_inputs: bool = False, **overrides: Any) -> dict:
     """One GRPO run through the real TRL trainer; per-step reward/entropy and a summary.
+
+    ``off_policy_inputs``: build the trainer from :mod:`_offpolicy_trainer` (behaviour log-probs and
+    policy versions for decoupled_ppo / a3po; other losses run exactly as with the plain adapter).
 
     ``collapsed``: the final reward (mean of the last 10% of logged rewards) is below half of the
     run's best 10%-window mean, after that best was at least 0.3 (it learned, then lost it).
     """
     from stablerl.adapters.trl import demo
 
+    if off_policy_inputs:
+        import _offpolicy_trainer as builders
+    else:
+        builders = demo
     record: dict[str, Any] = {"step": [], "metrics": {}}
-    args = demo.make_config(str(out_dir / "runs" / f"{loss}-s{seed}"), loss, steps=steps, seed=seed, lr=lr,
-                            num_iterations=num_iterations, **overrides)
-    trainer = demo.make_trainer(args, callbacks=[demo._recorder_callback(record, None)], seed=seed)
+    args = builders.make_config(str(out_dir / "runs" / f"{loss}-s{seed}"), loss, steps=steps, seed=seed, lr=lr,
+                                num_iterations=num_iterations, **overrides)
+    trainer = builders.make_trainer(args, callbacks=[demo._recorder_callback(record, None)], seed=seed)
     t0 = time.perf_counter()
     trainer.train()
     elapsed = time.perf_counter() - t0
@@ -82,6 +89,9 @@ def train(loss: str, *, steps: int, seed: int, lr: float, out_dir: Path, num_ite
         "final_entropy": ent[-1] if ent else float("nan"),
         "collapsed": bool(best >= 0.3 and final < 0.5 * best),
         "time_s": elapsed,
+        # run means of the losses' clip / mask / IS statistics (what each loss did to the stale tokens)
+        "metric_means": {k: sum(x for x in v if x is not None) / max(1, sum(x is not None for x in v))
+                         for k, v in m.items() if k.startswith(("stablerl/", "clip_ratio/"))},
     }
 
 

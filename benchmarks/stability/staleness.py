@@ -2,15 +2,22 @@
 
 One command (CPU, TRL 1.16, the demo's ~0.3M-parameter Qwen2-style model on "copy the digit")::
 
-    python benchmarks/stability/staleness.py [--steps 200] [--seeds 0,1] [--budget-min 25]
+    python benchmarks/stability/staleness.py [--steps 200] [--seeds 0,1] [--budget-min 40]
 
 Staleness is made with TRL's own mechanism: ``steps_per_generation = k + 1`` and
 ``num_iterations = 1``, so each generation of (k+1) x 64 completions is split into k+1 optimizer
 steps and the i-th of them trains on rollouts from a policy i updates old (0..k, each rollout used
-once); TRL's ``old_per_token_logps`` are the behaviour policy's. Losses: TRL's built-in clipped
-GRPO loss (``grpo``) and stablerl's M2PO (``stablerl_m2po``, arXiv 2510.01161). decoupled_ppo and
-a3po need the behaviour (rollout) log-probs *and* a separate proximal policy (a3po also per-token
-policy versions); TRL on CPU without vLLM provides neither, so they are not in this experiment.
+once); TRL's ``old_per_token_logps`` are the behaviour policy's (a forward pass at generation time).
+
+Losses: TRL's built-in clipped GRPO loss (``grpo``), stablerl's M2PO (``stablerl_m2po``, arXiv
+2510.01161), decoupled PPO (``stablerl_decoupled_ppo``, arXiv 2110.00641 / AReaL 2505.24298) and
+A-3PO (``stablerl_a3po``, arXiv 2512.06547). The last two need inputs the TRL adapter does not feed
+without vLLM; ``_offpolicy_trainer.py`` (a subclass of stablerl's TRL ``GRPOTrainer``, the adapter
+unchanged) supplies them: behaviour log-probs = TRL's ``old_per_token_logps`` (the training forward's
+own for k = 0, where the rollout is on-policy), proximal = the current policy detached (one optimizer
+step per micro-batch, so a recompute would return the same numbers; the PPO ratio to it is 1), and for
+a3po per-token ``versions`` = the optimizer step at generation, ``policy_version`` = the current one.
+grpo and m2po run exactly as through the plain adapter.
 
 Writes docs/stability/staleness.png, staleness.md and staleness.json. Runs that would start after
 the time budget are skipped and listed as such.
@@ -33,9 +40,9 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--seeds", default="0,1")
     ap.add_argument("--ks", default="0,4,16")
-    ap.add_argument("--losses", default="grpo,stablerl_m2po")
+    ap.add_argument("--losses", default="grpo,stablerl_m2po,stablerl_decoupled_ppo,stablerl_a3po")
     ap.add_argument("--lr", type=float, default=1e-3)
-    ap.add_argument("--budget-min", type=float, default=25.0)
+    ap.add_argument("--budget-min", type=float, default=40.0)
     ap.add_argument("--out", default=str(C.DOCS), help="directory for the PNG / table / JSON")
     ap.add_argument("--name", default="staleness", help="file stem of the outputs (default: %(default)s)")
     ap.add_argument("--from-json", action="store_true", help="only rewrite the table and plot from <name>.json")
@@ -61,14 +68,17 @@ def main() -> int:
                 if not budget.allows():
                     skipped.append({"k": k, "loss_type": loss, "seed": seed})
                     continue
-                r = C.train(loss, steps=a.steps, seed=seed, lr=a.lr, out_dir=tmp, steps_per_generation=k + 1)
+                r = C.train(loss, steps=a.steps, seed=seed, lr=a.lr, out_dir=tmp, steps_per_generation=k + 1,
+                            off_policy_inputs=True)
                 r["k"] = k
                 runs.append(r)
                 C.log(f"k={k:<3} {loss:<14} seed {seed}: reward {C.fmt(r['initial_reward'])} -> best "
                       f"{C.fmt(r['best_reward'])} -> final {C.fmt(r['final_reward'])}"
-                      f"{'  COLLAPSED' if r['collapsed'] else ''}  ({r['time_s']:.0f}s)")
+                      f"{'  COLLAPSED' if r['collapsed'] else ''}  [{dropped(r)}]  ({r['time_s']:.0f}s)")
     config = dict(steps=a.steps, seeds=seeds, ks=ks, losses=losses, lr=a.lr, budget_min=a.budget_min,
                   mechanism="steps_per_generation=k+1, num_iterations=1", prompts_per_step=8, generations=8,
+                  off_policy_inputs="behaviour = TRL old_per_token_logps (k=0: current, detached); proximal = "
+                  "current detached; versions = optimizer step at generation; policy_version = current step",
                   total_s=time.perf_counter() - t0, machine=C.machine())
     C.write_json(a.name, {"config": config, "runs": runs, "skipped": skipped})
     write_table(runs, skipped, config, a.name)
@@ -82,11 +92,26 @@ def steps_to(run: dict, level: float):
     return next((s for s, y in zip(run["steps"], run["reward"]) if y is not None and y >= level), "-")
 
 
+# what each loss does to stale tokens, as fractions of the response tokens (run means)
+_DROP_METRICS = (("clip", "clip_ratio/region_mean"), ("clip", "stablerl/pg_clipfrac"),
+                 ("m2-mask", "stablerl/m2po/masked_fraction"), ("reject", "stablerl/rs_filtered_fraction"))
+
+
+def dropped(run: dict) -> str:
+    """Clip / mask / rejection fractions of a run, e.g. ``clip 0.03, reject 0.01`` (``-`` if none logged)."""
+    means = dict(run.get("metric_means", {}))
+    if "stablerl/m2po/masked_fraction" in means:  # m2po's pg_clipfrac is the same masked fraction
+        means.pop("stablerl/pg_clipfrac", None)
+    parts = [f"{label} {means[key]:.3f}" for label, key in _DROP_METRICS if key in means]
+    return ", ".join(parts) or "-"
+
+
 def write_table(runs, skipped, config, name: str = "staleness") -> None:
     lines = [
         "| k (updates stale) | loss_type | seeds | initial reward | best reward | final reward (per seed) | "
-        "steps to reward 0.8 (per seed) | collapsed | s / run |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "steps to reward 0.8 (per seed) | collapsed | clipped / masked / rejected tokens (run mean, per seed) "
+        "| s / run |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for k in config["ks"]:
         for loss in config["losses"]:
@@ -98,13 +123,16 @@ def write_table(runs, skipped, config, name: str = "staleness") -> None:
                 f"| {k} | {loss} | {','.join(str(r['seed']) for r in rs)} | {C.fmt(mean('initial_reward'))} | "
                 f"{C.fmt(mean('best_reward'))} | {C.fmt(mean('final_reward'))} ({', '.join(C.fmt(r['final_reward']) for r in rs)}) | "
                 f"{', '.join(str(steps_to(r, 0.8)) for r in rs)} | "
-                f"{sum(r['collapsed'] for r in rs)}/{len(rs)} | {mean('time_s'):.0f} |"
+                f"{sum(r['collapsed'] for r in rs)}/{len(rs)} | {'; '.join(dropped(r) for r in rs)} | "
+                f"{mean('time_s'):.0f} |"
             )
     if skipped:
         lines.append("")
         lines.append("Skipped (time budget): " + ", ".join(f"k={s['k']} {s['loss_type']} seed {s['seed']}" for s in skipped))
     lines += ["", f"{config['steps']} steps, lr {config['lr']}, {config['mechanism']}, 8 prompts x 8 generations; "
-              f"rewards are means over a sliding window of 10% of the logged points; machine: {config['machine']}; "
+              f"rewards are means over a sliding window of 10% of the logged points; "
+              + (f"off-policy inputs: {config['off_policy_inputs']}; " if "off_policy_inputs" in config else "")
+              + f"machine: {config['machine']}; "
               f"total {config['total_s'] / 60:.1f} min."]
     (C.DOCS / f"{name}.md").write_text("\n".join(lines) + "\n")
 
