@@ -62,8 +62,11 @@ from stablerl.adapters.verl import _advantage as _adv_site  # noqa: E402  (impor
 patch_compute_advantage = _adv_site.patch
 unpatch_compute_advantage = _adv_site.unpatch
 
-# MoE routing replay (R2/R3) on verl's FSDP engine: +actor_rollout_ref.actor.fsdp_config.router_replay.mode
-from stablerl.adapters.verl import _routing_replay as routing_replay  # noqa: E402  (imports no verl)
+# verl's FSDP engine subclass (MoE routing replay, checkpointed loss state), the worker switch for
+# +actor_rollout_ref.actor.fsdp_config.router_replay.mode, and the trainers' driver-state checkpoint
+from stablerl.adapters.verl import _engine as engine  # noqa: E402  (imports no verl)
+from stablerl.adapters.verl import _routing_replay as routing_replay  # noqa: E402
+from stablerl.adapters.verl import _state as checkpoint_state  # noqa: E402
 
 #: verl versions this adapter is written against: the ``(loss, metrics)`` return (>= 0.6.1),
 #: ``rollout_is_weights`` and ``config.global_batch_info`` (>= 0.7.0); tested with 0.9.1.
@@ -266,6 +269,7 @@ def registration_report() -> dict[str, Any]:
         "ppo_loss_patch": _REPORT["ppo_loss_patch"],
         "compute_advantage_patch": _REPORT.get("compute_advantage_patch"),
         "compute_advantage_patched": _adv_site.is_patched(),
+        "engine": engine.status(),
         "routing_replay": routing_replay.status(),
         "advantage_inputs": _adv_site.describe(),
         "ppo_loss_patched": _declared.is_patched(),
@@ -311,7 +315,9 @@ def _setup():
     _REPORT["compute_advantage_patch"] = adv_status
     if adv_status == "failed":  # no wrapper: verl passes the uid only
         _PROVIDES[stablerl.ADVANTAGE_ESTIMATOR] = frozenset({"index"})
-    routing_replay.install()  # FSDP engine subclass + worker switch, on import of their modules
+    engine.install()  # FSDP engine subclass, on import of its module
+    routing_replay.install()  # worker switch for fsdp_config.router_replay.mode
+    checkpoint_state.install()  # trainers' _save_checkpoint / _load_checkpoint: the driver's stablerl state
     usable = [
         s
         for s in stablerl.list_algorithms(stablerl.POLICY_LOSS)
@@ -388,4 +394,6 @@ __all__ = [
     "unpatch_compute_advantage",
     "register_batch_field_estimators",
     "routing_replay",
+    "engine",
+    "checkpoint_state",
 ]

@@ -2,16 +2,15 @@
 
 verl 0.9.1 replays routes only on Megatron and VeOmni; its FSDP engine never reads the
 ``routed_experts`` batch field and its worker forces ``router_replay`` off for ``fsdp``/``fsdp2``.
-This module closes that gap with two patches, applied when (and if) the process imports the module
-that owns each class (a ``sys.meta_path`` post-import hook; nothing is imported here):
+Two pieces close that gap:
 
-* ``verl.workers.engine.fsdp.transformer_impl``: :func:`engine_class` subclasses verl's
-  ``FSDPEngineWithLMHead`` and re-points the engine registry's ``fsdp``/``fsdp2`` language-model entries
-  to the subclass. With ``router_replay`` disabled (the default) every method is verl's own.
-* ``verl.workers.engine_workers``: ``ActorRolloutRefWorker.__init__`` turns verl's routing-replay flag
-  on for an FSDP actor whose ``fsdp_config.router_replay.mode`` is ``R2``/``R3``, exactly as verl does
-  for Megatron. verl's own decorators then mark ``compute_log_prob`` and ``update_actor`` (not the
-  reference model's pass) as routing-replay steps, and its trainer carries ``routed_experts``.
+* the engine side, :func:`session_for` / :class:`_Session`, called by stablerl's FSDP engine subclass
+  (:mod:`stablerl.adapters.verl._engine`, installed in verl's engine registry);
+* the worker switch (this module's :func:`install`): ``ActorRolloutRefWorker.__init__`` turns verl's
+  routing-replay flag on for an FSDP actor whose ``fsdp_config.router_replay.mode`` is ``R2``/``R3``,
+  exactly as verl does for Megatron. verl's own decorators then mark ``compute_log_prob`` and
+  ``update_actor`` (not the reference model's pass) as routing-replay steps, and its trainer carries
+  ``routed_experts``.
 
 Config (the same key shape as ``actor.megatron.router_replay.mode``)::
 
@@ -19,7 +18,7 @@ Config (the same key shape as ``actor.megatron.router_replay.mode``)::
     actor_rollout_ref.rollout.enable_rollout_routing_replay=True    # R3: vLLM / SGLang return the routes
     +actor_rollout_ref.actor.fsdp_config.router_replay.mode=R2      # R2: routes of the old-log-prob pass
 
-What the engine does per step (the routing itself is :mod:`stablerl.routing_replay`):
+Per step (the routing itself is :mod:`stablerl.routing_replay`):
 
 * R3, and R2's update: each micro-batch's ``routed_experts`` (jagged ``[b, j, num_hidden_layers, k]``,
   absolute decoder layers, zero rows where the engine has no route) is converted to
@@ -47,11 +46,10 @@ from stablerl.params import StableRLError, UnknownNameError, unknown_name_messag
 logger = logging.getLogger("stablerl.adapters.verl")
 
 MODES = ("disabled", "R2", "R3")
-ENGINE_MODULE = "verl.workers.engine.fsdp.transformer_impl"
 WORKER_MODULE = "verl.workers.engine_workers"
 FSDP_BACKENDS = ("fsdp", "fsdp2")
 _HOOK_TAG = "stablerl.verl.routing_replay"
-_STATE: dict[str, Any] = {"engine_class": None, "replaced": [], "worker_init": None}
+_STATE: dict[str, Any] = {"worker_init": None}
 
 
 def mode_of(engine_config) -> str:
@@ -153,78 +151,8 @@ class _Session:
 
 
 # ------------------------------------------------------------------------------------------------
-# The engine subclass and the worker switch
+# The engine's per-step entry point and the worker switch
 # ------------------------------------------------------------------------------------------------
-
-
-def _num_hidden_layers(hf_config) -> int:
-    cfg = getattr(hf_config, "text_config", None) or hf_config
-    return int(cfg.num_hidden_layers)
-
-
-def engine_class(base):
-    """A subclass of verl's ``FSDPEngineWithLMHead`` that replays (or records) MoE routes when its
-    ``router_replay.mode`` is ``R2``/``R3`` and verl flags the step; verl's own methods otherwise."""
-    from verl.utils import tensordict_utils as tu
-
-    class RoutingReplayFSDPEngineWithLMHead(base):
-        _stablerl_routing_replay = True
-
-        def _stablerl_session(self, data, forward_only: bool) -> Optional[_Session]:
-            mode = mode_of(self.engine_config)
-            if mode == "disabled" or not tu.get_non_tensor_data(data, key="enable_routing_replay", default=False):
-                return None
-            if getattr(self, "use_ulysses_sp", False):
-                raise StableRLError(
-                    "stablerl routing replay on verl's FSDP engine does not support Ulysses sequence parallelism yet "
-                    "(ulysses_sequence_parallel_size > 1)")
-            record = mode == "R2" and forward_only and data.get("routed_experts", None) is None
-            return _Session(self.module, record=record)
-
-        def forward_backward_batch(self, data, loss_function, forward_only=False):
-            session = self._stablerl_session(data, forward_only)
-            if session is None:
-                return super().forward_backward_batch(data, loss_function, forward_only=forward_only)
-            self._stablerl_rr = session
-            try:  # the replay hooks stay through backward (gradient-checkpoint recomputation)
-                return super().forward_backward_batch(data, loss_function, forward_only=forward_only)
-            finally:
-                session.close()
-                self._stablerl_rr = None
-
-        def prepare_model_inputs(self, micro_batch):
-            model_inputs, output_args = super().prepare_model_inputs(micro_batch)
-            session = getattr(self, "_stablerl_rr", None)
-            if session is not None:
-                use_rmpad = tu.get_non_tensor_data(data=micro_batch, key="use_remove_padding", default=True)
-                session.begin(micro_batch, output_args, use_rmpad)
-            return model_inputs, output_args
-
-        def prepare_model_outputs(self, output, output_args, micro_batch, logits_processor_func):
-            model_output = super().prepare_model_outputs(output, output_args, micro_batch, logits_processor_func)
-            session = getattr(self, "_stablerl_rr", None)
-            if session is not None and session.record:
-                model_output["routed_experts"] = session.recorded(
-                    micro_batch, _num_hidden_layers(self.model_config.hf_config), int(output_args.get("pad_size", 0)))
-            return model_output
-
-    RoutingReplayFSDPEngineWithLMHead.__qualname__ = RoutingReplayFSDPEngineWithLMHead.__name__
-    RoutingReplayFSDPEngineWithLMHead.__module__ = __name__
-    return RoutingReplayFSDPEngineWithLMHead
-
-
-def _patch_engine_module(module) -> None:
-    from verl.workers.engine.base import EngineRegistry
-
-    base = module.FSDPEngineWithLMHead
-    cls = _STATE["engine_class"] or engine_class(base)
-    _STATE["engine_class"] = cls
-    registry = EngineRegistry._engines.get("language_model", {})
-    for backend in FSDP_BACKENDS:
-        for key, engine in list(registry.get(backend, {}).items()):
-            if engine is base:
-                registry[backend][key] = cls
-                _STATE["replaced"].append((backend, key, base))
 
 
 def _patch_worker_module(module) -> None:
@@ -258,40 +186,49 @@ def _patch_worker_module(module) -> None:
     _STATE["worker_init"] = (worker, original)
 
 
-def _apply(name: str, module) -> None:
+def num_hidden_layers(hf_config) -> int:
+    cfg = getattr(hf_config, "text_config", None) or hf_config
+    return int(cfg.num_hidden_layers)
+
+
+def session_for(engine, data, forward_only: bool) -> Optional[_Session]:
+    """The routing-replay session of one ``forward_backward_batch`` of a verl FSDP engine, or None when
+    ``router_replay`` is disabled or verl did not flag the step (the reference model's pass)."""
+    from verl.utils import tensordict_utils as tu
+
+    mode = mode_of(engine.engine_config)
+    if mode == "disabled" or not tu.get_non_tensor_data(data, key="enable_routing_replay", default=False):
+        return None
+    if getattr(engine, "use_ulysses_sp", False):
+        raise StableRLError(
+            "stablerl routing replay on verl's FSDP engine does not support Ulysses sequence parallelism yet "
+            "(ulysses_sequence_parallel_size > 1)")
+    record = mode == "R2" and forward_only and data.get("routed_experts", None) is None
+    return _Session(engine.module, record=record)
+
+
+def _apply_worker(module) -> None:
     try:
-        (_patch_engine_module if name == ENGINE_MODULE else _patch_worker_module)(module)
+        _patch_worker_module(module)
     except Exception as e:  # noqa: BLE001 - say it loudly: verl hides plugin errors
-        logger.warning("stablerl: verl routing replay patch of %s failed: %s: %s", name, type(e).__name__, e)
+        logger.warning("stablerl: verl routing replay patch of %s failed: %s: %s", WORKER_MODULE, type(e).__name__, e)
         raise
 
 
 def install() -> None:
-    """Arm the two patches (now for modules already imported, else on their import). Idempotent."""
+    """Arm the worker switch (now if its module is imported, else on import). Idempotent. The engine side
+    is :mod:`stablerl.adapters.verl._engine`."""
     import sys
 
-    pending = {}
-    for name in (ENGINE_MODULE, WORKER_MODULE):
-        if name in sys.modules:
-            _apply(name, sys.modules[name])
-        else:
-            pending[name] = (lambda n: (lambda m: _apply(n, m)))(name)
-    if pending:
-        post_import.install(_HOOK_TAG, pending, once=False)
+    if WORKER_MODULE in sys.modules:
+        _apply_worker(sys.modules[WORKER_MODULE])
+    else:
+        post_import.install(_HOOK_TAG, {WORKER_MODULE: _apply_worker}, once=False)
 
 
 def uninstall() -> None:
-    """Undo both patches and disarm the hook."""
-    from stablerl.adapters._post_import import remove
-
-    remove(_HOOK_TAG)
-    if _STATE["replaced"]:
-        from verl.workers.engine.base import EngineRegistry
-
-        registry = EngineRegistry._engines.get("language_model", {})
-        for backend, key, base in _STATE["replaced"]:
-            registry[backend][key] = base
-        _STATE["replaced"].clear()
+    """Undo the worker switch and disarm the hook."""
+    post_import.remove(_HOOK_TAG)
     if _STATE["worker_init"] is not None:
         worker, original = _STATE["worker_init"]
         worker.__init__ = original
@@ -299,8 +236,4 @@ def uninstall() -> None:
 
 
 def status() -> dict[str, Any]:
-    return {
-        "engine_class": None if _STATE["engine_class"] is None else _STATE["engine_class"].__name__,
-        "registry_entries": [f"{b}:{k}" for b, k, _ in _STATE["replaced"]],
-        "worker_switch": _STATE["worker_init"] is not None,
-    }
+    return {"worker_switch": _STATE["worker_init"] is not None}

@@ -6,10 +6,15 @@ Run: ``python -m pytest integrations_tests/verl -q -p no:cacheprovider --import-
 from __future__ import annotations
 
 import importlib.util
+import os
+import socket
+import sys
 
 import numpy as np
 import pytest
 import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # tiny_moe, _two_rank_ppo_loss
 
 if importlib.util.find_spec("verl") is None:  # not the verl environment: nothing to run here
     collect_ignore_glob = ["test_*.py"]
@@ -90,3 +95,59 @@ def _rewards_batch(seed=0, T=5, dtype=torch.float64):
 @pytest.fixture
 def rewards_batch():
     return _rewards_batch
+
+
+@pytest.fixture(scope="session")
+def process_group():
+    """A one-rank gloo group (verl's engine all-reduces the token count over its DP group)."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    yield
+
+
+@pytest.fixture(scope="session")
+def model_dir(tmp_path_factory):
+    """A tiny Qwen3-MoE and a word-level tokenizer saved in code (no Hub), for verl's HFModelConfig."""
+    from tiny_moe import VOCAB, tiny_moe
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    d = tmp_path_factory.mktemp("tiny_qwen3_moe")
+    tiny_moe().save_pretrained(d)
+    tok = Tokenizer(models.WordLevel({f"w{i}": i for i in range(VOCAB)}, unk_token="w2"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="w0", eos_token="w1", unk_token="w2").save_pretrained(d)
+    return str(d)
+
+
+@pytest.fixture
+def make_engine(adapter, process_group, model_dir, monkeypatch):
+    """``make_engine(mode, model, use_remove_padding=True)`` -> verl's registry engine around ``model``."""
+    from verl.trainer.config.config import CheckpointConfig
+    from verl.workers.config import FSDPEngineConfig, FSDPOptimizerConfig, HFModelConfig
+    from verl.workers.engine import EngineRegistry
+    from verl.workers.engine.fsdp import transformer_impl as ti
+
+    monkeypatch.setenv("VERL_ENGINE_DEVICE", "cuda")  # verl registers its FSDP engines for cuda/npu only
+    for name in ("get_device_id", "get_device_name"):
+        monkeypatch.setattr(ti, name, lambda: "cpu")
+    monkeypatch.setattr(ti, "create_device_mesh", lambda **kw: None)
+
+    def make(mode, model, use_remove_padding=True, engine_cls=None, **engine_kw):
+        cls = EngineRegistry.get_engine_cls("language_model", "fsdp2") if engine_cls is None else ti.FSDPEngineWithLMHead
+        ec = FSDPEngineConfig(strategy="fsdp2", model_dtype="fp32", use_torch_compile=False, **engine_kw)
+        if mode is not None:
+            object.__setattr__(ec, "router_replay", {"mode": mode})  # what Hydra leaves for `+...router_replay.mode`
+        mc = HFModelConfig(path=model_dir, use_remove_padding=use_remove_padding)
+        eng = cls(model_config=mc, engine_config=ec, optimizer_config=FSDPOptimizerConfig(lr=1e-3),
+                  checkpoint_config=CheckpointConfig())
+        eng.module = model
+        eng._autocast_dtype = torch.float32
+        return eng
+
+    return make

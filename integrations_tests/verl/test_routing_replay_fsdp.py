@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import copy
 import os
-import socket
 
 import pytest
 import torch
@@ -24,74 +23,9 @@ pytest.importorskip("verl")
 
 from stablerl import routing_replay as rr  # noqa: E402
 from stablerl.params import StableRLError  # noqa: E402
+from tiny_moe import H, K, VOCAB, tiny_moe  # noqa: E402  (conftest puts this folder on sys.path)
 
-H, K, E = 2, 2, 8  # decoder layers, top-k, experts
-VOCAB = 48
-
-
-def _config():
-    return transformers.Qwen3MoeConfig(
-        hidden_size=32, intermediate_size=64, num_hidden_layers=H, num_attention_heads=4, num_key_value_heads=2,
-        head_dim=8, moe_intermediate_size=32, num_experts=E, num_experts_per_tok=K, norm_topk_prob=True,
-        vocab_size=VOCAB, pad_token_id=0, eos_token_id=1, bos_token_id=1, tie_word_embeddings=False)
-
-
-def _model(seed=0):
-    torch.manual_seed(seed)
-    return transformers.AutoModelForCausalLM.from_config(_config()).float()
-
-
-@pytest.fixture(scope="module")
-def process_group():
-    import torch.distributed as dist
-
-    if not dist.is_initialized():
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
-    yield
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    d = tmp_path_factory.mktemp("tiny_qwen3_moe")
-    _model().save_pretrained(d)
-    tok = Tokenizer(models.WordLevel({f"w{i}": i for i in range(VOCAB)}, unk_token="w2"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="w0", eos_token="w1", unk_token="w2").save_pretrained(d)
-    return str(d)
-
-
-@pytest.fixture
-def make_engine(adapter, process_group, model_dir, monkeypatch):
-    """``make_engine(mode, model, use_remove_padding=True)`` -> verl's registry engine around ``model``."""
-    from verl.trainer.config.config import CheckpointConfig
-    from verl.workers.config import FSDPEngineConfig, FSDPOptimizerConfig, HFModelConfig
-    from verl.workers.engine import EngineRegistry
-    from verl.workers.engine.fsdp import transformer_impl as ti
-
-    monkeypatch.setenv("VERL_ENGINE_DEVICE", "cuda")  # verl registers its FSDP engines for cuda/npu only
-    for name in ("get_device_id", "get_device_name"):
-        monkeypatch.setattr(ti, name, lambda: "cpu")
-    monkeypatch.setattr(ti, "create_device_mesh", lambda **kw: None)
-
-    def make(mode, model, use_remove_padding=True, engine_cls=None, **engine_kw):
-        cls = EngineRegistry.get_engine_cls("language_model", "fsdp2") if engine_cls is None else ti.FSDPEngineWithLMHead
-        ec = FSDPEngineConfig(strategy="fsdp2", model_dtype="fp32", use_torch_compile=False, **engine_kw)
-        if mode is not None:
-            object.__setattr__(ec, "router_replay", {"mode": mode})  # what Hydra leaves for `+...router_replay.mode`
-        mc = HFModelConfig(path=model_dir, use_remove_padding=use_remove_padding)
-        eng = cls(model_config=mc, engine_config=ec, optimizer_config=FSDPOptimizerConfig(lr=1e-3),
-                  checkpoint_config=CheckpointConfig())
-        eng.module = model
-        eng._autocast_dtype = torch.float32
-        return eng
-
-    return make
+_model = tiny_moe
 
 
 # ---- a verl batch -------------------------------------------------------------------------------
@@ -195,10 +129,10 @@ def test_registry_hands_out_the_replay_engine(adapter, make_engine):
     from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
 
     cls = EngineRegistry.get_engine_cls("language_model", "fsdp2")
-    assert cls.__name__ == "RoutingReplayFSDPEngineWithLMHead" and issubclass(cls, FSDPEngineWithLMHead)
+    assert cls.__name__ == "StableRLFSDPEngineWithLMHead" and issubclass(cls, FSDPEngineWithLMHead)
     assert EngineRegistry.get_engine_cls("language_model", "fsdp") is cls
-    status = adapter.registration_report()["routing_replay"]
-    assert status["engine_class"] == cls.__name__ and "fsdp2:cuda" in status["registry_entries"]
+    report = adapter.registration_report()
+    assert report["engine"]["engine_class"] == cls.__name__ and "fsdp2:cuda" in report["engine"]["registry_entries"]
 
 
 @pytest.mark.parametrize("use_remove_padding", [True, False])

@@ -1,0 +1,132 @@
+"""stablerl's subclass of verl's FSDP language-model engine: routing replay and checkpointed loss state.
+
+When (and if) a process imports ``verl.workers.engine.fsdp.transformer_impl``, a post-import hook
+re-points the engine registry's ``fsdp``/``fsdp2`` language-model entries (every device/vendor key that
+held verl's ``FSDPEngineWithLMHead``) to :class:`StableRLFSDPEngineWithLMHead`, built from that class.
+Everything else is verl's own:
+
+* ``forward_backward_batch`` / ``prepare_model_inputs`` / ``prepare_model_outputs``: MoE routing replay
+  (R2/R3) when ``fsdp_config.router_replay.mode`` is set and verl flags the step
+  (:mod:`stablerl.adapters.verl._routing_replay`); verl's methods untouched otherwise;
+* ``save_checkpoint`` / ``load_checkpoint``: also the stablerl losses' ``Context.state``
+  (:mod:`stablerl.adapters.verl._state`), e.g. EntroPIC's controller, so a resumed run continues it.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from typing import Any
+
+from stablerl.adapters import _post_import as post_import
+
+from . import _routing_replay as routing
+from . import _state
+
+logger = logging.getLogger("stablerl.adapters.verl")
+
+ENGINE_MODULE = "verl.workers.engine.fsdp.transformer_impl"
+FSDP_BACKENDS = ("fsdp", "fsdp2")
+_HOOK_TAG = "stablerl.verl.engine"
+_STATE: dict[str, Any] = {"engine_class": None, "replaced": []}
+
+
+def engine_class(base):
+    """The stablerl subclass of verl's ``FSDPEngineWithLMHead`` (``base``)."""
+
+    class StableRLFSDPEngineWithLMHead(base):
+        _stablerl_engine = True
+
+        def forward_backward_batch(self, data, loss_function, forward_only=False):
+            session = routing.session_for(self, data, forward_only)
+            if session is None:
+                return super().forward_backward_batch(data, loss_function, forward_only=forward_only)
+            self._stablerl_rr = session
+            try:  # the replay hooks stay through backward (gradient-checkpoint recomputation)
+                return super().forward_backward_batch(data, loss_function, forward_only=forward_only)
+            finally:
+                session.close()
+                self._stablerl_rr = None
+
+        def prepare_model_inputs(self, micro_batch):
+            model_inputs, output_args = super().prepare_model_inputs(micro_batch)
+            session = getattr(self, "_stablerl_rr", None)
+            if session is not None:
+                from verl.utils import tensordict_utils as tu
+
+                use_rmpad = tu.get_non_tensor_data(data=micro_batch, key="use_remove_padding", default=True)
+                session.begin(micro_batch, output_args, use_rmpad)
+            return model_inputs, output_args
+
+        def prepare_model_outputs(self, output, output_args, micro_batch, logits_processor_func):
+            model_output = super().prepare_model_outputs(output, output_args, micro_batch, logits_processor_func)
+            session = getattr(self, "_stablerl_rr", None)
+            if session is not None and session.record:
+                model_output["routed_experts"] = session.recorded(
+                    micro_batch, routing.num_hidden_layers(self.model_config.hf_config),
+                    int(output_args.get("pad_size", 0)))
+            return model_output
+
+        def save_checkpoint(self, local_path, hdfs_path=None, global_step=0, max_ckpt_to_keep=None, **kwargs):
+            # before verl's save, so that its copy to hdfs_path (if any) includes the file
+            _state.save_loss_state(local_path, self.rank)
+            return super().save_checkpoint(local_path, hdfs_path, global_step, max_ckpt_to_keep, **kwargs)
+
+        def load_checkpoint(self, local_path, hdfs_path=None, del_local_after_load=True, **kwargs):
+            # before verl's load, which may delete the local copy (del_local_after_load)
+            if _state.load_loss_state(local_path, self.rank):
+                logger.info("stablerl: restored the losses' state from %s (rank %d)", local_path, self.rank)
+            return super().load_checkpoint(local_path, hdfs_path, del_local_after_load, **kwargs)
+
+    StableRLFSDPEngineWithLMHead.__module__ = __name__
+    return StableRLFSDPEngineWithLMHead
+
+
+def _patch_engine_module(module) -> None:
+    from verl.workers.engine.base import EngineRegistry
+
+    base = module.FSDPEngineWithLMHead
+    cls = _STATE["engine_class"] or engine_class(base)
+    _STATE["engine_class"] = cls
+    registry = EngineRegistry._engines.get("language_model", {})
+    for backend in FSDP_BACKENDS:
+        for key, engine in list(registry.get(backend, {}).items()):
+            if engine is base:
+                registry[backend][key] = cls
+                _STATE["replaced"].append((backend, key, base))
+
+
+def _apply(module) -> None:
+    try:
+        _patch_engine_module(module)
+    except Exception as e:  # noqa: BLE001 - say it loudly: verl hides plugin errors
+        logger.warning("stablerl: the verl engine patch of %s failed: %s: %s", ENGINE_MODULE, type(e).__name__, e)
+        raise
+
+
+def install() -> None:
+    """Re-point verl's FSDP engine entries (now if the module is imported, else on import). Idempotent."""
+    if ENGINE_MODULE in sys.modules:
+        if not _STATE["replaced"]:
+            _apply(sys.modules[ENGINE_MODULE])
+    else:
+        post_import.install(_HOOK_TAG, {ENGINE_MODULE: _apply})
+
+
+def uninstall() -> None:
+    """Give the registry entries back to verl's class and disarm the hook."""
+    post_import.remove(_HOOK_TAG)
+    if _STATE["replaced"]:
+        from verl.workers.engine.base import EngineRegistry
+
+        registry = EngineRegistry._engines.get("language_model", {})
+        for backend, key, base in _STATE["replaced"]:
+            registry[backend][key] = base
+        _STATE["replaced"].clear()
+
+
+def status() -> dict[str, Any]:
+    return {
+        "engine_class": None if _STATE["engine_class"] is None else _STATE["engine_class"].__name__,
+        "registry_entries": [f"{b}:{k}" for b, k, _ in _STATE["replaced"]],
+    }

@@ -1,0 +1,149 @@
+"""stablerl's per-process state in verl checkpoints: nothing an algorithm carries across steps is lost on resume.
+
+Two kinds of state live outside verl's model/optimizer/dataloader checkpoint:
+
+* **in the actor workers**: each stablerl loss's ``Context.state`` (EntroPIC's controller integral, CAPO's
+  tracked Adam moments), :data:`stablerl.adapters.verl._inputs.STATE`. The FSDP engine subclass saves it
+  next to the actor's shards as ``stablerl_loss_state_rank<r>.pt`` and restores it on load (one file per
+  rank: the state is per process);
+* **in the driver**: the state of the advantage call site (the call counter ``ctx.step`` that scheduled
+  estimators/shapers read, random generators of filters/shapers, their state dicts),
+  :data:`stablerl.adapters.verl._advantage.STATE`. verl's trainers' ``_save_checkpoint`` /
+  ``_load_checkpoint`` (legacy ``RayPPOTrainer`` and v1 ``PPOTrainer``) are wrapped to save it as
+  ``global_step_<n>/stablerl_driver_state.pt`` and restore it.
+
+A checkpoint without these files (written before stablerl, or by a run without stateful algorithms)
+loads as before; a warning says the state starts fresh only when a file was expected but is missing.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+from typing import Any
+
+import torch
+
+from stablerl.adapters import _post_import as post_import
+
+logger = logging.getLogger("stablerl.adapters.verl")
+
+LOSS_STATE_FILE = "stablerl_loss_state_rank{rank}.pt"
+DRIVER_STATE_FILE = "stablerl_driver_state.pt"
+FORMAT_VERSION = 1
+TRAINER_CLASSES = {"verl.trainer.ppo.ray_trainer": "RayPPOTrainer", "verl.trainer.ppo.v1.trainer_base": "PPOTrainer"}
+_HOOK_TAG = "stablerl.verl.checkpoint_state"
+_PATCHED: list = []  # (cls, attr, original)
+
+
+def _write(path: str, kind: str, state: dict) -> None:
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    tmp = path + ".tmp"
+    torch.save({"stablerl_state": kind, "version": FORMAT_VERSION, "state": state}, tmp)
+    os.replace(tmp, path)  # a crash mid-save leaves the previous file, never a torn one
+
+
+def _read(path: str, kind: str, restore) -> bool:
+    if not os.path.exists(path):
+        return False
+    blob = torch.load(path, weights_only=False)
+    if not isinstance(blob, dict) or blob.get("stablerl_state") != kind:
+        raise RuntimeError(f"{path} is not a stablerl {kind} state file")
+    restore(blob["state"])
+    return True
+
+
+def _replace(target: dict, state: dict) -> None:
+    target.clear()
+    target.update(state)
+
+
+# ---- actor workers (called by the FSDP engine subclass) ------------------------------------------
+
+
+def save_loss_state(folder: str, rank: int) -> None:
+    from . import _inputs
+
+    if _inputs.STATE:
+        _write(os.path.join(folder, LOSS_STATE_FILE.format(rank=rank)), "loss", dict(_inputs.STATE))
+
+
+def load_loss_state(folder: str, rank: int) -> bool:
+    from . import _inputs
+
+    return _read(os.path.join(folder, LOSS_STATE_FILE.format(rank=rank)), "loss",
+                 lambda s: _replace(_inputs.STATE, s))
+
+
+# ---- the driver ----------------------------------------------------------------------------------
+
+
+def save_driver_state(folder: str) -> None:
+    from . import _advantage
+
+    if _advantage.STATE:
+        _write(os.path.join(folder, DRIVER_STATE_FILE), "driver", dict(_advantage.STATE))
+
+
+def load_driver_state(folder: str) -> bool:
+    from . import _advantage
+
+    return _read(os.path.join(folder, DRIVER_STATE_FILE), "driver", lambda s: _replace(_advantage.STATE, s))
+
+
+def _step_folder(trainer: Any, loading: bool) -> str:
+    cfg = trainer.config.trainer
+    if loading and cfg.get("resume_mode") == "resume_path" and cfg.get("resume_from_path"):
+        folder = cfg.resume_from_path
+    else:
+        folder = os.path.join(cfg.default_local_dir, f"global_step_{trainer.global_steps}")
+    return folder if os.path.isabs(folder) else os.path.join(os.getcwd(), folder)
+
+
+def _patch_trainer_module(module, class_name: str) -> None:
+    cls = getattr(module, class_name)
+    if getattr(cls._save_checkpoint, "_stablerl_state", False):
+        return
+    save, load = cls._save_checkpoint, cls._load_checkpoint
+
+    @functools.wraps(save)
+    def _save_checkpoint(self, *args, **kwargs):
+        out = save(self, *args, **kwargs)
+        save_driver_state(_step_folder(self, loading=False))
+        return out
+
+    @functools.wraps(load)
+    def _load_checkpoint(self, *args, **kwargs):
+        out = load(self, *args, **kwargs)
+        if getattr(self, "global_steps", 0):  # resumed from a checkpoint
+            folder = _step_folder(self, loading=True)
+            if load_driver_state(folder):
+                logger.info("stablerl: restored the advantage-side state from %s", folder)
+        return out
+
+    for attr, fn, original in (("_save_checkpoint", _save_checkpoint, save), ("_load_checkpoint", _load_checkpoint, load)):
+        fn._stablerl_state = True
+        setattr(cls, attr, fn)
+        _PATCHED.append((cls, attr, original))
+
+
+def install() -> None:
+    """Wrap the trainers' checkpoint methods (now if imported, else on import). Idempotent."""
+    import sys
+
+    pending = {}
+    for name, class_name in TRAINER_CLASSES.items():
+        if name in sys.modules:
+            _patch_trainer_module(sys.modules[name], class_name)
+        else:
+            pending[name] = functools.partial(_patch_trainer_module, class_name=class_name)
+    if pending:
+        post_import.install(_HOOK_TAG, pending, once=False)
+
+
+def uninstall() -> None:
+    post_import.remove(_HOOK_TAG)
+    while _PATCHED:
+        cls, attr, original = _PATCHED.pop()
+        setattr(cls, attr, original)
