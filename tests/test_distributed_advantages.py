@@ -5,15 +5,12 @@ over ranks the moments must be summed with ``ctx.all_reduce``. The group-baselin
 only use their own group, so they are split-invariant by construction; checked too.
 """
 
-import os
-import tempfile
 
 import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
-from conftest import free_port
+from conftest import run_gloo_ranks
 
 WORLD = 2
 NAMES = ("grpo", "dr_grpo", "rloo", "opo", "qae", "bnpo")
@@ -50,37 +47,30 @@ def _run(name, rewards, mask, uids, ctx=None, **kw):
     return adv
 
 
-def _worker(rank, port, out_dir):
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
-    try:
-        from stablerl import StableRLError, torch_distributed_context
+def _rank(rank, world):
+    from stablerl import StableRLError, torch_distributed_context
 
-        ctx = torch_distributed_context()
-        rewards, mask, uids, comps = whole_batch()
-        rows = rank_rows(uids, rank)
-        sub = (rewards[rows], mask[rows], uids[rows.numpy()])
-        results = {}
-        for name in NAMES:
-            results[name] = _run(name, *sub, ctx=ctx)
-        results["bnpo_decomposition"] = _run(
-            "bnpo", *sub, ctx=ctx, decomposition=True, extras={"reward_components": comps[rows]}
-        )
-        # an input error on one rank raises on every rank (no rank is left waiting in a collective)
-        bad = sub[0].clone()
-        if rank == 1:
-            bad = bad * 3.0  # p > 1 on rank 1 only
-        try:
-            _run("bnpo", bad, sub[1], sub[2], ctx=ctx)
-            results["raised"] = torch.tensor(0)
-        except StableRLError as e:
-            results["raised"] = torch.tensor(1 if ("another rank" in str(e)) == (rank == 0) else 2)
-        results["rows"] = rows
-        torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
+    ctx = torch_distributed_context()
+    rewards, mask, uids, comps = whole_batch()
+    rows = rank_rows(uids, rank)
+    sub = (rewards[rows], mask[rows], uids[rows.numpy()])
+    results = {}
+    for name in NAMES:
+        results[name] = _run(name, *sub, ctx=ctx)
+    results["bnpo_decomposition"] = _run(
+        "bnpo", *sub, ctx=ctx, decomposition=True, extras={"reward_components": comps[rows]}
+    )
+    # an input error on one rank raises on every rank (no rank is left waiting in a collective)
+    bad = sub[0].clone()
+    if rank == 1:
+        bad = bad * 3.0  # p > 1 on rank 1 only
+    try:
+        _run("bnpo", bad, sub[1], sub[2], ctx=ctx)
+        results["raised"] = torch.tensor(0)
+    except StableRLError as e:
+        results["raised"] = torch.tensor(1 if ("another rank" in str(e)) == (rank == 0) else 2)
+    results["rows"] = rows
+    return results
 
 
 @pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")
@@ -95,11 +85,7 @@ def test_two_gloo_ranks_equal_one_rank_whole_batch():
     alone = _run("bnpo", rewards[rows0], mask[rows0], uids[rows0.numpy()])
     assert not torch.allclose(alone, expected["bnpo"][rows0])
 
-    with tempfile.TemporaryDirectory() as out_dir:
-        # fork (where available) spares each child re-importing torch; spawn elsewhere
-        method = "fork" if "fork" in mp.get_all_start_methods() else "spawn"
-        mp.start_processes(_worker, args=(free_port(), out_dir), nprocs=WORLD, join=True, start_method=method)
-        parts = [torch.load(os.path.join(out_dir, f"rank{r}.pt")) for r in range(WORLD)]
+    parts = run_gloo_ranks(_rank, WORLD)
 
     covered = torch.cat([p["rows"] for p in parts]).sort().values
     assert torch.equal(covered, torch.arange(len(uids)))

@@ -2,18 +2,12 @@
 whole batch: same bounds, same pos/neg ratio, same loss and gradient (after the framework's DP mean).
 """
 
-import importlib
-import os
-import sys
-import tempfile
-
 import pytest
 import torch
 
 import stablerl
-from conftest import make_batch
+from conftest import make_batch, run_gloo_ranks
 
-HERE = os.path.dirname(os.path.abspath(__file__))
 WORLD = 2
 
 
@@ -40,33 +34,18 @@ def run_bapo(b, ctx=None):
     return loss.detach(), lp.grad, metrics
 
 
-def _worker(rank, init_file, out_dir):
-    import torch.distributed as dist
-
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
-    try:
-        full = bapo_batch()
-        rows = slice(rank * 4, rank * 4 + 4)
-        part = {k: v[rows] for k, v in full.items()}
-        n_tokens = float(full["response_mask"].sum())  # global token count (the adapter's job)
-        ctx = stablerl.torch_distributed_context(token_count=n_tokens)
-        loss, grad, metrics = run_bapo(part, ctx)
-        torch.save({"loss": loss, "grad": grad, "metrics": metrics, "dp_size": ctx.dp_size},
-                   os.path.join(out_dir, f"rank{rank}.pt"))
-    finally:
-        dist.destroy_process_group()
+def _rank(rank, world):
+    full = bapo_batch()
+    rows = slice(rank * 4, rank * 4 + 4)
+    part = {k: v[rows] for k, v in full.items()}
+    n_tokens = float(full["response_mask"].sum())  # global token count (the adapter's job)
+    ctx = stablerl.torch_distributed_context(token_count=n_tokens)
+    loss, grad, metrics = run_bapo(part, ctx)
+    return {"loss": loss, "grad": grad, "metrics": metrics, "dp_size": ctx.dp_size}
 
 
 def test_bapo_two_ranks_equal_one_rank():
-    import torch.multiprocessing as mp
-
-    # the spawned children import this module by name (tests/ on sys.path, passed on by spawn)
-    if HERE not in sys.path:
-        sys.path.insert(0, HERE)
-    worker = importlib.import_module("test_distributed_bapo")._worker
-    with tempfile.TemporaryDirectory() as tmp:
-        mp.spawn(worker, args=(os.path.join(tmp, "init"), tmp), nprocs=WORLD, join=True)
-        res = [torch.load(os.path.join(tmp, f"rank{r}.pt")) for r in range(WORLD)]
+    res = run_gloo_ranks(_rank, WORLD)
 
     full = bapo_batch()
     loss, grad, metrics = run_bapo(full)

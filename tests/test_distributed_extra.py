@@ -5,15 +5,12 @@ advantages over every step of the batch; ΔL normalises its length weights over 
 Both reduce through ``ctx.all_reduce``, so prompts split over ranks must give the same numbers.
 """
 
-import os
-import tempfile
 
 import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
-from conftest import free_port
+from conftest import run_gloo_ranks
 
 WORLD = 2
 
@@ -68,32 +65,25 @@ def _delta_l(d, rows=None, ctx=None, alpha=1.0):
     return loss.detach(), grad
 
 
-def _worker(rank, port, out_dir):
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
-    try:
-        from stablerl import StableRLError, torch_distributed_context
+def _rank(rank, world):
+    from stablerl import StableRLError, torch_distributed_context
 
-        d = whole_batch()
-        rows = rank_rows(d["uids"], rank)
-        results = {"rows": rows, "empg": _empg(d, rows, ctx=torch_distributed_context())}
-        ctx = torch_distributed_context(token_count=float(d["mask"].sum()))
-        for alpha in (1.0, 0.75):
-            results[f"delta_l_loss_{alpha}"], results[f"delta_l_grad_{alpha}"] = _delta_l(d, rows, ctx, alpha)
-        # a non-finite entropy on rank 1 only raises on both ranks (no rank is left waiting)
-        bad = d["entropy"].clone()
-        if rank == 1:
-            bad[rows[0], 0] = float("nan")
-        try:
-            _empg(d, rows, ctx=torch_distributed_context(), entropy=bad)
-            results["raised"] = torch.tensor(0)
-        except StableRLError as e:
-            results["raised"] = torch.tensor(1 if ("another rank" in str(e)) == (rank == 0) else 2)
-        torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
+    d = whole_batch()
+    rows = rank_rows(d["uids"], rank)
+    results = {"rows": rows, "empg": _empg(d, rows, ctx=torch_distributed_context())}
+    ctx = torch_distributed_context(token_count=float(d["mask"].sum()))
+    for alpha in (1.0, 0.75):
+        results[f"delta_l_loss_{alpha}"], results[f"delta_l_grad_{alpha}"] = _delta_l(d, rows, ctx, alpha)
+    # a non-finite entropy on rank 1 only raises on both ranks (no rank is left waiting)
+    bad = d["entropy"].clone()
+    if rank == 1:
+        bad[rows[0], 0] = float("nan")
+    try:
+        _empg(d, rows, ctx=torch_distributed_context(), entropy=bad)
+        results["raised"] = torch.tensor(0)
+    except StableRLError as e:
+        results["raised"] = torch.tensor(1 if ("another rank" in str(e)) == (rank == 0) else 2)
+    return results
 
 
 @pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")
@@ -107,10 +97,7 @@ def test_two_gloo_ranks_equal_one_rank_whole_batch():
     alone_loss, alone_grad = _delta_l(d, rows0)
     assert not torch.allclose(alone_grad, expected_dl[1.0][1][rows0])
 
-    with tempfile.TemporaryDirectory() as out_dir:
-        method = "fork" if "fork" in mp.get_all_start_methods() else "spawn"
-        mp.start_processes(_worker, args=(free_port(), out_dir), nprocs=WORLD, join=True, start_method=method)
-        parts = [torch.load(os.path.join(out_dir, f"rank{r}.pt")) for r in range(WORLD)]
+    parts = run_gloo_ranks(_rank, WORLD)
 
     covered = torch.cat([p["rows"] for p in parts]).sort().values
     assert torch.equal(covered, torch.arange(len(d["uids"])))

@@ -9,15 +9,12 @@ ranks. Also: splitting a batch into micro-batches with the global token count do
 summed gradient of a token-mean loss.
 """
 
-import multiprocessing
-import os
-import time
-
 import pytest
 import torch
 
 import stablerl
 from stablerl import Context, compute_policy_loss
+from conftest import run_gloo_ranks
 
 F64 = torch.float64
 B, T, WORLD = 8, 12, 2
@@ -59,56 +56,35 @@ def _loss(d, rows, name, kw, ctx):
     return loss.detach(), w.grad, lp.grad, metrics
 
 
-def _worker(rank, world, init_file, out_dir):
-    import torch.distributed as dist
+def _rank(rank, world):
+    d = _data()
+    per = B // world
+    rows = slice(rank * per, (rank + 1) * per)
+    ctx_kw = {"token_count": float(d["mask"].sum()), "seq_count": float(B)}
+    out = {}
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
-    try:
-        d = _data()
-        per = B // world
-        rows = slice(rank * per, (rank + 1) * per)
-        ctx_kw = {"token_count": float(d["mask"].sum()), "seq_count": float(B)}
-        out = {}
-        for case, name, kw in CASES:
-            ctx = stablerl.torch_distributed_context(**ctx_kw)
-            assert ctx.dp_size == world
-            _, grad_w, grad_lp, metrics = _loss(d, rows, name, kw, ctx)
-            dist.all_reduce(grad_w)  # DDP: average the parameter gradient over ranks
-            out[case] = {"grad_w": grad_w / world, "grad_lp": grad_lp / world, "metrics": metrics}
-        # a rank without trust-region tokens (its advantages are 0: zero-variance groups), then both
-        for case, zero_rows in (("m2po_rank1_empty", slice(B // 2, B)), ("m2po_all_empty", slice(None))):
-            d_zero = _data()
-            d_zero["adv"][zero_rows] = 0.0
-            ctx = stablerl.torch_distributed_context(**ctx_kw)
-            _, grad_w, grad_lp, metrics = _loss(d_zero, rows, "m2po", {}, ctx)
-            dist.all_reduce(grad_w)
-            out[case] = {"grad_w": grad_w / world, "grad_lp": grad_lp / world, "metrics": metrics}
-        # the same M2PO call without the gather: the statistic of this rank's rows only
-        _, grad_w, grad_lp, metrics = _loss(d, rows, "m2po", {}, Context(dp_size=world, **ctx_kw))
-        dist.all_reduce(grad_w)
-        out["m2po_local_only"] = {"grad_w": grad_w / world, "grad_lp": grad_lp / world, "metrics": metrics}
-        torch.save(out, os.path.join(out_dir, f"rank{rank}.pt"))
-    finally:
-        dist.destroy_process_group()
+    def run(case, data, name, kw, ctx):
+        _, grad_w, grad_lp, metrics = _loss(data, rows, name, kw, ctx)
+        torch.distributed.all_reduce(grad_w)  # DDP: average the parameter gradient over ranks
+        out[case] = {"grad_w": grad_w / world, "grad_lp": grad_lp / world, "metrics": metrics}
+
+    for case, name, kw in CASES:
+        ctx = stablerl.torch_distributed_context(**ctx_kw)
+        assert ctx.dp_size == world
+        run(case, d, name, kw, ctx)
+    # a rank without trust-region tokens (its advantages are 0: zero-variance groups), then both
+    for case, zero_rows in (("m2po_rank1_empty", slice(B // 2, B)), ("m2po_all_empty", slice(None))):
+        d_zero = _data()
+        d_zero["adv"][zero_rows] = 0.0
+        run(case, d_zero, "m2po", {}, stablerl.torch_distributed_context(**ctx_kw))
+    # the same M2PO call without the gather: the statistic of this rank's rows only
+    run("m2po_local_only", d, "m2po", {}, Context(dp_size=world, **ctx_kw))
+    return out
 
 
 @pytest.fixture(scope="module")
-def two_rank_results(tmp_path_factory):
-    if not torch.distributed.is_available() or "fork" not in multiprocessing.get_all_start_methods():
-        pytest.skip("needs torch.distributed (gloo) and the fork start method")
-    import torch.multiprocessing as mp
-
-    tmp = tmp_path_factory.mktemp("gloo")
-    init_file = str(tmp / "init")
-    procs = mp.start_processes(_worker, args=(WORLD, init_file, str(tmp)), nprocs=WORLD, join=False, start_method="fork")
-    deadline = time.monotonic() + 60
-    while not procs.join(timeout=1):
-        if time.monotonic() > deadline:
-            for p in procs.processes:
-                p.terminate()
-            pytest.fail("the 2-process gloo run did not finish within 60 s")
-    return [torch.load(tmp / f"rank{r}.pt") for r in range(WORLD)]
+def two_rank_results():
+    return run_gloo_ranks(_rank, WORLD)
 
 
 def _one_rank(name, kw):
