@@ -9,6 +9,12 @@ inputs, interleaved in one process: each repeat times both, in alternating order
 other loss is measured the same way against stablerl's ``vanilla`` (its cost relative to plain
 PPO-clip). Without verl only the relative-to-vanilla table is produced.
 
+With TRL installed, a third table compares stablerl's losses with TRL 1.16's built-in
+``loss_type``\s (``dapo``, ``bnpo``, ``grpo``, ``dr_grpo``, ``luspo``, ``grpo`` at sequence level,
+``cispo``, ``sapo``): TRL's real ``GRPOTrainer._compute_loss`` on a stand-in trainer whose forward
+returns the prepared log-probs, against ours called as the stablerl TRL adapter calls it
+(:mod:`stablerl.adapters.bench_trl`). Each pair is first checked to give the same loss and gradient.
+
 Memory. On CUDA: peak allocated bytes above the inputs during forward + backward
 (``torch.cuda.max_memory_allocated``). On CPU PyTorch keeps no allocator statistics, so the bench
 counts the bytes the loss keeps alive for backward: every tensor the autograd graph saves
@@ -19,11 +25,13 @@ temporaries freed inside the forward are not counted (they are on CUDA).
 
 Usage::
 
-    stablerl bench [--quick] [--json] [--out stablerl-bench.md] [--device cpu|cuda] [--dtypes fp32,bf16]
+    stablerl bench [--quick] [--json] [--out stablerl-bench.md] [--device cpu|cuda] [--dtypes fp32,bf16] [--no-trl]
 
 ``--json`` prints one JSON object: ``losses.<name>`` has ``baseline`` (``verl:<name>`` or
 ``stablerl:vanilla``), ``time_ratio`` and ``mem_ratio`` (worst case over shapes/dtypes of the
-median per-repeat ratio), and the per-case details; ``routing_replay`` has the forward-time ratio
+median per-repeat ratio), and the per-case details; ``trl.losses.<label>`` the same against TRL
+(``baseline`` ``trl:<loss_type>``, ``ours`` ``stablerl:<name>``; ``trl`` is ``{"skipped": reason}``
+without TRL); ``routing_replay`` has the forward-time ratio
 replay on / off on a tiny Qwen3-MoE and the bytes per token of the stored routes (when
 transformers is installed; ``--no-routing`` skips it).
 """
@@ -43,6 +51,7 @@ import torch
 
 import stablerl
 from stablerl import POLICY_LOSS
+from stablerl.adapters import bench_trl
 
 #: stablerl name -> verl 0.9.1 built-in name
 VERL_TWINS = {
@@ -395,6 +404,7 @@ def machine_info(device: str) -> dict:
         info["verl"] = metadata.version("verl")
     except Exception:  # noqa: BLE001
         info["verl"] = None
+    info["trl"] = bench_trl.trl_version()
     if device.startswith("cuda"):
         info["gpu"] = torch.cuda.get_device_name()
     return info
@@ -412,6 +422,7 @@ def run(
     losses: Optional[list[str]] = None,
     use_verl: bool = True,
     routing: bool = False,
+    use_trl: bool = True,
     log: Callable[[str], None] = lambda s: None,
 ) -> dict:
     """Measure every policy loss; returns the JSON-able result object."""
@@ -436,6 +447,13 @@ def run(
         },
         "losses": {},
     }
+    trl_pairs = bench_trl.selected(losses) if use_trl and bench_trl.trl_version() is not None else []
+    if not use_trl:
+        result["trl"] = {"skipped": "--no-trl"}
+    elif bench_trl.trl_version() is None:
+        result["trl"] = {"skipped": "TRL is not installed (pip install 'stablerl[trl]')"}
+    else:
+        result["trl"] = {"version": bench_trl.trl_version(), "losses": {k: bench_trl.describe(k) for k in trl_pairs}}
     if core_algos is None and use_verl:
         result["note"] = "verl is not installed: only the relative-to-vanilla table (pip install 'stablerl[verl]')"
     torch.manual_seed(0)
@@ -463,6 +481,16 @@ def run(
                 log(f"{case:<22} {name:<14} " + (
                     f"time x{row['time_ratio']:.2f} (best/best x{row['time_ratio_best']:.2f})  mem x{row['mem_ratio']:.2f}  "
                     f"vs {entry['baseline']}" if "error" not in row else row["error"]))
+            for pair in trl_pairs:
+                entry = result["trl"]["losses"][pair]
+                try:
+                    row = bench_trl.measure(pair, inputs, device, repeats, compare, agreement, max_s=max_s)
+                except Exception as e:  # noqa: BLE001 - a disagreement or a TRL change is reported, not fatal
+                    row = {"error": f"{type(e).__name__}: {e}"}
+                entry["cases"][case] = row
+                log(f"{case:<22} {'trl:' + pair:<14} " + (
+                    f"time x{row['time_ratio']:.2f} (best/best x{row['time_ratio_best']:.2f})  mem x{row['mem_ratio']:.2f}  "
+                    f"{entry['ours']} vs {entry['baseline']}" if "error" not in row else row["error"]))
             del inputs
     if routing:
         try:
@@ -470,7 +498,7 @@ def run(
         except Exception as e:  # noqa: BLE001
             result["routing_replay"] = {"error": f"{type(e).__name__}: {e}"}
         log(f"routing replay: {result['routing_replay']}")
-    for entry in result["losses"].values():
+    for entry in [*result["losses"].values(), *result["trl"].get("losses", {}).values()]:
         ok = [c for c in entry["cases"].values() if "error" not in c]
         entry["time_ratio"] = max((c["time_ratio"] for c in ok), default=None)
         entry["mem_ratio"] = max((c["mem_ratio"] for c in ok), default=None)
@@ -485,7 +513,7 @@ def markdown(result: dict) -> str:
         f"Machine: {m.get('cpu')} ({m.get('cores')} cores, {m.get('torch_threads')} torch threads"
         + (f", load {m['load_avg_1m']:.1f}" if "load_avg_1m" in m else "")
         + f"), device {m['device']}" + (f" ({m['gpu']})" if m.get("gpu") else "")
-        + f", torch {m['torch']}, verl {m.get('verl')}.",
+        + f", torch {m['torch']}, verl {m.get('verl')}, trl {m.get('trl')}.",
         f"Repeats: {cfg['repeats']} interleaved pairs per case (order alternating; fewer, at least 3, for a loss "
         f"whose pairs would exceed {cfg.get('max_s_per_case')} s). Time ratio = ours / baseline within "
         f"one repeat, median [min] over repeats; best/best = best ours / best baseline. "
@@ -535,6 +563,25 @@ def markdown(result: dict) -> str:
             lines.append(f"not measured: {rr.get('skipped') or rr.get('error')}")
         lines.append("")
     table(twins, "Against the native twin (verl)", True)
+    trl_entries = result.get("trl", {}).get("losses")
+    if trl_entries:
+        lines += [f"### Against TRL {result['trl']['version']}'s built-in loss types", "",
+                  "| TRL loss_type (label) | ours | case | time ratio median [min] | best/best | ours ms best (median) | "
+                  "TRL ms best (median) | mem ratio | ours MiB | TRL MiB | fp32 loss diff | fp32 grad rel diff |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        for label, e in trl_entries.items():
+            for case, c in e["cases"].items():
+                if "error" in c:
+                    lines.append(f"| {e['baseline']} ({label}) | {e['ours']} | {case} | error: {c['error'][:120]} |")
+                    continue
+                lines.append(
+                    f"| {e['baseline']} ({label}) | {e['ours']} {e['loss_agg_mode']} | {case} | {c['time_ratio']:.2f} "
+                    f"[{c['time_ratio_min']:.2f}] | {c['time_ratio_best']:.2f} | {c['ours_ms_min']:.1f} ({c['ours_ms_median']:.1f}) | "
+                    f"{c['base_ms_min']:.1f} ({c['base_ms_median']:.1f}) | {c['mem_ratio']:.2f} | {c['ours_mem_mb']:.1f} | "
+                    f"{c['base_mem_mb']:.1f} | {c['fp32_loss_abs_diff']:.1e} | {c['fp32_grad_max_rel_diff']:.1e} |")
+        lines.append("")
+    elif result.get("trl", {}).get("skipped"):
+        lines += [f"TRL comparison not run: {result['trl']['skipped']}.", ""]
     table(rel, "Relative to stablerl's vanilla (no native twin" + ("" if twins else ", or verl not installed") + ")", False)
     return "\n".join(lines)
 
@@ -556,6 +603,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--shape", action="append", default=None, metavar="BxT", help="e.g. 64x4096 (repeatable)")
     p.add_argument("--no-verl", action="store_true", help="skip the native comparison even if verl is installed")
     p.add_argument("--no-routing", action="store_true", help="skip the routing-replay measurement (needs transformers)")
+    p.add_argument("--no-trl", action="store_true", help="skip the comparison with TRL's built-in loss types")
     p.add_argument("--threads", type=int, default=1,
                    help="torch CPU threads (default 1: on a shared machine, multi-threaded elementwise ops "
                    "wait for descheduled threads and time noise swamps the ratios; 0 keeps torch's default)")
@@ -587,8 +635,13 @@ def main(argv: Optional[list[str]] = None, args: Optional[argparse.Namespace] = 
         losses=args.losses.split(",") if args.losses else None,
         use_verl=not args.no_verl,
         routing=not args.no_routing,
+        use_trl=not args.no_trl,
         log=log,
     )
+    failed = [f"{label} {case}: {c['error']}" for label, e in result["trl"].get("losses", {}).items()
+              for case, c in e["cases"].items() if "error" in c]
+    for line in failed:
+        print(f"stablerl bench: TRL comparison failed for {line}", file=sys.stderr)
     md = markdown(result)
     if args.out and args.out != "-":
         with open(args.out, "w") as f:
@@ -598,7 +651,7 @@ def main(argv: Optional[list[str]] = None, args: Optional[argparse.Namespace] = 
         print(json.dumps(result, indent=2, default=str))
     else:
         print(md)
-    return 0
+    return 1 if failed else 0  # a TRL pair that does not compute the same loss is a failure, not a timing
 
 
 if __name__ == "__main__":

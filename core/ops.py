@@ -75,6 +75,8 @@ def aggregate(
     mode: str = "token-mean",
     ctx: Optional[Context] = None,
     params: Optional[dict] = None,
+    *,
+    zero_padded: bool = False,
 ) -> torch.Tensor:
     """Aggregate a per-token loss ``[B, T]`` into a scalar.
 
@@ -92,6 +94,13 @@ def aggregate(
 
     Any other ``mode`` is looked up among the aggregations registered through the
     ``register_aggregations`` hook (e.g. ``delta_l``); ``params`` sets its hyper-parameters.
+
+    ``zero_padded=True`` promises that ``loss_mat`` is finite and exactly zero (+0 or -0) wherever
+    ``mask`` is 0 (e.g. a product with the advantages, which core zeroes on padding). The built-in
+    modes then sum ``loss_mat`` without the mask product: ``x * 1 == x`` and ``(+-0) * 0 == +-0``,
+    so every sum, the loss and the gradient on valid tokens are bit-identical, one [B, T] pass
+    fewer each way, and autograd keeps no mask for backward. ``mask`` still gives the counts. The
+    gradient on padding is then not stopped here: core's zeroing of ``log_prob`` stops it.
     """
     ctx = ctx or Context()
     if mode not in AGG_MODES or params:
@@ -106,6 +115,12 @@ def aggregate(
 
     row_tokens = None  # per-row token counts, computed once when a mode needs them
 
+    def loss_sum(dim: Optional[int] = None) -> torch.Tensor:
+        # contiguous only: then the sum reduces the same elements in the same order as the product would
+        if not zero_padded or not loss_mat.is_contiguous():
+            return masked_sum(loss_mat, mask, dim)
+        return loss_mat.sum() if dim is None else loss_mat.sum(dim)
+
     def sequences():
         # rows without a single valid token are not sequences (verl's convention)
         if ctx.seq_count is not None:
@@ -114,14 +129,14 @@ def aggregate(
 
     if mode == "token-mean":
         denom = ctx.token_count if ctx.token_count is not None else mask.sum()
-        total = masked_sum(loss_mat, mask)
+        total = loss_sum()
     elif mode == "seq-mean-token-sum":
         denom = sequences()
-        total = masked_sum(loss_mat, mask)
+        total = loss_sum()
     elif mode == "seq-mean-token-mean":
         row_tokens = mask.sum(-1)  # = masked_mean(loss_mat, mask, dim=-1), sharing the row counts
         denom = sequences()
-        total = (masked_sum(loss_mat, mask, dim=-1) / row_tokens.clamp(min=1)).sum()
+        total = (loss_sum(-1) / row_tokens.clamp(min=1)).sum()
     elif mode == "seq-mean-token-sum-norm":
         if ctx.loss_scale_factor is None:
             raise StableRLError(
@@ -130,7 +145,7 @@ def aggregate(
                 "actor_rollout_ref.actor.loss_scale_factor=<max_response_length>"
             )
         denom = sequences() * float(ctx.loss_scale_factor)
-        total = masked_sum(loss_mat, mask)
+        total = loss_sum()
     else:
         raise StableRLError(unknown_name_message("loss_agg_mode", mode, AGG_MODES))
     if isinstance(denom, torch.Tensor):

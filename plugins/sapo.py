@@ -36,6 +36,22 @@ class SAPOParams(Params):
         check(self.tau_neg > 0, f"tau_neg must be > 0, got {self.tau_neg}")
 
 
+class _ScaleByFourOverTau(torch.autograd.Function):
+    """``s * (4 / tau)`` for a ``tau`` without gradient, keeping ``tau`` for backward (autograd keeps
+    it anyway, for ``tau * (r - 1)``) instead of a second [B, T] tensor ``4 / tau``. Same forward;
+    the backward recomputes ``4 / tau`` and forms ``grad * (4 / tau)`` as autograd's would."""
+
+    @staticmethod
+    def forward(fctx, s: torch.Tensor, tau: torch.Tensor) -> torch.Tensor:
+        fctx.save_for_backward(tau)
+        return s * (4.0 / tau)
+
+    @staticmethod
+    def backward(fctx, grad: torch.Tensor):
+        (tau,) = fctx.saved_tensors
+        return grad * (4.0 / tau), None
+
+
 def sapo_loss(b, p: SAPOParams, ctx):
     mask = b.response_mask
     adv = b.advantages
@@ -47,13 +63,16 @@ def sapo_loss(b, p: SAPOParams, ctx):
         torch.tensor(p.tau_pos, dtype=adv.dtype, device=adv.device),
         torch.tensor(p.tau_neg, dtype=adv.dtype, device=adv.device),
     )
-    gate = torch.sigmoid(tau * (ratio - 1.0)) * (4.0 / tau)
-    pg_losses = -gate * adv
+    gate = _ScaleByFourOverTau.apply(torch.sigmoid(tau * (ratio - 1.0)), tau)
+    # = -gate * A bit for bit (negation is exact); its backward needs no separate negation pass
+    pg_losses = gate * -adv
     if b.is_weights is not None:
         pg_losses = pg_losses * b.is_weights
-    # a bool mask gives the same sums, and autograd keeps 1 byte per token for backward instead of 4
-    valid = mask.bool()
-    loss = aggregate(pg_losses, valid, SAPO_AGG_MODE, ctx)
+    # core zeroes the advantages on padding and the gate is finite there (r = 1), so pg_losses is
+    # exactly +-0 on padding: aggregate without the mask product (bit-identical sums, one [B, T]
+    # pass fewer each way, no mask kept for backward); non-finite IS weights on padding make the
+    # loss NaN either way
+    loss = aggregate(pg_losses, mask, SAPO_AGG_MODE, ctx, zero_padded=True)
     with torch.no_grad():
         zero = torch.zeros((), dtype=mask.dtype, device=mask.device)
         metrics = {

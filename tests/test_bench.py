@@ -64,3 +64,13 @@ def test_cli_bench_without_verl(tmp_path, capsys):
     assert set(data["losses"]) == {"vanilla", "cispo"}
     assert data["losses"]["cispo"]["baseline"] == "stablerl:vanilla"
     assert "| cispo |" in out.read_text()
+
+
+def test_trl_section_says_why_it_is_skipped():
+    result = bench.run(shapes=[("B4xT16", 4, 16)], repeats=1, dtypes=("fp32",), use_verl=False, use_trl=False,
+                       losses=["vanilla"])
+    assert result["trl"] == {"skipped": "--no-trl"}
+    assert "TRL comparison not run: --no-trl." in bench.markdown(result)
+    if bench.bench_trl.trl_version() is None:  # the unit environment has no TRL
+        result = bench.run(shapes=[("B4xT16", 4, 16)], repeats=1, dtypes=("fp32",), use_verl=False, losses=["vanilla"])
+        assert result["trl"]["skipped"].startswith("TRL is not installed")

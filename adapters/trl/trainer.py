@@ -224,10 +224,24 @@ def loss_inputs_trl_can_feed(use_vllm_is: bool, routing_replay: bool = False) ->
             | (set(_LOSS_INPUTS_ROUTING_REPLAY) if routing_replay else set()))
 
 
-def check_loss_inputs(name: str, use_vllm_is: bool, routing_replay: bool = False) -> None:
-    """Raise :class:`stablerl.MissingInputError` if the loss declares inputs TRL cannot feed."""
+def check_extra_loss_inputs(names) -> tuple[str, ...]:
+    """``stablerl_extra_loss_inputs``: names of declared inputs (or ``old_log_prob``) a trainer subclass
+    supplies through :meth:`GRPOTrainer.stablerl_loss_inputs`; unknown names raise."""
+    if names is None or names == "":
+        return ()
+    names = [names] if isinstance(names, str) else list(names)
+    valid = set(OPTIONAL_INPUTS) | {"old_log_prob"}
+    for n in names:
+        if n not in valid:
+            raise UnknownNameError(unknown_name_message("stablerl_extra_loss_inputs entry", str(n), valid))
+    return tuple(names)
+
+
+def check_loss_inputs(name: str, use_vllm_is: bool, routing_replay: bool = False, extra=()) -> None:
+    """Raise :class:`stablerl.MissingInputError` if the loss declares inputs TRL cannot feed (``extra``: the
+    ones a trainer subclass declared it supplies, ``stablerl_extra_loss_inputs``)."""
     spec = stablerl.get_spec(POLICY_LOSS, name)
-    missing = _unfeedable(spec.requires, loss_inputs_trl_can_feed(use_vllm_is, routing_replay))
+    missing = _unfeedable(spec.requires, loss_inputs_trl_can_feed(use_vllm_is, routing_replay) | set(extra))
     if missing:
         reasons = "; ".join(f"{m}: {_WHY_NOT.get(m, OPTIONAL_INPUTS.get(m, ''))}" for m in missing)
         raise stablerl.MissingInputError(f"policy loss {name!r} needs input(s) TRL cannot provide ({reasons})")
@@ -266,6 +280,13 @@ class GRPOConfig(_trl.GRPOConfig):
         default=None,
         metadata={"help": "Hyper-parameters of the stablerl advantage estimator, a dict or a JSON object string, "
                   "e.g. '{\"quantile_k\": 0.4}'."},
+    )
+    stablerl_extra_loss_inputs: Optional[list[str]] = field(
+        default=None,
+        metadata={"help": "Declared loss inputs that a GRPOTrainer subclass supplies itself by overriding "
+                  "stablerl_loss_inputs(inputs, log_prob) (e.g. 'rollout_log_prob', 'versions', 'policy_version' "
+                  "from a custom off-policy or asynchronous rollout; 'old_log_prob' replaces TRL's). A loss that "
+                  "needs an input TRL cannot feed is accepted only if it is listed here."},
     )
     stablerl_loss_agg_mode: str = field(
         default="token-mean",
@@ -357,7 +378,8 @@ def validate_stablerl_args(args, warn: bool = True) -> tuple[Optional[str], Opti
         if agg not in AGG_MODES:
             raise UnknownNameError(unknown_name_message("stablerl_loss_agg_mode", agg, AGG_MODES))
         check_loss_inputs(loss, bool(args.use_vllm and args.vllm_importance_sampling_correction),
-                          routing_replay=routing_replay_mode(args) is not None)
+                          routing_replay=routing_replay_mode(args) is not None,
+                          extra=check_extra_loss_inputs(getattr(args, "stablerl_extra_loss_inputs", None)))
         if warn and (args.epsilon != 0.2 or args.epsilon_high is not None or args.delta is not None):
             warnings.warn(
                 f"epsilon/epsilon_high/delta configure TRL's built-in loss types; the stablerl loss {loss!r} takes "
@@ -1218,6 +1240,30 @@ class GRPOTrainer(_trl.GRPOTrainer):
             metrics["policy_loss"][-1] += self.accelerator.gather(loss_value).nanmean().item()
         return surroundings + loss
 
+    def stablerl_loss_inputs(self, inputs: dict, log_prob: torch.Tensor) -> dict[str, Any]:
+        """Extension point: loss inputs this trainer supplies itself, ``{name: value}`` for the names listed in
+        ``stablerl_extra_loss_inputs`` (per-token tensors ``[B, C]`` like ``log_prob``, or a scalar such as
+        ``policy_version``). ``inputs`` is TRL's micro-batch dict (extra per-row tensors added in
+        ``_generate_and_score_completions`` travel with it); ``old_log_prob`` / ``rollout_log_prob``
+        replace TRL's. The default supplies nothing."""
+        return {}
+
+    def _stablerl_supplied_inputs(self, inputs, logps) -> dict[str, Any]:
+        declared = set(check_extra_loss_inputs(getattr(self.args, "stablerl_extra_loss_inputs", None)))
+        if not declared:
+            return {}
+        supplied = dict(self.stablerl_loss_inputs(inputs, logps) or {})
+        undeclared = sorted(set(supplied) - declared)
+        if undeclared:
+            raise StableRLError(f"stablerl_loss_inputs returned {undeclared}, which stablerl_extra_loss_inputs does "
+                                f"not list ({sorted(declared)})")
+        needed = (set(self._stablerl_spec.requires) & declared) - set(supplied)
+        if needed:
+            raise stablerl.MissingInputError(
+                f"policy loss {self._stablerl_loss!r} needs {sorted(needed)}, declared in stablerl_extra_loss_inputs, "
+                "but stablerl_loss_inputs did not return them")
+        return supplied
+
     def _stablerl_policy_loss(self, inputs, logps, entropies, mode, router_log_prob=None):
         spec = self._stablerl_spec
         completion_mask = inputs["completion_mask"]
@@ -1273,6 +1319,10 @@ class GRPOTrainer(_trl.GRPOTrainer):
             state=self._stablerl_state.setdefault(self._stablerl_loss, {}),
         )
         extra: dict[str, Any] = {}
+        supplied = self._stablerl_supplied_inputs(inputs, logps)
+        old = supplied.pop("old_log_prob", old)
+        rollout_log_prob = supplied.pop("rollout_log_prob", rollout_log_prob)
+        extra.update(supplied)
         if "token_ids" in spec.requires:
             extra["token_ids"] = inputs["completion_ids"]
         if "index" in spec.requires:

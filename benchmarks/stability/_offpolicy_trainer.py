@@ -21,24 +21,17 @@ available inside TRL:
   which it is trained. That is AReaL's convention (the engine's version = updates done), so a row i updates
   stale gets ``alpha = (i - 1) / i`` (0 for i <= 1).
 
-The adapter is not changed. The subclass works around it in two places (a documented adapter hook for
-extra loss inputs would replace both):
-
-1. validation: while a config or this trainer is built, :func:`feedable_off_policy_inputs` makes the
-   adapter's ``loss_inputs_trl_can_feed`` report the three inputs as feedable;
-2. the loss call: ``_stablerl_policy_loss`` hands the behaviour log-probs to the adapter's existing
-   vLLM path (``sampling_per_token_logps`` -> ``rollout_log_prob``, switched on for this call only; no IS
-   ratio is applied there for a loss that requires ``rollout_log_prob``), drops ``old_per_token_logps`` so
-   the adapter's proximal is the detached current log-prob, and passes ``versions`` / ``policy_version``
-   through the keyword arguments the adapter forwards to ``stablerl.compute_policy_loss``.
+The subclass uses the TRL adapter's extension point for trainer-supplied loss inputs: the config lists
+them in ``stablerl_extra_loss_inputs`` (so validation accepts the losses) and the trainer returns them from
+``stablerl_loss_inputs(inputs, log_prob)``: ``rollout_log_prob`` (behaviour), ``old_log_prob`` (proximal:
+the detached current log-probs) and, for a3po, ``versions`` / ``policy_version``.
 
 Losses that do not declare ``rollout_log_prob`` (TRL's ``grpo``, ``stablerl_m2po``) pass through unchanged.
 """
 
 from __future__ import annotations
 
-import contextlib
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 
@@ -46,29 +39,23 @@ OFF_POLICY_INPUTS = ("rollout_log_prob", "versions", "policy_version")
 GENERATION_STEP_KEY = "stablerl_generation_step"  # per-row tensor: travels with the rows through TRL's shuffles
 
 
-@contextlib.contextmanager
-def feedable_off_policy_inputs() -> Iterator[None]:
-    """While active, the adapter's input check counts :data:`OFF_POLICY_INPUTS` as feedable."""
-    from stablerl.adapters.trl import trainer as adapter
+def off_policy_inputs_of(loss: str) -> list[str]:
+    """What this trainer supplies for ``loss`` (nothing for losses that do not declare a behaviour policy)."""
+    import stablerl
+    from stablerl.adapters.trl import resolve_loss_type
 
-    original = adapter.loss_inputs_trl_can_feed
-
-    def can_feed(use_vllm_is: bool, routing_replay: bool = False) -> set[str]:
-        return original(use_vllm_is, routing_replay) | set(OFF_POLICY_INPUTS)
-
-    adapter.loss_inputs_trl_can_feed = can_feed
-    try:
-        yield
-    finally:
-        adapter.loss_inputs_trl_can_feed = original
+    name = resolve_loss_type(loss)
+    requires = set(stablerl.get_spec(stablerl.POLICY_LOSS, name).requires) if name else set()
+    if "rollout_log_prob" not in requires:
+        return []
+    return ["old_log_prob"] + [i for i in OFF_POLICY_INPUTS if i in requires]
 
 
 def make_config(output_dir: str, loss: str, **kwargs: Any):
-    """:func:`stablerl.adapters.trl.demo.make_config`, accepting decoupled_ppo / a3po."""
+    """:func:`stablerl.adapters.trl.demo.make_config`, declaring the inputs this trainer supplies."""
     from stablerl.adapters.trl import demo
 
-    with feedable_off_policy_inputs():
-        return demo.make_config(output_dir, loss, **kwargs)
+    return demo.make_config(output_dir, loss, stablerl_extra_loss_inputs=off_policy_inputs_of(loss) or None, **kwargs)
 
 
 def _trainer_class():
@@ -77,41 +64,33 @@ def _trainer_class():
     class OffPolicyGRPOTrainer(GRPOTrainer):
         """Feeds behaviour log-probs, the detached current policy as proximal, and policy versions."""
 
-        def __init__(self, *args, **kwargs):
-            with feedable_off_policy_inputs():
-                super().__init__(*args, **kwargs)
-            spec = self._stablerl_spec
-            self._off_policy_requires = set(spec.requires) & set(OFF_POLICY_INPUTS) if spec else set()
+        def _supplies(self) -> set:
+            return set(self.args.stablerl_extra_loss_inputs or ())
 
         def _generate_and_score_completions(self, inputs):
             out = super()._generate_and_score_completions(inputs)
-            if self._off_policy_requires:
+            if "versions" in self._supplies():
                 rows = out["completion_ids"].size(0)
                 out[GENERATION_STEP_KEY] = torch.full((rows,), int(self.state.global_step), dtype=torch.long,
                                                       device=out["completion_ids"].device)
             return out
 
-        def _stablerl_policy_loss(self, inputs, logps, entropies, mode, router_log_prob=None):
-            if "rollout_log_prob" not in self._off_policy_requires:
-                return super()._stablerl_policy_loss(inputs, logps, entropies, mode, router_log_prob=router_log_prob)
-            inputs = dict(inputs)
-            behaviour = inputs.pop("old_per_token_logps", None)  # without it the adapter's proximal is logps.detach()
-            inputs["sampling_per_token_logps"] = logps.detach() if behaviour is None else behaviour
-            params = dict(self._stablerl_loss_params)
-            if "versions" in self._off_policy_requires:
+        def stablerl_loss_inputs(self, inputs, log_prob):
+            supplies = self._supplies()
+            if not supplies:
+                return {}
+            behaviour = inputs.get("old_per_token_logps")  # None at k = 0: TRL skipped the on-policy pass
+            out = {"old_log_prob": log_prob.detach(),
+                   "rollout_log_prob": log_prob.detach() if behaviour is None else behaviour}
+            if "versions" in supplies:
                 step = int(self.state.global_step)
                 generated = inputs.get(GENERATION_STEP_KEY)
-                generated = torch.full((logps.size(0),), step, dtype=torch.long) if generated is None else generated
-                versions = generated.to(logps.device).unsqueeze(1).expand(logps.shape)
+                generated = torch.full((log_prob.size(0),), step, dtype=torch.long) if generated is None else generated
+                versions = generated.to(log_prob.device).unsqueeze(1).expand(log_prob.shape)
                 generated_token = inputs["completion_mask"].bool()
-                params["versions"] = torch.where(generated_token, versions, torch.full_like(versions, -1))
-                params["policy_version"] = step
-            saved = (self.use_vllm, self.vllm_importance_sampling_correction, self._stablerl_loss_params)
-            self.use_vllm, self.vllm_importance_sampling_correction, self._stablerl_loss_params = True, True, params
-            try:
-                return super()._stablerl_policy_loss(inputs, logps, entropies, mode, router_log_prob=router_log_prob)
-            finally:
-                self.use_vllm, self.vllm_importance_sampling_correction, self._stablerl_loss_params = saved
+                out["versions"] = torch.where(generated_token, versions, torch.full_like(versions, -1))
+                out["policy_version"] = step
+            return {k: v for k, v in out.items() if k in supplies}
 
     return OffPolicyGRPOTrainer
 

@@ -12,8 +12,8 @@ once); TRL's ``old_per_token_logps`` are the behaviour policy's (a forward pass 
 Losses: TRL's built-in clipped GRPO loss (``grpo``), stablerl's M2PO (``stablerl_m2po``, arXiv
 2510.01161), decoupled PPO (``stablerl_decoupled_ppo``, arXiv 2110.00641 / AReaL 2505.24298) and
 A-3PO (``stablerl_a3po``, arXiv 2512.06547). The last two need inputs the TRL adapter does not feed
-without vLLM; ``_offpolicy_trainer.py`` (a subclass of stablerl's TRL ``GRPOTrainer``, the adapter
-unchanged) supplies them: behaviour log-probs = TRL's ``old_per_token_logps`` (the training forward's
+without vLLM; ``_offpolicy_trainer.py`` (a subclass of stablerl's TRL ``GRPOTrainer``, through the adapter's
+``stablerl_extra_loss_inputs`` / ``stablerl_loss_inputs`` extension point) supplies them: behaviour log-probs = TRL's ``old_per_token_logps`` (the training forward's
 own for k = 0, where the rollout is on-policy), proximal = the current policy detached (one optimizer
 step per micro-batch, so a recompute would return the same numbers; the PPO ratio to it is 1), and for
 a3po per-token ``versions`` = the optimizer step at generation, ``policy_version`` = the current one.

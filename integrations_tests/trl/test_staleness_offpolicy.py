@@ -25,9 +25,9 @@ VANILLA_PARAMS = {"clip_ratio_low": 0.2, "clip_ratio_high": 0.2, "clip_ratio_c":
 
 def _args(tmp_path, loss_type, k, steps, params=None):
     kw = H.base_kwargs(tmp_path, loss_type=loss_type, num_iterations=1, gradient_accumulation_steps=1,
-                       steps_per_generation=k + 1, max_steps=steps, stablerl_loss_params=params)
-    with OP.feedable_off_policy_inputs():
-        return GRPOConfig(**kw)
+                       steps_per_generation=k + 1, max_steps=steps, stablerl_loss_params=params,
+                       stablerl_extra_loss_inputs=OP.off_policy_inputs_of(loss_type) or None)
+    return GRPOConfig(**kw)
 
 
 def _final_params(trainer_cls, args):
@@ -35,12 +35,31 @@ def _final_params(trainer_cls, args):
     return rec.params[-1]
 
 
-def test_plain_adapter_still_refuses_the_off_policy_losses(tmp_path):
+def test_the_adapter_accepts_the_off_policy_losses_only_when_a_subclass_declares_the_inputs(tmp_path):
     with pytest.raises(stablerl.MissingInputError, match="rollout_log_prob: needs use_vllm=True"):
         GRPOConfig(**H.base_kwargs(tmp_path, loss_type="decoupled_ppo"))
-    _args(tmp_path, "a3po", k=0, steps=1)  # accepted while the context manager is active ...
-    with pytest.raises(stablerl.MissingInputError, match="versions"):
-        GRPOConfig(**H.base_kwargs(tmp_path, loss_type="a3po"))  # ... and refused again after it
+    with pytest.raises(stablerl.MissingInputError, match="versions"):  # declared too little
+        GRPOConfig(**H.base_kwargs(tmp_path, loss_type="a3po", stablerl_extra_loss_inputs=["rollout_log_prob"]))
+    with pytest.raises(stablerl.UnknownNameError, match="'rollout_logprob'.*'rollout_log_prob'"):
+        GRPOConfig(**H.base_kwargs(tmp_path, loss_type="a3po", stablerl_extra_loss_inputs=["rollout_logprob"]))
+    assert _args(tmp_path, "a3po", k=0, steps=1).stablerl_extra_loss_inputs == [
+        "old_log_prob", "rollout_log_prob", "versions", "policy_version"]
+
+
+def test_a_declared_input_the_subclass_does_not_return_is_an_error(tmp_path):
+    class Forgetful(OP.trainer_class()):
+        def stablerl_loss_inputs(self, inputs, log_prob):
+            return {"old_log_prob": log_prob.detach()}
+
+    with pytest.raises(stablerl.MissingInputError, match="did not return them"):
+        H.train(Forgetful, _args(tmp_path, "decoupled_ppo", k=1, steps=1))
+
+    class Undeclared(OP.trainer_class()):
+        def stablerl_loss_inputs(self, inputs, log_prob):
+            return {**super().stablerl_loss_inputs(inputs, log_prob), "entropy": log_prob.detach()}
+
+    with pytest.raises(stablerl.StableRLError, match=r"returned \['entropy'\]"):
+        H.train(Undeclared, _args(tmp_path / "u", "decoupled_ppo", k=1, steps=1))
 
 
 def test_on_policy_decoupled_ppo_and_a3po_train_exactly_like_the_clipped_loss(tmp_path):
