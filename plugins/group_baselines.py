@@ -48,14 +48,21 @@ def _out(per_seq: torch.Tensor, mask: torch.Tensor):
     return adv, adv
 
 
+def baseline_std_advantage(scores, baseline, std, p, mask: torch.Tensor):
+    """GRPO's normalisation, shared by the estimators that only change its baseline or std (QAE,
+    Reinforce-Ada): ``(S - b) / (std + epsilon)``, or ``S - b`` without ``norm_adv_by_std_in_grpo``
+    (``p`` holds those two); on every response token."""
+    adv = scores - baseline
+    if p.norm_adv_by_std_in_grpo:
+        adv = adv / (std + p.epsilon)
+    return _out(adv, mask)
+
+
 def grpo_advantage(b, p: GRPOParams, ctx):
     scores = b.scores
     mean, std, count = group_stats(scores, b.index)
     mean, std = singleton_convention(mean, std, count)
-    adv = scores - mean
-    if p.norm_adv_by_std_in_grpo:
-        adv = adv / (std + p.epsilon)
-    return _out(adv, b.response_mask)
+    return baseline_std_advantage(scores, mean, std, p, b.response_mask)
 
 
 def dr_grpo_advantage(b, p, ctx):

@@ -18,10 +18,10 @@ from dataclasses import dataclass
 import torch
 
 from stablerl import STABLE, Params, hookimpl
-from stablerl.ops import broadcast_to_tokens, group_stats
+from stablerl.ops import group_stats
 from stablerl.params import check
 
-from .group_baselines import singleton_convention
+from .group_baselines import baseline_std_advantage, singleton_convention
 
 # guards ceil() against float rounding when K*G should be an integer (0.55 * 100 = 55.000000000000007)
 _CEIL_TOL = 1e-9
@@ -63,11 +63,7 @@ def qae_advantage(b, p: QAEParams, ctx):
     _, std, count = group_stats(scores, b.index)
     baseline = group_quantile(scores, b.index, p.quantile_k)
     baseline, std = singleton_convention(baseline, std, count)
-    adv = scores - baseline
-    if p.norm_adv_by_std_in_grpo:
-        adv = adv / (std + p.epsilon)
-    adv = broadcast_to_tokens(adv, b.response_mask)
-    return adv, adv
+    return baseline_std_advantage(scores, baseline, std, p, b.response_mask)
 
 
 @hookimpl

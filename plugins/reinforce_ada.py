@@ -24,10 +24,10 @@ from dataclasses import dataclass
 import torch
 
 from stablerl import STABLE, Params, hookimpl
-from stablerl.ops import broadcast_to_tokens, group_stats
+from stablerl.ops import group_stats
 from stablerl.params import MissingInputError, StableRLError, check
 
-from .group_baselines import singleton_convention
+from .group_baselines import baseline_std_advantage, singleton_convention
 
 
 @dataclass
@@ -86,11 +86,7 @@ def reinforce_ada_advantage(b, p: ReinforceAdaParams, ctx):
     else:
         mean, std, count = group_stats(scores, b.index)
         mean, std = singleton_convention(mean, std, count)
-    adv = scores - mean
-    if p.norm_adv_by_std_in_grpo:
-        adv = adv / (std + p.epsilon)
-    adv = broadcast_to_tokens(adv, b.response_mask)
-    return adv, adv
+    return baseline_std_advantage(scores, mean, std, p, b.response_mask)
 
 
 @hookimpl
