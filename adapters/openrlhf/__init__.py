@@ -11,8 +11,10 @@ inside Ray actors. This adapter therefore patches, in every Ray worker that owns
   a stablerl ``--algo.advantage.estimator`` computes the baseline-shaped advantages, then
   OpenRLHF's own KL-in-reward, reward clip and cumulative return run after it; OpenRLHF's names go
   to OpenRLHF's method untouched.
-* ``--actor.stablerl_routing_replay R2`` (MoE routing replay): ``Actor.forward``,
-  ``RemoteExperienceMaker.make_experience`` and ``ActorPPOTrainer.training_step`` (see ``_routing_replay``).
+* ``--actor.stablerl_routing_replay R2|R3`` (MoE routing replay): ``Actor.forward``,
+  ``RemoteExperienceMaker.make_experience`` and ``ActorPPOTrainer.training_step``; for R3 also
+  ``BaseModelActor.execute_batch``, ``SamplesGenerator._process_response_into_experience``, the agent
+  executors' ``execute`` and vLLM's ``AsyncEngineArgs.__init__`` (see ``_routing_replay``).
 
 OpenRLHF's built-in names (``ppo``, ``gspo``; ``gae``, ``reinforce``, ``rloo``,
 ``reinforce_baseline``, ``group_norm``, ``dr_grpo``, ``flash_reinforce``) keep OpenRLHF's code.
@@ -88,6 +90,11 @@ SETUP_HOOK = "stablerl.adapters.openrlhf.setup"
 
 _ACTOR_MODULE = "openrlhf.trainer.ray.ppo_actor"
 _MAKER_MODULE = "openrlhf.trainer.ppo_utils.experience_maker"
+# routing replay R3 (rollout routes): the vLLM rollout worker, the samples generator, the model actors' base
+_LAUNCHER_MODULE = "openrlhf.trainer.ray.launcher"
+_SAMPLES_MODULE = "openrlhf.trainer.ppo_utils.samples_generator"
+_AGENT_MODULE = "openrlhf.utils.agent"
+_VLLM_ARGS_MODULE = "vllm.engine.arg_utils"
 
 
 class UnsupportedOpenRLHFVersionError(ImportError):
@@ -247,7 +254,7 @@ class Selection:
     #: --actor.dual_clip) as clip_ratio_low/high/c: they set those fields of a stablerl loss that
     #: has them. Flags left at OpenRLHF's defaults leave the paper's defaults in place.
     openrlhf_clip: dict = field(default_factory=dict)
-    #: MoE routing replay (--actor.stablerl_routing_replay): "R2", or None (native routing)
+    #: MoE routing replay (--actor.stablerl_routing_replay): "R2", "R3", or None (native routing)
     routing_replay: Optional[str] = None
 
     def validate(self) -> "Selection":
@@ -357,7 +364,36 @@ def _patch_maker_module(module) -> None:
     patch_maker_module(module, _set_patch, selection_from_args)  # make_experience (R2)
 
 
-_PATCHERS = {_ACTOR_MODULE: _patch_actor_module, _MAKER_MODULE: _patch_maker_module}
+def _patch_launcher_module(module) -> None:
+    from ._routing_replay import patch_launcher_module
+
+    check_openrlhf()
+    patch_launcher_module(module, _set_patch)  # BaseModelActor.execute_batch (R3)
+
+
+def _patch_samples_module(module) -> None:
+    from ._routing_replay import patch_samples_module
+
+    check_openrlhf()
+    patch_samples_module(module, _set_patch, selection_from_args)  # _process_response_into_experience (R3)
+
+
+def _patch_agent_module(module) -> None:
+    from ._routing_replay import patch_agent_module
+
+    check_openrlhf()
+    patch_agent_module(module, _set_patch)  # agent executors' execute (R3)
+
+
+def _patch_vllm_args_module(module) -> None:
+    from ._routing_replay import patch_vllm_arg_utils
+
+    patch_vllm_arg_utils(module, _set_patch)  # AsyncEngineArgs.__init__ (R3)
+
+
+_PATCHERS = {_ACTOR_MODULE: _patch_actor_module, _MAKER_MODULE: _patch_maker_module,
+             _LAUNCHER_MODULE: _patch_launcher_module, _SAMPLES_MODULE: _patch_samples_module,
+             _AGENT_MODULE: _patch_agent_module, _VLLM_ARGS_MODULE: _patch_vllm_args_module}
 
 
 _HOOK_TAG = "stablerl.openrlhf"
@@ -386,7 +422,8 @@ def setup() -> None:
 
 
 def apply() -> None:
-    """Import OpenRLHF's modules and patch them now (heavy: ``import openrlhf.models``); idempotent."""
+    """Import OpenRLHF's modules (and ``vllm.engine.arg_utils``) and patch them now (heavy: ``import
+    openrlhf.models``); idempotent."""
     check_openrlhf()
     setup()
     for name in _PATCHERS:
@@ -407,7 +444,9 @@ def is_applied() -> dict[str, bool]:
     return {key: True for key in _ORIGINALS} | {
         k: False for k in ("ActorPPOTrainer.__init__", "RemoteExperienceMaker.compute_advantages_and_returns",
                            "ActorPPOTrainer.training_step", "Actor.forward",
-                           "RemoteExperienceMaker.make_experience")
+                           "RemoteExperienceMaker.make_experience", "BaseModelActor.execute_batch",
+                           "SamplesGenerator._process_response_into_experience", "SingleTurnAgentExecutor.execute",
+                           "MultiTurnAgentExecutor.execute", "AsyncEngineArgs.__init__")
         if k not in _ORIGINALS
     }
 

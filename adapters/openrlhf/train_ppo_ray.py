@@ -11,17 +11,19 @@ this driver process only and only for the run:
    ``--algo.advantage.estimator`` also accept stablerl names (argparse still rejects unknown
    names, listing the valid ones), and adding ``--actor.stablerl_params`` /
    ``--algo.advantage.stablerl_params`` (``KEY=VALUE`` items or one JSON object), and
-   ``--actor.stablerl_routing_replay R2`` (MoE routing replay; ``R3`` is refused with the reason);
+   ``--actor.stablerl_routing_replay R2|R3`` (MoE routing replay);
 2. ``openrlhf.utils.config.hierarchize`` wrapped to attach ``args.stablerl`` (a
    :class:`stablerl.adapters.openrlhf.Selection`, validated here so a bad key fails before Ray
    starts); it reaches every model actor inside the pickled ``DeepspeedStrategy``;
 3. ``ray.init`` wrapped to add ``worker_process_setup_hook="stablerl.adapters.openrlhf.setup"``
-   to OpenRLHF's ``runtime_env``, so every Ray worker arms the stablerl patches.
+   to OpenRLHF's ``runtime_env``, so every Ray worker arms the stablerl patches; under R3 it also
+   forwards ``STABLERL_ROUTING_REPLAY=R3`` (the vLLM rollout workers get no ``args``).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import runpy
 import sys
 from typing import Optional, Sequence
@@ -111,9 +113,9 @@ class _ParserPatch:
                 original(
                     parser, _routing_replay.FLAG, type=lambda v: str(v).strip().upper(), choices=_routing_replay.MODES,
                     default=None, metavar="{R2,R3}",
-                    help="stablerl MoE routing replay: R2 records the experts of the actor's old-log-prob pass and "
-                    "replays them in every training step (R3, the rollout's experts, is not possible with OpenRLHF "
-                    "0.11.2: the error says why)",
+                    help="stablerl MoE routing replay: R2 records the experts of the actor's old-log-prob pass, R3 "
+                    "takes the experts vLLM chose (vllm>=0.14); both are replayed in the old-log-prob pass (R3) and "
+                    "in every training step",
                 )
             return action
 
@@ -191,6 +193,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     original_hierarchize = config.hierarchize
     original_ray_init = ray.init
 
+    saved_mode = os.environ.get(_routing_replay.ENV_MODE)
+
     def hierarchize(args):
         parser_patch.restore()  # OpenRLHF's parser is complete: argparse is argparse again
         out = original_hierarchize(args)
@@ -198,6 +202,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
             out.stablerl = selection_from_cli(out)
         except StableRLError as e:
             parser_patch.error(str(e))
+        if out.stablerl.routing_replay == "R3":  # add_setup_hook forwards it to the vLLM workers (no args there)
+            os.environ[_routing_replay.ENV_MODE] = "R3"
         return out
 
     def ray_init(*args, **kwargs):
@@ -213,6 +219,10 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         config.hierarchize = original_hierarchize
         ray.init = original_ray_init
         sys.argv = saved_argv
+        if saved_mode is None:
+            os.environ.pop(_routing_replay.ENV_MODE, None)
+        else:
+            os.environ[_routing_replay.ENV_MODE] = saved_mode
 
 
 if __name__ == "__main__":

@@ -114,3 +114,24 @@ def make_maker(args, estimator, kl_coef=0.01):
 
 def clone(experiences):
     return copy.deepcopy(experiences)
+
+
+def training_strategy(args, optimizer_step):
+    """A stand-in for OpenRLHF's DeepspeedStrategy in ``ActorPPOTrainer.training_step``: plain backward,
+    ``optimizer_step`` supplied by the test, no ring attention, rank 0."""
+    return SimpleNamespace(args=args, ring_attn_group=None, is_rank_0=lambda: True,
+                           backward=lambda loss, *a: loss.backward(), optimizer_step=optimizer_step,
+                           get_grad_norm=lambda *a: 0.0)
+
+
+def init_ray_with_setup_hook(adapter):
+    """A local Ray (2 CPUs) whose workers run stablerl's setup hook and import the CPU stubs."""
+    import os
+
+    import ray
+
+    if ray.is_initialized():
+        ray.shutdown()
+    path = os.pathsep.join([HERE_PATH, STUBS_PATH, os.environ.get("PYTHONPATH", "")])
+    runtime_env = adapter.add_setup_hook({"env_vars": {"PYTHONPATH": path, "DS_ACCELERATOR": "cpu"}})
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, runtime_env=runtime_env)

@@ -11,7 +11,7 @@ import torch
 ray = pytest.importorskip("ray")
 
 import stablerl.adapters.openrlhf as adapter  # noqa: E402
-from orlhf_helpers import HERE_PATH, STUBS_PATH  # noqa: E402
+from orlhf_helpers import init_ray_with_setup_hook  # noqa: E402
 
 
 def _work(check_patch_mark: bool):
@@ -48,11 +48,7 @@ def _work(check_patch_mark: bool):
 
 
 def test_setup_hook_patches_ray_worker():
-    if ray.is_initialized():
-        ray.shutdown()
-    path = os.pathsep.join([HERE_PATH, STUBS_PATH, os.environ.get("PYTHONPATH", "")])
-    runtime_env = adapter.add_setup_hook({"env_vars": {"PYTHONPATH": path, "DS_ACCELERATOR": "cpu"}})
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, runtime_env=runtime_env)
+    init_ray_with_setup_hook(adapter)
     try:
 
         @ray.remote(num_cpus=1)

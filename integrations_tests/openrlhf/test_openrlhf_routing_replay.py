@@ -11,13 +11,14 @@ import pytest
 
 pytest.importorskip("openrlhf", reason="OpenRLHF is not installed (nox -s openrlhf installs it)")
 
+import os
 import pickle
 from types import SimpleNamespace
 
 import torch
 
 import stablerl.adapters.openrlhf as adapter
-from orlhf_helpers import make_args
+from orlhf_helpers import make_args, training_strategy
 from stablerl import routing_replay as rr
 from stablerl.adapters.openrlhf import Selection
 from stablerl.adapters.openrlhf import _routing_replay as orr
@@ -134,9 +135,7 @@ def _run(monkeypatch, *, packing, mode, lr=0.05, steps=2, gc=False):
         optimizer.step()
         optimizer.zero_grad()
 
-    strategy = SimpleNamespace(args=args, ring_attn_group=None, is_rank_0=lambda: True,
-                               backward=lambda loss, *a: loss.backward(), optimizer_step=optimizer_step,
-                               get_grad_norm=lambda *a: 0.0)
+    strategy = training_strategy(args, optimizer_step)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optim, lambda s: 1)
     trainer = ppo_actor.ActorPPOTrainer(strategy, actor, None, optim, scheduler)
 
@@ -276,14 +275,12 @@ def test_dense_model_r3_and_ring_attention_raise(monkeypatch):
     assert "Qwen3ForCausalLM" in msg
     for family in ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "deepseek_v3"):
         assert family in msg
-    # R3: the exact reason, also on the no-wrapper route (environment variable)
+    # R3 on the no-wrapper route (environment variable): armed (test_openrlhf_routing_replay_r3.py runs it)
     monkeypatch.setenv(adapter.ENV_ROUTING_REPLAY, "r3")
     args = _args(False, None)
     del args.stablerl
-    with pytest.raises(StableRLError, match="R3 is not available with OpenRLHF 0.11.2") as err:
-        _trainer(monkeypatch, args, tiny_moe())
-    for missing in ("enable_return_routed_experts=True", "routed_experts", "_process_response_into_experience"):
-        assert missing in str(err.value)
+    armed = getattr(_trainer(monkeypatch, args, tiny_moe()).actor, orr.ARMED)
+    assert (armed.mode, armed.num_experts, armed.layer_ids, armed.top_k) == ("R3", NUM_EXPERTS, (0, 1), TOP_K)
     monkeypatch.setenv(adapter.ENV_ROUTING_REPLAY, "R2")
     armed = getattr(_trainer(monkeypatch, args, tiny_moe()).actor, orr.ARMED)
     assert (armed.mode, armed.num_experts, armed.layer_ids, armed.packing) == ("R2", NUM_EXPERTS, (0, 1), False)
@@ -336,6 +333,7 @@ def _dry_run(monkeypatch, argv):
         return seen["args"]
 
     def fake_init(*a, **kw):
+        seen["args"].ray_runtime_env = kw.get("runtime_env")  # what OpenRLHF's ray.init got from the wrapper
         raise _Stop
 
     monkeypatch.setattr(config, "hierarchize", recording_hierarchize)
@@ -353,9 +351,13 @@ def test_cli_flag(monkeypatch, capsys):
                                         "--vllm.num_engines", "1"])
     assert args.stablerl.routing_replay == "R2" and args.actor.stablerl_routing_replay == "R2"
     assert _dry_run(monkeypatch, BASE).stablerl.routing_replay is None
+    monkeypatch.delenv(adapter.ENV_ROUTING_REPLAY, raising=False)
+    r3 = _dry_run(monkeypatch, BASE + ["--actor.stablerl_routing_replay", "r3"])
+    assert r3.stablerl.routing_replay == "R3"
+    assert r3.ray_runtime_env["env_vars"][adapter.ENV_ROUTING_REPLAY] == "R3"  # reaches the vLLM rollout workers
+    assert adapter.ENV_ROUTING_REPLAY not in os.environ  # set for the run (forwarded to the workers), then restored
     for argv, expected in [
         (["--actor.stablerl_routing_replay", "R4"], "argument --actor.stablerl_routing_replay: invalid choice: 'R4'"),
-        (["--actor.stablerl_routing_replay", "R3"], "R3 is not available with OpenRLHF 0.11.2"),
         (["--actor.stablerl_routing_replay", "R2", "--ds.ring_attn_size", "2"],
          "does not support ring attention / sequence parallelism (--ds.ring_attn_size 2)"),
     ]:

@@ -1,5 +1,7 @@
-"""Test stand-in: vllm.utils.random_uuid (import-only)."""
+"""Test stand-in: vllm.utils.random_uuid."""
+
+import uuid
 
 
-def random_uuid():
-    raise RuntimeError("vllm.utils.random_uuid is a test stand-in (generation is not tested)")
+def random_uuid() -> str:
+    return uuid.uuid4().hex

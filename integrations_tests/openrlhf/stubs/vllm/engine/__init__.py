@@ -1,0 +1,1 @@
+"""Test stand-in: vllm.engine (see ../../README.md)."""
