@@ -62,8 +62,11 @@ FEEDABLE_INPUTS = {
     },
     "openrlhf": {
         # OpenRLHF's loss call passes rollout_log_probs only with --algo.advantage.is_correction_level
-        # token|seq; its advantage step groups responses by prompt (index)
-        POLICY_LOSS: frozenset({"rollout_log_prob"}),
+        # token|seq; the adapter's training_step / Actor.forward patches feed entropy (the training
+        # forward's, return_entropy=True), token_ids (experience.sequences) and scores
+        # (experience.rewards). No index: the replay buffer drops Experience.index and shuffles the rows,
+        # so a loss call never sees whole prompt groups. Its advantage step groups responses by prompt (index).
+        POLICY_LOSS: frozenset({"rollout_log_prob", "entropy", "token_ids", "scores"}),
         ADVANTAGE_ESTIMATOR: frozenset({"index"}),
     },
 }
@@ -143,5 +146,7 @@ def config_keys(spec: AlgorithmSpec) -> dict[str, list[str]]:
                          "set clip_ratio_low/high/c)")
         if "rollout_log_prob" in spec.requires:
             lines.append("  --algo.advantage.is_correction_level token   # OpenRLHF passes vLLM log-probs only then")
+        if loss and "entropy" in spec.requires:
+            lines.append("  (entropy: the adapter has OpenRLHF's training forward return it; no flag needed)")
         out["openrlhf"] = lines
     return out

@@ -11,6 +11,8 @@ inside Ray actors. This adapter therefore patches, in every Ray worker that owns
   a stablerl ``--algo.advantage.estimator`` computes the baseline-shaped advantages, then
   OpenRLHF's own KL-in-reward, reward clip and cumulative return run after it; OpenRLHF's names go
   to OpenRLHF's method untouched.
+* a stablerl loss that declares ``entropy``, ``token_ids`` or ``scores`` (not in OpenRLHF's loss
+  call): ``ActorPPOTrainer.training_step`` and ``Actor.forward`` hand them to the loss (``_inputs``);
 * ``--actor.stablerl_routing_replay R2|R3`` (MoE routing replay): ``Actor.forward``,
   ``RemoteExperienceMaker.make_experience`` and ``ActorPPOTrainer.training_step``; for R3 also
   ``BaseModelActor.execute_batch``, ``SamplesGenerator._process_response_into_experience``, the agent
@@ -67,13 +69,15 @@ from stablerl.contracts import ADVANTAGE_ESTIMATOR as _ADV, POLICY_LOSS as _LOSS
 
 FEEDABLE_LOSS_INPUTS = _FEEDABLE["openrlhf"][_LOSS]
 FEEDABLE_ADVANTAGE_INPUTS = _FEEDABLE["openrlhf"][_ADV]
+#: entropy, token_ids and scores are fed by the training_step / Actor.forward patches (._inputs).
 _WHY_NOT = {
     "rollout_log_prob": "set --algo.advantage.is_correction_level token|seq (OpenRLHF requests vLLM log-probs only then)",
-    "entropy": "OpenRLHF's loss call site passes no entropy",
-    "old_entropy": "OpenRLHF computes no entropy in its old-log-prob pass",
-    "token_ids": "OpenRLHF's loss call site passes no token ids",
-    "index": "OpenRLHF's loss call site passes no group ids",
-    "scores": "OpenRLHF's loss call site passes no per-response rewards",
+    "old_entropy": "OpenRLHF's old-log-prob pass (PolicyModelActor.forward) returns log-probs only, no entropy",
+    "index": "OpenRLHF keeps no prompt groups at the loss: its replay buffer drops Experience.index "
+    "(split_experience_batch sets it to None) and its DataLoader shuffles rows across micro-batches (unless ring "
+    "attention, tensor parallelism or dynamic batching, which reorder them too), so a loss call sees partial groups "
+    "while the losses that take index need whole groups within the call",
+    "turn_ids": "OpenRLHF's experiences carry no per-token turn ids",
 }
 
 #: Environment variables of the no-wrapper route (forwarded to every worker by add_setup_hook).

@@ -13,6 +13,7 @@ import stablerl
 from stablerl.params import StableRLError
 
 from . import PREFIX, OPENRLHF_POLICY_LOSSES, Selection, check_openrlhf, resolve, _check_policy_loss_api
+from ._inputs import FED_INPUTS
 
 from openrlhf.models.loss import PolicyLoss  # noqa: E402
 from openrlhf.models.utils import masked_mean  # noqa: E402
@@ -39,6 +40,9 @@ class StablePolicyLoss(PolicyLoss):
       read back as the gradient of the probe at ratio 1) and passed to stablerl as ``is_weights``;
       ``vllm_kl`` and ``is_filter_ratio`` are OpenRLHF's. ``rollout_log_probs`` is also handed to
       stablerl losses that declare the ``rollout_log_prob`` input.
+    * Declared ``entropy``, ``token_ids`` and ``scores`` are not in OpenRLHF's call: the adapter's
+      ``training_step`` / ``Actor.forward`` patches hand them over through :meth:`feed` before each
+      call (see ``stablerl.adapters.openrlhf._inputs``); :attr:`fed_inputs` lists those it needs.
     * ``clip_ratio`` is stablerl's ``pg_clipfrac`` (0 for losses without a clip), ``ppo_kl`` is
       OpenRLHF's ``masked_mean(old - new)``. All stablerl metrics of the last call are in
       :attr:`last_metrics`.
@@ -74,12 +78,18 @@ class StablePolicyLoss(PolicyLoss):
         self.stablerl_name = resolve(stablerl.POLICY_LOSS, policy_loss_type)
         self.dp_group = dp_group
         self.last_metrics: dict[str, float] = {}
+        self.fed_inputs: frozenset = frozenset()
+        #: persistent per-algorithm state (ctx.state: e.g. entropic's controller integral), kept across calls
+        #: by this loss object (one per actor worker); not in OpenRLHF's checkpoints
+        self.stablerl_state: dict = {}
+        self._fed: Optional[dict] = None
         if self.stablerl_name is None:
             if stablerl_params:
                 raise StableRLError(f"stablerl_params given for OpenRLHF's built-in policy_loss_type {policy_loss_type!r}")
             self.stablerl_params: dict = {}
             return
         spec = stablerl.get_spec(stablerl.POLICY_LOSS, self.stablerl_name)
+        self.fed_inputs = frozenset(r for r in spec.requires if r in FED_INPUTS)
         fields = spec.params.field_names()
         params: dict[str, Any] = {}
         # clip_to_params: the clip kwargs set the stablerl loss's clip fields where it has them
@@ -115,6 +125,22 @@ class StablePolicyLoss(PolicyLoss):
                 is_correction_threshold=is_correction_threshold,
             )
 
+    def feed(self, inputs: Optional[dict]) -> None:
+        """The next call's declared inputs beyond OpenRLHF's (``entropy`` [B, A], ``token_ids`` [B, A],
+        ``scores`` [B]); the dict is read at the call, so a forward may still add to it. None clears."""
+        self._fed = inputs
+
+    def _fed_inputs(self) -> dict:
+        fed, self._fed = self._fed or {}, None  # one micro-batch, one call
+        missing = [name for name in sorted(self.fed_inputs) if fed.get(name) is None]
+        if missing:
+            raise stablerl.MissingInputError(
+                f"policy loss {self.stablerl_name!r} needs {missing}, which OpenRLHF's loss call does not pass: "
+                "stablerl's ActorPPOTrainer.training_step patch hands them over (is the stablerl setup hook active "
+                "in the actor workers?); calling the loss directly, pass them with actor_loss_fn.feed({...}) first"
+            )
+        return {name: fed[name] for name in self.fed_inputs}
+
     def _openrlhf_is_weights(self, old_log_probs, rollout_log_probs, mask):
         """OpenRLHF's per-token IS coefficient, ``vllm_kl`` and ``is_filter_ratio``, by OpenRLHF's code.
 
@@ -144,6 +170,7 @@ class StablePolicyLoss(PolicyLoss):
             seq_count=global_batch_size,
             # OpenRLHF's aggregate_loss ignores dp_size when it has no global normaliser
             dp_size=int(dp_size) if counts_given else 1,
+            state=self.stablerl_state,
         )
         if torch.distributed.is_available() and torch.distributed.is_initialized():
             return stablerl.torch_distributed_context(self.dp_group, **kwargs)
@@ -166,6 +193,7 @@ class StablePolicyLoss(PolicyLoss):
                 dp_size=dp_size, batch_num_tokens=batch_num_tokens, global_batch_size=global_batch_size,
             )
         mask = action_mask if action_mask is not None else torch.ones_like(log_probs)
+        fed = self._fed_inputs()
         is_weights = vllm_kl = is_filter_ratio = None
         if self._is_probe is not None:
             if rollout_log_probs is None:
@@ -184,6 +212,7 @@ class StablePolicyLoss(PolicyLoss):
             is_weights=is_weights,
             loss_agg_mode="token-mean" if self.token_level_loss else "seq-mean-token-mean",
             ctx=self._context(dp_size, batch_num_tokens, global_batch_size),
+            **fed,
             **self.stablerl_params,
         )
         self.last_metrics = metrics

@@ -59,6 +59,8 @@ import torch
 from stablerl import routing_replay as rr
 from stablerl.params import StableRLError, UnknownNameError, unknown_name_message
 
+from . import _inputs as loss_inputs
+
 FLAG = "--actor.stablerl_routing_replay"
 MODES = ("R2", "R3")
 #: attribute of the policy's OpenRLHF ``Actor`` once armed (set in ActorPPOTrainer.__init__)
@@ -318,18 +320,27 @@ def batch_routes(state: _Armed, experience) -> rr.Routes:
 
 
 def patch_actor_module(module, set_patch) -> None:
-    """``ActorPPOTrainer.training_step`` and ``Actor.forward`` (both plain classes, shipped by reference)."""
+    """``ActorPPOTrainer.training_step`` and ``Actor.forward`` (both plain classes, shipped by reference).
+
+    Besides routing replay, these two patches feed a stablerl loss's declared ``entropy``,
+    ``token_ids`` and ``scores`` (``._inputs``); both do nothing when neither is in use."""
     trainer_cls = module.ActorPPOTrainer
     training_step = trainer_cls.__dict__["training_step"]
 
     @functools.wraps(training_step)
     def training_step_with_replay(self, experience, *args, **kwargs):
-        state = getattr(self.actor, ARMED, None)
-        if state is None:
-            return training_step(self, experience, *args, **kwargs)
-        # kept until the optimizer step: gradient checkpointing re-runs the routers in backward
-        with rr.replay(_inner(self.actor.model), batch_routes(state, experience)):
-            return training_step(self, experience, *args, **kwargs)
+        # the same patch feeds a stablerl loss's declared entropy / token_ids / scores (._inputs)
+        fed = loss_inputs.begin_step(self, experience)
+        try:
+            state = getattr(self.actor, ARMED, None)
+            if state is None:
+                return training_step(self, experience, *args, **kwargs)
+            # kept until the optimizer step: gradient checkpointing re-runs the routers in backward
+            with rr.replay(_inner(self.actor.model), batch_routes(state, experience)):
+                return training_step(self, experience, *args, **kwargs)
+        finally:
+            if fed is not None:
+                loss_inputs.end_step(self)
 
     training_step_with_replay.__wrapped__ = training_step
     set_patch("ActorPPOTrainer.training_step", trainer_cls, "training_step", training_step_with_replay)
@@ -342,7 +353,7 @@ def patch_actor_module(module, set_patch) -> None:
         state = self.__dict__.get(ARMED)
         # the old-log-prob pass: PolicyModelActor.forward runs the policy in eval mode under no_grad
         if state is None or self.training or torch.is_grad_enabled():
-            return forward(self, *args, **kwargs)
+            return loss_inputs.train_forward(forward, self, *args, **kwargs)  # entropy for the loss, if declared
         if state.mode == "R3":
             return _replaying_forward(forward, self, state, *args, **kwargs)
         return _recording_forward(forward, self, state, *args, **kwargs)

@@ -1,0 +1,79 @@
+"""Declared inputs of a stablerl policy loss at OpenRLHF 0.11.2's loss call site.
+
+``ActorPPOTrainer.training_step`` calls its loss with the log-probs, old log-probs, advantages, the
+mask and the rollout log-probs only. For a stablerl loss that declares more, the adapter's existing
+``training_step`` and ``Actor.forward`` patches read them and hand them to
+:meth:`StablePolicyLoss.feed <stablerl.adapters.openrlhf._loss.StablePolicyLoss.feed>` before the
+loss call (nothing is computed for a loss that does not declare them):
+
+* ``token_ids``: ``experience.sequences[:, -A:]`` (``A`` = the ``action_mask`` width), the tokens
+  whose log-probs ``Actor.forward`` returns (it takes ``log_probs[:, :-1][:, -A:]``, the log-prob of
+  ``sequences[t + 1]`` at position ``t``);
+* ``scores``: ``experience.rewards`` ``[B]``, the per-response reward OpenRLHF's advantage step used
+  (after its length penalties, before the baseline); an episode field, it survives the replay
+  buffer's split, shuffle and re-batch with its row;
+* ``entropy``: the training forward's own per-token entropy: ``Actor.forward`` is called with
+  ``return_entropy=True`` (OpenRLHF's ``compute_entropy`` on the same temperature-scaled logits as
+  the log-probs, gathered and re-padded like them under ``--ds.packing_samples``), sliced
+  ``[:, -A:]`` as OpenRLHF slices it for ``--actor.entropy_coef``. Detached (the stablerl losses
+  use it as a weight); when OpenRLHF did not ask for it itself, ``output.entropy`` is detached too,
+  so the softmax is not kept for backward.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+#: Inputs this module feeds (with ``rollout_log_prob``, which OpenRLHF passes itself).
+FED_INPUTS = ("entropy", "token_ids", "scores")
+_PENDING = "__stablerl_loss_inputs__"  # on the Actor during one training_step: the dict the loss reads
+
+
+def wanted(loss_fn) -> frozenset:
+    """The inputs ``loss_fn`` declares that this module feeds (empty for OpenRLHF's own PolicyLoss)."""
+    return frozenset(getattr(loss_fn, "fed_inputs", ()))
+
+
+def begin_step(trainer, experience) -> Optional[dict]:
+    """In ``training_step``, before the forward: the micro-batch's inputs, handed to the loss."""
+    need = wanted(getattr(trainer, "actor_loss_fn", None))
+    if not need:
+        return None
+    from stablerl.params import MissingInputError
+
+    inputs: dict = {}
+    width = experience.action_mask.shape[1]
+    if "token_ids" in need:
+        inputs["token_ids"] = experience.sequences[:, -width:]
+    if "scores" in need:
+        if experience.rewards is None:
+            raise MissingInputError("the experience has no rewards (OpenRLHF's per-response reward) to pass as scores")
+        inputs["scores"] = experience.rewards.reshape(-1)
+    if "entropy" in need:
+        trainer.actor.__dict__[_PENDING] = inputs  # train_forward adds the entropy
+    trainer.actor_loss_fn.feed(inputs)
+    return inputs
+
+
+def end_step(trainer) -> None:
+    trainer.actor.__dict__.pop(_PENDING, None)
+    trainer.actor_loss_fn.feed(None)
+
+
+def train_forward(forward, actor, *args, **kwargs):
+    """``Actor.forward`` in training: with ``return_entropy=True`` when the loss declares ``entropy``."""
+    inputs = actor.__dict__.get(_PENDING)
+    if inputs is None or not kwargs.get("return_output"):
+        return forward(actor, *args, **kwargs)
+    openrlhf_wants_it = bool(kwargs.get("return_entropy"))
+    kwargs["return_entropy"] = True
+    log_probs, output = forward(actor, *args, **kwargs)
+    width = log_probs.shape[1]
+    entropy = output.entropy.detach()
+    if not openrlhf_wants_it:
+        output.entropy = entropy  # frees the softmax graph: OpenRLHF has no entropy term this step
+    inputs["entropy"] = entropy[:, -width:]
+    return log_probs, output
+
+
+__all__ = ["FED_INPUTS", "wanted", "begin_step", "end_step", "train_forward"]

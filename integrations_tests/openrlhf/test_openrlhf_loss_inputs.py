@@ -1,0 +1,218 @@
+"""Declared loss inputs OpenRLHF 0.11.2's loss call does not pass (entropy, token_ids, scores), fed by
+the adapter's training_step / Actor.forward patches, through the real ActorPPOTrainer.training_step and
+Actor.forward (tiny dense Qwen3 on CPU, DeepSpeed replaced by a plain backward and SGD step), after
+OpenRLHF's replay-buffer split / unpad / shuffle / re-batch. Padded and packed layouts."""
+
+import pytest
+
+pytest.importorskip("openrlhf", reason="OpenRLHF is not installed (nox -s openrlhf installs it)")
+
+from types import SimpleNamespace
+
+import torch
+
+import stablerl
+import stablerl.adapters.openrlhf as adapter
+from orlhf_helpers import make_args, training_strategy
+from stablerl.adapters import config_keys
+from stablerl.adapters.openrlhf import Selection
+
+VOCAB = 64
+LENGTHS = (9, 6, 12, 4, 10, 7)  # prompt + response tokens of the six samples
+PROMPT = (3, 2, 4, 2, 3, 4)
+REWARDS = (1.0, 0.0, 0.5, 1.0, -0.25, 0.0)
+ORDER = [4, 1, 5, 0]  # the training micro-batch: rows shuffled
+TEMPERATURE = 0.7
+
+
+def _tiny_dense(seed=0):
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = Qwen3Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=64,
+                      tie_word_embeddings=False, pad_token_id=0, eos_token_id=1, bos_token_id=None)
+    model = Qwen3ForCausalLM(cfg).float()
+    model.config.use_cache = False
+    return model
+
+
+def _batch(packing):
+    """Six single-sample experiences -> OpenRLHF's split / unpad / re-batch of four shuffled rows."""
+    from openrlhf.trainer.ppo_utils.experience import (Experience, make_experience_batch,
+                                                       remove_padding_in_sequences, split_experience_batch)
+
+    g = torch.Generator().manual_seed(1)
+    singles, responses = [], []
+    for n, p, r in zip(LENGTHS, PROMPT, REWARDS):
+        seq = torch.randint(2, VOCAB, (1, n), generator=g)
+        action = torch.zeros(n - 1, dtype=torch.long)
+        action[p - 1:] = 1
+        singles.append(Experience(
+            sequences=seq, attention_mask=torch.ones(1, n, dtype=torch.long), action_mask=action.unsqueeze(0),
+            action_log_probs=-torch.rand(1, n - 1, generator=g) * action, advantages=torch.randn(1, 1, generator=g)
+            * action, rewards=torch.tensor([r]), response_length=torch.tensor([n - p]), truncated=torch.tensor([False]),
+            total_length=torch.tensor([float(n)]), info={},
+        ))
+        responses.append(seq[0, p:])
+    items = []
+    for e in (Experience.concat_experiences(singles[:3], 0), Experience.concat_experiences(singles[3:], 0)):
+        items += split_experience_batch(e)
+    items = remove_padding_in_sequences(items)
+    return make_experience_batch([items[i] for i in ORDER], packing), [responses[i] for i in ORDER]
+
+
+def _reference_entropy(model, batch):
+    """Per-token entropy of the temperature-scaled policy at the positions that predict the actions."""
+    mask = batch.attention_mask
+    position_ids = (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 1)
+    with torch.no_grad():
+        logits = model(batch.sequences, attention_mask=mask, position_ids=position_ids).logits.double() / TEMPERATURE
+    entropy = torch.logsumexp(logits, -1) - (logits.softmax(-1) * logits).sum(-1)
+    return entropy[:, :-1][:, -batch.action_mask.shape[1]:]
+
+
+def _trainer(monkeypatch, loss, packing, params=None, entropy_coef=None):
+    import openrlhf.trainer.ray.ppo_actor as ppo_actor
+    from openrlhf.models import Actor
+
+    adapter.apply()
+    if packing:
+        from test_openrlhf_routing_replay import _torch_bert_padding
+
+        _torch_bert_padding(monkeypatch)
+    monkeypatch.setattr(ppo_actor, "NaiveReplayBuffer", lambda *a, **k: SimpleNamespace())
+    monkeypatch.setattr(ppo_actor, "torch_dist_barrier_and_cuda_sync", lambda: None)
+    args = make_args(policy_loss_type=loss, stablerl=Selection(policy_loss=loss, policy_loss_params=params or {}))
+    args.ds = SimpleNamespace(packing_samples=packing, ring_attn_size=1, tensor_parallel_size=1)
+    args.actor.entropy_coef = entropy_coef
+    model = _tiny_dense()
+    actor = Actor(model)
+    actor.packing_samples, actor.temperature = packing, TEMPERATURE
+    optim = torch.optim.SGD(actor.parameters(), lr=0.0)
+
+    def optimizer_step(optimizer, *a, **k):
+        optimizer.step()
+        optimizer.zero_grad()
+
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optim, lambda s: 1)
+    trainer = ppo_actor.ActorPPOTrainer(training_strategy(args, optimizer_step), actor, None, optim, scheduler)
+    return trainer, model
+
+
+def _spy(monkeypatch):
+    calls = []
+    real = stablerl.compute_policy_loss
+
+    def spy(name, **kwargs):
+        calls.append(dict(kwargs))
+        spec = stablerl.get_spec(stablerl.POLICY_LOSS, name)
+        undeclared = [k for k in ("entropy", "token_ids", "scores") if k not in spec.requires]
+        loss, metrics = real(name, **{k: v for k, v in kwargs.items() if k not in undeclared})
+        calls[-1]["__loss__"] = loss.detach()
+        return loss, metrics
+
+    monkeypatch.setattr(stablerl, "compute_policy_loss", spy)
+    return calls
+
+
+def _step(trainer, batch):
+    n_tokens = float(batch.action_mask.sum())
+    return trainer.training_step(batch, 0.0, 0, dict(dp_size=1, batch_num_tokens=n_tokens,
+                                                        global_batch_size=float(len(ORDER))))
+
+
+@pytest.mark.parametrize("packing", [False, True])
+@pytest.mark.parametrize("entropy_coef", [None, 0.01])
+def test_steer_gets_the_training_forwards_entropy(monkeypatch, packing, entropy_coef):
+    from stablerl.adapters.openrlhf._inputs import _PENDING
+
+    trainer, model = _trainer(monkeypatch, "steer", packing, entropy_coef=entropy_coef)
+    assert trainer.actor_loss_fn.fed_inputs == {"entropy"}
+    batch, _ = _batch(packing)
+    calls = _spy(monkeypatch)
+    status = _step(trainer, batch)
+    assert len(calls) == 1 and set(calls[0]) >= {"entropy", "log_prob"} and "token_ids" not in calls[0]
+    mask = batch.action_mask.bool()
+    fed = calls[0]["entropy"]
+    assert fed.shape == mask.shape and not fed.requires_grad
+    expected = _reference_entropy(model, batch)
+    torch.testing.assert_close(fed.double()[mask], expected[mask], rtol=1e-5, atol=1e-5)
+    assert 3.0 < float(expected[mask].mean()) < float(torch.log(torch.tensor(float(VOCAB))))  # near-uniform tiny model
+    # the loss value is steer's with that entropy, and the entropy matters
+    kw = {k: v for k, v in calls[0].items() if not k.startswith("__") and k != "entropy"}
+    from stablerl.api import compute_policy_loss as real
+
+    value, _ = real("steer", entropy=expected.to(fed.dtype), **kw)
+    torch.testing.assert_close(calls[0]["__loss__"], value.detach(), rtol=1e-5, atol=1e-6)
+    flat, _ = real("steer", entropy=torch.full_like(fed, float(expected[mask].mean())), **kw)
+    assert abs(float(flat.detach()) - float(value.detach())) > 1e-4
+    # OpenRLHF's own entropy term keeps working (and only then is it logged)
+    assert ("entropy_loss" in status["metrics"]) == (entropy_coef is not None)
+    # nothing left behind for the next call
+    assert _PENDING not in trainer.actor.__dict__ and trainer.actor_loss_fn._fed is None
+
+
+@pytest.mark.parametrize("packing", [False, True])
+def test_token_ids_and_scores_are_the_rows_own(monkeypatch, packing):
+    """A loss declaring token_ids and scores (steer's declaration widened on the instance) gets each
+    row's response tokens at its action positions and its reward, in the shuffled micro-batch order."""
+    trainer, _ = _trainer(monkeypatch, "steer", packing)
+    monkeypatch.setattr(trainer.actor_loss_fn, "fed_inputs", frozenset({"entropy", "token_ids", "scores"}))
+    batch, responses = _batch(packing)
+    calls = _spy(monkeypatch)
+    _step(trainer, batch)
+    fed = calls[0]
+    mask = batch.action_mask.bool()
+    assert fed["token_ids"].dtype == torch.long and fed["token_ids"].shape == mask.shape
+    for row, response in enumerate(responses):
+        assert torch.equal(fed["token_ids"][row][mask[row]], response)
+    assert torch.equal(fed["scores"], torch.tensor([REWARDS[i] for i in ORDER]))
+
+
+def test_loss_called_without_the_patch_says_so():
+    from stablerl.adapters.openrlhf import StablePolicyLoss
+
+    loss = StablePolicyLoss(policy_loss_type="steer")
+    lp = -torch.rand(2, 3, dtype=torch.float64)
+    with pytest.raises(stablerl.MissingInputError, match=r"needs \['entropy'\].*actor_loss_fn.feed"):
+        loss(lp, lp, torch.ones_like(lp), action_mask=torch.ones(2, 3, dtype=torch.bool))
+    loss.feed({"entropy": torch.ones_like(lp)})
+    out = loss(lp, lp, torch.ones_like(lp), action_mask=torch.ones(2, 3, dtype=torch.bool))
+    assert out[0].shape == () and loss._fed is None  # one call per feed
+    with pytest.raises(stablerl.MissingInputError):
+        loss(lp, lp, torch.ones_like(lp), action_mask=torch.ones(2, 3, dtype=torch.bool))
+
+
+def test_entropic_state_persists_across_calls():
+    """EntroPIC's controller integral lives in ctx.state: the loss object keeps it across calls."""
+    from stablerl.adapters.openrlhf import StablePolicyLoss
+
+    loss = StablePolicyLoss(policy_loss_type="entropic")
+    assert loss.fed_inputs == {"entropy"}
+    g = torch.Generator().manual_seed(0)
+    lp = -torch.rand(3, 5, generator=g, dtype=torch.float64)
+    mask = torch.ones(3, 5, dtype=torch.bool)
+    integrals = []
+    for _ in range(3):
+        loss.feed({"entropy": torch.full_like(lp, 0.6)})
+        loss(lp, lp, torch.randn(3, 5, generator=g, dtype=torch.float64), action_mask=mask)
+        integrals.append(loss.last_metrics["entropic/integral"])
+    assert loss.stablerl_state["entropic"]["updates"] == 3
+    assert integrals[0] != 0 and integrals[1] == pytest.approx(2 * integrals[0]) and integrals[2] == pytest.approx(
+        3 * integrals[0])
+
+
+def test_what_openrlhf_can_and_cannot_feed():
+    kind = stablerl.POLICY_LOSS
+    for name in ("steer", "entropic"):
+        assert adapter.resolve(kind, name) == name
+        assert name in adapter.openrlhf_choices(kind)
+        lines = config_keys.config_keys(stablerl.get_spec(kind, name))["openrlhf"]
+        assert f"  --actor.policy_loss_type {name}" in lines
+    assert config_keys.FEEDABLE_INPUTS["openrlhf"][kind] == {"rollout_log_prob", "entropy", "token_ids", "scores"}
+    for name, reason in (("pacs", "partial groups"), ("gvpo", "split_experience_batch sets it to None"),
+                         ("gtpo", "shuffles rows across micro-batches"), ("erc", "returns log-probs only")):
+        with pytest.raises(stablerl.MissingInputError, match=reason):
+            adapter.resolve(kind, name)
+        assert name not in adapter.openrlhf_choices(kind)
