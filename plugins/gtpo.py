@@ -31,7 +31,7 @@ from stablerl.params import StableRLError, check
 from stablerl.plugins.steer import entropy_input
 
 CONFLICT_COUNTS = ("union", "max_run")
-_ID_BITS = 31  # token ids must be < 2**31 to pack (group, position, id) into one int64 key
+_ID_BITS = 31  # token ids must be < 2**31 (compared as int32)
 
 
 @dataclass
@@ -55,16 +55,63 @@ class GTPOParams(Params):
         check(isinstance(self.per_completion_norm, bool), f"per_completion_norm must be True or False, got {self.per_completion_norm!r}")
 
 
-def _keys(gid: torch.Tensor, pos: torch.Tensor, ids: torch.Tensor, T: int) -> torch.Tensor:
-    """One int64 key per (group, position, token id)."""
-    return ((gid.unsqueeze(-1) * T + pos) << _ID_BITS) | ids
+def _members(rows_gid: torch.Tensor, rows: torch.Tensor, n_groups: int, dummy: int) -> torch.Tensor:
+    """``[n_groups, max size]``: the selected ``rows`` of each group in row order, ``dummy`` in the empty slots."""
+    gid = rows_gid[rows]  # rows ascending, so a stable sort by group keeps row order within each group
+    order = torch.argsort(gid, stable=True)
+    counts = torch.bincount(gid, minlength=n_groups)
+    sorted_gid = gid[order]
+    slot = torch.arange(gid.numel(), device=gid.device) - (torch.cumsum(counts, 0) - counts)[sorted_gid]
+    member = torch.full((n_groups, int(counts.max()) if gid.numel() else 0), dummy, dtype=torch.long, device=gid.device)
+    member[sorted_gid, slot] = rows[order]
+    return member
 
 
-def _shared_between(keys: torch.Tensor, ok: torch.Tensor, pos_rows: torch.Tensor, neg_rows: torch.Tensor) -> torch.Tensor:
-    """``ok`` tokens whose key occurs both in a positive and in a negative completion."""
-    pos_keys = keys[ok & pos_rows.unsqueeze(-1)]
-    neg_keys = keys[ok & neg_rows.unsqueeze(-1)]
-    return ok & torch.isin(keys, pos_keys) & torch.isin(keys, neg_keys)
+def _slot_hits(x: torch.Tensor, rows_gid: torch.Tensor, pos_rows: torch.Tensor, neg_rows: torch.Tensor,
+               n_groups: int) -> torch.Tensor:
+    """``[R, T]`` bool: a completion of the opposite sign in the same group holds the same value ``x`` (>= 0)
+    at the same position. A row always shares its own keys, so this is "in a positive and in a negative
+    completion" for the active rows. One pass per slot of the largest opposite side: O(G R T), no sort."""
+    R, T = x.shape
+    pos_members = _members(rows_gid, pos_rows.nonzero().squeeze(-1), n_groups, R)
+    neg_members = _members(rows_gid, neg_rows.nonzero().squeeze(-1), n_groups, R)
+    slots = max(pos_members.shape[1], neg_members.shape[1])
+    pad = lambda m: torch.nn.functional.pad(m, (0, slots - m.shape[1]), value=R)  # noqa: E731
+    # opposite[r, j]: the j-th completion of the other sign in r's group (the dummy row R for inactive rows)
+    opposite = torch.where(pos_rows.unsqueeze(-1), pad(neg_members)[rows_gid], pad(pos_members)[rows_gid])
+    opposite = torch.where((pos_rows | neg_rows).unsqueeze(-1), opposite, R)
+    x = torch.cat([x, torch.full((1, T), -2, dtype=x.dtype, device=x.device)])  # the dummy matches nothing
+    hit = torch.zeros(R, T, dtype=torch.bool, device=x.device)
+    for j in range(slots):
+        hit |= x[:R] == x.index_select(0, opposite[:, j])
+    return hit
+
+
+def _sort_hits(x: torch.Tensor, rows_gid: torch.Tensor, neg_rows: torch.Tensor, id_bits: int) -> torch.Tensor:
+    """Same as :func:`_slot_hits` with one sort of (group, position, value, negative) keys: O(N log N).
+    Only active rows may hold ``x >= 0``."""
+    R, T = x.shape
+    device = x.device
+    rows, cols = (x >= 0).nonzero(as_tuple=True)
+    hit = torch.zeros(R, T, dtype=torch.bool, device=device)
+    if rows.numel() == 0:
+        return hit
+    negative = neg_rows[rows].long()
+    key = ((((rows_gid[rows] * T + cols) << id_bits) | x[rows, cols].long()) << 1) | negative
+    keys, perm = torch.sort(key)
+    # a key sits in both a positive and a negative row iff its sorted run holds an even entry followed by its odd twin
+    mixed_pair = (keys[1:] - keys[:-1] == 1) & ((keys[:-1] & 1) == 0)
+    run = torch.cat([keys.new_zeros(1), ((keys[1:] >> 1) != (keys[:-1] >> 1)).long()]).cumsum(0)
+    mixed = torch.zeros(int(run[-1]) + 1, dtype=torch.bool, device=device)
+    mixed[run[1:][mixed_pair]] = True
+    flag = torch.empty(keys.numel(), dtype=torch.bool, device=device)
+    flag[perm] = mixed[run]
+    hit[rows, cols] = flag
+    return hit
+
+
+#: most positive (or negative) completions in a group for the per-slot comparison; above it one sort is cheaper
+SLOT_LOOP_MAX_SIDE = 32
 
 
 def conflict_runs(token_ids, mask, gid, pos_rows, neg_rows):
@@ -72,28 +119,39 @@ def conflict_runs(token_ids, mask, gid, pos_rows, neg_rows):
 
     A masked-out position ends a run. The backward pass aligns each completion on its last valid
     token (positions counted from the end), as the reference does for right-padded completions.
+    ``gid`` holds group ids ``0..n_groups-1`` (core's normalised ``index``).
     """
     B, T = mask.shape
     device = mask.device
     valid = mask.bool()
-    active = pos_rows | neg_rows
-    ok = valid & active.unsqueeze(-1)
-    ids = torch.where(valid, token_ids.long(), torch.zeros((), dtype=torch.long, device=device))
-    t = torch.arange(T, device=device).unsqueeze(0).expand(B, T)
-
-    raw_fwd = _shared_between(_keys(gid, t, ids, T), ok, pos_rows, neg_rows)
-    fwd = torch.cumprod(raw_fwd.to(torch.int32), dim=1).bool()
-
-    end = torch.where(valid, t + 1, torch.zeros_like(t)).amax(dim=1, keepdim=True) if T else torch.zeros(B, 1, dtype=torch.long, device=device)
+    if B == 0 or T == 0:
+        return valid, valid
+    ok = valid & (pos_rows | neg_rows).unsqueeze(-1)
+    t = torch.arange(T, device=device)
+    end = torch.where(valid, t + 1, 0).amax(dim=1, keepdim=True)
     from_end = end - 1 - t  # position counted from the last valid token; < 0 after it
     inside = from_end >= 0
-    raw_bwd = _shared_between(_keys(gid, from_end.clamp(min=0), ids, T), ok & inside, pos_rows, neg_rows)
-    # reversed coordinates: s -> t = end - 1 - s (an involution on [0, end))
-    idx = from_end.clamp(min=0)
-    rev = raw_bwd.gather(1, idx) & inside
-    run_rev = torch.cumprod(rev.to(torch.int32), dim=1).bool()
-    bwd = run_rev.gather(1, idx) & inside & valid
-    return fwd & valid, bwd
+    idx = from_end.clamp(min=0)  # reversed coordinates: s -> t = end - 1 - s (an involution on [0, end))
+    # x: the token id where it can conflict, -1 elsewhere; forward rows, then the same rows read from their end
+    # (a second set of groups), so one pass finds both raw conflict masks
+    x = torch.where(ok, token_ids.to(torch.int32), -1)
+    x = torch.cat([x, torch.where(inside, x.gather(1, idx), -1)])
+    n_groups = int(gid.max()) + 1
+    rows_gid = torch.cat([gid, gid + n_groups])
+    pos2, neg2 = pos_rows.repeat(2), neg_rows.repeat(2)
+    id_bits = int(x.max()).bit_length()
+    fits = (2 * n_groups * T) << (id_bits + 1) < 2**63  # the sort's packed key
+    side = max(int(torch.bincount(gid[rows], minlength=1).max()) for rows in (pos_rows, neg_rows))
+    if not fits or side <= SLOT_LOOP_MAX_SIDE:
+        hit = _slot_hits(x, rows_gid, pos2, neg2, 2 * n_groups)
+    else:
+        hit = _sort_hits(x, rows_gid, neg2, id_bits)
+    # a run ends at the first non-conflict position (row-wise first argmax of ~raw; T when there is none)
+    stop = ~((x >= 0) & hit)
+    run_len = torch.where(stop.any(dim=1), stop.to(torch.uint8).argmax(dim=1), T).unsqueeze(-1)
+    fwd = (t < run_len[:B]) & valid
+    bwd = inside & (from_end < run_len[B:]) & valid
+    return fwd, bwd
 
 
 def gtpo_terms(b, p: GTPOParams):
@@ -103,7 +161,7 @@ def gtpo_terms(b, p: GTPOParams):
     if token_ids.dtype.is_floating_point or token_ids.dtype == torch.bool:
         raise StableRLError(f"token_ids must be an integer tensor, got dtype {token_ids.dtype}")
     valid = mask.bool()
-    if bool(((token_ids < 0) | (token_ids >= 2**_ID_BITS))[valid].any()):
+    if bool((((token_ids < 0) | (token_ids >= 2**_ID_BITS)) & valid).any()):
         raise StableRLError(f"token_ids must be in [0, 2**{_ID_BITS}) on tokens where response_mask is 1")
     has_tokens = valid.any(dim=-1)
     adv_seq = seq_mean(b.advantages, mask)  # outcome advantage per completion (the broadcast value)
