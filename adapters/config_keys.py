@@ -7,7 +7,7 @@ is registered.
 
 from __future__ import annotations
 
-from stablerl.contracts import ADVANTAGE_ESTIMATOR, POLICY_LOSS, UNAVAILABLE, AlgorithmSpec
+from stablerl.contracts import ADVANTAGE_ESTIMATOR, BATCH_FILTER, POLICY_LOSS, REWARD_SHAPER, UNAVAILABLE, AlgorithmSpec
 
 # verl 0.9.1 built-ins: stablerl never shadows these names; its own versions are reachable as
 # `stablerl_<name>`.
@@ -38,6 +38,13 @@ OPENRLHF_COMMAND = "python -m stablerl.adapters.openrlhf.train_ppo_ray <your Ope
 # verl actor-config keys a stablerl loss reads (not policy_loss fields): verl's built-ins read them there
 VERL_ACTOR_KEYS = ("clip_ratio_low", "clip_ratio_high", "clip_ratio_c", "tau_pos", "tau_neg")
 
+# Per-response values a user's reward function provides to reward shapers and batch filters (verl: its
+# reward_extra_info fields; TRL: log_extra / rollout_func fields / dataset columns; OpenRLHF: the
+# extra_logs it copies into experience.info).
+_REWARD_FUNCTION_INPUTS = frozenset({"correct", "flawed", "void_turn"})
+# Inputs every adapter computes for shapers and filters at its advantage step.
+_EXTENSION_INPUTS = frozenset({"index", "scores", "lengths"}) | _REWARD_FUNCTION_INPUTS
+
 # Inputs each adapter can hand to an algorithm (beyond log-probs, advantages and the mask).
 # verl 0.9.1's policy-loss call passes none beyond the basic tensors and rollout_is_weights; the
 # verl adapter wraps that call site (verl.workers.utils.losses.ppo_loss) and gathers these from
@@ -51,6 +58,10 @@ FEEDABLE_INPUTS = {
         # (stablerl.adapters.verl._advantage.SOURCES); only fields both the legacy and the v1 trainer
         # have there. entropy / turn_ids: opt-in (register_batch_field_estimators), no stock trainer writes them.
         ADVANTAGE_ESTIMATOR: frozenset({"index", "scores", "lengths", "old_log_prob", "rollout_log_prob"}),
+        # shapers / filters at the same call site (stablerl.adapters.verl._advantage); no stock trainer
+        # keeps per-token entropy there
+        REWARD_SHAPER: _EXTENSION_INPUTS,
+        BATCH_FILTER: _EXTENSION_INPUTS,
     },
     "trl": {
         # rollout_log_prob only with use_vllm=True and vllm_importance_sampling_correction=True;
@@ -59,6 +70,9 @@ FEEDABLE_INPUTS = {
             {"rollout_log_prob", "entropy", "token_ids", "index", "scores", "router_log_prob", "old_router_log_prob"}
         ),
         ADVANTAGE_ESTIMATOR: frozenset({"index"}),
+        # filters may also take entropy: the TRL adapter runs one extra no-grad forward for it
+        REWARD_SHAPER: _EXTENSION_INPUTS | {"pos_count", "neg_count"},
+        BATCH_FILTER: _EXTENSION_INPUTS | {"pos_count", "neg_count", "entropy"},
     },
     "openrlhf": {
         # OpenRLHF's loss call passes rollout_log_probs only with --algo.advantage.is_correction_level
@@ -68,8 +82,13 @@ FEEDABLE_INPUTS = {
         # so a loss call never sees whole prompt groups. Its advantage step groups responses by prompt (index).
         POLICY_LOSS: frozenset({"rollout_log_prob", "entropy", "token_ids", "scores"}),
         ADVANTAGE_ESTIMATOR: frozenset({"index"}),
+        # at compute_advantages_and_returns (stablerl.adapters.openrlhf._shape_filter); no per-token
+        # entropy there (the old-log-prob pass returns log-probs only)
+        REWARD_SHAPER: _EXTENSION_INPUTS,
+        BATCH_FILTER: _EXTENSION_INPUTS,
     },
 }
+_KINDS_WITH_KEYS = (POLICY_LOSS, ADVANTAGE_ESTIMATOR, REWARD_SHAPER, BATCH_FILTER)
 
 
 def verl_names(spec: AlgorithmSpec) -> list[str]:
@@ -96,13 +115,15 @@ def trl_name(spec: AlgorithmSpec) -> str:
 
 def frameworks_for(spec: AlgorithmSpec) -> list[str]:
     """Frameworks whose adapter can run ``spec`` (its declared inputs are all feedable)."""
-    if spec.status == UNAVAILABLE or spec.kind not in (POLICY_LOSS, ADVANTAGE_ESTIMATOR):
+    if spec.status == UNAVAILABLE or spec.kind not in _KINDS_WITH_KEYS:
         return []
     return [fw for fw, kinds in FEEDABLE_INPUTS.items() if set(spec.requires) <= kinds.get(spec.kind, frozenset())]
 
 
 def config_keys(spec: AlgorithmSpec) -> dict[str, list[str]]:
     """Per framework, the config lines that select ``spec`` and set its hyper-parameters."""
+    if spec.kind in (REWARD_SHAPER, BATCH_FILTER):
+        return _extension_keys(spec)
     fields = list(spec.defaults())
     out: dict[str, list[str]] = {}
     frameworks = frameworks_for(spec)
@@ -148,5 +169,32 @@ def config_keys(spec: AlgorithmSpec) -> dict[str, list[str]]:
             lines.append("  --algo.advantage.is_correction_level token   # OpenRLHF passes vLLM log-probs only then")
         if loss and "entropy" in spec.requires:
             lines.append("  (entropy: the adapter has OpenRLHF's training forward return it; no flag needed)")
+        out["openrlhf"] = lines
+    return out
+
+
+def _extension_keys(spec: AlgorithmSpec) -> dict[str, list[str]]:
+    """Per framework, the lines that select a reward shaper / batch filter and set its hyper-parameters."""
+    fields = list(spec.defaults())
+    key = "reward_shaper" if spec.kind == REWARD_SHAPER else "batch_filter"
+    out: dict[str, list[str]] = {}
+    frameworks = frameworks_for(spec)
+    if "verl" in frameworks:
+        out["verl"] = [f"+algorithm.stablerl_{key}={spec.name}"]
+        out["verl"] += [f"+algorithm.stablerl_{key}_params.{f}=<value>" for f in fields]
+    if "trl" in frameworks:
+        lines = ["from stablerl.adapters.trl import GRPOTrainer, GRPOConfig", f'GRPOConfig({key}="{spec.name}", ...)']
+        if fields:
+            example = ", ".join(f'"{f}": <value>' for f in fields)
+            lines.append(f"GRPOConfig(..., stablerl_{key}_params={{{example}}})")
+        if spec.kind == REWARD_SHAPER:
+            lines.append('(needs a stablerl advantage_estimator, e.g. "grpo")')
+        out["trl"] = lines
+    if "openrlhf" in frameworks:
+        lines = [OPENRLHF_COMMAND, f"  --algo.advantage.stablerl_{key} {spec.name}"]
+        if fields:
+            lines.append(f"  --algo.advantage.stablerl_{key}_params " + " ".join(f"{f}=<value>" for f in fields))
+        if spec.kind == BATCH_FILTER:
+            lines.append("  (dropped rows get action_mask 0; filters that repeat rows are refused)")
         out["openrlhf"] = lines
     return out

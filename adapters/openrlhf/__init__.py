@@ -11,8 +11,14 @@ inside Ray actors. This adapter therefore patches, in every Ray worker that owns
   a stablerl ``--algo.advantage.estimator`` computes the baseline-shaped advantages, then
   OpenRLHF's own KL-in-reward, reward clip and cumulative return run after it; OpenRLHF's names go
   to OpenRLHF's method untouched.
+  With ``--algo.advantage.stablerl_reward_shaper`` / ``--algo.advantage.stablerl_batch_filter`` the
+  same patch shapes the per-response rewards before the estimator (OpenRLHF's or stablerl's) and
+  filters rows after it (``action_mask`` 0; see ``_shape_filter``).
 * a stablerl loss that declares ``entropy``, ``token_ids`` or ``scores`` (not in OpenRLHF's loss
   call): ``ActorPPOTrainer.training_step`` and ``Actor.forward`` hand them to the loss (``_inputs``);
+* with a batch filter: ``get_loss_batch_info`` / ``iter_grad_accum_global_norm`` as bound in
+  ``ppo_actor`` and ``ppo_critic`` (an optimizer step whose rows were all dropped gets normaliser 1,
+  so its loss and gradient are 0, not 0/0);
 * ``--actor.stablerl_routing_replay R2|R3`` (MoE routing replay): ``Actor.forward``,
   ``RemoteExperienceMaker.make_experience`` and ``ActorPPOTrainer.training_step``; for R3 also
   ``BaseModelActor.execute_batch``, ``SamplesGenerator._process_response_into_experience``, the agent
@@ -29,7 +35,8 @@ How the patches reach the workers (nothing is patched in the driver except the C
   ``worker_process_setup_hook="stablerl.adapters.openrlhf.setup"`` to the ``runtime_env`` of
   OpenRLHF's ``ray.init``;
 * no wrapper: ``RAY_RUNTIME_ENV_HOOK=stablerl.adapters.openrlhf.add_setup_hook`` in the driver's
-  environment (selection by ``STABLERL_POLICY_LOSS`` / ``STABLERL_ADVANTAGE_ESTIMATOR`` env vars),
+  environment (selection by ``STABLERL_POLICY_LOSS`` / ``STABLERL_ADVANTAGE_ESTIMATOR`` /
+  ``STABLERL_REWARD_SHAPER`` / ``STABLERL_BATCH_FILTER`` env vars, each with a ``..._PARAMS`` one),
   or a job-level ``runtime_env`` with that setup hook (``ray job submit``).
 
 :func:`setup` is light: it imports no OpenRLHF module; a ``sys.meta_path`` post-import hook applies
@@ -39,6 +46,7 @@ are reversible (:func:`remove`) and applied once per process (:func:`apply` is i
 
 from __future__ import annotations
 
+import functools
 import importlib
 import importlib.abc
 import importlib.machinery
@@ -66,6 +74,7 @@ from stablerl.adapters.config_keys import (  # noqa: E402  (framework-free)
 )
 from stablerl.adapters import _post_import as post_import  # noqa: E402
 from stablerl.contracts import ADVANTAGE_ESTIMATOR as _ADV, POLICY_LOSS as _LOSS  # noqa: E402
+from stablerl.contracts import BATCH_FILTER as _FILTER, REWARD_SHAPER as _SHAPER  # noqa: E402
 
 FEEDABLE_LOSS_INPUTS = _FEEDABLE["openrlhf"][_LOSS]
 FEEDABLE_ADVANTAGE_INPUTS = _FEEDABLE["openrlhf"][_ADV]
@@ -80,19 +89,40 @@ _WHY_NOT = {
     "turn_ids": "OpenRLHF's experiences carry no per-token turn ids",
 }
 
+#: Reward shapers and batch filters run at compute_advantages_and_returns on the whole rollout batch
+#: (``_shape_filter``): prompt groups, the per-response rewards / the reward function's scores, the
+#: response lengths, and per-response values of the user's reward function (its ``extra_logs``, which
+#: OpenRLHF copies into ``experience.info``).
+FEEDABLE_EXTENSION_INPUTS = _FEEDABLE["openrlhf"][_SHAPER] | _FEEDABLE["openrlhf"][_FILTER]
+REWARD_FUNCTION_INPUTS = tuple(sorted(FEEDABLE_EXTENSION_INPUTS - {"index", "scores", "lengths"}))
+_WHY_NOT_EXTENSION = {
+    "entropy": "OpenRLHF's old-log-prob pass (PolicyModelActor.forward) returns log-probs only, no per-token "
+    "entropy, at compute_advantages_and_returns",
+    "old_entropy": _WHY_NOT["old_entropy"],
+    "turn_ids": _WHY_NOT["turn_ids"],
+}
+SHAPER_FLAG = "--algo.advantage.stablerl_reward_shaper"
+FILTER_FLAG = "--algo.advantage.stablerl_batch_filter"
+
 #: Environment variables of the no-wrapper route (forwarded to every worker by add_setup_hook).
 ENV_POLICY_LOSS = "STABLERL_POLICY_LOSS"
 ENV_POLICY_LOSS_PARAMS = "STABLERL_POLICY_LOSS_PARAMS"
 ENV_ADVANTAGE = "STABLERL_ADVANTAGE_ESTIMATOR"
 ENV_ADVANTAGE_PARAMS = "STABLERL_ADVANTAGE_PARAMS"
 ENV_ROUTING_REPLAY = "STABLERL_ROUTING_REPLAY"
+ENV_REWARD_SHAPER = "STABLERL_REWARD_SHAPER"
+ENV_REWARD_SHAPER_PARAMS = "STABLERL_REWARD_SHAPER_PARAMS"
+ENV_BATCH_FILTER = "STABLERL_BATCH_FILTER"
+ENV_BATCH_FILTER_PARAMS = "STABLERL_BATCH_FILTER_PARAMS"
 ENV_CHAINED_SETUP_HOOK = "STABLERL_CHAINED_SETUP_HOOK"
 ENV_PREVIOUS_RUNTIME_ENV_HOOK = "STABLERL_PREVIOUS_RAY_RUNTIME_ENV_HOOK"
 _FORWARDED_ENV = (ENV_POLICY_LOSS, ENV_POLICY_LOSS_PARAMS, ENV_ADVANTAGE, ENV_ADVANTAGE_PARAMS, ENV_ROUTING_REPLAY,
+                  ENV_REWARD_SHAPER, ENV_REWARD_SHAPER_PARAMS, ENV_BATCH_FILTER, ENV_BATCH_FILTER_PARAMS,
                   ENV_CHAINED_SETUP_HOOK)
 SETUP_HOOK = "stablerl.adapters.openrlhf.setup"
 
 _ACTOR_MODULE = "openrlhf.trainer.ray.ppo_actor"
+_CRITIC_MODULE = "openrlhf.trainer.ray.ppo_critic"
 _MAKER_MODULE = "openrlhf.trainer.ppo_utils.experience_maker"
 # routing replay R3 (rollout routes): the vLLM rollout worker, the samples generator, the model actors' base
 _LAUNCHER_MODULE = "openrlhf.trainer.ray.launcher"
@@ -213,6 +243,36 @@ def resolve(kind: str, name: Optional[str]) -> Optional[str]:
     return bare
 
 
+def extension_choices(kind: str) -> list[str]:
+    """The reward shapers / batch filters OpenRLHF can feed (names of the wrapper's argparse choices)."""
+    import stablerl
+
+    return [s.name for s in stablerl.list_algorithms(kind)
+            if s.status != stablerl.UNAVAILABLE and set(s.requires) <= FEEDABLE_EXTENSION_INPUTS]
+
+
+def resolve_extension(kind: str, name: Optional[str]) -> Optional[str]:
+    """The stablerl reward shaper / batch filter ``name`` (None: none). Unknown names raise
+    :class:`stablerl.UnknownNameError` with the nearest one; inputs OpenRLHF cannot provide at its
+    advantage step raise :class:`stablerl.MissingInputError` with the reason."""
+    import stablerl
+    from stablerl.params import UnknownNameError, unknown_name_message
+
+    if name is None or name == "":
+        return None
+    flag = SHAPER_FLAG if kind == _SHAPER else FILTER_FLAG
+    if name not in stablerl.get_registry().names(kind):
+        raise UnknownNameError(unknown_name_message(flag, name, extension_choices(kind)))
+    spec = stablerl.get_spec(kind, name)  # raises for 'unavailable' entries, with the reason
+    missing = [r for r in spec.requires if r not in FEEDABLE_EXTENSION_INPUTS]
+    if missing:
+        reasons = "; ".join(f"{m}: {_WHY_NOT_EXTENSION.get(m, 'not provided by OpenRLHF')}" for m in missing)
+        raise stablerl.MissingInputError(
+            f"{kind.replace('_', ' ')} {name!r} ({flag}) needs input(s) OpenRLHF cannot provide ({reasons})"
+        )
+    return name
+
+
 def parse_params(value: Any, flag: str) -> dict[str, Any]:
     """Hyper-parameters from the CLI: ``KEY=VALUE`` items (VALUE read as JSON, else a string) or
     one JSON object; a dict passes through."""
@@ -260,6 +320,11 @@ class Selection:
     openrlhf_clip: dict = field(default_factory=dict)
     #: MoE routing replay (--actor.stablerl_routing_replay): "R2", "R3", or None (native routing)
     routing_replay: Optional[str] = None
+    #: --algo.advantage.stablerl_reward_shaper / --algo.advantage.stablerl_batch_filter (None: none)
+    reward_shaper: Optional[str] = None
+    reward_shaper_params: dict = field(default_factory=dict)
+    batch_filter: Optional[str] = None
+    batch_filter_params: dict = field(default_factory=dict)
 
     def validate(self) -> "Selection":
         """Build the Params now so a bad key or value fails in the driver, not in a worker."""
@@ -276,7 +341,17 @@ class Selection:
             raise stablerl.StableRLError(
                 "stablerl advantage hyper-parameters given, but --algo.advantage.estimator is an OpenRLHF built-in"
             )
+        for kind, name, params, flag in ((_SHAPER, self.reward_shaper, self.reward_shaper_params, SHAPER_FLAG),
+                                         (_FILTER, self.batch_filter, self.batch_filter_params, FILTER_FLAG)):
+            if name is not None:
+                build_params(stablerl.get_spec(kind, name), params)
+            elif params:
+                raise stablerl.StableRLError(f"{flag}_params given, but no {flag}")
         return self
+
+    @property
+    def has_extensions(self) -> bool:
+        return self.reward_shaper is not None or self.batch_filter is not None
 
 
 def selection_from_args(args) -> Selection:
@@ -298,7 +373,18 @@ def selection_from_args(args) -> Selection:
         advantage_estimator=resolve(stablerl.ADVANTAGE_ESTIMATOR, adv_name),
         advantage_params=parse_params(os.environ.get(ENV_ADVANTAGE_PARAMS), ENV_ADVANTAGE_PARAMS) if env_adv else {},
         routing_replay=os.environ.get(ENV_ROUTING_REPLAY) or None,
+        **extensions_from_env(),
     )
+
+
+def extensions_from_env() -> dict[str, Any]:
+    """The reward shaper / batch filter of the no-wrapper route (``STABLERL_REWARD_SHAPER`` etc.)."""
+    out: dict[str, Any] = {}
+    for slot, kind, env, env_params in (("reward_shaper", _SHAPER, ENV_REWARD_SHAPER, ENV_REWARD_SHAPER_PARAMS),
+                                        ("batch_filter", _FILTER, ENV_BATCH_FILTER, ENV_BATCH_FILTER_PARAMS)):
+        out[slot] = resolve_extension(kind, os.environ.get(env) or None)
+        out[slot + "_params"] = parse_params(os.environ.get(env_params), env_params)
+    return out
 
 
 # ----------------------------------------------------------------------------- patches
@@ -343,6 +429,54 @@ def _patch_actor_module(module) -> None:
     from ._routing_replay import patch_actor_module
 
     patch_actor_module(module, _set_patch)  # training_step, Actor.forward (R2)
+    _patch_loss_normalisers(module, "ppo_actor")
+
+
+def _nonzero_normalisers(info: dict) -> dict:
+    """A step whose rows a batch filter all dropped has 0 tokens and 0 sequences: OpenRLHF's
+    ``sum(loss * mask) / 0`` would make the loss and every gradient NaN; with 1 they are exactly 0."""
+    import torch
+
+    out = dict(info)
+    for key in ("batch_num_tokens", "global_batch_size"):
+        value = out.get(key)
+        if value is not None:
+            value = torch.as_tensor(value)
+            out[key] = torch.where(value == 0, torch.ones_like(value), value)
+    return out
+
+
+def _patch_loss_normalisers(module, owner: str) -> None:
+    """With a batch filter selected, OpenRLHF's loss normalisers (``get_loss_batch_info``,
+    ``iter_grad_accum_global_norm``, as bound in ``module``) never divide by an all-masked step's 0."""
+    get_info = module.__dict__.get("get_loss_batch_info")
+    iter_norm = module.__dict__.get("iter_grad_accum_global_norm")
+
+    def filtering(strategy) -> bool:
+        return selection_from_args(strategy.args).batch_filter is not None
+
+    if get_info is not None:
+        def get_loss_batch_info(strategy, *args, **kwargs):
+            info = get_info(strategy, *args, **kwargs)
+            return _nonzero_normalisers(info) if filtering(strategy) else info
+
+        get_loss_batch_info.__wrapped__ = get_info
+        _set_patch(f"{owner}.get_loss_batch_info", module, "get_loss_batch_info", get_loss_batch_info)
+    if iter_norm is not None:
+        def iter_grad_accum_global_norm(data_iter, strategy, *args, **kwargs):
+            items = iter_norm(data_iter, strategy, *args, **kwargs)
+            if not filtering(strategy):
+                return items
+            return ((item, _nonzero_normalisers(info)) for item, info in items)
+
+        iter_grad_accum_global_norm.__wrapped__ = iter_norm
+        _set_patch(f"{owner}.iter_grad_accum_global_norm", module, "iter_grad_accum_global_norm",
+                   iter_grad_accum_global_norm)
+
+
+def _patch_critic_module(module) -> None:
+    check_openrlhf()
+    _patch_loss_normalisers(module, "ppo_critic")  # gae + a batch filter: the critic loss sees the same masks
 
 
 def _patch_maker_module(module) -> None:
@@ -354,10 +488,16 @@ def _patch_maker_module(module) -> None:
     def compute_advantages_and_returns(self, experiences):
         sel = selection_from_args(self.strategy.args)
         if sel.advantage_estimator is None:
-            return original(self, experiences)
-        from ._advantage import stable_advantages_and_returns
+            estimate = functools.partial(original, self)
+        else:
+            from ._advantage import stable_advantages_and_returns
 
-        return stable_advantages_and_returns(self, experiences, sel)
+            estimate = functools.partial(stable_advantages_and_returns, self, selection=sel)
+        if not sel.has_extensions:
+            return estimate(experiences)
+        from ._shape_filter import advantages_with_extensions
+
+        return advantages_with_extensions(self, experiences, sel, estimate)
 
     compute_advantages_and_returns.__wrapped__ = original
     compute_advantages_and_returns.__doc__ = original.__doc__
@@ -395,7 +535,8 @@ def _patch_vllm_args_module(module) -> None:
     patch_vllm_arg_utils(module, _set_patch)  # AsyncEngineArgs.__init__ (R3)
 
 
-_PATCHERS = {_ACTOR_MODULE: _patch_actor_module, _MAKER_MODULE: _patch_maker_module,
+_PATCHERS = {_ACTOR_MODULE: _patch_actor_module, _CRITIC_MODULE: _patch_critic_module,
+             _MAKER_MODULE: _patch_maker_module,
              _LAUNCHER_MODULE: _patch_launcher_module, _SAMPLES_MODULE: _patch_samples_module,
              _AGENT_MODULE: _patch_agent_module, _VLLM_ARGS_MODULE: _patch_vllm_args_module}
 
@@ -450,7 +591,9 @@ def is_applied() -> dict[str, bool]:
                            "ActorPPOTrainer.training_step", "Actor.forward",
                            "RemoteExperienceMaker.make_experience", "BaseModelActor.execute_batch",
                            "SamplesGenerator._process_response_into_experience", "SingleTurnAgentExecutor.execute",
-                           "MultiTurnAgentExecutor.execute", "AsyncEngineArgs.__init__")
+                           "MultiTurnAgentExecutor.execute", "AsyncEngineArgs.__init__",
+                           "ppo_actor.get_loss_batch_info", "ppo_actor.iter_grad_accum_global_norm",
+                           "ppo_critic.get_loss_batch_info", "ppo_critic.iter_grad_accum_global_norm")
         if k not in _ORIGINALS
     }
 
@@ -471,6 +614,7 @@ def add_setup_hook(runtime_env: Optional[dict] = None) -> dict:
     Also forwards the STABLERL_* selection variables to every worker, keeps a user's own
     ``worker_process_setup_hook`` (chained through ``$STABLERL_CHAINED_SETUP_HOOK``) and calls a
     previous ``RAY_RUNTIME_ENV_HOOK`` saved in ``$STABLERL_PREVIOUS_RAY_RUNTIME_ENV_HOOK``."""
+    Selection(**extensions_from_env()).validate()  # a bad shaper / filter fails here, before Ray starts
     previous = os.environ.get(ENV_PREVIOUS_RUNTIME_ENV_HOOK)
     if previous and previous != "stablerl.adapters.openrlhf.add_setup_hook":
         runtime_env = _load_callable(previous)(runtime_env)
@@ -506,5 +650,6 @@ def __getattr__(name: str):
 __all__ = [
     "SUPPORTED_OPENRLHF", "OPENRLHF_POLICY_LOSSES", "OPENRLHF_ADV_ESTIMATORS", "PREFIX", "Selection",
     "UnsupportedOpenRLHFVersionError", "check_openrlhf", "openrlhf_choices", "resolve", "parse_params",
+    "extension_choices", "resolve_extension",
     "selection_from_args", "setup", "apply", "remove", "is_applied", "add_setup_hook", "StablePolicyLoss",
 ]

@@ -11,7 +11,10 @@ this driver process only and only for the run:
    ``--algo.advantage.estimator`` also accept stablerl names (argparse still rejects unknown
    names, listing the valid ones), and adding ``--actor.stablerl_params`` /
    ``--algo.advantage.stablerl_params`` (``KEY=VALUE`` items or one JSON object), and
-   ``--actor.stablerl_routing_replay R2|R3`` (MoE routing replay);
+   ``--actor.stablerl_routing_replay R2|R3`` (MoE routing replay), and
+   ``--algo.advantage.stablerl_reward_shaper NAME`` / ``--algo.advantage.stablerl_batch_filter NAME``
+   with their ``..._params`` flags (checked against the registry after parsing, so a misspelt name
+   gets the nearest valid one);
 2. ``openrlhf.utils.config.hierarchize`` wrapped to attach ``args.stablerl`` (a
    :class:`stablerl.adapters.openrlhf.Selection`, validated here so a bad key fails before Ray
    starts); it reaches every model actor inside the pickled ``DeepspeedStrategy``;
@@ -33,15 +36,19 @@ from stablerl.params import StableRLError
 
 from . import _routing_replay
 from . import (
+    FILTER_FLAG,
     OPENRLHF_ADV_ESTIMATORS,
     OPENRLHF_POLICY_LOSSES,
     PREFIX,
+    SHAPER_FLAG,
     Selection,
     add_setup_hook,
     check_openrlhf,
+    extension_choices,
     openrlhf_choices,
     parse_params,
     resolve,
+    resolve_extension,
 )
 
 _LOSS_FLAG = "--actor.policy_loss_type"
@@ -109,6 +116,21 @@ class _ParserPatch:
                 help=f"stablerl {what} hyper-parameters, KEY=VALUE items (VALUE read as JSON) or one JSON object; "
                 "unset keys take the paper's defaults",
             )
+            if kind == stablerl.ADVANTAGE_ESTIMATOR:
+                for ext_kind, flag, what_ext in ((stablerl.REWARD_SHAPER, SHAPER_FLAG, "reward shaper"),
+                                                 (stablerl.BATCH_FILTER, FILTER_FLAG, "batch filter")):
+                    when = ("on the per-response rewards, after OpenRLHF's length penalties and before the estimator"
+                            if ext_kind == stablerl.REWARD_SHAPER else
+                            "after the estimator; dropped rows get action_mask 0 (no loss, not counted)")
+                    original(
+                        parser, flag, type=str, default=None, metavar="NAME",
+                        help=f"stablerl {what_ext}, applied {when}: {', '.join(extension_choices(ext_kind))}",
+                    )
+                    original(
+                        parser, flag + "_params", type=str, nargs="+", default=None, metavar="KEY=VALUE",
+                        help=f"stablerl {what_ext} hyper-parameters, KEY=VALUE items (VALUE read as JSON) or one "
+                        "JSON object",
+                    )
             if kind == stablerl.POLICY_LOSS:
                 original(
                     parser, _routing_replay.FLAG, type=lambda v: str(v).strip().upper(), choices=_routing_replay.MODES,
@@ -160,6 +182,14 @@ def selection_from_cli(args) -> Selection:
         policy_loss_params=parse_params(getattr(args.actor, "stablerl_params", None), _LOSS_PARAMS_FLAG),
         advantage_estimator=adv,
         advantage_params=parse_params(getattr(args.algo.advantage, "stablerl_params", None), _ADV_PARAMS_FLAG),
+        reward_shaper=resolve_extension(stablerl.REWARD_SHAPER,
+                                        getattr(args.algo.advantage, "stablerl_reward_shaper", None)),
+        reward_shaper_params=parse_params(getattr(args.algo.advantage, "stablerl_reward_shaper_params", None),
+                                          SHAPER_FLAG + "_params"),
+        batch_filter=resolve_extension(stablerl.BATCH_FILTER,
+                                       getattr(args.algo.advantage, "stablerl_batch_filter", None)),
+        batch_filter_params=parse_params(getattr(args.algo.advantage, "stablerl_batch_filter_params", None),
+                                         FILTER_FLAG + "_params"),
     )
     sel.openrlhf_clip = explicit_clip_flags(args, sys.argv[1:])
     sel.routing_replay = _routing_replay.check_mode(getattr(args.actor, "stablerl_routing_replay", None), args)
