@@ -62,6 +62,27 @@ class _ZeroPadding(torch.autograd.Function):
         return torch.where(valid, grad, torch.zeros((), dtype=grad.dtype, device=grad.device)), None, None
 
 
+class _LazyAdvantagesBatch(PolicyLossBatch):
+    """The batch of a loss registered with ``seq_advantages=True`` whose advantages are one per
+    sequence: ``seq_advantages`` is set, and ``advantages`` (today's cleaned ``[B, T]`` tensor, bit for
+    bit) is built on first read only, so a loss that broadcasts ``seq_advantages`` never pays for it."""
+
+    _advantages_thunk = None
+
+    @property
+    def advantages(self) -> torch.Tensor:
+        if self._advantages_thunk is not None:
+            self._advantages, self._advantages_thunk = self._advantages_thunk(), None
+        return self._advantages
+
+    @advantages.setter
+    def advantages(self, value) -> None:
+        if callable(value) and not isinstance(value, torch.Tensor):
+            self._advantages, self._advantages_thunk = None, value
+        else:
+            self._advantages, self._advantages_thunk = value, None
+
+
 def get_spec(kind: str, name: str) -> AlgorithmSpec:
     spec = get_registry().get(kind, name)
     if spec.status == UNAVAILABLE:
@@ -219,10 +240,22 @@ def compute_policy_loss(
             return _ZeroPadding.apply(t, valid, bits)
         return _zero_padding_bits(t, bits)
 
-    batch = PolicyLossBatch(
+    # sequence-level advantages ([B], or [B, T] expanded along T) for a loss that opted in: a cleaned
+    # [B, 1] tensor (+0.0 on a row without a valid token, so garbage there reaches nothing) and the
+    # [B, T] copy only if something reads batch.advantages; every other loss gets today's batch.
+    # Only with check_finite: the losses' products with A on padding are then finite, so the mask
+    # product zeroes them (a non-finite A on a valid token, let through by check_finite=False,
+    # would turn padding into NaN where today's zeroed advantages give +-inf)
+    seq_advantages = None
+    if spec.seq_advantages and check_finite and shape[1] > 0 and advantages.stride(1) == 0:
+        row_valid = valid.any(-1, keepdim=True)
+        per_row = _as_compute_dtype(advantages[:, :1].detach())
+        seq_advantages = torch.where(row_valid, per_row, torch.zeros((), dtype=per_row.dtype, device=per_row.device))
+    batch_type = PolicyLossBatch if seq_advantages is None else _LazyAdvantagesBatch
+    batch = batch_type(
         log_prob=clean(log_prob, detach=False),
         old_log_prob=clean(old_log_prob),
-        advantages=clean(advantages),
+        advantages=clean(advantages) if seq_advantages is None else (lambda: clean(advantages)),
         response_mask=mask,
         rollout_log_prob=clean(rollout_log_prob),
         entropy=clean(entropy),
@@ -241,11 +274,14 @@ def compute_policy_loss(
         lm_head_exp_avg_sq=_detached(inputs.get("lm_head_exp_avg_sq")),
         is_weights=None if inputs.get("is_weights") is None else _as_compute_dtype(inputs["is_weights"].detach()),
         loss_agg_mode=loss_agg_mode,
+        seq_advantages=seq_advantages,
     )
     if check_finite:
+        # seq_advantages is non-finite exactly where the cleaned [B, T] advantages would be
         _check_finite_cleaned(
             ("log_prob", "old_log_prob", "advantages", "rollout_log_prob"),
-            (batch.log_prob.detach(), batch.old_log_prob, batch.advantages, batch.rollout_log_prob),
+            (batch.log_prob.detach(), batch.old_log_prob,
+             batch.advantages if seq_advantages is None else seq_advantages, batch.rollout_log_prob),
         )
     _check_missing(spec, {**inputs, "rollout_log_prob": rollout_log_prob, "entropy": entropy, "index": index})
     correction_metrics: dict[str, Any] = {}

@@ -115,6 +115,11 @@ class AlgorithmSpec:
     # micro-batches. stablerl.testing skips its micro-batch check and, when it reduces through
     # ctx, checks that 2 DP ranks equal 1 rank instead.
     batch_statistics: bool = False
+    # policy losses: True when the loss reads ``batch.seq_advantages`` whenever it is set (the
+    # advantages are one per sequence). Core then hands it a cleaned ``[B, 1]`` tensor to broadcast
+    # and builds the per-token ``batch.advantages`` only if something reads it. Opt in only when the
+    # loss gives bit for bit the result it gives from ``batch.advantages`` (see docs/plugin-anatomy.md).
+    seq_advantages: bool = False
     plugin: str = ""  # filled by the registry: which plugin registered it
 
     def __post_init__(self) -> None:
@@ -133,6 +138,8 @@ class AlgorithmSpec:
             raise ValueError(f"{self.name!r}: output must be 'per_token' or 'scalar'")
         if not (isinstance(self.params, type) and issubclass(self.params, Params)):
             raise TypeError(f"{self.name!r}: params must be a Params dataclass subclass")
+        if self.seq_advantages and self.kind != POLICY_LOSS:
+            raise ValueError(f"{self.name!r}: only a policy loss may set seq_advantages")
 
     def defaults(self) -> dict[str, Any]:
         return dataclasses.asdict(self.params())
@@ -165,6 +172,12 @@ class PolicyLossBatch:
     is_weights: Optional[torch.Tensor] = None
     loss_agg_mode: str = "token-mean"
     extras: dict[str, Any] = field(default_factory=dict)
+    # [B, 1], only for losses registered with seq_advantages=True and only when the caller's
+    # advantages are one per sequence ([B], or a [B, T] view expanded along T): the row's advantage,
+    # +0.0 for a row without a valid token. Unlike ``advantages`` it is NOT zero on padding: a
+    # per-token loss formed with it is nonzero there, which core's aggregation masks (a loss that
+    # aggregates itself must pass the mask product, not ``zero_padded=True``).
+    seq_advantages: Optional[torch.Tensor] = None
 
 
 @dataclass

@@ -32,7 +32,8 @@ class CISPOParams(Params):
 
 def cispo_loss(b, p: CISPOParams, ctx):
     mask = b.response_mask
-    adv = b.advantages
+    # sequence-level advantages stay [B, 1] and broadcast (core's aggregation masks the padding)
+    adv = b.seq_advantages if b.seq_advantages is not None else b.advantages
     with torch.no_grad():  # the weight and every metric are detached: record no autograd graph
         log_ratio = clamped_log_ratio(b.log_prob.detach(), b.old_log_prob)
         ratio = torch.exp(log_ratio)
@@ -69,6 +70,7 @@ def register_policy_losses(register):
         title="CISPO: clipped, detached IS weight times the REINFORCE log-prob gradient (MiniMax-M1)",
         formula="l = -sg(clamp(r, 1-eps_low, 1+eps_high)) * A * lp",
         status=STABLE,
+        seq_advantages=True,
         metrics=("pg_clipfrac", "pg_clipfrac_lower", "clip_high", "clip_low", "ppo_kl"),
         reference="verl core_algos.compute_policy_loss_cispo (loss_mode=cispo); TRL loss_type='cispo'",
         notes=(

@@ -45,7 +45,9 @@ def gspo_loss(b, p: GSPOParams, ctx):
         seq_log_ratio = masked_sum(log_ratio, mask, dim=-1) / row_tokens.clamp(min=1)
     log_s = torch.clamp(b.log_prob - b.log_prob.detach() + seq_log_ratio.unsqueeze(-1), max=GSPO_LOG_RATIO_MAX)
     ratio = torch.exp(log_s)
-    pg_losses, metrics = ppo_clip_terms(ratio, b.advantages, mask, p.clip_ratio_low, p.clip_ratio_high, None)
+    # sequence-level advantages stay [B, 1] and broadcast (core's aggregation masks the padding)
+    adv = b.seq_advantages if b.seq_advantages is not None else b.advantages
+    pg_losses, metrics = ppo_clip_terms(ratio, adv, mask, p.clip_ratio_low, p.clip_ratio_high, None)
     with torch.no_grad():
         # = masked_mean(-log_ratio, mask); 0.0 - s (not -s) so an empty sum stays +0.0
         metrics["ppo_kl"] = (0.0 - masked_sum(log_ratio, mask)) / mask.sum().clamp(min=1)
@@ -70,6 +72,7 @@ def register_policy_losses(register):
         formula="s_it = sg(s_i) exp(lp - sg(lp)), s_i = exp(mean_t(lp - lp_old)); "
         "l = max(-A s_it, -A clip(s_it, 1-eps_low, 1+eps_high))",
         status=STABLE,
+        seq_advantages=True,
         metrics=("pg_clipfrac", "pg_clipfrac_lower", "clip_high", "clip_low", "ppo_kl",
                  "gspo/seq_ratio_mean", "gspo/seq_ratio_max"),
         reference="verl core_algos.compute_policy_loss_gspo (loss_mode=gspo)",

@@ -63,7 +63,12 @@ def ppo_clip_terms(ratio, advantages, mask, low: float, high: float, dual_c: Opt
 def vanilla_loss(b, p: ClipParams, ctx):
     log_ratio = clamped_log_ratio(b.log_prob, b.old_log_prob)
     ratio = torch.exp(log_ratio)
-    pg_losses, metrics = ppo_clip_terms(ratio, b.advantages, b.response_mask, p.clip_ratio_low, p.clip_ratio_high, p.clip_ratio_c)
+    # sequence-level advantages stay [B, 1]: the products with A, -A c and the A < 0 mask broadcast,
+    # and autograd keeps no [B, T] copies of them (core's aggregation masks the padding)
+    adv = b.seq_advantages if b.seq_advantages is not None else b.advantages
+    pg_losses, metrics = ppo_clip_terms(
+        ratio, adv, b.response_mask, p.clip_ratio_low, p.clip_ratio_high, p.clip_ratio_c
+    )
     metrics["ppo_kl"] = masked_mean(-log_ratio.detach(), b.response_mask)
     return pg_losses, metrics
 
@@ -78,6 +83,7 @@ def register_policy_losses(register):
         title="DAPO: PPO clip with clip-higher (decoupled bounds) and dual clip",
         formula="l = max(-A r, -A clip(r, 1-eps_low, 1+eps_high)); l = min(l, -A c) if A < 0",
         status=STABLE,
+        seq_advantages=True,
         metrics=("pg_clipfrac", "pg_clipfrac_lower", "clip_high", "clip_low", "ppo_kl"),
         reference="verl core_algos.compute_policy_loss_vanilla; TRL loss_type='dapo'; OpenRLHF PolicyLoss('ppo')",
         notes="Defaults are DAPO's (0.2/0.28); verl's actor clip_ratio_low/high/c override them in verl.",

@@ -54,7 +54,10 @@ class _ScaleByFourOverTau(torch.autograd.Function):
 
 def sapo_loss(b, p: SAPOParams, ctx):
     mask = b.response_mask
-    adv = b.advantages
+    # sequence-level advantages stay [B, 1] (as TRL keeps them): tau, 4 / tau and the product with A
+    # broadcast instead of running over [B, T], and autograd keeps no [B, T] advantage copy
+    per_row = b.seq_advantages is not None
+    adv = b.seq_advantages if per_row else b.advantages
     log_ratio = clamped_log_ratio(b.log_prob, b.old_log_prob)
     ratio = torch.exp(log_ratio)
     # A == 0 takes tau_neg (as verl); the loss is 0 there either way (0-dim bounds: no [B, T] fills)
@@ -68,11 +71,13 @@ def sapo_loss(b, p: SAPOParams, ctx):
     pg_losses = gate * -adv
     if b.is_weights is not None:
         pg_losses = pg_losses * b.is_weights
-    # core zeroes the advantages on padding and the gate is finite there (r = 1), so pg_losses is
-    # exactly +-0 on padding: aggregate without the mask product (bit-identical sums, one [B, T]
-    # pass fewer each way, no mask kept for backward); non-finite IS weights on padding make the
-    # loss NaN either way
-    loss = aggregate(pg_losses, mask, SAPO_AGG_MODE, ctx, zero_padded=True)
+    # core zeroes the per-token advantages on padding and the gate is finite there (r = 1), so
+    # pg_losses is exactly +-0 on padding: aggregate without the mask product (bit-identical sums,
+    # one [B, T] pass fewer each way, no mask kept for backward); non-finite IS weights on padding
+    # make the loss NaN either way. [B, 1] advantages are not zero on padding: the mask product
+    # zeroes it there (x * 1 == x on valid tokens, so the sums are the same bit for bit), with a
+    # bool mask so that autograd keeps 1 byte per token for backward, not a float copy
+    loss = aggregate(pg_losses, mask.bool() if per_row else mask, SAPO_AGG_MODE, ctx, zero_padded=not per_row)
     with torch.no_grad():
         zero = torch.zeros((), dtype=mask.dtype, device=mask.device)
         metrics = {
@@ -96,6 +101,7 @@ def register_policy_losses(register):
         formula="l = -(4/tau) sigmoid(tau (r - 1)) A,  tau = tau_pos if A > 0 else tau_neg",
         status=STABLE,
         output="scalar",
+        seq_advantages=True,
         metrics=("pg_clipfrac", "pg_clipfrac_lower", "ppo_kl"),
         reference="verl core_algos.compute_policy_loss_sapo (loss_mode=sapo); TRL loss_type='sapo'",
         notes=(
