@@ -54,9 +54,28 @@ def masked_extreme(values: torch.Tensor, mask: torch.Tensor, op: str, empty: flo
     return torch.where(torch.isfinite(out), out, torch.full((), empty, dtype=values.dtype, device=values.device))
 
 
+class _ClampKeepingMask(torch.autograd.Function):
+    """``torch.clamp(x, lo, hi)`` whose backward keeps a 1-byte in-range mask instead of ``x`` itself
+    (4 bytes per element less held for backward). The gradient is clamp's own, bit for bit:
+    ``where(lo <= x <= hi, grad, 0)`` (NaN ``x``: 0)."""
+
+    @staticmethod
+    def forward(fctx, x: torch.Tensor, lo: float, hi: float) -> torch.Tensor:
+        fctx.save_for_backward((x >= lo) & (x <= hi))
+        return torch.clamp(x, lo, hi)
+
+    @staticmethod
+    def backward(fctx, grad: torch.Tensor):
+        (inside,) = fctx.saved_tensors
+        return torch.where(inside, grad, torch.zeros((), dtype=grad.dtype, device=grad.device)), None, None
+
+
 def clamped_log_ratio(log_prob: torch.Tensor, old_log_prob: torch.Tensor, bound: float = LOG_RATIO_BOUND) -> torch.Tensor:
     """``clamp(log_prob - old_log_prob, -bound, bound)``: a ratio formed in log space, safe to exp."""
-    return torch.clamp(log_prob - old_log_prob, -bound, bound)
+    diff = log_prob - old_log_prob
+    if diff.requires_grad and torch.is_grad_enabled():
+        return _ClampKeepingMask.apply(diff, -bound, bound)
+    return torch.clamp(diff, -bound, bound)
 
 
 def seq_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
