@@ -5,7 +5,7 @@ after the model forward. The bench calls that real method on a light stand-in fo
 (:class:`TRLLossHost`) whose ``_get_per_token_logps_and_entropies`` returns the prepared log-prob
 tensor instead of running a model, so only TRL's loss computation (its per-token loss, aggregation
 and metrics) is timed. Ours is :func:`stablerl.compute_policy_loss` called as the stablerl TRL
-adapter calls it (``adapters/trl/trainer.py``): TRL's mask converted to the log-prob dtype, the
+adapter calls it (``adapters/trl/trainer.py``): TRL's mask as a bool mask, the
 ``[B]`` advantages broadcast over tokens, and a ``Context`` with TRL's normalisers (token count =
 ``num_items_in_batch``, sequence count = ``B``, ``loss_scale_factor`` = ``max_completion_length``).
 
@@ -137,7 +137,7 @@ def trl_fn(label: str, inputs: dict, batch: dict) -> Callable:
 
 
 def ours_fn(label: str, inputs: dict, batch: dict) -> Callable:
-    """Ours, called as the stablerl TRL adapter calls it for TRL's batch: ``(lp) -> (loss, metrics)``."""
+    """Ours, called as the stablerl TRL adapter calls it for TRL's batch (a bool mask): ``(lp) -> (loss, metrics)``."""
     _, _, name, params, agg = TRL_TWINS[label]
     completion_mask, advantages = batch["completion_mask"], batch["advantages"]
     token_count = batch["num_items_in_batch"]
@@ -149,7 +149,7 @@ def ours_fn(label: str, inputs: dict, batch: dict) -> Callable:
             log_prob=lp,
             old_log_prob=batch["old_per_token_logps"],
             advantages=advantages.unsqueeze(1).expand_as(lp),
-            response_mask=completion_mask.to(lp.dtype),
+            response_mask=completion_mask.bool(),
             loss_agg_mode=agg,
             ctx=ctx,
             **params,

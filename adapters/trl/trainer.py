@@ -1268,7 +1268,8 @@ class GRPOTrainer(_trl.GRPOTrainer):
         spec = self._stablerl_spec
         completion_mask = inputs["completion_mask"]
         mask = completion_mask if "tool_mask" not in inputs else completion_mask * inputs["tool_mask"]
-        mask = mask.to(logps.dtype)
+        valid = mask.bool()  # what core reads: a bool mask costs it no cast and no compare
+        mask = mask.to(logps.dtype)  # for TRL's own masks below
         advantages = inputs["advantages"]
         if advantages.dim() == 1:
             advantages = advantages.unsqueeze(1)
@@ -1341,7 +1342,7 @@ class GRPOTrainer(_trl.GRPOTrainer):
             log_prob=logps,
             old_log_prob=old,
             advantages=advantages.expand_as(logps),
-            response_mask=mask,
+            response_mask=valid,
             rollout_log_prob=rollout_log_prob,
             entropy=entropies,
             loss_agg_mode=self._stablerl_agg_mode,
