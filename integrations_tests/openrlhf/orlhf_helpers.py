@@ -135,3 +135,15 @@ def init_ray_with_setup_hook(adapter):
     path = os.pathsep.join([HERE_PATH, STUBS_PATH, os.environ.get("PYTHONPATH", "")])
     runtime_env = adapter.add_setup_hook({"env_vars": {"PYTHONPATH": path, "DS_ACCELERATOR": "cpu"}})
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, runtime_env=runtime_env)
+
+
+def run_without_ray_or_gpu(monkeypatch, ppo_actor):
+    """OpenRLHF's actor code in one CPU process: ``ray.get``/``ray.put`` are identities, no CUDA device,
+    no replay-buffer or barrier machinery (what the routing-replay tests drive by hand)."""
+    import ray
+
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: "cpu")
+    monkeypatch.setattr(ray, "get", lambda refs: refs)
+    monkeypatch.setattr(ray, "put", lambda value: value)
+    monkeypatch.setattr(ppo_actor, "NaiveReplayBuffer", lambda *a, **k: SimpleNamespace())
+    monkeypatch.setattr(ppo_actor, "torch_dist_barrier_and_cuda_sync", lambda: None)

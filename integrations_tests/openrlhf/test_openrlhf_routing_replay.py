@@ -18,7 +18,7 @@ from types import SimpleNamespace
 import torch
 
 import stablerl.adapters.openrlhf as adapter
-from orlhf_helpers import make_args, training_strategy
+from orlhf_helpers import make_args, run_without_ray_or_gpu, training_strategy
 from stablerl import routing_replay as rr
 from stablerl.adapters.openrlhf import Selection
 from stablerl.adapters.openrlhf import _routing_replay as orr
@@ -105,7 +105,6 @@ class _Group:
 
 def _run(monkeypatch, *, packing, mode, lr=0.05, steps=2, gc=False):
     """Old-log-prob pass + `steps` training steps on one micro-batch; what the routers did at each step."""
-    import ray
     import openrlhf.trainer.ray.ppo_actor as ppo_actor
     from openrlhf.models import Actor
     from openrlhf.trainer.ppo_utils.experience import (make_experience_batch, remove_padding_in_sequences,
@@ -114,11 +113,7 @@ def _run(monkeypatch, *, packing, mode, lr=0.05, steps=2, gc=False):
 
     adapter.apply()
     _torch_bert_padding(monkeypatch)
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: "cpu")
-    monkeypatch.setattr(ray, "get", lambda refs: refs)
-    monkeypatch.setattr(ray, "put", lambda value: value)
-    monkeypatch.setattr(ppo_actor, "NaiveReplayBuffer", lambda *a, **k: SimpleNamespace())
-    monkeypatch.setattr(ppo_actor, "torch_dist_barrier_and_cuda_sync", lambda: None)
+    run_without_ray_or_gpu(monkeypatch, ppo_actor)
 
     args = _args(packing, mode)
     model = tiny_moe()

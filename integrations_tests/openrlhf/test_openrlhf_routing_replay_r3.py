@@ -29,7 +29,7 @@ import stablerl.adapters.openrlhf as adapter
 from stablerl import routing_replay as rr
 from stablerl.adapters.openrlhf import _routing_replay as orr
 from stablerl.params import StableRLError
-from orlhf_helpers import training_strategy
+from orlhf_helpers import run_without_ray_or_gpu, training_strategy
 from test_openrlhf_routing_replay import _Group, _args, _torch_bert_padding
 
 VOCAB, NUM_EXPERTS, TOP_K, LAYERS, MOE_LAYERS = 64, 8, 2, 3, (1, 2)
@@ -224,11 +224,7 @@ def _run(monkeypatch, tmp_path, *, packing, mode, lr=0.05, steps=2):
     policy_actor_class = ray.cloudpickle.dumps(ppo_actor.PolicyModelActor.__ray_metadata__.modified_class)
     adapter.apply()
     _torch_bert_padding(monkeypatch)
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: "cpu")
-    monkeypatch.setattr(ray, "get", lambda refs: refs)
-    monkeypatch.setattr(ray, "put", lambda value: value)
-    monkeypatch.setattr(ppo_actor, "NaiveReplayBuffer", lambda *a, **k: SimpleNamespace())
-    monkeypatch.setattr(ppo_actor, "torch_dist_barrier_and_cuda_sync", lambda: None)
+    run_without_ray_or_gpu(monkeypatch, ppo_actor)
 
     model = tiny_moe()
     responses, single_engine, multi_engine = rollout(monkeypatch, tmp_path, perturbed(model))
