@@ -41,7 +41,7 @@ OPTIONAL_INPUTS: dict[str, str] = {
     "rollout_log_prob": "inference-engine log-probs (verl: rollout.calculate_log_probs=True; "
     "TRL: vllm_importance_sampling_correction=True; OpenRLHF: --algo.advantage.is_correction_level != off)",
     "entropy": "per-token entropy of the current policy (verl: actor.calculate_entropy=True; TRL: always "
-    "computed inside _compute_loss; OpenRLHF: not provided by the loss call site)",
+    "computed inside _compute_loss; OpenRLHF: the adapter asks the training forward for it, return_entropy)",
     "old_entropy": "per-token entropy of the old policy from the old-log-prob pass",
     "token_ids": "response token ids (verl: batch['responses']; TRL: completion_ids)",
     "index": "group ids of the responses (verl: uid; TRL: contiguous blocks of num_generations)",
