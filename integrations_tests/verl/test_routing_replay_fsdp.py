@@ -135,8 +135,9 @@ def test_registry_hands_out_the_replay_engine(adapter, make_engine):
     assert report["engine"]["engine_class"] == cls.__name__ and "fsdp2:cuda" in report["engine"]["registry_entries"]
 
 
-@pytest.mark.parametrize("use_remove_padding", [True, False])
-def test_r3_replays_rollout_routes_in_compute_log_prob(make_engine, use_remove_padding):
+@pytest.mark.parametrize("use_remove_padding, pad_to_length", [(True, False), (False, False), (True, True)],
+                         ids=["packed", "padded", "packed+bucket_pad"])
+def test_r3_replays_rollout_routes_in_compute_log_prob(make_engine, use_remove_padding, pad_to_length):
     model = _model()
     batch = _padded_batch()
     # the "rollout engine": same weights, different numerics -> partly different experts
@@ -145,7 +146,9 @@ def test_r3_replays_rollout_routes_in_compute_log_prob(make_engine, use_remove_p
         for layer in rollout.model.layers:
             layer.mlp.gate.weight.add_(0.5 * torch.randn_like(layer.mlp.gate.weight))
     routed = _rollout_routes(rollout, batch)
-    eng = make_engine("R3", model, use_remove_padding=use_remove_padding)
+    # pad_to_length: verl appends a static pad (bucket 16) to each packed micro-batch; its rows have no route
+    eng = make_engine("R3", model, use_remove_padding=use_remove_padding,
+                      **({"pad_to_length": True, "pad_to_length_bucket": 16} if pad_to_length else {}))
     native = _reference_log_probs(model, batch)
     expected = _reference_log_probs(model, batch, routed)
     assert (expected - native).abs().max() > 1e-3  # the rollout's routes really differ
@@ -193,10 +196,11 @@ def test_r3_update_pins_experts_and_keeps_router_gradient(make_engine):
     assert drift_replay == 0.0 and grad > 0, results
 
 
-def test_r2_records_in_compute_log_prob_and_replays_in_update(make_engine):
+@pytest.mark.parametrize("pad_to_length", [False, True], ids=["packed", "packed+bucket_pad"])
+def test_r2_records_in_compute_log_prob_and_replays_in_update(make_engine, pad_to_length):
     batch = _padded_batch()
     model = _model()
-    eng = make_engine("R2", model)
+    eng = make_engine("R2", model, **({"pad_to_length": True, "pad_to_length_bucket": 16} if pad_to_length else {}))
     out = eng.infer_batch(_verl_data(batch))  # compute_log_prob: no routed_experts yet -> record
     rec = out["model_output"]["routed_experts"]
     assert rec.is_nested and rec.dtype == torch.int16
@@ -221,6 +225,11 @@ def test_r2_records_in_compute_log_prob_and_replays_in_update(make_engine):
     used = _experts_used(model, lambda: eng.forward_backward_batch(_verl_data(batch, padded), _loss,
                                                                    forward_only=False))
     recorded = rr.Routes.from_token_layer_slot(torch.cat(list(rec.unbind())), model=model)
+    # each micro-batch (2 rows) forwards its tokens, then verl's bucket pad (routed natively)
+    lens = [p + r for p, r in zip(PROMPT_LENS, RESP_LENS)]
+    per_mb = [sum(lens[i:i + 2]) for i in range(0, B, 2)]
+    assert [u.num_tokens for u in used] == ([-(-n // 16) * 16 for n in per_mb] if pad_to_length else per_mb)
+    used = [u.slice_tokens(0, n) for u, n in zip(used, per_mb)]
     assert rr.mismatch_fraction(recorded, rr.Routes.concat_tokens(used)) == 0.0
     assert model.model.layers[1].mlp.gate.weight.grad.abs().sum() > 0
 
