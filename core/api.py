@@ -24,7 +24,7 @@ from .contracts import (
     AlgorithmSpec,
     PolicyLossBatch,
 )
-from .ops import aggregate, as_floats, ensure_same_shape, group_ids
+from .ops import aggregate, as_floats, ensure_same_shape, group_ids, masked_tangent
 from .params import MissingInputError, StableRLError, UnknownNameError, build_params, unknown_name_message
 from .registry import get_registry
 
@@ -49,17 +49,26 @@ def _zero_padding_bits(t: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
 
 class _ZeroPadding(torch.autograd.Function):
     """:func:`_zero_padding_bits` for a tensor with gradient; backward is ``torch.where``'s (the
-    gradient on valid tokens, +0.0 on padding), keeping the bool mask as ``torch.where`` would."""
+    gradient on valid tokens, +0.0 on padding), keeping the bool mask as ``torch.where`` would.
+    New-style (``setup_context``, ``jvp``) so forward-mode AD and ``torch.func.grad`` keep working."""
 
     @staticmethod
-    def forward(fctx, t: torch.Tensor, valid: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
-        fctx.save_for_backward(valid)
+    def forward(t: torch.Tensor, valid: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
         return _zero_padding_bits(t, bits)
+
+    @staticmethod
+    def setup_context(fctx, inputs, output) -> None:
+        fctx.valid = inputs[1]
+        fctx.save_for_backward(fctx.valid)
 
     @staticmethod
     def backward(fctx, grad: torch.Tensor):
         (valid,) = fctx.saved_tensors
-        return torch.where(valid, grad, torch.zeros((), dtype=grad.dtype, device=grad.device)), None, None
+        return masked_tangent(valid, grad), None, None
+
+    @staticmethod
+    def jvp(fctx, t_t: torch.Tensor, valid_t, bits_t) -> torch.Tensor:
+        return masked_tangent(fctx.valid, t_t)
 
 
 class _LazyAdvantagesBatch(PolicyLossBatch):
@@ -236,7 +245,7 @@ def compute_policy_loss(
         bits = bit_masks.get(int_type)
         if bits is None:
             bits = bit_masks[int_type] = valid.view(torch.uint8).to(int_type).neg_()
-        if t.requires_grad:
+        if not detach:  # log_prob: may carry a gradient, a forward-mode tangent or a torch.func wrapper
             return _ZeroPadding.apply(t, valid, bits)
         return _zero_padding_bits(t, bits)
 

@@ -54,20 +54,38 @@ def masked_extreme(values: torch.Tensor, mask: torch.Tensor, op: str, empty: flo
     return torch.where(torch.isfinite(out), out, torch.full((), empty, dtype=values.dtype, device=values.device))
 
 
+def masked_tangent(inside: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    """``where(inside, t, +0.0)``: the gradient (or tangent) of an elementwise op that passes ``t``
+    through where ``inside`` and is flat elsewhere (clamp, padding zeroing)."""
+    return torch.where(inside, t, torch.zeros((), dtype=t.dtype, device=t.device))
+
+
 class _ClampKeepingMask(torch.autograd.Function):
     """``torch.clamp(x, lo, hi)`` whose backward keeps a 1-byte in-range mask instead of ``x`` itself
     (4 bytes per element less held for backward). The gradient is clamp's own, bit for bit:
-    ``where(lo <= x <= hi, grad, 0)`` (NaN ``x``: 0)."""
+    ``where(lo <= x <= hi, grad, 0)`` (NaN ``x``: 0). New-style (``setup_context``, ``jvp``, generated
+    vmap rule), so ``torch.func`` transforms and forward-mode AD keep working."""
+
+    generate_vmap_rule = True
 
     @staticmethod
-    def forward(fctx, x: torch.Tensor, lo: float, hi: float) -> torch.Tensor:
-        fctx.save_for_backward((x >= lo) & (x <= hi))
+    def forward(x: torch.Tensor, lo: float, hi: float) -> torch.Tensor:
         return torch.clamp(x, lo, hi)
+
+    @staticmethod
+    def setup_context(fctx, inputs, output) -> None:
+        x, lo, hi = inputs
+        fctx.inside = (x >= lo) & (x <= hi)
+        fctx.save_for_backward(fctx.inside)
 
     @staticmethod
     def backward(fctx, grad: torch.Tensor):
         (inside,) = fctx.saved_tensors
-        return torch.where(inside, grad, torch.zeros((), dtype=grad.dtype, device=grad.device)), None, None
+        return masked_tangent(inside, grad), None, None
+
+    @staticmethod
+    def jvp(fctx, x_t: torch.Tensor, lo_t, hi_t) -> torch.Tensor:
+        return masked_tangent(fctx.inside, x_t)
 
 
 def clamped_log_ratio(log_prob: torch.Tensor, old_log_prob: torch.Tensor, bound: float = LOG_RATIO_BOUND) -> torch.Tensor:

@@ -41,15 +41,25 @@ class _ScaleByFourOverTau(torch.autograd.Function):
     it anyway, for ``tau * (r - 1)``) instead of a second [B, T] tensor ``4 / tau``. Same forward;
     the backward recomputes ``4 / tau`` and forms ``grad * (4 / tau)`` as autograd's would."""
 
+    generate_vmap_rule = True
+
     @staticmethod
-    def forward(fctx, s: torch.Tensor, tau: torch.Tensor) -> torch.Tensor:
-        fctx.save_for_backward(tau)
+    def forward(s: torch.Tensor, tau: torch.Tensor) -> torch.Tensor:
         return s * (4.0 / tau)
+
+    @staticmethod
+    def setup_context(fctx, inputs, output) -> None:
+        fctx.tau = inputs[1]
+        fctx.save_for_backward(fctx.tau)
 
     @staticmethod
     def backward(fctx, grad: torch.Tensor):
         (tau,) = fctx.saved_tensors
         return grad * (4.0 / tau), None
+
+    @staticmethod
+    def jvp(fctx, s_t: torch.Tensor, tau_t) -> torch.Tensor:  # tau carries no gradient (from A's sign)
+        return s_t * (4.0 / fctx.tau)
 
 
 def sapo_loss(b, p: SAPOParams, ctx):
