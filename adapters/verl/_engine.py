@@ -26,17 +26,15 @@ from . import _state
 logger = logging.getLogger("stablerl.adapters.verl")
 
 ENGINE_MODULE = "verl.workers.engine.fsdp.transformer_impl"
-FSDP_BACKENDS = ("fsdp", "fsdp2")
+FSDP_BACKENDS = routing.FSDP_BACKENDS
 _HOOK_TAG = "stablerl.verl.engine"
-_STATE: dict[str, Any] = {"engine_class": None, "replaced": []}
+_STATE: dict[str, Any] = {"engine_class": None, "replaced": [], "error": None}
 
 
 def engine_class(base):
     """The stablerl subclass of verl's ``FSDPEngineWithLMHead`` (``base``)."""
 
     class StableRLFSDPEngineWithLMHead(base):
-        _stablerl_engine = True
-
         def forward_backward_batch(self, data, loss_function, forward_only=False):
             session = routing.session_for(self, data, forward_only)
             if session is None:
@@ -97,11 +95,14 @@ def _patch_engine_module(module) -> None:
 
 
 def _apply(module) -> None:
+    # a failed patch must not break verl's own import: log it loudly; routing replay then refuses to
+    # start (the worker switch checks status()) and the losses' state is not checkpointed
     try:
         _patch_engine_module(module)
-    except Exception as e:  # noqa: BLE001 - say it loudly: verl hides plugin errors
-        logger.warning("stablerl: the verl engine patch of %s failed: %s: %s", ENGINE_MODULE, type(e).__name__, e)
-        raise
+    except Exception as e:  # noqa: BLE001
+        _STATE["error"] = f"{type(e).__name__}: {e}"
+        logger.error("stablerl: the verl engine patch of %s failed (no routing replay, no loss state in "
+                     "checkpoints): %s", ENGINE_MODULE, _STATE["error"])
 
 
 def install() -> None:
@@ -129,4 +130,5 @@ def status() -> dict[str, Any]:
     return {
         "engine_class": None if _STATE["engine_class"] is None else _STATE["engine_class"].__name__,
         "registry_entries": [f"{b}:{k}" for b, k, _ in _STATE["replaced"]],
+        "error": _STATE["error"],
     }

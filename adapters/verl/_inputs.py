@@ -40,8 +40,8 @@ bound names. :func:`patch` is idempotent (also across re-imports of the adapter)
 :func:`unpatch` restores verl's function.
 
 Controller state (``Context.state``) lives in :data:`STATE`, one dict per loss name and per
-process; it persists across steps in a worker and is saved with the actor's checkpoint by the FSDP
-engine subclass (:mod:`stablerl.adapters.verl._state`).
+process; it persists across steps in a worker and is saved with the actor's checkpoint by stablerl's
+FSDP engine subclass (:mod:`stablerl.adapters.verl._state`; actor.strategy fsdp/fsdp2 only).
 
 This module imports no verl at import time (verl's helpers are imported inside the wrapper, when
 verl already loaded them).

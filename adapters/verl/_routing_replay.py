@@ -1,5 +1,8 @@
 """MoE routing replay (R2 / R3) for verl's FSDP engine, on Hugging Face transformers MoE models.
 
+R3, rollout routing replay: Ma et al., arXiv 2510.11370; R2, vanilla routing replay: Zheng et al.,
+arXiv 2512.01374 (GSPO, arXiv 2507.18071).
+
 verl 0.9.1 replays routes only on Megatron and VeOmni; its FSDP engine never reads the
 ``routed_experts`` batch field and its worker forces ``router_replay`` off for ``fsdp``/``fsdp2``.
 Two pieces close that gap:
@@ -49,7 +52,7 @@ MODES = ("disabled", "R2", "R3")
 WORKER_MODULE = "verl.workers.engine_workers"
 FSDP_BACKENDS = ("fsdp", "fsdp2")
 _HOOK_TAG = "stablerl.verl.routing_replay"
-_STATE: dict[str, Any] = {"worker_init": None}
+_STATE: dict[str, Any] = {"worker_init": None, "error": None}
 
 
 def mode_of(engine_config) -> str:
@@ -89,12 +92,10 @@ class _Session:
         self.num_experts = max(r.num_experts for r in routers)
         self._replay = None if record else rr.replay(model, None)
         self._capture = None
-        self.micro_batches = 0
 
     def begin(self, micro_batch, output_args: dict, use_remove_padding: bool) -> None:
         from stablerl import routing_replay as rr
 
-        self.micro_batches += 1
         if self.record:
             self._capture = rr.capture(self.model)
             return
@@ -165,11 +166,19 @@ def _patch_worker_module(module) -> None:
         original(self, config, *args, **kwargs)
         actor = config.get("actor") if hasattr(config, "get") else None
         strategy = actor.get("strategy") if actor is not None else None
-        if strategy not in FSDP_BACKENDS:
-            return
-        mode = mode_of(actor.get("fsdp_config"))
+        mode = mode_of(actor.get("fsdp_config")) if actor is not None else "disabled"
         if mode == "disabled":
             return
+        if strategy not in FSDP_BACKENDS:
+            raise StableRLError(
+                f"fsdp_config.router_replay.mode={mode} is stablerl's routing replay for actor.strategy fsdp/fsdp2; "
+                f"this actor uses {strategy!r} (Megatron and VeOmni have verl's own: "
+                "actor.megatron.router_replay.mode / actor.veomni.router_replay.mode)")
+        from . import _engine
+
+        if _engine.status()["error"]:
+            raise StableRLError(f"fsdp_config.router_replay.mode={mode}: stablerl's FSDP engine subclass is not "
+                                f"installed ({_engine.status()['error']})")
         rollout_rr = bool(config.get("rollout", {}).get("enable_rollout_routing_replay", False))
         if mode == "R3" and not rollout_rr and getattr(self, "_is_actor", False):
             raise StableRLError(
@@ -208,11 +217,13 @@ def session_for(engine, data, forward_only: bool) -> Optional[_Session]:
 
 
 def _apply_worker(module) -> None:
+    # a failed patch must not break verl's own import: log it loudly; the feature is then off
     try:
         _patch_worker_module(module)
-    except Exception as e:  # noqa: BLE001 - say it loudly: verl hides plugin errors
-        logger.warning("stablerl: verl routing replay patch of %s failed: %s: %s", WORKER_MODULE, type(e).__name__, e)
-        raise
+    except Exception as e:  # noqa: BLE001
+        _STATE["error"] = f"{type(e).__name__}: {e}"
+        logger.error("stablerl: verl routing replay patch of %s failed, fsdp_config.router_replay is ignored: %s",
+                     WORKER_MODULE, _STATE["error"])
 
 
 def install() -> None:
@@ -236,4 +247,4 @@ def uninstall() -> None:
 
 
 def status() -> dict[str, Any]:
-    return {"worker_switch": _STATE["worker_init"] is not None}
+    return {"worker_switch": _STATE["worker_init"] is not None, "error": _STATE["error"]}

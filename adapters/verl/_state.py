@@ -50,6 +50,9 @@ def _read(path: str, kind: str, restore) -> bool:
     blob = torch.load(path, weights_only=False)
     if not isinstance(blob, dict) or blob.get("stablerl_state") != kind:
         raise RuntimeError(f"{path} is not a stablerl {kind} state file")
+    if blob.get("version", 0) > FORMAT_VERSION:
+        raise RuntimeError(f"{path} was written by a newer stablerl (state format {blob['version']}, this one "
+                           f"reads {FORMAT_VERSION}): upgrade stablerl to resume from it")
     restore(blob["state"])
     return True
 
@@ -128,6 +131,15 @@ def _patch_trainer_module(module, class_name: str) -> None:
         _PATCHED.append((cls, attr, original))
 
 
+def _patch_safely(module, class_name: str) -> None:
+    # a failed patch must not break verl's own import: log it loudly; the driver state is then not saved
+    try:
+        _patch_trainer_module(module, class_name)
+    except Exception as e:  # noqa: BLE001
+        logger.error("stablerl: patching %s.%s checkpoints failed, the driver's stablerl state is not saved: %s: %s",
+                     module.__name__, class_name, type(e).__name__, e)
+
+
 def install() -> None:
     """Wrap the trainers' checkpoint methods (now if imported, else on import). Idempotent."""
     import sys
@@ -135,9 +147,9 @@ def install() -> None:
     pending = {}
     for name, class_name in TRAINER_CLASSES.items():
         if name in sys.modules:
-            _patch_trainer_module(sys.modules[name], class_name)
+            _patch_safely(sys.modules[name], class_name)
         else:
-            pending[name] = functools.partial(_patch_trainer_module, class_name=class_name)
+            pending[name] = functools.partial(_patch_safely, class_name=class_name)
     if pending:
         post_import.install(_HOOK_TAG, pending, once=False)
 

@@ -302,7 +302,20 @@ def test_worker_switch(adapter, monkeypatch, overrides, enabled):
     ((f"{RR_KEY}=R3",), "set actor_rollout_ref.rollout.enable_rollout_routing_replay=True"),
     ((f"{RR_KEY}=R2", ROLLOUT_RR), "unset actor_rollout_ref.rollout.enable_rollout_routing_replay"),
     ((f"{RR_KEY}=r4",), "unknown fsdp_config.router_replay.mode 'r4'"),
+    ((f"{RR_KEY}=R3", ROLLOUT_RR, "actor_rollout_ref.actor.strategy=fsdp_turbo"), "this actor uses 'fsdp_turbo'"),
 ])
 def test_worker_switch_errors(adapter, monkeypatch, overrides, message):
     with pytest.raises(StableRLError, match=message):
         _worker(monkeypatch, *overrides)
+
+
+def test_a_failed_engine_patch_does_not_break_verl_and_routing_replay_refuses(adapter, monkeypatch):
+    from types import ModuleType
+
+    from stablerl.adapters.verl import _engine
+
+    monkeypatch.setitem(_engine._STATE, "error", None)
+    _engine._apply(ModuleType("verl_without_the_fsdp_engine"))  # what a future verl might look like: no raise
+    assert "FSDPEngineWithLMHead" in _engine.status()["error"]
+    with pytest.raises(StableRLError, match="FSDP engine subclass is not installed"):
+        _worker(monkeypatch, f"{RR_KEY}=R2")
