@@ -84,6 +84,10 @@ class _LazyAdvantagesBatch(PolicyLossBatch):
             self._advantages, self._advantages_thunk = self._advantages_thunk(), None
         return self._advantages
 
+    def __getstate__(self):  # pickle / deepcopy: build the per-token advantages (the thunk is a closure)
+        _ = self.advantages
+        return {**self.__dict__, "_advantages_thunk": None}
+
     @advantages.setter
     def advantages(self, value) -> None:
         if callable(value) and not isinstance(value, torch.Tensor):

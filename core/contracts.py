@@ -179,6 +179,12 @@ class PolicyLossBatch:
     # aggregates itself must pass the mask product, not ``zero_padded=True``).
     seq_advantages: Optional[torch.Tensor] = None
 
+    @property
+    def broadcast_advantages(self) -> torch.Tensor:
+        """``seq_advantages`` ``[B, 1]`` when core set it (the loss opted in and the advantages are one
+        per sequence), else the per-token ``advantages``: what a loss that broadcasts ``A`` multiplies by."""
+        return self.seq_advantages if self.seq_advantages is not None else self.advantages
+
 
 @dataclass
 class AdvantageBatch:

@@ -58,6 +58,7 @@ __all__ = [
     "capture",
     "replay",
     "find_routers",
+    "require_routers",
     "router_families",
     "mismatch_fraction",
     "index_dtype",
@@ -730,7 +731,8 @@ def find_routers(model, families: Optional[Iterable[RouterFamily]] = None) -> li
     return out
 
 
-def _require_routers(model, families) -> list[RouterInfo]:
+def require_routers(model, families: Optional[Iterable[RouterFamily]] = None) -> list[RouterInfo]:
+    """:func:`find_routers`, raising a :class:`StableRLError` that names the known families when there is none."""
     routers = find_routers(model, families)
     if not routers:
         names = [f.name for f in (families if families is not None else router_families())]
@@ -783,7 +785,7 @@ class RouteCapture:
     def __init__(self, model, families: Optional[Iterable[RouterFamily]] = None, record_log_probs: bool = False):
         self.model = model
         self.record_log_probs = bool(record_log_probs)
-        self.routers = _require_routers(model, families)
+        self.routers = require_routers(model, families)
         self._pos = {id(r.module): i for i, r in enumerate(self.routers)}
         self.num_experts = max(r.num_experts for r in self.routers)
         self.dtype = index_dtype(self.num_experts)
@@ -976,7 +978,7 @@ class RouteReplay:
 
     def __init__(self, model, routes: Optional[Routes], families: Optional[Iterable[RouterFamily]] = None):
         self.model = model
-        self.routers = _require_routers(model, families)
+        self.routers = require_routers(model, families)
         self._pos = {id(r.module): i for i, r in enumerate(self.routers)}
         self._handles: list = []
         self._cache: dict = {}

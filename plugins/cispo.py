@@ -33,7 +33,7 @@ class CISPOParams(Params):
 def cispo_loss(b, p: CISPOParams, ctx):
     mask = b.response_mask
     # sequence-level advantages stay [B, 1] and broadcast (core's aggregation masks the padding)
-    adv = b.seq_advantages if b.seq_advantages is not None else b.advantages
+    adv = b.broadcast_advantages
     with torch.no_grad():  # the weight and every metric are detached: record no autograd graph
         log_ratio = clamped_log_ratio(b.log_prob.detach(), b.old_log_prob)
         ratio = torch.exp(log_ratio)

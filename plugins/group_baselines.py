@@ -49,8 +49,8 @@ def _out(per_seq: torch.Tensor, mask: torch.Tensor):
 
 
 def baseline_std_advantage(scores, baseline, std, p, mask: torch.Tensor):
-    """GRPO's normalisation, shared by the estimators that only change its baseline or std (QAE,
-    Reinforce-Ada): ``(S - b) / (std + epsilon)``, or ``S - b`` without ``norm_adv_by_std_in_grpo``
+    """GRPO's normalisation (arXiv 2402.03300), shared by the estimators that only change its baseline or
+    std (QAE, Reinforce-Ada): ``(S - b) / (std + epsilon)``, or ``S - b`` without ``norm_adv_by_std_in_grpo``
     (``p`` holds those two); on every response token."""
     adv = scores - baseline
     if p.norm_adv_by_std_in_grpo:

@@ -46,7 +46,7 @@ def gspo_loss(b, p: GSPOParams, ctx):
     log_s = torch.clamp(b.log_prob - b.log_prob.detach() + seq_log_ratio.unsqueeze(-1), max=GSPO_LOG_RATIO_MAX)
     ratio = torch.exp(log_s)
     # sequence-level advantages stay [B, 1] and broadcast (core's aggregation masks the padding)
-    adv = b.seq_advantages if b.seq_advantages is not None else b.advantages
+    adv = b.broadcast_advantages
     pg_losses, metrics = ppo_clip_terms(ratio, adv, mask, p.clip_ratio_low, p.clip_ratio_high, None)
     with torch.no_grad():
         # = masked_mean(-log_ratio, mask); 0.0 - s (not -s) so an empty sum stays +0.0

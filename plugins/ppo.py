@@ -65,7 +65,7 @@ def vanilla_loss(b, p: ClipParams, ctx):
     ratio = torch.exp(log_ratio)
     # sequence-level advantages stay [B, 1]: the products with A, -A c and the A < 0 mask broadcast,
     # and autograd keeps no [B, T] copies of them (core's aggregation masks the padding)
-    adv = b.seq_advantages if b.seq_advantages is not None else b.advantages
+    adv = b.broadcast_advantages
     pg_losses, metrics = ppo_clip_terms(
         ratio, adv, b.response_mask, p.clip_ratio_low, p.clip_ratio_high, p.clip_ratio_c
     )

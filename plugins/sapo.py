@@ -67,7 +67,7 @@ def sapo_loss(b, p: SAPOParams, ctx):
     # sequence-level advantages stay [B, 1] (as TRL keeps them): tau, 4 / tau and the product with A
     # broadcast instead of running over [B, T], and autograd keeps no [B, T] advantage copy
     per_row = b.seq_advantages is not None
-    adv = b.seq_advantages if per_row else b.advantages
+    adv = b.broadcast_advantages
     log_ratio = clamped_log_ratio(b.log_prob, b.old_log_prob)
     ratio = torch.exp(log_ratio)
     # A == 0 takes tau_neg (as verl); the loss is 0 there either way (0-dim bounds: no [B, T] fills)

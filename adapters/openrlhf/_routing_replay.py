@@ -242,12 +242,10 @@ def arm(trainer, mode: Optional[str]) -> None:
     if getattr(trainer.strategy, "ring_attn_group", None) is not None:
         raise StableRLError(f"{FLAG} {mode} does not support ring attention / sequence parallelism")
     model = actor.model
-    routers = rr.find_routers(model)
-    if not routers:
-        try:
-            rr.capture(_inner(model)).stop()  # raises core's error naming the known router families
-        except StableRLError as e:
-            raise StableRLError(f"{FLAG} {mode} needs a Mixture-of-Experts actor: {e}") from None
+    try:
+        routers = rr.require_routers(model)
+    except StableRLError as e:
+        raise StableRLError(f"{FLAG} {mode} needs a Mixture-of-Experts actor: {e}") from None
     packing = bool(getattr(actor, "packing_samples", trainer.args.ds.packing_samples))  # what Actor.forward reads
     top_k = max(r.top_k for r in routers)
     if mode == "R3" and min(r.top_k for r in routers) < 2:

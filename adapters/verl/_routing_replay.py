@@ -81,9 +81,7 @@ class _Session:
         from stablerl import routing_replay as rr
 
         self.model, self.record = model, record
-        routers = rr.find_routers(model)
-        if not routers:
-            rr._require_routers(model, None)  # raises the error that names the known families
+        routers = rr.require_routers(model)
         if any(r.top_k < 2 for r in routers):
             raise StableRLError(
                 "routing replay in verl needs top-k >= 2 routers: verl's int16 routed_experts layout cannot mark "
