@@ -86,3 +86,17 @@ def installed(tag: str) -> bool:
 def remove(tag: str) -> None:
     """Disarm every hook with ``tag``."""
     sys.meta_path[:] = [f for f in sys.meta_path if getattr(f, "stablerl_hook_tag", None) != tag]
+
+
+def patch_now_or_on_import(tag: str, patchers: Mapping[str, Patcher]) -> None:
+    """Patch each module of ``patchers`` now if it is imported already, else right after its import (one
+    hook with ``tag``, kept armed so that a re-import is patched too; a patcher must be idempotent)."""
+    pending = {}
+    for name, patcher in patchers.items():
+        module = sys.modules.get(name)
+        if module is not None:
+            patcher(module)
+        else:
+            pending[name] = patcher
+    if pending:
+        install(tag, pending, once=False)

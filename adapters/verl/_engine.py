@@ -15,7 +15,6 @@ Everything else is verl's own:
 from __future__ import annotations
 
 import logging
-import sys
 from typing import Any
 
 from stablerl.adapters import _post_import as post_import
@@ -83,6 +82,9 @@ def engine_class(base):
 def _patch_engine_module(module) -> None:
     from verl.workers.engine.base import EngineRegistry
 
+    if _STATE["replaced"]:  # idempotent
+        return
+
     base = module.FSDPEngineWithLMHead
     cls = _STATE["engine_class"] or engine_class(base)
     _STATE["engine_class"] = cls
@@ -107,11 +109,7 @@ def _apply(module) -> None:
 
 def install() -> None:
     """Re-point verl's FSDP engine entries (now if the module is imported, else on import). Idempotent."""
-    if ENGINE_MODULE in sys.modules:
-        if not _STATE["replaced"]:
-            _apply(sys.modules[ENGINE_MODULE])
-    else:
-        post_import.install(_HOOK_TAG, {ENGINE_MODULE: _apply})
+    post_import.patch_now_or_on_import(_HOOK_TAG, {ENGINE_MODULE: _apply})
 
 
 def uninstall() -> None:

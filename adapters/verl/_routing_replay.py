@@ -227,12 +227,7 @@ def _apply_worker(module) -> None:
 def install() -> None:
     """Arm the worker switch (now if its module is imported, else on import). Idempotent. The engine side
     is :mod:`stablerl.adapters.verl._engine`."""
-    import sys
-
-    if WORKER_MODULE in sys.modules:
-        _apply_worker(sys.modules[WORKER_MODULE])
-    else:
-        post_import.install(_HOOK_TAG, {WORKER_MODULE: _apply_worker}, once=False)
+    post_import.patch_now_or_on_import(_HOOK_TAG, {WORKER_MODULE: _apply_worker})
 
 
 def uninstall() -> None:

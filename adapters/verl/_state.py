@@ -142,16 +142,8 @@ def _patch_safely(module, class_name: str) -> None:
 
 def install() -> None:
     """Wrap the trainers' checkpoint methods (now if imported, else on import). Idempotent."""
-    import sys
-
-    pending = {}
-    for name, class_name in TRAINER_CLASSES.items():
-        if name in sys.modules:
-            _patch_safely(sys.modules[name], class_name)
-        else:
-            pending[name] = functools.partial(_patch_safely, class_name=class_name)
-    if pending:
-        post_import.install(_HOOK_TAG, pending, once=False)
+    post_import.patch_now_or_on_import(
+        _HOOK_TAG, {name: functools.partial(_patch_safely, class_name=cls) for name, cls in TRAINER_CLASSES.items()})
 
 
 def uninstall() -> None:
