@@ -147,3 +147,39 @@ def run_without_ray_or_gpu(monkeypatch, ppo_actor):
     monkeypatch.setattr(ray, "put", lambda value: value)
     monkeypatch.setattr(ppo_actor, "NaiveReplayBuffer", lambda *a, **k: SimpleNamespace())
     monkeypatch.setattr(ppo_actor, "torch_dist_barrier_and_cuda_sync", lambda: None)
+
+
+class _Stop(Exception):
+    pass
+
+
+def dry_run(monkeypatch, argv):
+    """Run the wrapper until OpenRLHF's train() calls ray.init; return (args, ray.init kwargs)."""
+    import argparse
+
+    import openrlhf.utils.config as config
+    import pytest
+    import ray
+
+    from stablerl.adapters.openrlhf import train_ppo_ray as wrapper
+
+    seen = {}
+    original = config.hierarchize
+
+    def recording_hierarchize(a):
+        seen["args"] = original(a)
+        return seen["args"]
+
+    def fake_init(*a, **kw):
+        seen["ray_init"] = kw
+        raise _Stop
+
+    monkeypatch.setattr(config, "hierarchize", recording_hierarchize)
+    monkeypatch.setattr(ray, "init", fake_init)
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    before = argparse.ArgumentParser.add_argument
+    with pytest.raises(_Stop):
+        wrapper.main(argv)
+    assert argparse.ArgumentParser.add_argument is before
+    assert config.hierarchize is recording_hierarchize and ray.init is fake_init  # the wrapper restored them
+    return seen["args"], seen["ray_init"]

@@ -9,46 +9,14 @@ import json
 
 import stablerl
 import stablerl.adapters.openrlhf as adapter
+from orlhf_helpers import dry_run
 from stablerl.adapters.openrlhf import train_ppo_ray as wrapper
 
 BASE = ["--actor.model_name_or_path", "Qwen/Qwen3-0.6B", "--rollout.n_samples_per_prompt", "4"]
 
 
-class _Stop(Exception):
-    pass
-
-
-def _dry_run(monkeypatch, argv):
-    """Run the wrapper until OpenRLHF's train() calls ray.init; return (args, ray.init kwargs)."""
-    import ray
-    import openrlhf.utils.config as config
-
-    seen = {}
-    original = config.hierarchize
-
-    def recording_hierarchize(a):
-        seen["args"] = original(a)
-        return seen["args"]
-
-    def fake_init(*a, **kw):
-        seen["ray_init"] = kw
-        raise _Stop
-
-    monkeypatch.setattr(config, "hierarchize", recording_hierarchize)
-    monkeypatch.setattr(ray, "init", fake_init)
-    monkeypatch.setattr(ray, "is_initialized", lambda: False)
-    import argparse
-
-    before = argparse.ArgumentParser.add_argument
-    with pytest.raises(_Stop):
-        wrapper.main(argv)
-    assert argparse.ArgumentParser.add_argument is before
-    assert config.hierarchize is recording_hierarchize and ray.init is fake_init  # the wrapper restored them
-    return seen["args"], seen["ray_init"]
-
-
 def test_dry_run_attaches_selection_and_setup_hook(monkeypatch):
-    args, init = _dry_run(monkeypatch, BASE + [
+    args, init = dry_run(monkeypatch, BASE + [
         "--actor.policy_loss_type", "m2po", "--actor.stablerl_params", "m2_threshold=0.05", "variant=mask",
         "--algo.advantage.estimator", "qae", "--algo.advantage.stablerl_params", '{"quantile_k": 0.3}',
         "--actor.eps_clip_low_high", "0.2", "0.28",
@@ -66,9 +34,9 @@ def test_dry_run_attaches_selection_and_setup_hook(monkeypatch):
 
 
 def test_builtin_names_select_nothing(monkeypatch):
-    args, _ = _dry_run(monkeypatch, BASE + ["--actor.policy_loss_type", "gspo", "--algo.advantage.estimator", "group_norm"])
+    args, _ = dry_run(monkeypatch, BASE + ["--actor.policy_loss_type", "gspo", "--algo.advantage.estimator", "group_norm"])
     assert args.stablerl.policy_loss is None and args.stablerl.advantage_estimator is None
-    args, _ = _dry_run(monkeypatch, BASE + ["--actor.policy_loss_type", "stablerl_gspo",
+    args, _ = dry_run(monkeypatch, BASE + ["--actor.policy_loss_type", "stablerl_gspo",
                                             "--algo.advantage.estimator", "stablerl_rloo"])
     assert args.stablerl.policy_loss == "gspo" and args.stablerl.advantage_estimator == "rloo"
 

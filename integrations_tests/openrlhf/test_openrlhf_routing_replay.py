@@ -18,7 +18,7 @@ from types import SimpleNamespace
 import torch
 
 import stablerl.adapters.openrlhf as adapter
-from orlhf_helpers import make_args, run_without_ray_or_gpu, training_strategy
+from orlhf_helpers import dry_run, make_args, run_without_ray_or_gpu, training_strategy
 from stablerl import routing_replay as rr
 from stablerl.adapters.openrlhf import Selection
 from stablerl.adapters.openrlhf import _routing_replay as orr
@@ -311,45 +311,17 @@ BASE = ["--actor.model_name_or_path", "Qwen/Qwen3-30B-A3B", "--rollout.n_samples
         "--algo.advantage.estimator", "group_norm"]
 
 
-class _Stop(Exception):
-    pass
-
-
-def _dry_run(monkeypatch, argv):
-    import ray
-    import openrlhf.utils.config as config
-    from stablerl.adapters.openrlhf import train_ppo_ray as wrapper
-
-    seen = {}
-    original = config.hierarchize
-
-    def recording_hierarchize(a):
-        seen["args"] = original(a)
-        return seen["args"]
-
-    def fake_init(*a, **kw):
-        seen["args"].ray_runtime_env = kw.get("runtime_env")  # what OpenRLHF's ray.init got from the wrapper
-        raise _Stop
-
-    monkeypatch.setattr(config, "hierarchize", recording_hierarchize)
-    monkeypatch.setattr(ray, "init", fake_init)
-    monkeypatch.setattr(ray, "is_initialized", lambda: False)
-    with pytest.raises(_Stop):
-        wrapper.main(argv)
-    return seen["args"]
-
-
 def test_cli_flag(monkeypatch, capsys):
     from stablerl.adapters.openrlhf import train_ppo_ray as wrapper
 
-    args = _dry_run(monkeypatch, BASE + ["--actor.stablerl_routing_replay", "r2", "--ds.packing_samples",
+    args, _ = dry_run(monkeypatch, BASE + ["--actor.stablerl_routing_replay", "r2", "--ds.packing_samples",
                                         "--vllm.num_engines", "1"])
     assert args.stablerl.routing_replay == "R2" and args.actor.stablerl_routing_replay == "R2"
-    assert _dry_run(monkeypatch, BASE).stablerl.routing_replay is None
+    assert dry_run(monkeypatch, BASE)[0].stablerl.routing_replay is None
     monkeypatch.delenv(adapter.ENV_ROUTING_REPLAY, raising=False)
-    r3 = _dry_run(monkeypatch, BASE + ["--actor.stablerl_routing_replay", "r3"])
+    r3, r3_init = dry_run(monkeypatch, BASE + ["--actor.stablerl_routing_replay", "r3"])
     assert r3.stablerl.routing_replay == "R3"
-    assert r3.ray_runtime_env["env_vars"][adapter.ENV_ROUTING_REPLAY] == "R3"  # reaches the vLLM rollout workers
+    assert r3_init["runtime_env"]["env_vars"][adapter.ENV_ROUTING_REPLAY] == "R3"  # reaches the vLLM rollout workers
     assert adapter.ENV_ROUTING_REPLAY not in os.environ  # set for the run (forwarded to the workers), then restored
     for argv, expected in [
         (["--actor.stablerl_routing_replay", "R4"], "argument --actor.stablerl_routing_replay: invalid choice: 'R4'"),

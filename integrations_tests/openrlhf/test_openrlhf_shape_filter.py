@@ -280,9 +280,9 @@ BASE = ["--actor.model_name_or_path", "Qwen/Qwen3-0.6B", "--rollout.n_samples_pe
 
 
 def test_cli_attaches_shaper_and_filter(monkeypatch):
-    from test_openrlhf_cli import _dry_run
+    from orlhf_helpers import dry_run
 
-    args, _ = _dry_run(monkeypatch, BASE + [
+    args, _ = dry_run(monkeypatch, BASE + [
         "--algo.advantage.estimator", "group_norm",
         "--algo.advantage.stablerl_reward_shaper", "redit",
         "--algo.advantage.stablerl_reward_shaper_params", "scale=0.05",
