@@ -183,3 +183,18 @@ def dry_run(monkeypatch, argv):
     assert argparse.ArgumentParser.add_argument is before
     assert config.hierarchize is recording_hierarchize and ray.init is fake_init  # the wrapper restored them
     return seen["args"], seen["ray_init"]
+
+
+def through_replay_buffer(experiences, order, packing: bool):
+    """What OpenRLHF's NaiveReplayBuffer and its collate_fn do to experiences: split into rows (with
+    seeded random advantages), unpad, then re-batch the rows in ``order`` (a shuffle)."""
+    from openrlhf.trainer.ppo_utils.experience import (make_experience_batch, remove_padding_in_sequences,
+                                                       split_experience_batch)
+
+    g = torch.Generator().manual_seed(2)
+    items = []
+    for e in experiences:
+        e.advantages = torch.randn(len(e.sequences), 1, generator=g) * e.action_mask
+        items += split_experience_batch(e)
+    items = remove_padding_in_sequences(items)
+    return make_experience_batch([items[i] for i in order], packing)

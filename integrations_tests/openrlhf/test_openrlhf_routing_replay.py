@@ -18,7 +18,7 @@ from types import SimpleNamespace
 import torch
 
 import stablerl.adapters.openrlhf as adapter
-from orlhf_helpers import dry_run, make_args, run_without_ray_or_gpu, training_strategy
+from orlhf_helpers import dry_run, make_args, run_without_ray_or_gpu, through_replay_buffer, training_strategy
 from stablerl import routing_replay as rr
 from stablerl.adapters.openrlhf import Selection
 from stablerl.adapters.openrlhf import _routing_replay as orr
@@ -107,8 +107,6 @@ def _run(monkeypatch, *, packing, mode, lr=0.05, steps=2, gc=False):
     """Old-log-prob pass + `steps` training steps on one micro-batch; what the routers did at each step."""
     import openrlhf.trainer.ray.ppo_actor as ppo_actor
     from openrlhf.models import Actor
-    from openrlhf.trainer.ppo_utils.experience import (make_experience_batch, remove_padding_in_sequences,
-                                                       split_experience_batch)
     from openrlhf.trainer.ppo_utils.experience_maker import RemoteExperienceMaker
 
     adapter.apply()
@@ -154,13 +152,7 @@ def _run(monkeypatch, *, packing, mode, lr=0.05, steps=2, gc=False):
     experiences = maker.make_experience(samples_list)
 
     # replay buffer: split, unpad, shuffle, re-batch (what NaiveReplayBuffer + its collate_fn do)
-    g = torch.Generator().manual_seed(2)
-    items = []
-    for e in experiences:
-        e.advantages = torch.randn(len(e.sequences), 1, generator=g) * e.action_mask
-        items += split_experience_batch(e)
-    items = remove_padding_in_sequences(items)
-    batch = make_experience_batch([items[i] for i in ORDER], packing)
+    batch = through_replay_buffer(experiences, ORDER, packing)
 
     expected = rr.Routes.pad_batch([reference[p] for p in batch.prompts], side="right",
                                    length=batch.sequences.shape[1])

@@ -29,7 +29,7 @@ import stablerl.adapters.openrlhf as adapter
 from stablerl import routing_replay as rr
 from stablerl.adapters.openrlhf import _routing_replay as orr
 from stablerl.params import StableRLError
-from orlhf_helpers import run_without_ray_or_gpu, training_strategy
+from orlhf_helpers import run_without_ray_or_gpu, through_replay_buffer, training_strategy
 from test_openrlhf_routing_replay import _Group, _args, _torch_bert_padding
 
 VOCAB, NUM_EXPERTS, TOP_K, LAYERS, MOE_LAYERS = 64, 8, 2, 3, (1, 2)
@@ -208,8 +208,6 @@ def _run(monkeypatch, tmp_path, *, packing, mode, lr=0.05, steps=2):
     import ray
     import openrlhf.trainer.ray.ppo_actor as ppo_actor
     from openrlhf.models import Actor
-    from openrlhf.trainer.ppo_utils.experience import (make_experience_batch, remove_padding_in_sequences,
-                                                       split_experience_batch)
     from openrlhf.trainer.ppo_utils.experience_maker import RemoteExperienceMaker
     from openrlhf.trainer.ppo_utils.samples_generator import SamplesGenerator
 
@@ -268,13 +266,7 @@ def _run(monkeypatch, tmp_path, *, packing, mode, lr=0.05, steps=2):
     out["experiences"] = experiences
 
     # the replay buffer: split, unpad, shuffle, re-batch
-    g = torch.Generator().manual_seed(2)
-    items = []
-    for e in experiences:
-        e.advantages = torch.randn(len(e.sequences), 1, generator=g) * e.action_mask
-        items += split_experience_batch(e)
-    items = remove_padding_in_sequences(items)
-    batch = make_experience_batch([items[i] for i in ORDER], packing)
+    batch = through_replay_buffer(experiences, ORDER, packing)
     out.update(batch=batch, used=[], native=[])
     n_tokens = float(batch.action_mask.sum())
     for step in range(steps):
