@@ -24,7 +24,7 @@ from .contracts import (
     AlgorithmSpec,
     PolicyLossBatch,
 )
-from .ops import aggregate, as_floats, ensure_same_shape, group_ids, masked_tangent
+from .ops import aggregate, as_floats, ensure_same_shape, group_ids, is_functorch_wrapped, masked_tangent
 from .params import MissingInputError, StableRLError, UnknownNameError, build_params, unknown_name_message
 from .registry import get_registry
 
@@ -64,7 +64,12 @@ class _ZeroPadding(torch.autograd.Function):
     @staticmethod
     def backward(fctx, grad: torch.Tensor):
         (valid,) = fctx.saved_tensors
-        return masked_tangent(valid, grad), None, None
+        int_type = _SAME_WIDTH_INT.get(grad.dtype)
+        if int_type is None or grad.requires_grad or is_functorch_wrapped(grad):
+            return masked_tangent(valid, grad), None, None
+        # the bit path again (same bits as torch.where); the pattern is rebuilt from the 1-byte mask
+        # rather than kept from forward (4 bytes per token)
+        return _zero_padding_bits(grad, valid.view(torch.uint8).to(int_type).neg_()), None, None
 
     @staticmethod
     def jvp(fctx, t_t: torch.Tensor, valid_t, bits_t) -> torch.Tensor:
@@ -261,7 +266,8 @@ def compute_policy_loss(
     # would turn padding into NaN where today's zeroed advantages give +-inf)
     seq_advantages = None
     if spec.seq_advantages and check_finite and shape[1] > 0 and advantages.stride(1) == 0:
-        row_valid = valid.any(-1, keepdim=True)
+        # = valid.any(-1, keepdim=True); a max over the uint8 view is vectorised (any over bool is not)
+        row_valid = valid.view(torch.uint8).amax(-1, keepdim=True).bool()
         per_row = _as_compute_dtype(advantages[:, :1].detach())
         seq_advantages = torch.where(row_valid, per_row, torch.zeros((), dtype=per_row.dtype, device=per_row.device))
     batch_type = PolicyLossBatch if seq_advantages is None else _LazyAdvantagesBatch
@@ -288,6 +294,7 @@ def compute_policy_loss(
         is_weights=None if inputs.get("is_weights") is None else _as_compute_dtype(inputs["is_weights"].detach()),
         loss_agg_mode=loss_agg_mode,
         seq_advantages=seq_advantages,
+        valid_tokens=valid,
     )
     if check_finite:
         # seq_advantages is non-finite exactly where the cleaned [B, T] advantages would be

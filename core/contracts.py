@@ -178,6 +178,14 @@ class PolicyLossBatch:
     # per-token loss formed with it is nonzero there, which core's aggregation masks (a loss that
     # aggregates itself must pass the mask product, not ``zero_padded=True``).
     seq_advantages: Optional[torch.Tensor] = None
+    # bool [B, T], True where response_mask is 1: the mask core's aggregation keeps for backward, so a
+    # loss that masks with it adds no mask of its own (set by core; None when a batch is built by hand)
+    valid_tokens: Optional[torch.Tensor] = None
+
+    @property
+    def bool_mask(self) -> torch.Tensor:
+        """``response_mask`` as bool: ``valid_tokens`` when core set it, else a new bool copy."""
+        return self.valid_tokens if self.valid_tokens is not None else self.response_mask.bool()
 
     @property
     def broadcast_advantages(self) -> torch.Tensor:

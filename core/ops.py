@@ -88,9 +88,31 @@ class _ClampKeepingMask(torch.autograd.Function):
         return masked_tangent(fctx.inside, x_t)
 
 
+# torch.func (grad, vmap, jvp) wraps tensors; a wrapped tensor allows no data-dependent Python branch
+is_functorch_wrapped = getattr(getattr(torch._C, "_functorch", None), "is_functorch_wrapped_tensor", lambda t: False)
+
+
+def all_within(t: torch.Tensor, lo: float, hi: float) -> bool:
+    """True when every element of ``t`` lies in ``[lo, hi]`` (a NaN anywhere: False): one read pass
+    (``aminmax``) and one host sync. False under a ``torch.func`` transform, whose wrapped tensors
+    allow no data-dependent branch, so callers then take their general path."""
+    if t.numel() == 0:
+        return True
+    if is_functorch_wrapped(t):
+        return False
+    low, high = torch.aminmax(t.detach())
+    return lo <= low.item() and high.item() <= hi  # a NaN compares False
+
+
 def clamped_log_ratio(log_prob: torch.Tensor, old_log_prob: torch.Tensor, bound: float = LOG_RATIO_BOUND) -> torch.Tensor:
-    """``clamp(log_prob - old_log_prob, -bound, bound)``: a ratio formed in log space, safe to exp."""
+    """``clamp(log_prob - old_log_prob, -bound, bound)``: a ratio formed in log space, safe to exp.
+
+    When every log-ratio is already within the bound (the usual case), the clamp is the identity in
+    value and gradient (clamp passes the gradient on ``[-bound, bound]``, bounds included), so it is
+    skipped: the same bits, without the clamp's passes and in-range mask (one ``aminmax`` instead)."""
     diff = log_prob - old_log_prob
+    if all_within(diff, -bound, bound):
+        return diff
     if diff.requires_grad and torch.is_grad_enabled():
         return _ClampKeepingMask.apply(diff, -bound, bound)
     return torch.clamp(diff, -bound, bound)

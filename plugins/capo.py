@@ -318,7 +318,7 @@ def capo_token_mask(
 def capo_loss(b, p: CapoParams, ctx):
     if b.hidden_states is None or b.lm_head_weight is None or b.token_ids is None:
         raise MissingInputError("capo needs hidden_states, lm_head_weight and token_ids")
-    valid = b.response_mask.bool()
+    valid = b.bool_mask
     exp_avg, exp_avg_sq, adam_step = b.lm_head_exp_avg, b.lm_head_exp_avg_sq, int(p.adam_step)
     state = None
     if p.optimizer == "adam" and p.moments == "tracked":

@@ -40,23 +40,28 @@ def cispo_loss(b, p: CISPOParams, ctx):
         weight = torch.clamp(ratio, 1.0 - p.clip_ratio_low, 1.0 + p.clip_ratio_high)
         count = mask.sum().clamp(min=1)  # one token count shared by every metric
         zero = torch.zeros((), dtype=mask.dtype, device=mask.device)
+        above_cap = ratio > 1.0 + p.clip_ratio_high
         if 1.0 - p.clip_ratio_low > 0:
             clip_low = masked_sum(((adv < 0) & (ratio < 1.0 - p.clip_ratio_low)).view(torch.uint8), mask) / count
-        else:  # ratio = exp(clamped log-ratio) > 0 >= the lower bound: never clipped below
+            truncated = ratio != weight
+        else:  # ratio = exp(clamped log-ratio) > 0 >= the lower bound: never clipped below, so the
+            # weight is truncated exactly where the ratio is above the cap (for a finite ratio)
             clip_low = zero
+            truncated = above_cap
         # bool conditions enter the masked sums as uint8 views: the same 0/1 factors as a float
         # cast (same sums), several times faster on CPU
         metrics = {
             # verl: any token whose weight was truncated
-            "pg_clipfrac": masked_sum((ratio != weight).view(torch.uint8), mask) / count,
+            "pg_clipfrac": masked_sum(truncated.view(torch.uint8), mask) / count,
             "pg_clipfrac_lower": zero,
             # TRL's cispo_clip_ratio is clip_high
-            "clip_high": masked_sum(((adv > 0) & (ratio > 1.0 + p.clip_ratio_high)).view(torch.uint8), mask) / count,
+            "clip_high": masked_sum(((adv > 0) & above_cap).view(torch.uint8), mask) / count,
             "clip_low": clip_low,
             # = masked_mean(-log_ratio, mask); 0.0 - s (not -s) so an empty sum stays +0.0
             "ppo_kl": (0.0 - masked_sum(log_ratio, mask)) / count,
         }
-    pg_losses = -weight * adv * b.log_prob
+    # = -weight * A * lp bit for bit (negation is exact); -A is [B, 1] for sequence-level advantages
+    pg_losses = weight * -adv * b.log_prob
     return pg_losses, metrics
 
 

@@ -71,7 +71,7 @@ def erc_loss(b, p: ERCParams, ctx):
     H = entropy_input(b.entropy, mask, "entropy")
     H_old = entropy_input(b.old_entropy, mask, "old_entropy").to(H.dtype)
     ratio_h = (H + 1e-8) / (H_old + 1e-8)
-    keep = (ratio_h > p.entropy_mask_low) & (ratio_h < p.entropy_mask_high) & mask.bool()
+    keep = (ratio_h > p.entropy_mask_low) & (ratio_h < p.entropy_mask_high) & b.bool_mask
     loss = torch.where(keep, l_base, l_base.detach())
     metrics["erc/entropy_frac"] = masked_mean(keep.to(mask.dtype), mask)
     metrics["erc/entropy_ratio_mean"] = masked_mean(ratio_h, mask)

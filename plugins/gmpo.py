@@ -36,7 +36,7 @@ def gmpo_loss(b, p: GMPOParams, ctx):
     mask = b.response_mask
     # a bool mask gives the same sums (x * True = x, integer counts), and autograd keeps 1 byte
     # per token for backward instead of a 4-byte float mask
-    valid = mask.bool()
+    valid = b.bool_mask
     adv = b.advantages
     log_ratio = b.log_prob - b.old_log_prob
     d = torch.clamp(log_ratio, -LOG_RATIO_BOUND, LOG_RATIO_BOUND)  # = clamped_log_ratio(lp, lp_old)

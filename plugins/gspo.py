@@ -6,6 +6,12 @@
 The value of ``s_it`` is the length-normalised sequence ratio ``s_i`` (geometric mean of the token
 ratios); the gradient of token t is ``sg(s_i) * grad lp_t``. With sequence-level advantages this
 is exactly GSPO's sequence objective when aggregated with ``seq-mean-token-mean``.
+
+When core hands sequence-level advantages (``seq_advantages``; e.g. TRL's ``[B]`` advantages), no
+per-token IS weights are set and the aggregation is built in, the loss is computed in that
+sequence form, ``l_i = max(-A_i s_i, -A_i clip(s_i))`` with ``s_i = exp(min(mean_t m (lp - lp_old),
+10))``, broadcast over the row's tokens: the same loss value bit for bit and the same gradient up
+to rounding, at the cost of per-row instead of per-token terms.
 Defaults (paper): ``clip_ratio_low=3e-4``, ``clip_ratio_high=4e-4``.
 """
 
@@ -16,7 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from stablerl import STABLE, Params, hookimpl
-from stablerl.ops import masked_mean, masked_sum
+from stablerl.ops import AGG_MODES, masked_mean, masked_sum
 from stablerl.params import check
 from stablerl.plugins.ppo import ppo_clip_terms
 
@@ -36,21 +42,46 @@ class GSPOParams(Params):
         check(0 <= self.clip_ratio_high, f"clip_ratio_high must be >= 0, got {self.clip_ratio_high}")
 
 
+def _sequence_form(b) -> bool:
+    """GSPO's sequence objective computes the same loss and gradient as the token form exactly when
+    every token of a row has the same advantage and the same weight in the loss: sequence-level
+    advantages, no per-token IS weights, and a built-in aggregation (whose token weights are
+    constant within a row)."""
+    return b.seq_advantages is not None and b.is_weights is None and b.loss_agg_mode in AGG_MODES
+
+
 def gspo_loss(b, p: GSPOParams, ctx):
     mask = b.response_mask
-    with torch.no_grad():  # only the detached log-ratio is used: record no autograd graph for it
-        log_ratio = b.log_prob.detach() - b.old_log_prob
-        row_tokens = mask.sum(-1)  # counted once for seq_mean and the valid rows
-        # = seq_mean(log_ratio, mask): [B], masked tokens excluded, 0 for empty rows
-        seq_log_ratio = masked_sum(log_ratio, mask, dim=-1) / row_tokens.clamp(min=1)
-    log_s = torch.clamp(b.log_prob - b.log_prob.detach() + seq_log_ratio.unsqueeze(-1), max=GSPO_LOG_RATIO_MAX)
-    ratio = torch.exp(log_s)
-    # sequence-level advantages stay [B, 1] and broadcast (core's aggregation masks the padding)
-    adv = b.broadcast_advantages
-    pg_losses, metrics = ppo_clip_terms(ratio, adv, mask, p.clip_ratio_low, p.clip_ratio_high, None)
+    row_tokens = mask.sum(-1)  # counted once for seq_mean and the valid rows
+    if _sequence_form(b):
+        # the paper's sequence ratio s_i = exp(mean_t(lp - lp_old)) with its gradient: per-row [B, 1]
+        # terms instead of GSPO-token's [B, T] ones, the same loss values bit for bit (GSPO-token's
+        # s_it has exactly the value s_i) and the same gradient up to rounding (as TRL's
+        # importance_sampling_level="sequence"). The bool mask is the one core's aggregation keeps.
+        row_log_ratio = masked_sum(b.log_prob - b.old_log_prob, b.bool_mask, dim=-1)
+        seq_log_ratio = row_log_ratio / row_tokens.clamp(min=1)
+        ratio = torch.exp(torch.clamp(seq_log_ratio, max=GSPO_LOG_RATIO_MAX))
+        pg_losses, metrics = ppo_clip_terms(ratio.unsqueeze(-1), b.seq_advantages, mask,
+                                            p.clip_ratio_low, p.clip_ratio_high, None)
+        pg_losses = pg_losses.expand_as(mask)  # a view: core's aggregation masks the padding
+        seq_log_ratio = seq_log_ratio.detach()
+        with torch.no_grad():  # from the row sums (no second [B, T] pass; equal up to summation order)
+            metrics["ppo_kl"] = (0.0 - row_log_ratio.sum()) / row_tokens.sum().clamp(min=1)
+    else:
+        with torch.no_grad():  # only the detached log-ratio is used: record no autograd graph for it
+            log_ratio = b.log_prob.detach() - b.old_log_prob
+            # = seq_mean(log_ratio, mask): [B], masked tokens excluded, 0 for empty rows
+            seq_log_ratio = masked_sum(log_ratio, mask, dim=-1) / row_tokens.clamp(min=1)
+        log_s = torch.clamp(b.log_prob - b.log_prob.detach() + seq_log_ratio.unsqueeze(-1), max=GSPO_LOG_RATIO_MAX)
+        ratio = torch.exp(log_s)
+        # sequence-level advantages with IS weights stay [B, 1] and broadcast (core's aggregation
+        # masks the padding)
+        pg_losses, metrics = ppo_clip_terms(ratio, b.broadcast_advantages, mask, p.clip_ratio_low,
+                                            p.clip_ratio_high, None)
+        with torch.no_grad():
+            # = masked_mean(-log_ratio, mask); 0.0 - s (not -s) so an empty sum stays +0.0
+            metrics["ppo_kl"] = (0.0 - masked_sum(log_ratio, mask)) / mask.sum().clamp(min=1)
     with torch.no_grad():
-        # = masked_mean(-log_ratio, mask); 0.0 - s (not -s) so an empty sum stays +0.0
-        metrics["ppo_kl"] = (0.0 - masked_sum(log_ratio, mask)) / mask.sum().clamp(min=1)
         valid_rows = row_tokens > 0
         s_i = torch.exp(torch.clamp(seq_log_ratio, max=GSPO_LOG_RATIO_MAX))
         metrics["gspo/seq_ratio_mean"] = masked_mean(s_i, valid_rows.to(s_i.dtype))
@@ -81,6 +112,9 @@ def register_policy_losses(register):
             "(recommended; verl 0.9.1 also passes the actor's loss_agg_mode through, so verl parity holds in "
             "every mode). The log of the sequence ratio is clamped at max 10 as in verl (no +-20 token clamp, "
             "no dual clip). Bounds are ratio-space and ~1000x tighter than PPO's: do not reuse a PPO eps. "
-            "IS weights multiply the per-token loss (as verl's rollout_is_weights). pg_clipfrac is token-weighted."
+            "IS weights multiply the per-token loss (as verl's rollout_is_weights). pg_clipfrac is token-weighted. "
+            "With sequence-level advantages (TRL's [B]; core's seq_advantages), no IS weights and a built-in "
+            "aggregation it runs GSPO's sequence form (as TRL's importance_sampling_level='sequence'): the same "
+            "loss bits as the token form, the gradient and ppo_kl equal up to summation order."
         ),
     )

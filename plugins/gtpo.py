@@ -160,7 +160,7 @@ def gtpo_terms(b, p: GTPOParams):
     token_ids = b.token_ids
     if token_ids.dtype.is_floating_point or token_ids.dtype == torch.bool:
         raise StableRLError(f"token_ids must be an integer tensor, got dtype {token_ids.dtype}")
-    valid = mask.bool()
+    valid = b.bool_mask
     if bool((((token_ids < 0) | (token_ids >= 2**_ID_BITS)) & valid).any()):
         raise StableRLError(f"token_ids must be in [0, 2**{_ID_BITS}) on tokens where response_mask is 1")
     has_tokens = valid.any(dim=-1)
@@ -200,7 +200,7 @@ def gtpo_loss(b, p: GTPOParams, ctx):
     loss = aggregate(per_token, mask, mode, ctx)
     dt = mask.dtype
     metrics = {
-        "gtpo/conflict_tokens": (conflict & mask.bool()).sum().to(dt),
+        "gtpo/conflict_tokens": (conflict & b.bool_mask).sum().to(dt),
         "gtpo/conflict_fraction": masked_mean(conflict.to(dt), mask),
         "gtpo/entropy_filtered_fraction": masked_mean(filtered.to(dt), has_tokens.to(dt)),
         "entropy": masked_mean(H, mask),

@@ -41,14 +41,27 @@ def ppo_clip_terms(ratio, advantages, mask, low: float, high: float, dual_c: Opt
     pg_losses2 = -advantages * torch.clamp(ratio, 1.0 - low, 1.0 + high)
     clip_pg_losses1 = torch.maximum(pg_losses1, pg_losses2)
     with torch.no_grad():  # metrics: no autograd graph, one token count shared by all of them
-        count = mask.sum().clamp(min=1)
+        if pg_losses1.shape[-1] == 1 and mask.shape[-1] != 1:
+            # row-constant terms ([B, 1] ratio and advantages: GSPO's sequence form): a condition counts
+            # its rows' tokens, so per-row counts replace [B, T] products (integer sums, exact below 2**24 tokens)
+            row_tokens = mask.sum(-1, keepdim=True)
+            count = row_tokens.sum().clamp(min=1)
+
+            def fraction(cond):
+                return (cond.view(torch.uint8) * row_tokens).sum() / count
+        else:
+            count = mask.sum().clamp(min=1)
+
+            def fraction(cond):
+                # bool conditions enter the masked sums as uint8 views: the same 0/1 factors as a float
+                # cast (same sums), several times faster on CPU
+                return masked_sum(cond.view(torch.uint8), mask) / count
+
         neg = advantages < 0
-        # bool conditions enter the masked sums as uint8 views: the same 0/1 factors as a float
-        # cast (same sums), several times faster on CPU
         metrics = {
-            "pg_clipfrac": masked_sum((pg_losses2 > pg_losses1).view(torch.uint8), mask) / count,
-            "clip_high": masked_sum(((advantages > 0) & (ratio > 1.0 + high)).view(torch.uint8), mask) / count,
-            "clip_low": masked_sum((neg & (ratio < 1.0 - low)).view(torch.uint8), mask) / count,
+            "pg_clipfrac": fraction(pg_losses2 > pg_losses1),
+            "clip_high": fraction((advantages > 0) & (ratio > 1.0 + high)),
+            "clip_low": fraction(neg & (ratio < 1.0 - low)),
         }
     if dual_c is None:
         metrics["pg_clipfrac_lower"] = torch.zeros((), device=ratio.device)
@@ -56,7 +69,7 @@ def ppo_clip_terms(ratio, advantages, mask, low: float, high: float, dual_c: Opt
     pg_losses3 = -advantages * dual_c
     clip_pg_losses2 = torch.minimum(pg_losses3, clip_pg_losses1)
     with torch.no_grad():
-        metrics["pg_clipfrac_lower"] = masked_sum(((clip_pg_losses1 > pg_losses3) & neg).view(torch.uint8), mask) / count
+        metrics["pg_clipfrac_lower"] = fraction((clip_pg_losses1 > pg_losses3) & neg)
     return torch.where(neg, clip_pg_losses2, clip_pg_losses1), metrics
 
 

@@ -76,7 +76,10 @@ def sapo_loss(b, p: SAPOParams, ctx):
         torch.tensor(p.tau_pos, dtype=adv.dtype, device=adv.device),
         torch.tensor(p.tau_neg, dtype=adv.dtype, device=adv.device),
     )
-    gate = _ScaleByFourOverTau.apply(torch.sigmoid(tau * (ratio - 1.0)), tau)
+    s = torch.sigmoid(tau * (ratio - 1.0))
+    # a [B, 1] tau makes 4 / tau [B, 1] too: the plain product keeps nothing large for backward and
+    # skips the custom Function's per-call cost (the same bits either way)
+    gate = s * (4.0 / tau) if per_row else _ScaleByFourOverTau.apply(s, tau)
     # = -gate * A bit for bit (negation is exact); its backward needs no separate negation pass
     pg_losses = gate * -adv
     if b.is_weights is not None:
@@ -87,7 +90,7 @@ def sapo_loss(b, p: SAPOParams, ctx):
     # make the loss NaN either way. [B, 1] advantages are not zero on padding: the mask product
     # zeroes it there (x * 1 == x on valid tokens, so the sums are the same bit for bit), with a
     # bool mask so that autograd keeps 1 byte per token for backward, not a float copy
-    loss = aggregate(pg_losses, mask.bool() if per_row else mask, SAPO_AGG_MODE, ctx, zero_padded=not per_row)
+    loss = aggregate(pg_losses, b.bool_mask if per_row else mask, SAPO_AGG_MODE, ctx, zero_padded=not per_row)
     with torch.no_grad():
         zero = torch.zeros((), dtype=mask.dtype, device=mask.device)
         metrics = {

@@ -82,7 +82,7 @@ class STEERParams(ClipParams):
 def steer_weights(b, p: STEERParams, ctx) -> tuple[torch.Tensor, torch.Tensor]:
     """The detached STEER weights ``[B, T]`` (0 outside the mask) and the global max ``|Omega|``."""
     mask = b.response_mask
-    valid = mask.bool()
+    valid = b.bool_mask
     source, name = (b.old_entropy, "old_entropy") if b.old_entropy is not None else (b.entropy, "entropy")
     with torch.no_grad():
         lp = b.log_prob.detach()

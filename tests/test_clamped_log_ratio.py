@@ -66,3 +66,39 @@ def test_without_grad_it_is_a_plain_clamp():
         y = clamped_log_ratio(lp.requires_grad_(True), old)
     assert not y.requires_grad
     assert torch.equal(torch.nan_to_num(y), torch.nan_to_num(torch.clamp(lp.detach() - old, -20.0, 20.0)))
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_within_the_bound_the_clamp_is_skipped_with_the_same_bits(dtype):
+    # every log-ratio in [-bound, bound], the bounds themselves and -0.0 included: clamp is the identity in
+    # value and gradient there, so nothing is clamped and nothing is kept for backward
+    g = torch.Generator().manual_seed(3)
+    lp = -torch.rand(4, 40, generator=g, dtype=torch.float64).to(dtype) * 5
+    old = lp + (torch.rand(4, 40, generator=g, dtype=torch.float64).to(dtype) - 0.5)
+    lp[0, :3] = torch.tensor([LOG_RATIO_BOUND, -LOG_RATIO_BOUND, -0.0], dtype=dtype)
+    old[0, :3] = 0.0
+    upstream = torch.randn(lp.shape, generator=g, dtype=dtype)
+    y_ref, g_ref = _run(lambda x, o: torch.clamp(x - o, -LOG_RATIO_BOUND, LOG_RATIO_BOUND), lp, old, upstream)
+    y, g_ours = _run(clamped_log_ratio, lp, old, upstream)
+    int_type = {8: torch.int64, 4: torch.int32}[lp.element_size()]
+    assert torch.equal(y.view(int_type), y_ref.view(int_type))
+    assert torch.equal(g_ours.view(int_type), g_ref.view(int_type))
+    saved = []
+    x = lp.clone().requires_grad_(True)
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        clamped_log_ratio(x, old)
+    assert saved == []
+    # one token past the bound: the clamp (with its 1-byte mask) is back
+    lp[1, 5] = old[1, 5] + LOG_RATIO_BOUND * 1.01
+    x = lp.clone().requires_grad_(True)
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        y = clamped_log_ratio(x, old)
+    assert [t.dtype for t in saved] == [torch.bool] and float(y[1, 5].detach()) == LOG_RATIO_BOUND
+
+
+def test_the_skip_is_not_taken_under_torch_func():
+    # torch.func's wrapped tensors allow no data-dependent branch: the general path gives the same gradient
+    lp = -torch.rand(3, 5, dtype=torch.float64)
+    old = lp - 0.1
+    grad = torch.func.grad(lambda x: clamped_log_ratio(x, old).exp().sum())(lp)
+    assert torch.allclose(grad, (lp - old).exp(), rtol=0, atol=1e-15)
