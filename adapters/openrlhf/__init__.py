@@ -22,7 +22,10 @@ inside Ray actors. This adapter therefore patches, in every Ray worker that owns
 * ``--actor.stablerl_routing_replay R2|R3`` (MoE routing replay): ``Actor.forward``,
   ``RemoteExperienceMaker.make_experience`` and ``ActorPPOTrainer.training_step``; for R3 also
   ``BaseModelActor.execute_batch``, ``SamplesGenerator._process_response_into_experience``, the agent
-  executors' ``execute`` and vLLM's ``AsyncEngineArgs.__init__`` (see ``_routing_replay``).
+  executors' ``execute`` and vLLM's ``AsyncEngineArgs.__init__`` (see ``_routing_replay``);
+* checkpoints: ``DeepspeedStrategy.save_ckpt`` / ``load_ckpt`` carry the policy loss's state (EntroPIC,
+  CAPO) in DeepSpeed's ``client_state``, and ``BasePPOTrainer``'s checkpoint methods the reward shapers'
+  and batch filters' state, so a resumed run continues both (see ``_state``).
 
 OpenRLHF's built-in names (``ppo``, ``gspo``; ``gae``, ``reinforce``, ``rloo``,
 ``reinforce_baseline``, ``group_norm``, ``dr_grpo``, ``flash_reinforce``) keep OpenRLHF's code.
@@ -129,6 +132,9 @@ _LAUNCHER_MODULE = "openrlhf.trainer.ray.launcher"
 _SAMPLES_MODULE = "openrlhf.trainer.ppo_utils.samples_generator"
 _AGENT_MODULE = "openrlhf.utils.agent"
 _VLLM_ARGS_MODULE = "vllm.engine.arg_utils"
+# stablerl state in checkpoints: DeepSpeed's client_state (actors) and the trainer process's client_states
+_STRATEGY_MODULE = "openrlhf.utils.deepspeed.deepspeed"
+_TRAINER_MODULE = "openrlhf.trainer.ppo_trainer"
 
 
 class UnsupportedOpenRLHFVersionError(ImportError):
@@ -416,8 +422,10 @@ def _patch_actor_module(module) -> None:
         sel = selection_from_args(self.args)
         if sel.policy_loss is not None:
             from ._loss import build_policy_loss
+            from ._state import adopt_loss
 
             self.actor_loss_fn = build_policy_loss(self.args, sel, strategy=self.strategy)
+            adopt_loss(self.actor_loss_fn)  # its state goes into this actor's checkpoints, and comes back on resume
         if sel.routing_replay is not None:
             from ._routing_replay import arm
 
@@ -535,10 +543,25 @@ def _patch_vllm_args_module(module) -> None:
     patch_vllm_arg_utils(module, _set_patch)  # AsyncEngineArgs.__init__ (R3)
 
 
+def _patch_strategy_module(module) -> None:
+    from ._state import patch_strategy_module
+
+    check_openrlhf()
+    patch_strategy_module(module, _set_patch)  # DeepspeedStrategy.save_ckpt / load_ckpt (the loss's state)
+
+
+def _patch_trainer_module(module) -> None:
+    from ._state import patch_trainer_module
+
+    check_openrlhf()
+    patch_trainer_module(module, _set_patch)  # BasePPOTrainer checkpoints (the shapers' / filters' state)
+
+
 _PATCHERS = {_ACTOR_MODULE: _patch_actor_module, _CRITIC_MODULE: _patch_critic_module,
              _MAKER_MODULE: _patch_maker_module,
              _LAUNCHER_MODULE: _patch_launcher_module, _SAMPLES_MODULE: _patch_samples_module,
-             _AGENT_MODULE: _patch_agent_module, _VLLM_ARGS_MODULE: _patch_vllm_args_module}
+             _AGENT_MODULE: _patch_agent_module, _VLLM_ARGS_MODULE: _patch_vllm_args_module,
+             _STRATEGY_MODULE: _patch_strategy_module, _TRAINER_MODULE: _patch_trainer_module}
 
 
 _HOOK_TAG = "stablerl.openrlhf"
@@ -593,7 +616,10 @@ def is_applied() -> dict[str, bool]:
                            "SamplesGenerator._process_response_into_experience", "SingleTurnAgentExecutor.execute",
                            "MultiTurnAgentExecutor.execute", "AsyncEngineArgs.__init__",
                            "ppo_actor.get_loss_batch_info", "ppo_actor.iter_grad_accum_global_norm",
-                           "ppo_critic.get_loss_batch_info", "ppo_critic.iter_grad_accum_global_norm")
+                           "ppo_critic.get_loss_batch_info", "ppo_critic.iter_grad_accum_global_norm",
+                           "DeepspeedStrategy.save_ckpt", "DeepspeedStrategy.load_ckpt",
+                           "BasePPOTrainer.save_logs_and_checkpoints", "BasePPOTrainer.save_best_checkpoint",
+                           "BasePPOTrainer.init_checkpoint_states")
         if k not in _ORIGINALS
     }
 

@@ -26,12 +26,13 @@ from typing import Any
 import torch
 
 from stablerl.adapters import _post_import as post_import
+from stablerl.adapters import _state_format as state_format
 
 logger = logging.getLogger("stablerl.adapters.verl")
 
 LOSS_STATE_FILE = "stablerl_loss_state_rank{rank}.pt"
 DRIVER_STATE_FILE = "stablerl_driver_state.pt"
-FORMAT_VERSION = 1
+FORMAT_VERSION = state_format.FORMAT_VERSION
 TRAINER_CLASSES = {"verl.trainer.ppo.ray_trainer": "RayPPOTrainer", "verl.trainer.ppo.v1.trainer_base": "PPOTrainer"}
 _HOOK_TAG = "stablerl.verl.checkpoint_state"
 _PATCHED: list = []  # (cls, attr, original)
@@ -40,26 +41,18 @@ _PATCHED: list = []  # (cls, attr, original)
 def _write(path: str, kind: str, state: dict) -> None:
     os.makedirs(os.path.dirname(path), exist_ok=True)
     tmp = path + ".tmp"
-    torch.save({"stablerl_state": kind, "version": FORMAT_VERSION, "state": state}, tmp)
+    torch.save(state_format.pack(kind, state), tmp)
     os.replace(tmp, path)  # a crash mid-save leaves the previous file, never a torn one
 
 
 def _read(path: str, kind: str, restore) -> bool:
     if not os.path.exists(path):
         return False
-    blob = torch.load(path, weights_only=False)
-    if not isinstance(blob, dict) or blob.get("stablerl_state") != kind:
-        raise RuntimeError(f"{path} is not a stablerl {kind} state file")
-    if blob.get("version", 0) > FORMAT_VERSION:
-        raise RuntimeError(f"{path} was written by a newer stablerl (state format {blob['version']}, this one "
-                           f"reads {FORMAT_VERSION}): upgrade stablerl to resume from it")
-    restore(blob["state"])
+    restore(state_format.unpack(torch.load(path, weights_only=False), kind, path))
     return True
 
 
-def _replace(target: dict, state: dict) -> None:
-    target.clear()
-    target.update(state)
+_replace = state_format.replace
 
 
 # ---- actor workers (called by the FSDP engine subclass) ------------------------------------------

@@ -89,7 +89,7 @@ def test_checkpoint_without_stablerl_state_loads_as_before(adapter, make_engine,
     eng.load_checkpoint(str(tmp_path / "actor"))
     assert _inputs.STATE == {"entropic": {"entropic": {"integral": 1.0}}}  # untouched
     torch.save({"something": "else"}, tmp_path / "actor" / "stablerl_loss_state_rank0.pt")
-    with pytest.raises(RuntimeError, match="not a stablerl loss state file"):
+    with pytest.raises(RuntimeError, match="stablerl_loss_state_rank0.pt is not a stablerl loss state"):
         eng.load_checkpoint(str(tmp_path / "actor"))
 
 
