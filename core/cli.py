@@ -30,6 +30,7 @@ def spec_summary(spec: AlgorithmSpec) -> dict:
         "title": spec.title,
         "frameworks": _frameworks(spec),
         "requires": list(spec.requires),
+        "optional_inputs": list(spec.optional_inputs),
         "defaults": spec.defaults(),
         "plugin": spec.plugin,
         "notes": spec.notes,
@@ -64,6 +65,8 @@ def describe_text(spec: AlgorithmSpec) -> str:
     lines.append("defaults:  " + (", ".join(f"{k}={v!r}" for k, v in defaults.items()) or "(none)"))
     if spec.requires:
         lines.append("requires:  " + ", ".join(spec.requires))
+    if spec.optional_inputs:
+        lines.append("reads if given: " + ", ".join(spec.optional_inputs))
     if spec.metrics:
         lines.append("metrics:   " + ", ".join(spec.metrics))
     if spec.reference:

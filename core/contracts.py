@@ -102,6 +102,10 @@ class AlgorithmSpec:
     formula: str = ""  # one line
     status: str = EXPERIMENTAL
     requires: tuple[str, ...] = ()  # names from OPTIONAL_INPUTS
+    # inputs read when given, with a stated fallback when not (e.g. steer: old_entropy, else entropy):
+    # adapters feed them where the framework has them and never refuse their absence. An input in
+    # neither tuple is never read (stablerl.testing checks it), so adapters may leave it out.
+    optional_inputs: tuple[str, ...] = ()
     metrics: tuple[str, ...] = ()
     reference: str = ""  # the reference implementation it was checked against
     notes: str = ""  # assumptions, conventions, or (for unavailable) the reason
@@ -134,12 +138,22 @@ class AlgorithmSpec:
         for r in self.requires:
             if r not in OPTIONAL_INPUTS:
                 raise ValueError(f"{self.name!r} requires unknown input {r!r}; known: {sorted(OPTIONAL_INPUTS)}")
+        for r in self.optional_inputs:
+            if r not in OPTIONAL_INPUTS:
+                raise ValueError(f"{self.name!r} has unknown optional input {r!r}; known: {sorted(OPTIONAL_INPUTS)}")
+            if r in self.requires:
+                raise ValueError(f"{self.name!r}: input {r!r} is both required and optional")
         if self.output not in ("per_token", "scalar"):
             raise ValueError(f"{self.name!r}: output must be 'per_token' or 'scalar'")
         if not (isinstance(self.params, type) and issubclass(self.params, Params)):
             raise TypeError(f"{self.name!r}: params must be a Params dataclass subclass")
         if self.seq_advantages and self.kind != POLICY_LOSS:
             raise ValueError(f"{self.name!r}: only a policy loss may set seq_advantages")
+
+    @property
+    def reads(self) -> tuple[str, ...]:
+        """Every input the algorithm may read: ``requires`` then ``optional_inputs``."""
+        return tuple(self.requires) + tuple(self.optional_inputs)
 
     def defaults(self) -> dict[str, Any]:
         return dataclasses.asdict(self.params())

@@ -42,6 +42,8 @@ def page(spec: AlgorithmSpec) -> str:
     rows.append(("plugin", f"`{spec.plugin}`"))
     if spec.requires:
         rows.append(("requires", ", ".join(f"`{r}`" for r in spec.requires)))
+    if spec.optional_inputs:
+        rows.append(("reads if given", ", ".join(f"`{r}`" for r in spec.optional_inputs)))
     out.append("| | |\n|---|---|\n" + "\n".join(f"| {k} | {v} |" for k, v in rows) + "\n")
     if spec.formula:
         out.append(f"## Formula\n\n```\n{spec.formula}\n```\n")

@@ -41,6 +41,9 @@ Policy-loss properties (names accepted by ``skip=``):
   latter) and zero gradient there.
 * ``declared_inputs``: leaving out an input named in ``spec.requires`` raises
   ``stablerl.MissingInputError``.
+* ``undeclared_inputs``: giving every input in neither ``spec.requires`` nor
+  ``spec.optional_inputs`` changes nothing, bit for bit (adapters leave those out); an optional
+  input, given, still yields a finite loss.
 * ``metrics``: plain finite floats, the same keys on two calls, each listed in ``spec.metrics``
   (which may also list metrics that only some hyper-parameter settings emit).
 
@@ -81,7 +84,7 @@ import torch
 
 from .api import compute_advantage, compute_policy_loss, get_spec
 from .context import Context
-from .contracts import ADVANTAGE_ESTIMATOR, EXPERIMENTAL, POLICY_LOSS, UNAVAILABLE, AlgorithmSpec
+from .contracts import ADVANTAGE_ESTIMATOR, EXPERIMENTAL, OPTIONAL_INPUTS, POLICY_LOSS, UNAVAILABLE, AlgorithmSpec
 from .params import MissingInputError, StableRLError, build_params
 from .registry import get_registry
 
@@ -100,7 +103,7 @@ __all__ = [
 
 POLICY_LOSS_PROPERTIES = (
     "spec", "output", "masked_tokens", "detached_inputs", "is_weights", "bf16", "padding_length",
-    "micro_batch", "batch_statistics", "degenerate", "declared_inputs", "metrics",
+    "micro_batch", "batch_statistics", "degenerate", "declared_inputs", "undeclared_inputs", "metrics",
 )
 ADVANTAGE_ESTIMATOR_PROPERTIES = (
     "spec", "shapes", "masked", "finite", "masked_content", "padding_length", "group_of_one",
@@ -377,6 +380,7 @@ def check_policy_loss(name: str, *, inputs: Optional[Mapping[str, Any]] = None, 
         ("micro_batch", lambda: _loss_micro_batch(spec, data, params, inputs)),
         ("degenerate", lambda: _loss_degenerate(spec, data, params)),
         ("declared_inputs", lambda: _declared_inputs(spec, data, params)),
+        ("undeclared_inputs", lambda: _loss_undeclared_inputs(spec, data, params)),
         ("metrics", lambda: _loss_metrics(spec, data, params, inputs)),
     ]
     _run_checks(spec, checks, skip)
@@ -575,6 +579,53 @@ def _declared_inputs(spec, data, params) -> None:
             _fail(spec, prop, f"without declared input {need!r} it raised {type(e).__name__}: {e} "
                   "instead of stablerl.MissingInputError")
         _fail(spec, prop, f"ran without its declared input {need!r} instead of raising stablerl.MissingInputError")
+
+
+def _same(a: Any, b: Any) -> bool:
+    """Equal bit for bit (tensors: dtype, shape, values with NaN in the same places; floats likewise)."""
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dtype == b.dtype
+                and a.shape == b.shape and torch.equal(torch.nan_to_num(a, 0.5), torch.nan_to_num(b, 0.5))
+                and torch.equal(torch.isnan(a), torch.isnan(b)))
+    if isinstance(a, float) and isinstance(b, float):
+        return a == b or (math.isnan(a) and math.isnan(b))
+    return a == b
+
+
+def _loss_undeclared_inputs(spec, data, params) -> None:
+    """An input in neither ``requires`` nor ``optional_inputs`` is never read: giving every such input the
+    suite can make changes nothing, bit for bit (adapters rely on it to leave them out). Each optional
+    input, given, still yields a finite loss and gradient."""
+    prop = "undeclared_inputs"
+    B, T = data["response_mask"].shape
+    dtype, old = data["old_log_prob"].dtype, data["old_log_prob"]
+    g = torch.Generator().manual_seed(11)
+    undeclared = {}
+    for name in OPTIONAL_INPUTS:
+        if name not in spec.reads and name not in data:
+            value = _synth_input(name, B, T, g, dtype, old)
+            if value is not None:
+                undeclared[name] = value
+
+    def run(kw):
+        with torch.random.fork_rng():  # losses that sample (clip_cov) draw the same numbers in both runs
+            torch.manual_seed(0)
+            loss, metrics, lp = _run_loss(spec, kw, params)
+        grad = torch.autograd.grad(loss, lp, allow_unused=True)[0] if loss.requires_grad else None
+        return loss.detach(), grad, metrics
+
+    (l1, g1, m1), (l2, g2, m2) = run(data), run({**data, **undeclared})
+    if not (_same(l1, l2) and (g1 is None) == (g2 is None) and (g1 is None or _same(g1, g2))
+            and m1.keys() == m2.keys() and all(_same(m1[k], m2[k]) for k in m1)):
+        _fail(spec, prop, f"its result changes when it is also given {sorted(undeclared)}: it reads an input it does "
+              "not declare (name it in requires, or in optional_inputs if it has a fallback)")
+    for name in spec.optional_inputs:
+        value = _synth_input(name, B, T, g, dtype, old)
+        if value is None:
+            continue
+        loss, _, metrics = run({**data, name: value})
+        if not bool(torch.isfinite(loss)) or not all(math.isfinite(v) for v in metrics.values()):
+            _fail(spec, prop, f"given its optional input {name!r}, the loss or a metric is not finite")
 
 
 def _loss_metrics(spec, data, params, inputs) -> None:

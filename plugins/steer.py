@@ -135,6 +135,7 @@ def register_policy_losses(register):
         formula="l = sg(clamp(exp(-k|Omega|), w_min, 1)) * l_PPO; Omega = A/p_old * p(1-p)(log p + H)",
         status=STABLE,
         requires=("entropy",),
+        optional_inputs=("old_entropy",),
         metrics=(
             "pg_clipfrac", "pg_clipfrac_lower", "clip_high", "clip_low", "ppo_kl",
             "steer/weight_mean", "steer/weight_min", "steer/weight_max", "steer/omega_max",

@@ -236,3 +236,29 @@ def test_two_rank_check_catches_an_unreduced_statistic(tmp_path, monkeypatch):
         monkeypatch.undo()
         sys.modules.pop("stablerl_localstat", None)
         stablerl.reload_registry()
+
+
+def test_optional_inputs_are_validated_and_listed():
+    from stablerl import AlgorithmSpec
+
+    fn = lambda b, p, c: (b.log_prob, {})  # noqa: E731
+    spec = AlgorithmSpec(name="x", kind="policy_loss", fn=fn, requires=("entropy",), optional_inputs=("old_entropy",))
+    assert spec.reads == ("entropy", "old_entropy")
+    with pytest.raises(ValueError, match="'x' has unknown optional input 'magic'"):
+        AlgorithmSpec(name="x", kind="policy_loss", fn=fn, optional_inputs=("magic",))
+    with pytest.raises(ValueError, match="input 'entropy' is both required and optional"):
+        AlgorithmSpec(name="x", kind="policy_loss", fn=fn, requires=("entropy",), optional_inputs=("entropy",))
+
+
+def test_a_loss_reading_an_undeclared_input_fails_conformance(monkeypatch):
+    # steer reads old_entropy when given; with the declaration taken away the suite must catch it
+    import dataclasses
+
+    from stablerl.registry import get_registry
+    from stablerl.testing import ConformanceError, check_policy_loss
+
+    registry = get_registry()
+    spec = registry.get("policy_loss", "steer")
+    monkeypatch.setitem(registry.specs, ("policy_loss", "steer"), dataclasses.replace(spec, optional_inputs=()))
+    with pytest.raises(ConformanceError, match=r"'steer' fails 'undeclared_inputs'.*old_entropy"):
+        check_policy_loss("steer")

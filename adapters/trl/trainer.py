@@ -1269,7 +1269,6 @@ class GRPOTrainer(_trl.GRPOTrainer):
         completion_mask = inputs["completion_mask"]
         mask = completion_mask if "tool_mask" not in inputs else completion_mask * inputs["tool_mask"]
         valid = mask.bool()  # what core reads: a bool mask costs it no cast and no compare
-        mask = mask.to(logps.dtype)  # for TRL's own masks below
         advantages = inputs["advantages"]
         if advantages.dim() == 1:
             advantages = advantages.unsqueeze(1)
@@ -1279,6 +1278,8 @@ class GRPOTrainer(_trl.GRPOTrainer):
         # TRL's per-token multipliers, in TRL's order: off-policy sequence mask, entropy mask, vLLM IS ratio
         weights = []
         use_vllm_is = bool(self.use_vllm and self.vllm_importance_sampling_correction)
+        if self.off_policy_mask_threshold is not None or self.top_entropy_quantile < 1.0:
+            mask = mask.to(logps.dtype)  # TRL's own masks take a float mask (a cast only when one is on)
         if self.off_policy_mask_threshold is not None:
             sampling = inputs.get("sampling_per_token_logps", old)
             weights.append(
@@ -1344,7 +1345,9 @@ class GRPOTrainer(_trl.GRPOTrainer):
             advantages=advantages.expand_as(logps),
             response_mask=valid,
             rollout_log_prob=rollout_log_prob,
-            entropy=entropies,
+            # only to a loss that reads it (undeclared inputs are never read: stablerl.testing checks it),
+            # so the others skip core's clean-up pass over it
+            entropy=entropies if "entropy" in spec.reads else None,
             loss_agg_mode=self._stablerl_agg_mode,
             ctx=ctx,
             is_weights=is_weights,

@@ -157,7 +157,8 @@ def _group_index(data) -> Any:
 
 
 def gather(name: str, loss_mode: str, model_output: Any, data: Any) -> dict[str, Any]:
-    """Exactly the declared inputs of stablerl loss ``name`` from ``ppo_loss``'s arguments."""
+    """Exactly the declared inputs of stablerl loss ``name`` from ``ppo_loss``'s arguments: every required one
+    (an error names what to set when verl's batch lacks it), and each optional one the batch has."""
     spec = get_spec(POLICY_LOSS, name)
     out: dict[str, Any] = {}
     need = list(spec.requires)
@@ -168,47 +169,40 @@ def gather(name: str, loss_mode: str, model_output: Any, data: Any) -> dict[str,
             + ", ".join(f"{r!r} ({NOT_PROVIDED.get(r, OPTIONAL_INPUTS.get(r, ''))})" for r in unknown)
             + ", which verl 0.9.1 cannot provide to a policy loss"
         )
-    keys = set(data.keys())
-    if "entropy" in need:
-        entropy = model_output.get("entropy", None) if hasattr(model_output, "get") else None
-        if entropy is None:
-            raise _missing(
-                name, loss_mode, "entropy",
-                "set actor_rollout_ref.actor.calculate_entropy=True (verl computes the entropy in the update "
-                "forward pass only then, or with entropy_coeff != 0)",
-            )
-        from verl.workers.utils.padding import no_padding_2_padding
+    wanted = set(need) | {r for r in spec.optional_inputs if r in SOURCES}
 
-        out["entropy"] = no_padding_2_padding(entropy, data)
+    def available(input_name: str, present: bool, how: str) -> bool:
+        # a required input verl's batch lacks is an error saying what to set; an optional one is left out
+        if not present and input_name in need:
+            raise _missing(name, loss_mode, input_name, how)
+        return present
+
+    keys = set(data.keys())
+    if "entropy" in wanted:
+        entropy = model_output.get("entropy", None) if hasattr(model_output, "get") else None
+        if available("entropy", entropy is not None,
+                     "set actor_rollout_ref.actor.calculate_entropy=True (verl computes the entropy in the update "
+                     "forward pass only then, or with entropy_coeff != 0)"):
+            from verl.workers.utils.padding import no_padding_2_padding
+
+            out["entropy"] = no_padding_2_padding(entropy, data)
     dense = []
-    if "token_ids" in need:
-        if "responses" not in keys:
-            raise _missing(name, loss_mode, "token_ids", 'the batch has no "responses" field')
+    if "token_ids" in wanted and available("token_ids", "responses" in keys, 'the batch has no "responses" field'):
         dense.append(("token_ids", "responses"))
-    if "rollout_log_prob" in need:
-        if "rollout_log_probs" not in keys:
-            raise _missing(
-                name, loss_mode, "rollout_log_prob",
-                'the batch has no "rollout_log_probs"; set actor_rollout_ref.rollout.calculate_log_probs=True',
-            )
+    if "rollout_log_prob" in wanted and available(
+            "rollout_log_prob", "rollout_log_probs" in keys,
+            'the batch has no "rollout_log_probs"; set actor_rollout_ref.rollout.calculate_log_probs=True'):
         dense.append(("rollout_log_prob", "rollout_log_probs"))
-    if "old_entropy" in need:
+    if "old_entropy" in wanted:
         field = next((f for f in _OLD_ENTROPY_FIELDS if f in keys), None)
-        if field is None:
-            raise _missing(
-                name, loss_mode, "old_entropy",
-                'the batch has no old-pass entropy ("entropy"/"entropys"); verl\'s v1 trainer (trainer.use_v1=true) '
-                "stores it from the old-log-prob pass, the legacy trainer drops it, and bypass mode skips that pass",
-            )
-        dense.append(("old_entropy", field))
-    if "scores" in need:
+        if available("old_entropy", field is not None,
+                     'the batch has no old-pass entropy ("entropy"/"entropys"); verl\'s v1 trainer (trainer.use_v1=true) '
+                     "stores it from the old-log-prob pass, the legacy trainer drops it, and bypass mode skips that pass"):
+            dense.append(("old_entropy", field))
+    if "scores" in wanted:
         field = next((f for f in _SCORE_FIELDS if f in keys), None)
-        if field is None:
-            raise _missing(
-                name, loss_mode, "scores",
-                "the batch has none of " + ", ".join(_SCORE_FIELDS),
-            )
-        dense.append(("scores", field))
+        if available("scores", field is not None, "the batch has none of " + ", ".join(_SCORE_FIELDS)):
+            dense.append(("scores", field))
     if dense:
         padded = _padded(data, [field for _, field in dense])
         for input_name, field in dense:
@@ -217,11 +211,10 @@ def gather(name: str, loss_mode: str, model_output: Any, data: Any) -> dict[str,
                 mask = padded["response_mask"].to(value.dtype)
                 value = (value * mask).sum(-1) if value.dim() == 2 else value.reshape(-1)
             out[input_name] = value
-    if "index" in need:
+    if "index" in wanted:
         index = _group_index(data)
-        if index is None:
-            raise _missing(name, loss_mode, "index", 'the batch has no "uid" field')
-        out["index"] = index
+        if available("index", index is not None, 'the batch has no "uid" field'):
+            out["index"] = index
     return out
 
 
@@ -320,21 +313,22 @@ def dp_group_for(name: str):
     return got.get("__dp_group__") if got is not None and got.get("__name__") == name else None
 
 
-def inputs_for(name: str, requires) -> dict[str, Any]:
-    """The declared inputs for a call of stablerl loss ``name`` (from the active wrapper call).
+def inputs_for(name: str, requires, optional=()) -> dict[str, Any]:
+    """The declared inputs for a call of stablerl loss ``name`` (from the active wrapper call): the required
+    ones and those optional ones the wrapper found in verl's batch.
 
-    Raises a clear error when the loss declares inputs and no wrapper call is active for it (the
+    Raises a clear error when the loss requires inputs and no wrapper call is active for it (the
     loss was called from somewhere other than ``verl.workers.utils.losses.ppo_loss``)."""
-    if not requires:
-        return {}
     got = _CURRENT.get()
     if got is None or got.get("__name__") != name:
+        if not requires:
+            return {}
         raise VerlInputError(
             f"stablerl loss {name!r} needs {', '.join(requires)}, which stablerl gathers at verl's "
             "verl.workers.utils.losses.ppo_loss; this call did not come through it (or the patch is off: "
             "stablerl.adapters.verl.patch_ppo_loss())"
         )
-    return {k: got[k] for k in requires if k in got}
+    return {k: got[k] for k in (*requires, *optional) if k in got}
 
 
 def describe() -> dict[str, dict[str, str]]:

@@ -155,9 +155,9 @@ def make_policy_loss_fn(name: str):
     ) -> tuple[torch.Tensor, dict[str, float]]:
         spec = get_spec(POLICY_LOSS, name)
         ctx, mode = verl_context(config, response_mask, loss_agg_mode, _declared.dp_group_for(name))
-        ctx.state = _declared.state_for(name)  # per-process, persists across steps (not checkpointed)
+        ctx.state = _declared.state_for(name)  # per-process, persists across steps (saved with the actor's checkpoint)
         # declared inputs (entropy, token ids, uids...), gathered by the ppo_loss wrapper
-        extra = _declared.inputs_for(name, spec.requires)
+        extra = _declared.inputs_for(name, spec.requires, spec.optional_inputs)
         loss, metrics = _compute_policy_loss(
             name,
             log_prob=log_prob,

@@ -191,6 +191,18 @@ def test_steer_uses_the_current_entropy_from_model_output(adapter, declared):
     torch.testing.assert_close(loss3, ref3, rtol=1e-9, atol=1e-12)
 
 
+def test_steer_reads_the_old_pass_entropy_when_verl_has_it(adapter, declared):
+    """steer's optional input: with the old-log-prob pass's entropy in the batch (verl's v1 trainer) steer
+    weights by it, as the reference does; without it (the test above) it falls back to the current entropy."""
+    assert stablerl.get_spec("policy_loss", "steer").optional_inputs == ("old_entropy",)
+    data, model_output, leaves, padded = _batch(seed=5, old_entropy=True)
+    loss = _through_verl(_config(adapter, "steer"), data, model_output, leaves)[0]
+    with_old = _direct("steer", padded, leaves, ("entropy", "old_entropy"), **CLIP)[0]
+    current_only = _direct("steer", padded, leaves, ("entropy",), **CLIP)[0]
+    torch.testing.assert_close(loss, with_old, rtol=1e-9, atol=1e-12)
+    assert abs(float(with_old) - float(current_only)) > 1e-6
+
+
 def test_verl_wrapper_logic_still_runs(adapter, declared):
     """entropy bonus and KL loss are added by verl's own ppo_loss around the stablerl loss."""
     data, model_output, leaves, padded = _batch(seed=4)
