@@ -33,7 +33,9 @@ length), ``fisher_token_mask_tau=1e-3``, ``hessian_token_mask_tau=5e-4``.
 Memory: logits are formed ``chunk_elements // V`` tokens at a time ([n, V] fp32); the Adam path
 materialises ``[n, K, H]`` blocks of at most ``chunk_elements`` elements (fp32; about 4 such blocks
 live at once, i.e. ~1 GiB at the default 2**26). With ``top_k=0`` and Adam, the vocabulary is
-walked in slices as well (exact but slow: O(N V H) per call).
+walked in slices as well (exact but slow: O(N V H) per call). With tracked moments the mask pass keeps
+each valid token's top-k ids and ``v`` (``N * K * 16`` bytes) for the moment update, which would
+otherwise form the logits and top-k a second time.
 """
 
 from __future__ import annotations
@@ -120,6 +122,7 @@ def capo_curvature(
     adam_epsilon: float = 1e-8,
     top_k: int = 50,
     chunk_elements: int = 2**26,
+    support: Optional[dict] = None,
 ) -> dict[str, torch.Tensor]:
     """Per-token CAPO quantities ``[B, T]`` (float64 if the inputs are, else fp32; zero off the mask).
 
@@ -127,6 +130,9 @@ def capo_curvature(
     and ``full_update`` (lr A s + 0.5 lr^2 hessian). No gradient flows through any of them.
     ``exp_avg`` / ``exp_avg_sq`` ([V, H]) follow torch Adam (moments of the loss gradient ``-g``);
     ``adam_step`` is the number of steps they have taken (0: the raw gradient, as the reference does).
+    ``support``: a dict to fill (top-k support only) with the valid tokens' positions (``pos``), top-k ids
+    ``[N, K]`` and ``v = e_a - pi`` ``[N, K]``, which :func:`capo_moment_update` then reuses instead of
+    forming the logits and top-k a second time (``N * K * 16`` bytes more held; half the work).
     """
     if optimizer not in _OPTIMIZERS:
         raise StableRLError(f"optimizer must be one of {_OPTIMIZERS}, got {optimizer!r}")
@@ -173,6 +179,10 @@ def capo_curvature(
     K = V if top_k == 0 or top_k >= V else int(top_k)
     step_tok = max(1, chunk_elements // V)
     res = {k: torch.empty(N, dtype=dt, device=dev) for k in ("s", "uFu")}
+    keep_support = support is not None and K < V
+    if keep_support:
+        support.update(pos=pos, top_idx=torch.empty(N, K, dtype=torch.long, device=dev),
+                       v=torch.empty(N, K, dtype=dt, device=dev))
     for a in range(0, N, step_tok):
         b = min(N, a + step_tok)
         h, A_c = hs[a:b], A[a:b]
@@ -188,6 +198,8 @@ def capo_curvature(
             e_a = torch.zeros_like(pi).scatter_(1, ids[a:b, None], 1.0)
         del logits
         v = e_a - pi  # [n, K]
+        if keep_support:
+            support["top_idx"][a:b], support["v"][a:b] = top_idx, v
         if not use_adam:
             u = (A_c * (h * h).sum(-1)).unsqueeze(-1) * v  # G = g: u_k = A v_k |h|^2
         else:
@@ -234,6 +246,7 @@ def capo_moment_update(
     adam_beta2: float = 0.999,
     chunk_elements: int = 2**26,
     ctx=None,
+    support: Optional[dict] = None,
 ) -> int:
     """One step of the reference's Adam model of the LM head, in place (torch convention: moments of
     the LOSS gradient, i.e. of ``-g``). Returns the number of vocabulary rows updated.
@@ -242,15 +255,30 @@ def capo_moment_update(
     ``mask`` whose support contains k (one term per token); rows that no token touches keep their
     moments unchanged (no decay), as in the reference's per-key dict. ``ctx.all_reduce`` sums the
     per-row sums and counts over DP ranks (dense [V, H]: costly on large vocabularies).
+    ``support``: what :func:`capo_curvature` filled for a response mask that contains ``mask``; its
+    top-k ids and ``v`` are reused (the same formulas; the logits of the two passes can differ in the
+    last bit, as CPU matrix products round by row count).
     """
     V, H = lm_head_weight.shape
     dt = exp_avg.dtype
     dev = exp_avg.device
     sums = torch.zeros(V, H, dtype=dt, device=dev)
     counts = torch.zeros(V, dtype=dt, device=dev)
+    K = V if top_k == 0 or top_k >= V else int(top_k)
+    if support is not None and "top_idx" in support:
+        valid_pos = support["pos"]
+        rows = mask.bool()[valid_pos].nonzero().squeeze(1)  # the kept tokens, in the order of the loop below
+        hs, A = hidden_states[valid_pos][rows].to(dt), advantages[valid_pos][rows].to(dt)
+        step_tok = max(1, chunk_elements // (K * H))
+        for a in range(0, rows.numel(), step_tok):
+            r = rows[a:a + step_tok]
+            idx = support["top_idx"][r]
+            g = (A[a:a + step_tok, None] * support["v"][r].to(dt)).unsqueeze(-1) * hs[a:a + step_tok].unsqueeze(-2)
+            sums.index_add_(0, idx.reshape(-1), g.reshape(-1, H))
+            counts.index_add_(0, idx.reshape(-1), torch.ones(idx.numel(), dtype=dt, device=dev))
+        return _moment_step(exp_avg, exp_avg_sq, sums, counts, adam_beta1, adam_beta2, ctx)
     pos = mask.bool().nonzero(as_tuple=True)
     N = pos[0].numel()
-    K = V if top_k == 0 or top_k >= V else int(top_k)
     if N > 0:
         W = lm_head_weight.to(dt)
         hs, ids, A = hidden_states[pos].to(dt), token_ids[pos].long(), advantages[pos].to(dt)
@@ -269,13 +297,18 @@ def capo_moment_update(
                 v = torch.zeros_like(logits).scatter_(1, ids[a:b, None], 1.0) - torch.softmax(logits, dim=-1)
                 sums += (A[a:b, None] * v).T @ h
                 counts += float(b - a)
+    return _moment_step(exp_avg, exp_avg_sq, sums, counts, adam_beta1, adam_beta2, ctx)
+
+
+def _moment_step(exp_avg, exp_avg_sq, sums, counts, beta1, beta2, ctx) -> int:
+    """The Adam moment update from per-row gradient sums and counts (summed over DP ranks first)."""
     if ctx is not None:
         sums = ctx.all_reduce(sums, "sum")
         counts = ctx.all_reduce(counts, "sum")
     rows = counts > 0
     gbar = -(sums[rows] / counts[rows, None])  # the loss gradient's batch mean
-    exp_avg[rows] = adam_beta1 * exp_avg[rows] + (1.0 - adam_beta1) * gbar
-    exp_avg_sq[rows] = adam_beta2 * exp_avg_sq[rows] + (1.0 - adam_beta2) * gbar * gbar
+    exp_avg[rows] = beta1 * exp_avg[rows] + (1.0 - beta1) * gbar
+    exp_avg_sq[rows] = beta2 * exp_avg_sq[rows] + (1.0 - beta2) * gbar * gbar
     return int(rows.sum())
 
 
@@ -329,6 +362,7 @@ def capo_loss(b, p: CapoParams, ctx):
             z = torch.zeros(V, H, dtype=dt, device=b.lm_head_weight.device)
             state = ctx.state[STATE_KEY] = {"exp_avg": z, "exp_avg_sq": z.clone(), "step": 0}
         exp_avg, exp_avg_sq, adam_step = state["exp_avg"], state["exp_avg_sq"], int(state["step"])
+    support = {} if state is not None else None  # the mask's top-k and v, reused by the moment update
     keep, terms = capo_token_mask(
         b.hidden_states,
         b.lm_head_weight,
@@ -348,12 +382,13 @@ def capo_loss(b, p: CapoParams, ctx):
         adam_epsilon=p.adam_epsilon,
         top_k=int(p.top_k),
         chunk_elements=int(p.chunk_elements),
+        support=support,
     )
     if state is not None:  # the reference steps its model once per loss call, with the kept tokens
         capo_moment_update(
             state["exp_avg"], state["exp_avg_sq"], b.hidden_states, b.lm_head_weight, b.token_ids, b.advantages,
             keep, top_k=int(p.top_k), adam_beta1=p.adam_beta1, adam_beta2=p.adam_beta2,
-            chunk_elements=int(p.chunk_elements), ctx=ctx,
+            chunk_elements=int(p.chunk_elements), ctx=ctx, support=support,
         )
         state["step"] = adam_step + 1
     log_ratio = clamped_log_ratio(b.log_prob, b.old_log_prob)

@@ -437,3 +437,26 @@ def test_tracked_moments_across_calls():
     _api(d, lp, old, ctx=ctx2, optimizer="sgd", **kw)
     _api(d, lp, old, ctx=ctx2, moments="input", **kw)
     assert "capo" not in ctx2.state
+
+
+def test_moment_update_reuses_the_masks_top_k():
+    # capo_curvature fills `support` (top-k ids and v of every valid token); the moment update of a subset of
+    # them reuses it: equal to the reference dict even when handed a zeroed LM head (nothing is recomputed)
+    d, m, s = _data(12)
+    mask = d["response_mask"].clone()
+    mask[0, 1] = False
+    support = {}
+    capo_curvature(**d, lr=0.3, top_k=3, optimizer="sgd", support=support, chunk_elements=7)
+    valid = int(d["response_mask"].sum())
+    assert support["top_idx"].shape == (valid, 3) and support["v"].shape == (valid, 3)
+    m_ref, v_ref, n_ref = _brute_moments(m, s, d, mask, 3)
+    m_got, v_got = m.clone(), s.clone()
+    n = capo_moment_update(m_got, v_got, d["hidden_states"], torch.zeros_like(d["lm_head_weight"]), d["token_ids"],
+                           d["advantages"], mask, top_k=3, chunk_elements=5, support=support)
+    assert n == n_ref
+    torch.testing.assert_close(m_got, m_ref, rtol=1e-12, atol=1e-14)
+    torch.testing.assert_close(v_got, v_ref, rtol=1e-12, atol=1e-14)
+    # the full vocabulary keeps no support ([N, V] would be too large): the update recomputes
+    full = {}
+    capo_curvature(**d, lr=0.3, top_k=0, optimizer="sgd", support=full)
+    assert "top_idx" not in full
