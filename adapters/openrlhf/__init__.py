@@ -55,7 +55,6 @@ import importlib.abc
 import importlib.machinery
 import json
 import os
-import re
 import sys
 import threading
 from dataclasses import dataclass, field
@@ -76,6 +75,7 @@ from stablerl.adapters.config_keys import (  # noqa: E402  (framework-free)
     OPENRLHF_PREFIX as PREFIX,
 )
 from stablerl.adapters import _post_import as post_import  # noqa: E402
+from stablerl.adapters._versions import version_tuple  # noqa: E402
 from stablerl.contracts import ADVANTAGE_ESTIMATOR as _ADV, POLICY_LOSS as _LOSS  # noqa: E402
 from stablerl.contracts import BATCH_FILTER as _FILTER, REWARD_SHAPER as _SHAPER  # noqa: E402
 
@@ -144,11 +144,6 @@ class UnsupportedOpenRLHFVersionError(ImportError):
 # ----------------------------------------------------------------------------- version guard
 
 
-def _version_tuple(text: str) -> tuple[int, int, int]:
-    nums = [int(x) for x in re.findall(r"\d+", text.split("+")[0])[:3]]
-    return tuple((nums + [0, 0, 0])[:3])  # type: ignore[return-value]
-
-
 def openrlhf_version() -> Optional[str]:
     """The installed OpenRLHF version (distribution metadata; imports nothing), or None."""
     try:
@@ -169,7 +164,7 @@ def check_openrlhf(found: Optional[str] = None) -> str:
             f"stablerl.adapters.openrlhf needs OpenRLHF (openrlhf{SUPPORTED_OPENRLHF}), which is not installed: "
             f"pip install 'openrlhf{SUPPORTED_OPENRLHF}'"
         )
-    if not (_MIN <= _version_tuple(found) < _MAX):
+    if not (_MIN <= version_tuple(found) < _MAX):
         raise UnsupportedOpenRLHFVersionError(
             f"stablerl.adapters.openrlhf supports openrlhf{SUPPORTED_OPENRLHF} (0.11.2 only), found openrlhf {found}. "
             "OpenRLHF 0.11.2 changed PolicyLoss (is_correction_* kwargs, 5-value return) and its CLI flags; "

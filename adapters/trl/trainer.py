@@ -52,6 +52,7 @@ import stablerl
 from stablerl import routing_replay as rr
 from stablerl.contracts import (ADVANTAGE_ESTIMATOR, BATCH_FILTER, CONTROLLER, OPTIONAL_INPUTS, POLICY_LOSS,
                                 REWARD_SHAPER)
+from stablerl.adapters._versions import version_tuple
 from stablerl.ops import AGG_MODES, last_valid_index, scores_on_last_token
 from stablerl.params import StableRLError, UnknownNameError, build_params, unknown_name_message
 
@@ -125,14 +126,6 @@ _REQUIRED_SIGNATURES = {
 }
 
 
-def _version_tuple(version: str) -> tuple[int, int]:
-    parts = []
-    for piece in version.split(".")[:2]:
-        digits = "".join(c for c in piece if c.isdigit())
-        parts.append(int(digits) if digits else 0)
-    return tuple(parts + [0] * (2 - len(parts)))  # type: ignore[return-value]
-
-
 def check_trl(trl_module=None) -> None:
     """Raise :class:`UnsupportedTRLVersionError` unless TRL is in the supported range and the
     private methods this adapter uses have the expected signatures.
@@ -143,7 +136,7 @@ def check_trl(trl_module=None) -> None:
     if trl_module is None:
         import trl as trl_module
     found = getattr(trl_module, "__version__", "unknown")
-    if not (_TRL_MIN <= _version_tuple(found) < _TRL_MAX):
+    if not (_TRL_MIN <= version_tuple(found, 2) < _TRL_MAX):
         message = (
             f"stablerl.adapters.trl supports trl{SUPPORTED_TRL}, found trl {found}. "
             f"Install a supported version: pip install 'trl{SUPPORTED_TRL}' (or pip install 'stablerl[trl]')."
@@ -507,7 +500,7 @@ def _rr_check_rollout(args, kwargs) -> None:
             found = version("vllm")
         except Exception:  # vLLM not installed here (server mode) or no metadata
             return
-        if _version_tuple(found) < _VLLM_ROUTES_MIN:
+        if version_tuple(found, 2) < _VLLM_ROUTES_MIN:
             warnings.warn(
                 f"routing_replay='R3': vLLM {found} may predate enable_return_routed_experts (vLLM PR #28284; "
                 f"documented for vLLM >= {'.'.join(map(str, _VLLM_ROUTES_MIN))}, >= 0.22 for hybrid-attention models)",

@@ -44,7 +44,6 @@ idempotent: importing it twice, or under two module names, registers nothing twi
 from __future__ import annotations
 
 import logging
-import re
 from typing import Any
 
 logger = logging.getLogger("stablerl.adapters.verl")
@@ -67,6 +66,7 @@ unpatch_compute_advantage = _adv_site.unpatch
 from stablerl.adapters.verl import _engine as engine  # noqa: E402  (imports no verl)
 from stablerl.adapters.verl import _routing_replay as routing_replay  # noqa: E402
 from stablerl.adapters.verl import _state as checkpoint_state  # noqa: E402
+from stablerl.adapters._versions import version_tuple  # noqa: E402
 
 #: verl versions this adapter is written against: the ``(loss, metrics)`` return (>= 0.6.1),
 #: ``rollout_is_weights`` and ``config.global_batch_info`` (>= 0.7.0); tested with 0.9.1.
@@ -99,11 +99,6 @@ _REPORT: dict[str, Any] = {
 
 class UnsupportedVerlVersion(ImportError):
     """verl is too old for this adapter (the policy-loss signature it relies on is missing)."""
-
-
-def _parse_version(text: str) -> tuple[int, int, int]:
-    nums = [int(x) for x in re.findall(r"\d+", text.split("+")[0])[:3]]
-    return tuple((nums + [0, 0, 0])[:3])  # type: ignore[return-value]
 
 
 def _verl_version() -> str:
@@ -283,7 +278,7 @@ def registration_report() -> dict[str, Any]:
 def _setup():
     version = _verl_version()
     _REPORT["verl_version"] = version
-    v = _parse_version(version)
+    v = version_tuple(version)
     if v < _MIN:
         raise UnsupportedVerlVersion(
             f"stablerl.adapters.verl supports verl {SUPPORTED_VERL}, found verl {version}: nothing registered; "
