@@ -75,6 +75,7 @@ from stablerl.adapters.config_keys import (  # noqa: E402  (framework-free)
     OPENRLHF_PREFIX as PREFIX,
 )
 from stablerl.adapters import _post_import as post_import  # noqa: E402
+from stablerl.adapters._patching import PatchLedger  # noqa: E402
 from stablerl.adapters._versions import version_tuple  # noqa: E402
 from stablerl.contracts import ADVANTAGE_ESTIMATOR as _ADV, POLICY_LOSS as _LOSS  # noqa: E402
 from stablerl.contracts import BATCH_FILTER as _FILTER, REWARD_SHAPER as _SHAPER  # noqa: E402
@@ -391,18 +392,11 @@ def extensions_from_env() -> dict[str, Any]:
 # ----------------------------------------------------------------------------- patches
 
 _LOCK = threading.RLock()
-_ORIGINALS: dict[str, tuple[Any, str, Any]] = {}  # key -> (owner, attribute, original)
-_PATCH_MARK = "__stablerl_openrlhf_patch__"
+_PATCHES = PatchLedger("__stablerl_openrlhf_patch__")
 
 
 def _set_patch(key: str, owner: Any, attr: str, new: Any) -> None:
-    with _LOCK:
-        current = owner.__dict__.get(attr) if isinstance(owner, type) else getattr(owner, attr)
-        if getattr(current, _PATCH_MARK, False) or key in _ORIGINALS:
-            return  # once per process
-        setattr(new, _PATCH_MARK, True)
-        _ORIGINALS[key] = (owner, attr, current)
-        setattr(owner, attr, new)
+    _PATCHES.set_attr(key, owner, attr, new)  # once per process; remove() undoes it
 
 
 def _patch_actor_module(module) -> None:
@@ -596,15 +590,13 @@ def apply() -> None:
 def remove() -> None:
     """Undo every patch and disarm the import hook (the exact original attributes come back)."""
     with _LOCK:
-        for owner, attr, original in _ORIGINALS.values():
-            setattr(owner, attr, original)
-        _ORIGINALS.clear()
+        _PATCHES.restore()
         post_import.remove(_HOOK_TAG)
 
 
 def is_applied() -> dict[str, bool]:
     """Which patches are in place in this process."""
-    return {key: True for key in _ORIGINALS} | {
+    return {key: True for key in _PATCHES.keys()} | {
         k: False for k in ("ActorPPOTrainer.__init__", "RemoteExperienceMaker.compute_advantages_and_returns",
                            "ActorPPOTrainer.training_step", "Actor.forward",
                            "RemoteExperienceMaker.make_experience", "BaseModelActor.execute_batch",
@@ -615,7 +607,7 @@ def is_applied() -> dict[str, bool]:
                            "DeepspeedStrategy.save_ckpt", "DeepspeedStrategy.load_ckpt",
                            "BasePPOTrainer.save_logs_and_checkpoints", "BasePPOTrainer.save_best_checkpoint",
                            "BasePPOTrainer.init_checkpoint_states")
-        if k not in _ORIGINALS
+        if k not in _PATCHES
     }
 
 

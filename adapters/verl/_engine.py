@@ -18,6 +18,7 @@ import logging
 from typing import Any
 
 from stablerl.adapters import _post_import as post_import
+from stablerl.adapters._patching import PatchLedger
 
 from . import _routing_replay as routing
 from . import _state
@@ -27,7 +28,8 @@ logger = logging.getLogger("stablerl.adapters.verl")
 ENGINE_MODULE = "verl.workers.engine.fsdp.transformer_impl"
 FSDP_BACKENDS = routing.FSDP_BACKENDS
 _HOOK_TAG = "stablerl.verl.engine"
-_STATE: dict[str, Any] = {"engine_class": None, "replaced": [], "error": None}
+_STATE: dict[str, Any] = {"engine_class": None, "error": None}
+_PATCHES = PatchLedger("_stablerl_engine")  # the registry entries re-pointed to the subclass
 
 
 def engine_class(base):
@@ -82,7 +84,7 @@ def engine_class(base):
 def _patch_engine_module(module) -> None:
     from verl.workers.engine.base import EngineRegistry
 
-    if _STATE["replaced"]:  # idempotent
+    if _PATCHES.keys():  # idempotent
         return
 
     base = module.FSDPEngineWithLMHead
@@ -92,8 +94,7 @@ def _patch_engine_module(module) -> None:
     for backend in FSDP_BACKENDS:
         for key, engine in list(registry.get(backend, {}).items()):
             if engine is base:
-                registry[backend][key] = cls
-                _STATE["replaced"].append((backend, key, base))
+                _PATCHES.set_item(f"{backend}:{key}", registry[backend], key, cls)
 
 
 def _apply(module) -> None:
@@ -115,18 +116,12 @@ def install() -> None:
 def uninstall() -> None:
     """Give the registry entries back to verl's class and disarm the hook."""
     post_import.remove(_HOOK_TAG)
-    if _STATE["replaced"]:
-        from verl.workers.engine.base import EngineRegistry
-
-        registry = EngineRegistry._engines.get("language_model", {})
-        for backend, key, base in _STATE["replaced"]:
-            registry[backend][key] = base
-        _STATE["replaced"].clear()
+    _PATCHES.restore()
 
 
 def status() -> dict[str, Any]:
     return {
         "engine_class": None if _STATE["engine_class"] is None else _STATE["engine_class"].__name__,
-        "registry_entries": [f"{b}:{k}" for b, k, _ in _STATE["replaced"]],
+        "registry_entries": _PATCHES.keys(),
         "error": _STATE["error"],
     }

@@ -44,6 +44,7 @@ from typing import Any, Optional
 import torch
 
 from stablerl.adapters import _post_import as post_import
+from stablerl.adapters._patching import PatchLedger
 from stablerl.params import StableRLError, UnknownNameError, unknown_name_message
 
 logger = logging.getLogger("stablerl.adapters.verl")
@@ -52,7 +53,9 @@ MODES = ("disabled", "R2", "R3")
 WORKER_MODULE = "verl.workers.engine_workers"
 FSDP_BACKENDS = ("fsdp", "fsdp2")
 _HOOK_TAG = "stablerl.verl.routing_replay"
-_STATE: dict[str, Any] = {"worker_init": None, "error": None}
+_STATE: dict[str, Any] = {"error": None}
+_PATCHES = PatchLedger("_stablerl_routing_replay")
+_WORKER_KEY = "ActorRolloutRefWorker.__init__"
 
 
 def mode_of(engine_config) -> str:
@@ -156,7 +159,7 @@ class _Session:
 
 def _patch_worker_module(module) -> None:
     worker = module.ActorRolloutRefWorker
-    if _STATE["worker_init"] is not None:
+    if _WORKER_KEY in _PATCHES:
         return
     original = worker.__init__
 
@@ -189,8 +192,7 @@ def _patch_worker_module(module) -> None:
         self.enable_routing_replay = True
 
     __init__.__wrapped__ = original
-    worker.__init__ = __init__
-    _STATE["worker_init"] = (worker, original)
+    _PATCHES.set_attr(_WORKER_KEY, worker, "__init__", __init__)
 
 
 def num_hidden_layers(hf_config) -> int:
@@ -233,11 +235,8 @@ def install() -> None:
 def uninstall() -> None:
     """Undo the worker switch and disarm the hook."""
     post_import.remove(_HOOK_TAG)
-    if _STATE["worker_init"] is not None:
-        worker, original = _STATE["worker_init"]
-        worker.__init__ = original
-        _STATE["worker_init"] = None
+    _PATCHES.restore()
 
 
 def status() -> dict[str, Any]:
-    return {"worker_switch": _STATE["worker_init"] is not None, "error": _STATE["error"]}
+    return {"worker_switch": _WORKER_KEY in _PATCHES, "error": _STATE["error"]}

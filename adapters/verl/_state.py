@@ -27,6 +27,7 @@ import torch
 
 from stablerl.adapters import _post_import as post_import
 from stablerl.adapters import _state_format as state_format
+from stablerl.adapters._patching import PatchLedger
 
 logger = logging.getLogger("stablerl.adapters.verl")
 
@@ -35,7 +36,7 @@ DRIVER_STATE_FILE = "stablerl_driver_state.pt"
 FORMAT_VERSION = state_format.FORMAT_VERSION
 TRAINER_CLASSES = {"verl.trainer.ppo.ray_trainer": "RayPPOTrainer", "verl.trainer.ppo.v1.trainer_base": "PPOTrainer"}
 _HOOK_TAG = "stablerl.verl.checkpoint_state"
-_PATCHED: list = []  # (cls, attr, original)
+_PATCHES = PatchLedger("_stablerl_state")
 
 
 def _write(path: str, kind: str, state: dict) -> None:
@@ -99,8 +100,6 @@ def _step_folder(trainer: Any, loading: bool) -> str:
 
 def _patch_trainer_module(module, class_name: str) -> None:
     cls = getattr(module, class_name)
-    if getattr(cls._save_checkpoint, "_stablerl_state", False):
-        return
     save, load = cls._save_checkpoint, cls._load_checkpoint
 
     @functools.wraps(save)
@@ -118,10 +117,8 @@ def _patch_trainer_module(module, class_name: str) -> None:
                 logger.info("stablerl: restored the advantage-side state from %s", folder)
         return out
 
-    for attr, fn, original in (("_save_checkpoint", _save_checkpoint, save), ("_load_checkpoint", _load_checkpoint, load)):
-        fn._stablerl_state = True
-        setattr(cls, attr, fn)
-        _PATCHED.append((cls, attr, original))
+    _PATCHES.set_attr(f"{class_name}._save_checkpoint", cls, "_save_checkpoint", _save_checkpoint)
+    _PATCHES.set_attr(f"{class_name}._load_checkpoint", cls, "_load_checkpoint", _load_checkpoint)
 
 
 def _patch_safely(module, class_name: str) -> None:
@@ -141,6 +138,4 @@ def install() -> None:
 
 def uninstall() -> None:
     post_import.remove(_HOOK_TAG)
-    while _PATCHED:
-        cls, attr, original = _PATCHED.pop()
-        setattr(cls, attr, original)
+    _PATCHES.restore()
