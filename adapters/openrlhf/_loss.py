@@ -80,7 +80,7 @@ class StablePolicyLoss(PolicyLoss):
         self.last_metrics: dict[str, float] = {}
         self.fed_inputs: frozenset = frozenset()
         #: persistent per-algorithm state (ctx.state: e.g. entropic's controller integral), kept across calls
-        #: by this loss object (one per actor worker); not in OpenRLHF's checkpoints
+        #: by this loss object (one per actor worker); saved in OpenRLHF's DeepSpeed checkpoints (see _state)
         self.stablerl_state: dict = {}
         self._fed: Optional[dict] = None
         if self.stablerl_name is None:
