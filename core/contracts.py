@@ -193,7 +193,9 @@ class PolicyLossBatch:
     # aggregates itself must pass the mask product, not ``zero_padded=True``).
     seq_advantages: Optional[torch.Tensor] = None
     # bool [B, T], True where response_mask is 1: the mask core's aggregation keeps for backward, so a
-    # loss that masks with it adds no mask of its own (set by core; None when a batch is built by hand)
+    # loss that masks with it adds no mask of its own (set by core; None when a batch is built by hand).
+    # It may be the caller's own tensor: never modify it in place; a batch copied with another
+    # response_mask (dataclasses.replace) must replace it too
     valid_tokens: Optional[torch.Tensor] = None
 
     @property

@@ -94,8 +94,10 @@ is_functorch_wrapped = getattr(getattr(torch._C, "_functorch", None), "is_functo
 
 def all_within(t: torch.Tensor, lo: float, hi: float) -> bool:
     """True when every element of ``t`` lies in ``[lo, hi]`` (a NaN anywhere: False): one read pass
-    (``aminmax``) and one host sync. False under a ``torch.func`` transform, whose wrapped tensors
-    allow no data-dependent branch, so callers then take their general path."""
+    (``aminmax``) and a read of its two scalars (one device sync on an accelerator; so not for code
+    captured in a CUDA graph, which stablerl's loss entry points are not). False under a ``torch.func``
+    transform, whose wrapped tensors allow no data-dependent branch, so callers then take their
+    general path."""
     if t.numel() == 0:
         return True
     if is_functorch_wrapped(t):

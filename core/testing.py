@@ -43,7 +43,8 @@ Policy-loss properties (names accepted by ``skip=``):
   ``stablerl.MissingInputError``.
 * ``undeclared_inputs``: giving every input in neither ``spec.requires`` nor
   ``spec.optional_inputs`` changes nothing, bit for bit (adapters leave those out); an optional
-  input, given, still yields a finite loss.
+  input, given, still yields a finite loss. Only torch's global generator is reset between the two
+  runs: a loss drawing from other random sources (numpy, its own state) skips this property.
 * ``metrics``: plain finite floats, the same keys on two calls, each listed in ``spec.metrics``
   (which may also list metrics that only some hyper-parameter settings emit).
 
@@ -608,10 +609,13 @@ def _loss_undeclared_inputs(spec, data, params) -> None:
                 undeclared[name] = value
 
     def run(kw):
-        with torch.random.fork_rng():  # losses that sample (clip_cov) draw the same numbers in both runs
+        # losses that sample from torch's global generator (clip_cov) draw the same numbers in both runs,
+        # forward and backward; other sources of randomness (numpy, module-level state) are not controlled:
+        # such a plugin skips this property
+        with torch.random.fork_rng():
             torch.manual_seed(0)
             loss, metrics, lp = _run_loss(spec, kw, params)
-        grad = torch.autograd.grad(loss, lp, allow_unused=True)[0] if loss.requires_grad else None
+            grad = torch.autograd.grad(loss, lp, allow_unused=True)[0] if loss.requires_grad else None
         return loss.detach(), grad, metrics
 
     (l1, g1, m1), (l2, g2, m2) = run(data), run({**data, **undeclared})

@@ -358,9 +358,13 @@ def capo_loss(b, p: CapoParams, ctx):
         V, H = b.lm_head_weight.shape
         dt = torch.float64 if b.hidden_states.dtype == torch.float64 else torch.float32
         state = ctx.state.get(STATE_KEY)
+        dev = b.lm_head_weight.device
         if state is None or tuple(state["exp_avg"].shape) != (V, H):
-            z = torch.zeros(V, H, dtype=dt, device=b.lm_head_weight.device)
+            z = torch.zeros(V, H, dtype=dt, device=dev)
             state = ctx.state[STATE_KEY] = {"exp_avg": z, "exp_avg_sq": z.clone(), "step": 0}
+        for key in ("exp_avg", "exp_avg_sq"):  # restored from a checkpoint onto another device (e.g. the CPU)
+            if state[key].device != dev or state[key].dtype != dt:
+                state[key] = state[key].to(device=dev, dtype=dt)
         exp_avg, exp_avg_sq, adam_step = state["exp_avg"], state["exp_avg_sq"], int(state["step"])
     support = {} if state is not None else None  # the mask's top-k and v, reused by the moment update
     keep, terms = capo_token_mask(
@@ -430,6 +434,7 @@ def register_policy_losses(register):
         ),
         status=EXPERIMENTAL,
         requires=("hidden_states", "lm_head_weight", "token_ids"),
+        optional_inputs=("lm_head_exp_avg", "lm_head_exp_avg_sq"),  # moments="input" with adam_step > 0
         metrics=(
             "pg_clipfrac", "pg_clipfrac_lower", "clip_high", "clip_low", "ppo_kl",
             "capo/mask_fraction", "capo/fisher_mask_fraction", "capo/hessian_mask_fraction",

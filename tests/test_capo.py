@@ -460,3 +460,28 @@ def test_moment_update_reuses_the_masks_top_k():
     full = {}
     capo_curvature(**d, lr=0.3, top_k=0, optimizer="sgd", support=full)
     assert "top_idx" not in full
+
+
+def test_restored_moments_move_to_the_compute_device_and_dtype_not_reset():
+    # a checkpoint may hand the tracked moments back on another device or dtype (OpenRLHF's DeepSpeed
+    # client_state loads onto the CPU): they are moved, keeping their values and step, not started afresh
+    d, _, _ = _with_tokens_in_topk(13, 4, B=4, T=6)
+    lp, old = _loss_inputs(d, 5)
+    kw = dict(lr=0.3, top_k=4, fisher_token_mask_tau=0.0, hessian_token_mask_tau=0.0)
+    ctx = Context()
+    _api(d, lp, old, ctx=ctx, **kw)
+    _api(d, lp, old, ctx=ctx, **kw)
+    saved = {k: (v.clone() if torch.is_tensor(v) else v) for k, v in ctx.state["capo"].items()}
+    restored = Context(state={"capo": {**saved, "exp_avg": saved["exp_avg"].float(),
+                                       "exp_avg_sq": saved["exp_avg_sq"].float()}})
+    _, metrics = _api(d, lp, old, ctx=restored, **kw)
+    assert metrics["capo/adam_step"] == 2.0  # the restored step, not a fresh state
+    st = restored.state["capo"]
+    assert st["exp_avg"].dtype == torch.float64 and st["step"] == 3
+    torch.testing.assert_close(st["exp_avg"], _step_from(saved, d, lp, old, kw)["exp_avg"], rtol=1e-6, atol=1e-9)
+
+
+def _step_from(saved, d, lp, old, kw):
+    ctx = Context(state={"capo": {k: (v.clone() if torch.is_tensor(v) else v) for k, v in saved.items()}})
+    _api(d, lp, old, ctx=ctx, **kw)
+    return ctx.state["capo"]

@@ -29,6 +29,8 @@ import logging
 import weakref
 from typing import Any, Callable, Optional
 
+import torch
+
 from stablerl.adapters import _state_format as state_format
 
 logger = logging.getLogger("stablerl.adapters.openrlhf")
@@ -58,11 +60,24 @@ def _with_loss_state(client_state: Optional[dict]) -> Optional[dict]:
     return {**(client_state or {}), LOSS_KEY: state_format.pack("loss", dict(loss.stablerl_state))}
 
 
+def _on_device(value: Any, device: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.to(device)
+    if isinstance(value, dict):
+        return {k: _on_device(v, device) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_on_device(v, device) for v in value)
+    return value
+
+
 def _take_loss_state(states: Any, where: str) -> None:
     global _pending_loss_state
     if not isinstance(states, dict) or LOSS_KEY not in states:
         return
     state = state_format.unpack(states.pop(LOSS_KEY), "loss", f"{where} ({LOSS_KEY})")
+    # DeepSpeed loads client_state onto the CPU: tensors go back to this worker's accelerator
+    if torch.cuda.is_available():
+        state = _on_device(state, torch.device("cuda", torch.cuda.current_device()))
     loss = _live_loss() if _live_loss is not None else None
     if loss is not None:  # a load after the loss was built: restore now
         state_format.replace(loss.stablerl_state, state)

@@ -125,3 +125,13 @@ def test_patches_are_listed_and_removed():
     assert DeepspeedStrategy.save_ckpt is not originals[0]
     adapter.remove()
     assert (DeepspeedStrategy.save_ckpt, DeepspeedStrategy.load_ckpt, BasePPOTrainer.init_checkpoint_states) == originals
+
+
+def test_restored_tensors_follow_the_worker_device():
+    # DeepSpeed loads client_state onto the CPU; on a GPU worker the loss state goes to its current device
+    # (here the CPU stands in for it): nested dicts, lists and tuples keep their shape, non-tensors are kept
+    state = {"capo": {"exp_avg": torch.ones(2, 3), "step": 4}, "pair": (torch.zeros(1), [torch.ones(1), "x"])}
+    moved = _state._on_device(state, torch.device("cpu"))
+    assert moved["capo"]["step"] == 4 and torch.equal(moved["capo"]["exp_avg"], torch.ones(2, 3))
+    assert isinstance(moved["pair"], tuple) and moved["pair"][1][1] == "x"
+    assert moved["capo"]["exp_avg"].device.type == "cpu"
