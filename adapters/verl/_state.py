@@ -33,7 +33,6 @@ logger = logging.getLogger("stablerl.adapters.verl")
 
 LOSS_STATE_FILE = "stablerl_loss_state_rank{rank}.pt"
 DRIVER_STATE_FILE = "stablerl_driver_state.pt"
-FORMAT_VERSION = state_format.FORMAT_VERSION
 TRAINER_CLASSES = {"verl.trainer.ppo.ray_trainer": "RayPPOTrainer", "verl.trainer.ppo.v1.trainer_base": "PPOTrainer"}
 _HOOK_TAG = "stablerl.verl.checkpoint_state"
 _PATCHES = PatchLedger("_stablerl_state")
@@ -53,9 +52,6 @@ def _read(path: str, kind: str, restore) -> bool:
     return True
 
 
-_replace = state_format.replace
-
-
 # ---- actor workers (called by the FSDP engine subclass) ------------------------------------------
 
 
@@ -70,7 +66,7 @@ def load_loss_state(folder: str, rank: int) -> bool:
     from . import _inputs
 
     return _read(os.path.join(folder, LOSS_STATE_FILE.format(rank=rank)), "loss",
-                 lambda s: _replace(_inputs.STATE, s))
+                 lambda s: state_format.replace(_inputs.STATE, s))
 
 
 # ---- the driver ----------------------------------------------------------------------------------
@@ -86,7 +82,7 @@ def save_driver_state(folder: str) -> None:
 def load_driver_state(folder: str) -> bool:
     from . import _advantage
 
-    return _read(os.path.join(folder, DRIVER_STATE_FILE), "driver", lambda s: _replace(_advantage.STATE, s))
+    return _read(os.path.join(folder, DRIVER_STATE_FILE), "driver", lambda s: state_format.replace(_advantage.STATE, s))
 
 
 def _step_folder(trainer: Any, loading: bool) -> str:
