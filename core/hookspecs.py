@@ -59,3 +59,10 @@ def register_router_families(register):
 def register_rollout_corrections(register):
     """Register training-inference mismatch corrections usable with any policy loss:
     ``fn(batch: PolicyLossBatch, params, ctx) -> (weights [B, T] detached, metrics)``."""
+
+
+@hookspec
+def register_frameworks(register):
+    """Declare RL frameworks an adapter supports: ``register(stablerl.frameworks.FrameworkSpec(...))``.
+
+    A third party adds a fourth framework this way, without touching core."""

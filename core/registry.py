@@ -1,7 +1,9 @@
 """The plugin manager and the registry it fills.
 
-Built-in plugins (``stablerl.plugins.BUILTIN_PLUGINS``) and third-party packages discovered in
-the entry-point group ``stablerl`` register through the same hooks. ``STABLERL_PLUGINS``
+Built-in plugins (the algorithms in ``stablerl.plugins`` and the framework declarations in
+``stablerl.adapters``, both named by stablerl's own entry-point group ``stablerl.builtin``, so core
+imports neither by name) and third-party packages discovered in the entry-point group ``stablerl``
+register through the same hooks, called through pluggy. ``STABLERL_PLUGINS``
 controls discovery of third-party plugins: unset or ``all`` loads every one, ``none`` loads
 none, a comma-separated list loads only those entry-point names. A third-party plugin that
 fails to import, raises while registering, or registers a name that is already taken is
@@ -28,6 +30,7 @@ from .params import UnknownNameError, unknown_name_message
 logger = logging.getLogger("stablerl")
 
 ENTRY_POINT_GROUP = "stablerl"
+BUILTIN_ENTRY_POINT_GROUP = "stablerl.builtin"
 HOOK_KINDS = {
     "register_policy_losses": "policy_loss",
     "register_advantage_estimators": "advantage_estimator",
@@ -38,6 +41,7 @@ HOOK_KINDS = {
     "register_router_families": "router_family",
     "register_rollout_corrections": "rollout_correction",
 }
+FRAMEWORK_HOOK = "register_frameworks"
 
 
 @dataclass
@@ -52,6 +56,7 @@ class Registry:
     specs: dict[tuple[str, str], AlgorithmSpec] = field(default_factory=dict)
     failures: list[PluginFailure] = field(default_factory=list)
     plugins: list[str] = field(default_factory=list)
+    frameworks: dict[str, Any] = field(default_factory=dict)  # name -> stablerl.frameworks.FrameworkSpec
 
     def get(self, kind: str, name: str) -> AlgorithmSpec:
         try:
@@ -70,9 +75,21 @@ class Registry:
 
 
 def _builtin_modules() -> list[str]:
-    from stablerl.plugins import BUILTIN_PLUGINS
-
-    return list(BUILTIN_PLUGINS)
+    """Module names of the built-in plugins: each entry point of ``stablerl.builtin`` names a module,
+    or (``module:attr``) a tuple of module names."""
+    modules: list[str] = []
+    for ep in sorted(entry_points(group=BUILTIN_ENTRY_POINT_GROUP), key=lambda ep: ep.name):
+        loaded = ep.load()
+        if isinstance(loaded, (tuple, list)):
+            modules.extend(loaded)
+        else:
+            modules.append(loaded.__name__)
+    if not modules:
+        raise RuntimeError(
+            "stablerl's built-in entry points (group 'stablerl.builtin') are missing: reinstall stablerl "
+            "(pip install -e . after a checkout)"
+        )
+    return modules
 
 
 def _allowed_entry_points() -> Optional[set[str]]:
@@ -122,17 +139,28 @@ def build_registry() -> Registry:
             continue
         registry.plugins.append(label)
         staged: dict[tuple[str, str], AlgorithmSpec] = {}
+        frameworks: dict[str, Any] = {}
         try:
+            # through pluggy's own records of this plugin's marked implementations (pm.hook), so an
+            # unmarked function that happens to carry a hook's name is never called
             for hook_name, kind in HOOK_KINDS.items():
-                impl = getattr(module, hook_name, None)
-                if impl is None:
-                    continue
-                impl(register=_make_register(kind, label, staged))
+                for impl in _impls_of(pm, hook_name, module):
+                    impl.function(register=_make_register(kind, label, staged))
+            for impl in _impls_of(pm, FRAMEWORK_HOOK, module):
+                impl.function(register=_make_framework_register(label, frameworks))
         except Exception as e:  # noqa: BLE001
             if is_builtin:
                 raise
             _report(registry.failures, label, f"registration failed: {type(e).__name__}: {e}", e)
             continue
+        clash = [n for n in frameworks if n in registry.frameworks]
+        if clash:
+            error = f"framework {clash[0]!r} is already declared by another plugin"
+            if is_builtin:
+                raise RuntimeError(error)
+            _report(registry.failures, label, f"name clash: {error}")
+            continue
+        registry.frameworks.update(frameworks)
         for key, spec in staged.items():
             if key in registry.specs:
                 owner = registry.specs[key].plugin
@@ -143,6 +171,25 @@ def build_registry() -> Registry:
                 continue
             registry.specs[key] = spec
     return registry
+
+
+def _impls_of(pm: pluggy.PluginManager, hook_name: str, module: Any) -> list:
+    caller = getattr(pm.hook, hook_name)
+    return [impl for impl in caller.get_hookimpls() if impl.plugin is module]
+
+
+def _make_framework_register(plugin: str, staged: dict):
+    def register(framework: Any) -> Any:
+        from .frameworks import FrameworkSpec
+
+        if not isinstance(framework, FrameworkSpec):
+            raise TypeError(f"register_frameworks: register() takes a stablerl.frameworks.FrameworkSpec, got {framework!r}")
+        if framework.name in staged:
+            raise ValueError(f"framework {framework.name!r} declared twice by the same plugin")
+        staged[framework.name] = framework
+        return framework
+
+    return register
 
 
 def _make_register(kind: str, plugin: str, staged: dict):

@@ -189,7 +189,8 @@ def test_stablerl_plugins_none_loads_no_third_party_plugin(install, monkeypatch)
     assert messages == [] and registry.failures == []  # the broken one is not even imported
     assert "good_loss" not in registry.names()
     assert "sr_broken" not in sys.modules
-    assert all(p.startswith("stablerl.plugins.") for p in registry.plugins)
+    assert all(p.startswith(("stablerl.plugins.", "stablerl.adapters.frameworks")) for p in registry.plugins)
+    assert sorted(registry.frameworks) == ["openrlhf", "trl", "verl"]  # built-in declarations still load
     assert "vanilla" in registry.names(POLICY_LOSS)  # built-ins always load
 
 
@@ -230,15 +231,17 @@ def test_a_faked_entry_point_group_is_what_gets_loaded(monkeypatch):
     ]
     seen_groups = []
 
+    real_entry_points = stablerl.registry.entry_points
+
     def fake_entry_points(*, group):
         seen_groups.append(group)
-        return eps
+        return eps if group == "stablerl" else real_entry_points(group=group)
 
     monkeypatch.setattr(stablerl.registry, "entry_points", fake_entry_points)
     monkeypatch.delenv("STABLERL_PLUGINS", raising=False)
     try:
         registry, _ = _reload(match="plugin 'ghost (sr_no_such_module)' skipped: import failed: ModuleNotFoundError")
-        assert seen_groups == ["stablerl"]
+        assert seen_groups == ["stablerl.builtin", "stablerl"]
         assert registry.get(POLICY_LOSS, "fake_loss").plugin == "fake (sr_fake_mod)"
         assert [f.plugin for f in registry.failures] == ["ghost (sr_no_such_module)"]
     finally:
