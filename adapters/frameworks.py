@@ -113,6 +113,7 @@ VERL = FrameworkSpec(
         BATCH_FILTER: "+algorithm.stablerl_batch_filter_params.{name}={value}",
     },
     usage='pip install "stablerl[verl]"; select with verl\'s own config keys (entry point verl.plugins)',
+    switches={"rollout_correction": "algorithm.rollout_correction.rollout_is"},
 )
 
 # ----------------------------------------------------------------------------- TRL 1.16
@@ -176,6 +177,7 @@ TRL = FrameworkSpec(
         BATCH_FILTER: 'stablerl_batch_filter_params={{"{name}": {value}}}',
     },
     usage="from stablerl.adapters.trl import GRPOTrainer, GRPOConfig  (instead of trl's)",
+    switches={"rollout_correction": "vllm_importance_sampling_correction"},
 )
 
 # ----------------------------------------------------------------------------- OpenRLHF 0.11.2
@@ -244,6 +246,7 @@ OPENRLHF = FrameworkSpec(
         BATCH_FILTER: "--algo.advantage.stablerl_batch_filter_params {name}={value}",
     },
     usage=OPENRLHF_COMMAND,
+    switches={"rollout_correction": "--algo.advantage.is_correction_level"},
 )
 
 

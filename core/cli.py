@@ -16,6 +16,7 @@ from .frameworks import (
     format_settings,
     get_framework,
     list_frameworks,
+    load_adapter,
     reach,
     selectable_in,
 )
@@ -133,24 +134,19 @@ def doctor_report() -> dict:
         "algorithms": len(registry.specs),
         "frameworks": {},
     }
-    if report["packages"]["verl"]:
-        eps = [ep.value for ep in metadata.entry_points(group="verl.plugins") if ep.name == "stablerl"]
-        entry = {"entry_point": eps[0] if eps else None}
+    for fw in list_frameworks():  # the declared frameworks (built-in and third-party) that are installed
+        version = _version(fw.distribution)
+        if version is None:
+            continue
+        entry: dict = {"version": version, "supported": fw.supported, "adapter": fw.adapter}
         try:
-            from stablerl.adapters import verl as verl_adapter
-
-            entry.update(verl_adapter.registration_report())
+            adapter = load_adapter(fw.name)
+            report_fn = getattr(adapter, "doctor_report", None)  # what the adapter can say about itself
+            if callable(report_fn):
+                entry.update(report_fn())
         except Exception as e:  # noqa: BLE001 - doctor reports, never crashes
             entry["error"] = f"{type(e).__name__}: {e}"
-        report["frameworks"]["verl"] = entry
-    if report["packages"]["trl"]:
-        try:
-            from stablerl.adapters import trl as trl_adapter
-
-            entry = {"supported": trl_adapter.SUPPORTED_TRL, "adapter": "stablerl.adapters.trl.GRPOTrainer"}
-        except Exception as e:  # noqa: BLE001
-            entry = {"error": f"{type(e).__name__}: {e}"}
-        report["frameworks"]["trl"] = entry
+        report["frameworks"][fw.name] = entry
     return report
 
 

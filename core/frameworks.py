@@ -63,6 +63,9 @@ class FrameworkSpec:
     config_lines: Optional[Callable[[AlgorithmSpec], list]] = None
     # how to install the adapter / run the framework with it (one line, for docs)
     usage: str = ""
+    # named framework switches core's messages refer to, e.g. {"rollout_correction": "<the key that
+    # turns the framework's own rollout-correction weights off>"}
+    switches: Mapping[str, str] = field(default_factory=dict)
 
     def with_config_lines(self, fn: Callable[[AlgorithmSpec], list]) -> "FrameworkSpec":
         from dataclasses import replace
@@ -354,3 +357,9 @@ def log_effective_settings(framework: FrameworkSpec | str, spec: AlgorithmSpec, 
             if s.note:
                 logger.warning("stablerl/%s: %s %s = %r (paper default): %s", fw.name, spec.name, s.name, s.value, s.note)
     return table
+
+
+def switch_names(switch: str) -> str:
+    """``"verl: <key>; trl: <key>; ..."`` for a named framework switch (core's error messages name the
+    frameworks' keys through the declarations, never by writing them itself)."""
+    return "; ".join(f"{fw.name}: {fw.switches[switch]}" for fw in list_frameworks() if switch in fw.switches)

@@ -235,6 +235,14 @@ def _check_policy_loss_config(cfg: Any) -> None:
         )
 
 
+def doctor_report() -> dict[str, Any]:
+    """For ``stablerl doctor``: verl's entry point for stablerl and what this process registered."""
+    from importlib import metadata
+
+    eps = [ep.value for ep in metadata.entry_points(group="verl.plugins") if ep.name == "stablerl"]
+    return {"entry_point": eps[0] if eps else None, **registration_report()}
+
+
 def registration_report() -> dict[str, Any]:
     """What this adapter registered in verl in this process, and what it skipped and why.
 
