@@ -66,18 +66,34 @@ Inputs named in ``spec.requires`` are synthesised (``rollout_log_prob``, ``entro
 function receives the base batch dict and returns the value (an estimator's ``extras`` dict
 goes in as ``inputs={"extras": fn}``; its ``[B]`` tensors follow row selections and shuffles).
 
+Reward shapers, batch filters, controllers, rollout corrections and router families have their own
+properties and ``check_*`` functions (:mod:`stablerl.testing.extensions` lists them);
+:func:`conformance_cases` covers every kind.
+
 Layout: :mod:`.batches` (synthetic batches), :mod:`.losses` and :mod:`.estimators` (the properties
-of each kind), :mod:`.shared` (what both kinds share), :mod:`.distributed` (the gloo launcher and
+of each kind), :mod:`.extensions` (the other kinds), :mod:`.shared` (what both kinds share), :mod:`.distributed` (the gloo launcher and
 the two-rank check), :mod:`.cases` (pytest parametrisation). Import from ``stablerl.testing``.
 """
 
 from __future__ import annotations
 
 from .batches import advantage_batch, policy_batch
-from .cases import ConformanceCase, conformance_cases
+from .cases import CONFORMANCE_KINDS, ConformanceCase, conformance_cases
 from .common import ConformanceError
 from .distributed import GlooLaunchError, check_two_rank_equality, launch_gloo, run_two_rank
 from .estimators import ADVANTAGE_ESTIMATOR_PROPERTIES, check_advantage_estimator
+from .extensions import (
+    BATCH_FILTER_PROPERTIES,
+    CONTROLLER_PROPERTIES,
+    REWARD_SHAPER_PROPERTIES,
+    ROLLOUT_CORRECTION_PROPERTIES,
+    ROUTER_FAMILY_PROPERTIES,
+    check_batch_filter,
+    check_controller,
+    check_reward_shaper,
+    check_rollout_correction,
+    check_router_family,
+)
 from .losses import POLICY_LOSS_PROPERTIES, check_policy_loss
 from .shared import uses_batch_reductions
 
@@ -96,4 +112,15 @@ __all__ = [
     "GlooLaunchError",
     "policy_batch",
     "advantage_batch",
+    "CONFORMANCE_KINDS",
+    "REWARD_SHAPER_PROPERTIES",
+    "BATCH_FILTER_PROPERTIES",
+    "CONTROLLER_PROPERTIES",
+    "ROLLOUT_CORRECTION_PROPERTIES",
+    "ROUTER_FAMILY_PROPERTIES",
+    "check_reward_shaper",
+    "check_batch_filter",
+    "check_controller",
+    "check_rollout_correction",
+    "check_router_family",
 ]

@@ -5,12 +5,28 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping, Optional
 
-from ..contracts import ADVANTAGE_ESTIMATOR, POLICY_LOSS, UNAVAILABLE, AlgorithmSpec
+from ..contracts import (
+    ADVANTAGE_ESTIMATOR,
+    BATCH_FILTER,
+    CONTROLLER,
+    POLICY_LOSS,
+    REWARD_SHAPER,
+    ROLLOUT_CORRECTION,
+    ROUTER_FAMILY,
+    UNAVAILABLE,
+    AlgorithmSpec,
+)
 from ..registry import get_registry
 from .distributed import _TwoRankBatch, check_two_rank_equality
 from .estimators import check_advantage_estimator
+from .extensions import EXTENSION_CHECKS
 from .losses import check_policy_loss
 from .shared import uses_batch_reductions
+
+
+#: every kind the suite checks (aggregations are covered through the policy losses that use them)
+CONFORMANCE_KINDS = (POLICY_LOSS, ADVANTAGE_ESTIMATOR, REWARD_SHAPER, BATCH_FILTER, CONTROLLER, ROLLOUT_CORRECTION,
+                     ROUTER_FAMILY)
 
 
 @dataclass
@@ -33,8 +49,11 @@ class ConformanceCase:
             check_two_rank_equality(self.name, self.kind, params=self.params)
         elif self.kind == POLICY_LOSS:
             check_policy_loss(self.name, inputs=self.inputs, skip=self.skip, **self.params)
-        else:
+        elif self.kind == ADVANTAGE_ESTIMATOR:
             check_advantage_estimator(self.name, inputs=self.inputs, skip=self.skip, **self.params)
+        else:  # reward shapers, batch filters, controllers, rollout corrections, router families
+            extra = {"inputs": self.inputs} if self.inputs else {}
+            EXTENSION_CHECKS[self.kind](self.name, skip=self.skip, **extra, **self.params)
 
     @property
     def id(self) -> str:
@@ -62,7 +81,7 @@ def conformance_cases(
     names: Optional[Iterable[str]] = None,
     *,
     plugin: Optional[str] = None,
-    kinds: Iterable[str] = (POLICY_LOSS, ADVANTAGE_ESTIMATOR),
+    kinds: Iterable[str] = CONFORMANCE_KINDS,
     params: Optional[Mapping[str, Mapping[str, Any]]] = None,
     skip: Optional[Mapping[str, Iterable[str]]] = None,
     inputs: Optional[Mapping[str, Mapping[str, Any]]] = None,
@@ -73,7 +92,9 @@ def conformance_cases(
     Select by ``names`` and/or ``plugin`` (an entry-point name such as ``"example"``, a module such
     as ``"stablerl_example"``, or ``"stablerl.plugins"`` for the built-ins). ``params``, ``skip`` and
     ``inputs`` are per-algorithm-name dicts. Algorithms seen calling ``ctx.all_reduce`` /
-    ``ctx.all_gather`` also get a ``two_rank`` case. ``unavailable`` algorithms are skipped. Returns ``pytest.param``s when
+    ``ctx.all_gather`` also get a ``two_rank`` case. ``kinds`` defaults to every kind the suite checks
+    (:data:`CONFORMANCE_KINDS`: also reward shapers, batch filters, controllers, rollout corrections
+    and router families; ``params`` of a controller may hold ``stats``, of a router family ``module``). ``unavailable`` algorithms are skipped. Returns ``pytest.param``s when
     pytest is importable, else :class:`ConformanceCase`s.
     """
     registry = get_registry()
@@ -97,7 +118,8 @@ def conformance_cases(
     for s in specs:
         cases.append((s, ConformanceCase(s.kind, s.name, "conformance", dict(params.get(s.name, {})),
                                          tuple(skip.get(s.name, ())), dict(inputs.get(s.name, {})))))
-        if two_rank and s.status != UNAVAILABLE and _reduces(s, params.get(s.name), inputs.get(s.name)):
+        if two_rank and s.kind in (POLICY_LOSS, ADVANTAGE_ESTIMATOR) and s.status != UNAVAILABLE \
+                and _reduces(s, params.get(s.name), inputs.get(s.name)):
             p = dict(params.get(s.name, {}))
             cases.append((s, ConformanceCase(s.kind, s.name, "two_rank", p, _batch=batch, _job=batch.add(s.kind, s.name, p))))
     try:
