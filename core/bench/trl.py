@@ -179,9 +179,8 @@ def adapter_host(label: str, inputs: dict):
     return host
 
 
-def trl_fn(label: str, inputs: dict, batch: dict) -> Callable:
-    """TRL's real ``GRPOTrainer._compute_loss`` for the pair ``label``: ``(lp) -> (loss, metrics)``."""
-    host = trl_host(label, inputs)
+def _compute_loss_fn(host, batch: dict) -> Callable:
+    """``host._compute_loss`` on ``batch`` with the stand-in forward returning ``lp``: ``(lp) -> (loss, metrics)``."""
 
     def call(lp: torch.Tensor):
         host.log_prob = lp
@@ -189,6 +188,11 @@ def trl_fn(label: str, inputs: dict, batch: dict) -> Callable:
         return host._compute_loss(None, batch), host._metrics
 
     return call
+
+
+def trl_fn(label: str, inputs: dict, batch: dict) -> Callable:
+    """TRL's real ``GRPOTrainer._compute_loss`` for the pair ``label``: ``(lp) -> (loss, metrics)``."""
+    return _compute_loss_fn(trl_host(label, inputs), batch)
 
 
 def ours_fn(label: str, inputs: dict, batch: dict) -> Callable:
@@ -209,14 +213,7 @@ def adapter_compute_loss_fn(label: str, inputs: dict, batch: dict) -> Callable:
     """Ours, whole: the adapter's ``GRPOTrainer._compute_loss`` (TRL's surroundings run with zero
     advantages, plus the stablerl policy term), i.e. exactly what a user's training step computes:
     ``(lp) -> (loss, metrics)``. The same-loss check uses it."""
-    host = adapter_host(label, inputs)
-
-    def call(lp: torch.Tensor):
-        host.log_prob = lp
-        host._metrics = {"train": defaultdict(list)}
-        return host._compute_loss(None, batch), host._metrics
-
-    return call
+    return _compute_loss_fn(adapter_host(label, inputs), batch)
 
 
 def _loss_and_grad(call: Callable, lp: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

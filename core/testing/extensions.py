@@ -149,6 +149,13 @@ def _finite_metrics(spec, prop: str, metrics: Mapping[str, Any]) -> None:
             _fail(spec, prop, f"metric {k!r} is {v!r}, not a finite float")
 
 
+def _with_undeclared(spec, data: dict, inputs: Optional[Mapping[str, Any]]) -> tuple[dict, list]:
+    """``data`` plus every per-response input the suite makes that ``spec`` does not declare."""
+    full = _row_batch(spec, inputs=inputs, every_input=True)
+    full["extras"] = {k: v for k, v in full["extras"].items() if k not in spec.reads or k in data["extras"]}
+    return full, sorted(set(full["extras"]) - set(data["extras"]))
+
+
 def _permute(data: dict, perm: torch.Tensor) -> dict:
     out = {k: (v[perm] if isinstance(v, torch.Tensor) else v) for k, v in data.items() if k != "extras"}
     out["extras"] = {k: (v[perm] if isinstance(v, torch.Tensor) and v.dim() >= 1 and v.shape[0] == B_EXT else v)
@@ -183,13 +190,9 @@ def check_reward_shaper(name: str, *, inputs: Optional[Mapping[str, Any]] = None
         _unchanged(spec, before, data)
 
     def undeclared():
-        ref, _ = _run_shaper(spec, data, params)
-        full = _row_batch(spec, inputs=inputs, every_input=True)
-        full["extras"] = {k: v for k, v in full["extras"].items() if k not in spec.reads or k in data["extras"]}
-        got, _ = _run_shaper(spec, full, params)
-        if not _same(ref, got):
-            _fail(spec, "undeclared_inputs", f"giving inputs it does not declare "
-                  f"({sorted(set(full['extras']) - set(data['extras']))}) changed its rewards")
+        full, added = _with_undeclared(spec, data, inputs)
+        if not _same(_run_shaper(spec, data, params)[0], _run_shaper(spec, full, params)[0]):
+            _fail(spec, "undeclared_inputs", f"giving inputs it does not declare ({added}) changed its rewards")
 
     def permutation():  # responses within a group are exchangeable; groups keep their order
         g = torch.Generator().manual_seed(5)
@@ -272,13 +275,10 @@ def check_batch_filter(name: str, *, inputs: Optional[Mapping[str, Any]] = None,
         _unchanged(spec, before, data)
 
     def undeclared():
-        ref = _run_filter(spec, data, params)
-        full = _row_batch(spec, inputs=inputs, every_input=True)
-        full["extras"] = {k: v for k, v in full["extras"].items() if k not in spec.reads or k in data["extras"]}
-        got = _run_filter(spec, full, params)
+        full, added = _with_undeclared(spec, data, inputs)
+        ref, got = _run_filter(spec, data, params), _run_filter(spec, full, params)
         if not all(_same(x, y) for x, y in zip(_result_tuple(ref), _result_tuple(got))):
-            _fail(spec, "undeclared_inputs", f"giving inputs it does not declare "
-                  f"({sorted(set(full['extras']) - set(data['extras']))}) changed its result")
+            _fail(spec, "undeclared_inputs", f"giving inputs it does not declare ({added}) changed its result")
 
     _run_checks(spec, [
         ("spec", lambda: _check_spec(spec)),
