@@ -24,6 +24,7 @@ error in the results, not a timing.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections import defaultdict
 from types import SimpleNamespace
 from typing import Any, Callable, Optional
@@ -64,70 +65,65 @@ def trl_version() -> Optional[str]:
     return trl.__version__
 
 
+@functools.lru_cache(maxsize=None)
 def _trainer_classes() -> tuple[type, type]:
     """``(TRLLossHost, AdapterLossHost)``: stand-ins for TRL's ``GRPOTrainer`` and for the stablerl
     TRL adapter's ``GRPOTrainer`` (got through :func:`stablerl.frameworks.load_adapter`), built on
     first use (they subclass the framework's classes, so TRL is imported here, not at import time)."""
-    global _CLASSES
-    if _CLASSES is None:
-        from trl import GRPOTrainer
+    from trl import GRPOTrainer
 
-        adapter = load_adapter("trl")
+    adapter = load_adapter("trl")
 
-        class TRLLossHost(GRPOTrainer):
-            """TRL 1.16's ``GRPOTrainer`` without its ``__init__`` (no model, data or accelerator):
-            the attributes ``_compute_loss`` reads, on one process with no gradient accumulation, no
-            KL (``beta=0``), no vLLM, no entropy or off-policy mask and no entropy bonus; its
-            forward returns ``self.log_prob``. An attribute TRL reads and this lacks raises
-            ``AttributeError``: the case fails."""
+    class TRLLossHost(GRPOTrainer):
+        """TRL 1.16's ``GRPOTrainer`` without its ``__init__`` (no model, data or accelerator):
+        the attributes ``_compute_loss`` reads, on one process with no gradient accumulation, no
+        KL (``beta=0``), no vLLM, no entropy or off-policy mask and no entropy bonus; its
+        forward returns ``self.log_prob``. An attribute TRL reads and this lacks raises
+        ``AttributeError``: the case fails."""
 
-            def __init__(self, args=None, **_ignored):
-                self.args = args
-                self.loss_type = args.loss_type
-                self.epsilon_low = args.epsilon
-                self.epsilon_high = args.epsilon_high if args.epsilon_high is not None else args.epsilon
-                self.importance_sampling_level = args.importance_sampling_level
-                self.beta = 0.0
-                self.top_entropy_quantile = 1.0
-                self.off_policy_mask_threshold = None
-                self.use_vllm = False
-                self.vllm_importance_sampling_correction = False
-                self.aux_loss_enabled = False
-                self._entropy_bonus_enabled = False
-                self.max_completion_length = args.max_completion_length
-                self.current_gradient_accumulation_steps = 1
-                self.model = SimpleNamespace(training=True)
-                self.state = SimpleNamespace(global_step=0, max_steps=0)
-                self.tools = None
-                self.accelerator = SimpleNamespace(
-                    num_processes=1,
-                    device=torch.device("cpu"),
-                    gather=lambda t: t,
-                    gather_for_metrics=lambda t: t,
-                    reduce=lambda t, reduction="sum": t,
-                    unwrap_model=lambda m: m,
-                )
-                self._metrics = {"train": defaultdict(list), "eval": defaultdict(list)}
-                self.log_prob: Optional[torch.Tensor] = None
-                self.entropies: Optional[torch.Tensor] = None
+        def __init__(self, args=None, **_ignored):
+            self.args = args
+            self.loss_type = args.loss_type
+            self.epsilon_low = args.epsilon
+            self.epsilon_high = args.epsilon_high if args.epsilon_high is not None else args.epsilon
+            self.importance_sampling_level = args.importance_sampling_level
+            self.beta = 0.0
+            self.top_entropy_quantile = 1.0
+            self.off_policy_mask_threshold = None
+            self.use_vllm = False
+            self.vllm_importance_sampling_correction = False
+            self.aux_loss_enabled = False
+            self._entropy_bonus_enabled = False
+            self.max_completion_length = args.max_completion_length
+            self.current_gradient_accumulation_steps = 1
+            self.model = SimpleNamespace(training=True)
+            self.state = SimpleNamespace(global_step=0, max_steps=0)
+            self.tools = None
+            self.accelerator = SimpleNamespace(
+                num_processes=1,
+                device=torch.device("cpu"),
+                gather=lambda t: t,
+                gather_for_metrics=lambda t: t,
+                reduce=lambda t, reduction="sum": t,
+                unwrap_model=lambda m: m,
+            )
+            self._metrics = {"train": defaultdict(list), "eval": defaultdict(list)}
+            self.log_prob: Optional[torch.Tensor] = None
+            self.entropies: Optional[torch.Tensor] = None
 
-            def add_callback(self, callback) -> None:  # no training loop: callbacks never run
-                pass
+        def add_callback(self, callback) -> None:  # no training loop: callbacks never run
+            pass
 
-            def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, *args,
-                                                   **kwargs):
-                return self.log_prob, self.entropies, None
+        def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, *args,
+                                               **kwargs):
+            return self.log_prob, self.entropies, None
 
-        class AdapterLossHost(adapter.GRPOTrainer, TRLLossHost):
-            """The adapter's ``GRPOTrainer`` with its own ``__init__`` (which reads the stablerl
-            settings from ``args``) and its own loss methods; only TRL's base (next in the MRO) is
-            the stand-in above."""
+    class AdapterLossHost(adapter.GRPOTrainer, TRLLossHost):
+        """The adapter's ``GRPOTrainer`` with its own ``__init__`` (which reads the stablerl
+        settings from ``args``) and its own loss methods; only TRL's base (next in the MRO) is
+        the stand-in above."""
 
-        _CLASSES = (TRLLossHost, AdapterLossHost)
-    return _CLASSES
-
-
-_CLASSES: Optional[tuple[type, type]] = None
+    return TRLLossHost, AdapterLossHost
 
 
 def _config(config_class: type, max_completion_length: int, **settings: Any) -> SimpleNamespace:
