@@ -202,7 +202,7 @@ def cmd_doctor(args: argparse.Namespace) -> int:
 
 def cmd_demo(argv: list[str]) -> int:
     try:
-        from stablerl.adapters.trl import demo
+        from stablerl import demo
     except ImportError as e:
         print(f"stablerl demo needs TRL: pip install 'stablerl[trl]' ({e})", file=sys.stderr)
         return 2
@@ -210,13 +210,13 @@ def cmd_demo(argv: list[str]) -> int:
 
 
 def _add_bench_arguments(p: argparse.ArgumentParser) -> None:
-    from stablerl.adapters import bench  # torch-only; verl is imported lazily by the bench itself
+    from stablerl import bench  # torch-only; verl is imported lazily by the bench itself
 
     bench.add_arguments(p)
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from stablerl.adapters import bench
+    from stablerl import bench
 
     return bench.main(args=args)
 
