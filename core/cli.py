@@ -151,11 +151,12 @@ def doctor_report() -> dict:
 
 
 def conformance_report() -> list[dict]:
-    """Run the conformance suite on every third-party policy loss and estimator (not the built-ins,
-    which the project's own tests cover). One entry per algorithm: ``ok`` or the failed property."""
+    """Run the conformance suite on every third-party algorithm of every kind it covers (not the
+    built-ins, which the project's own tests cover). One entry per algorithm: ``ok`` or the failed property."""
     from .testing import ConformanceError, check_advantage_estimator, check_policy_loss
+    from .testing.extensions import EXTENSION_CHECKS
 
-    checks = {"policy_loss": check_policy_loss, "advantage_estimator": check_advantage_estimator}
+    checks = {"policy_loss": check_policy_loss, "advantage_estimator": check_advantage_estimator, **EXTENSION_CHECKS}
     out = []
     for spec in get_registry().list():
         if spec.plugin.startswith("stablerl.plugins.") or spec.kind not in checks or spec.status == "unavailable":
