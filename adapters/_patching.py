@@ -28,21 +28,27 @@ class PatchLedger:
         self.mark = mark
         self._lock = threading.RLock()
         self._undo: dict[str, Callable[[], None]] = {}  # key -> puts the original back (insertion ordered)
-        self._targets: dict[tuple[int, Any], str] = {}  # (id(owner), attr/name) -> key: one patch per target
+        self._targets: dict[tuple, tuple[str, Any]] = {}  # (id(owner), attr/name) -> (key, replacement)
 
-    def _claim(self, key: str, target: tuple[int, Any]) -> str | None:
-        """The key to record a patch of ``target`` under, or None when that target is patched already. A
-        target under a key in use for another object (e.g. a re-imported module) gets a numbered key."""
-        if target in self._targets:
-            return None
+    def _claim(self, key: str, target: tuple, current: Any) -> str | None:
+        """The key to record a patch of ``target`` under, or None when this ledger's patch is still in place
+        (``current`` is its replacement). A patch someone else has replaced since is forgotten, and the
+        target is patched again over what is there now (restore puts that back). A target under a key in use for another object (e.g. a re-imported
+        module) gets a numbered key."""
+        held = self._targets.get(target)
+        if held is not None:
+            if held[1] is current:
+                return None
+            self._targets.pop(target)
+            self._undo.pop(held[0], None)
         n, unique = 1, key
         while unique in self._undo:
             n += 1
             unique = f"{key}#{n}"
         return unique
 
-    def _record(self, key: str, target: tuple[int, Any], undo: Callable[[], None]) -> None:
-        self._targets[target] = key
+    def _record(self, key: str, target: tuple, new: Any, undo: Callable[[], None]) -> None:
+        self._targets[target] = (key, new)
 
         def _undo():
             self._targets.pop(target, None)
@@ -56,12 +62,12 @@ class PatchLedger:
         with self._lock:
             own = owner.__dict__.get(attr, _MISSING) if isinstance(owner, type) else getattr(owner, attr, _MISSING)
             # the resolved value (inherited included): a patched base class is not wrapped again in a subclass
-            key = self._claim(key, (id(owner), attr))
+            key = self._claim(key, (id(owner), attr), own)
             if key is None or getattr(getattr(owner, attr, None), self.mark, False):
                 return False
             self._mark(new)
             setattr(owner, attr, new)
-            self._record(key, (id(owner), attr),
+            self._record(key, (id(owner), attr), new,
                          (lambda: delattr(owner, attr)) if own is _MISSING else (lambda: setattr(owner, attr, own)))
             return True
 
@@ -70,26 +76,35 @@ class PatchLedger:
         restore removes an entry that was not there before."""
         with self._lock:
             old = mapping.get(name, _MISSING)
-            key = self._claim(key, (id(mapping), name))
+            key = self._claim(key, (id(mapping), name), old)
             if key is None or getattr(old, self.mark, False):
                 return False
             self._mark(new)
             mapping[name] = new
-            self._record(key, (id(mapping), name), (lambda: mapping.pop(name, None)) if old is _MISSING else (
+            self._record(key, (id(mapping), name), new, (lambda: mapping.pop(name, None)) if old is _MISSING else (
                 lambda: mapping.__setitem__(name, old)))
             return True
 
     def rebind(self, key: str, module: Any, attr: str, new: Any, callers: Iterable[str] = ()) -> bool:
         """``module.attr = new``, and the same name in each already-imported module of ``callers`` that bound
         the original with ``from module import attr`` (a caller imported later binds ``new`` by itself)."""
+        callers = tuple(callers)
         with self._lock:
             original = getattr(module, attr)
             if not self.set_attr(key, module, attr, new):
                 return False
-            for name in callers:
-                caller = sys.modules.get(name)
-                if caller is not None and caller.__dict__.get(attr) is original:
-                    self.set_attr(f"{key}@{name}", caller, attr, new)
+
+            def point_callers(old: Any, to: Any) -> None:
+                for name in callers:
+                    caller = sys.modules.get(name)
+                    if caller is not None and caller.__dict__.get(attr) is old:
+                        setattr(caller, attr, to)
+
+            point_callers(original, new)
+            # on restore, also the callers imported after the patch (they bound ``new``)
+            target = (id(module), attr, "callers")
+            self._record(self._claim(f"{key}@callers", target, _MISSING), target, None,
+                         lambda: point_callers(new, original))
             return True
 
     def on_import(self, key: str, patchers: Mapping[str, Callable[[Any], object]]) -> bool:

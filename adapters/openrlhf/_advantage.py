@@ -29,7 +29,7 @@ from stablerl.ops import scores_on_last_token
 from openrlhf.models.utils import compute_reward
 from openrlhf.trainer.ppo_utils.length_penalty import apply_length_penalties
 
-from . import Selection
+from ._selection import Selection
 
 
 def _group_reward_std(rewards: torch.Tensor, n: int, indices: torch.Tensor, exp_len: list[int]):

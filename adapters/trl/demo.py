@@ -114,7 +114,7 @@ def copy_reward(prompts, completions, target, **kwargs) -> list[float]:
 def make_config(output_dir: str, loss: str, *, steps: int, seed: int, lr: float = 5e-4, num_iterations: int = 2,
                 estimator: Optional[str] = None, **overrides: Any):
     """The demo's GRPOConfig: 8 prompts x 8 generations, completions <= 4 tokens, CPU, fp32."""
-    from stablerl.adapters.trl import GRPOConfig
+    from stablerl.adapters.trl.trainer import GRPOConfig
 
     kwargs: dict[str, Any] = dict(
         output_dir=output_dir,
@@ -140,7 +140,7 @@ def make_config(output_dir: str, loss: str, *, steps: int, seed: int, lr: float 
         disable_tqdm=True,
         log_level="error",
     )
-    from stablerl.adapters.trl import resolve_loss_type
+    from stablerl.adapters.trl.trainer import resolve_loss_type
 
     stablerl_name = resolve_loss_type(loss)
     if stablerl_name in _PAPER_AGG_MODE:
@@ -150,7 +150,7 @@ def make_config(output_dir: str, loss: str, *, steps: int, seed: int, lr: float 
 
 
 def make_trainer(args, tokenizer=None, model=None, dataset=None, reward=copy_reward, callbacks=None, seed: int = 0):
-    from stablerl.adapters.trl import GRPOTrainer
+    from stablerl.adapters.trl.trainer import GRPOTrainer
 
     tokenizer = tokenizer or build_tokenizer()
     model = model if model is not None else build_model(tokenizer, seed=seed)
@@ -332,7 +332,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         import tqdm  # noqa: F401
         import transformers
 
-        from stablerl.adapters.trl import GRPOTrainer  # noqa: F401  (imports trl and checks its version)
+        from stablerl.adapters.trl.trainer import GRPOTrainer  # noqa: F401  (imports trl and checks its version)
     except ImportError as e:
         print(f"stablerl demo needs TRL 1.16 and its extras: pip install -e '.[trl]' ({e})", file=sys.stderr)
         return 2

@@ -347,9 +347,6 @@ def register_batch_field_estimators() -> list[str]:
     return sorted(set(VERL_NAMES[kind]) - before)
 
 
-_adv_site.BATCH_FIELD_REGISTRAR = register_batch_field_estimators  # +algorithm.stablerl_batch_field_estimators
-
-
 def instrument() -> None:
     """Register the stablerl names in verl's registries and wrap verl's call sites (the entry point does it
     on ``import verl``). Idempotent. A verl outside :data:`SUPPORTED_VERL` is refused
@@ -366,6 +363,8 @@ def instrument() -> None:
         _LEDGER.restore()  # nothing half-done stays
         raise
     _REPORT["ok"] = True
+    if _adv_site.BATCH_FIELD_REGISTRAR is _adv_site._no_registrar:  # for +algorithm.stablerl_batch_field_estimators
+        _adv_site.BATCH_FIELD_REGISTRAR = register_batch_field_estimators
     logger.info(
         "stablerl: registered into verl %s: policy losses %s; advantage estimators %s; skipped %d",
         _REPORT["verl_version"], sorted(VERL_NAMES["policy_loss"]), sorted(VERL_NAMES["advantage_estimator"]),

@@ -68,9 +68,15 @@ CONTROLLER_KEY = "stablerl_entropy_controller"
 #: ``+algorithm.stablerl_batch_field_estimators=true``: register the estimators whose inputs only a customised
 #: pipeline puts in the batch (``empg``) on the first call (see ``register_batch_field_estimators``)
 BATCH_FIELDS_KEY = "stablerl_batch_field_estimators"
-#: the adapter package's ``register_batch_field_estimators`` (set by the package, which imports this
-#: module: this module never imports its package)
-BATCH_FIELD_REGISTRAR: Callable[[], Any] = lambda: None  # noqa: E731
+
+
+def _no_registrar() -> None:
+    pass
+
+
+#: the adapter package's ``register_batch_field_estimators``, set by the first adapter module that
+#: instruments (the package imports this module; this module never imports its package)
+BATCH_FIELD_REGISTRAR: Callable[[], Any] = _no_registrar
 
 _V1_FIELDS = "uid, response_mask, rm_scores, rollout_log_probs, old_log_probs, ref_log_prob, values"
 

@@ -112,6 +112,7 @@ def instrument() -> None:
 def status() -> dict[str, Any]:
     return {
         "engine_class": None if _STATE["engine_class"] is None else _STATE["engine_class"].__name__,
-        "registry_entries": [k for k in LEDGER.keys() if k.startswith(_KEY + ":") and k != f"{_KEY}:on_import"],
+        "registry_entries": [k[len(_KEY) + 1:] for k in LEDGER.keys()
+                             if k.startswith(_KEY + ":") and k != f"{_KEY}:on_import"],
         "error": _STATE["error"],
     }

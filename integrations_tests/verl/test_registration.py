@@ -230,7 +230,7 @@ def test_import_twice_and_under_a_second_module_name(adapter, core_algos):
 
 def test_registration_report_shape(adapter):
     r = adapter.registration_report()
-    assert r["supported"] == ">=0.7.0,<0.10"
+    assert r["supported"] == stablerl.frameworks.get_framework("verl").supported == ">=0.9.1,<0.10"
     assert {"kind", "verl_name", "stablerl_name", "live"} <= set(r["registered"][0])
     assert all({"kind", "name", "reason"} <= set(s) for s in r["skipped"])
     json.dumps(r)  # serialisable for `stablerl doctor`
