@@ -38,7 +38,7 @@ MoE routing replay on verl's FSDP engine (:mod:`stablerl.adapters.verl._routing_
     +actor_rollout_ref.actor.fsdp_config.router_replay.mode=R3   # or R2
     actor_rollout_ref.rollout.enable_rollout_routing_replay=True  # R3 only
 
-Fallback when entry points are disabled (``VERL_USE_EXTERNAL_PLUGINS=none``) or verl < 0.9:
+Fallback when entry points are disabled (``VERL_USE_EXTERNAL_PLUGINS=none``):
 ``actor_rollout_ref.model.external_lib=stablerl.adapters.verl`` or
 ``VERL_USE_EXTERNAL_MODULES=stablerl.adapters.verl``.
 
