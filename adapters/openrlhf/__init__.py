@@ -32,7 +32,7 @@ OpenRLHF's built-in names (``ppo``, ``gspo``; ``gae``, ``reinforce``, ``rloo``,
 A stablerl algorithm whose name collides is reachable as ``stablerl_<name>`` (``stablerl_gspo``,
 ``stablerl_rloo``, ``stablerl_dr_grpo``); every stablerl name is also accepted with the prefix.
 
-How the patches reach the workers (nothing is patched in the driver except the CLI parser):
+How the patches reach the workers (nothing is patched in the driver):
 
 * ``python -m stablerl.adapters.openrlhf.train_ppo_ray <OpenRLHF flags>``: the wrapper CLI adds
   ``worker_process_setup_hook="stablerl.adapters.openrlhf.instrument"`` to the ``runtime_env`` of

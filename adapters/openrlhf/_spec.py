@@ -5,24 +5,23 @@ from __future__ import annotations
 
 from typing import Optional
 
-from stablerl.frameworks import UnsupportedVersionError, check_version, get_framework
-
-#: The OpenRLHF versions this adapter supports: 0.11.2 changed PolicyLoss's IS-correction kwargs,
-#: its 5-tuple return and the ``--algo.advantage.is_correction_*`` flags.
-#: Declared once, in ``stablerl.adapters.frameworks`` (``stablerl.frameworks.get_framework("openrlhf")``).
-SUPPORTED_OPENRLHF = get_framework("openrlhf").supported
-
-#: OpenRLHF 0.11.2's own names (argparse choices of ``openrlhf/cli/train_ppo_ray.py``) and the
-#: inputs the adapter can feed: one source with ``stablerl describe`` (stablerl.adapters.config_keys).
-#: ``rollout_log_prob`` exists only while ``--algo.advantage.is_correction_level`` is not ``off``.
-from stablerl.adapters.config_keys import (  # noqa: E402  (framework-free)
+# OpenRLHF 0.11.2's own names (argparse choices of ``openrlhf/cli/train_ppo_ray.py``) and the inputs the
+# adapter can feed: one source with ``stablerl describe`` (stablerl.adapters.config_keys).
+# ``rollout_log_prob`` exists only while ``--algo.advantage.is_correction_level`` is not ``off``.
+from stablerl.adapters.config_keys import (  # noqa: F401  (re-exported to the other modules)
     FEEDABLE_INPUTS as _FEEDABLE,
     OPENRLHF_BUILTIN_ADV_ESTIMATORS as OPENRLHF_ADV_ESTIMATORS,
     OPENRLHF_BUILTIN_POLICY_LOSSES as OPENRLHF_POLICY_LOSSES,
     OPENRLHF_PREFIX as PREFIX,
 )
-from stablerl.contracts import ADVANTAGE_ESTIMATOR as _ADV, POLICY_LOSS as _LOSS  # noqa: E402
-from stablerl.contracts import BATCH_FILTER as _FILTER, REWARD_SHAPER as _SHAPER  # noqa: E402
+from stablerl.contracts import ADVANTAGE_ESTIMATOR as _ADV, POLICY_LOSS as _LOSS
+from stablerl.contracts import BATCH_FILTER as _FILTER, REWARD_SHAPER as _SHAPER
+from stablerl.frameworks import UnsupportedVersionError, check_version, get_framework
+
+#: The OpenRLHF versions this adapter supports (0.11.2 changed PolicyLoss's IS-correction kwargs, its
+#: 5-tuple return and the ``--algo.advantage.is_correction_*`` flags), declared once in
+#: ``stablerl.adapters.frameworks``.
+SUPPORTED_OPENRLHF = get_framework("openrlhf").supported
 
 FEEDABLE_LOSS_INPUTS = _FEEDABLE["openrlhf"][_LOSS]
 FEEDABLE_ADVANTAGE_INPUTS = _FEEDABLE["openrlhf"][_ADV]
