@@ -363,3 +363,66 @@ def switch_names(switch: str) -> str:
     """``"verl: <key>; trl: <key>; ..."`` for a named framework switch (core's error messages name the
     frameworks' keys through the declarations, never by writing them itself)."""
     return "; ".join(f"{fw.name}: {fw.switches[switch]}" for fw in list_frameworks() if switch in fw.switches)
+
+# ----------------------------------------------------------------------------- version policy
+
+#: ``STABLERL_ALLOW_UNSUPPORTED=1``: a framework version outside an adapter's supported range is a warning,
+#: not an error (to try a newer release before stablerl declares it)
+ALLOW_UNSUPPORTED_ENV = "STABLERL_ALLOW_UNSUPPORTED"
+
+
+class UnsupportedVersionError(ImportError):
+    """The installed framework is outside the range its adapter declares (``FrameworkSpec.supported``)."""
+
+
+def _release(text: str) -> tuple[int, ...]:
+    # "0.11.2+cu121" -> (0, 11, 2); "1.17.0rc1" -> (1, 17, 0); a pre-release counts as its release
+    import re
+
+    return tuple(int(x) for x in re.findall(r"\d+", re.split(r"[+a-zA-Z]", text.strip(), maxsplit=1)[0]))
+
+
+def version_in_range(found_version: str, specifier: str) -> bool:
+    """Whether ``found_version`` satisfies ``specifier``: comma-separated ``>=``, ``>``, ``<=``, ``<``, ``==``,
+    ``!=`` clauses on release numbers (missing parts count as 0: ``0.10`` == ``0.10.0``)."""
+    import operator
+    import re
+
+    ops = {">=": operator.ge, "<=": operator.le, ">": operator.gt, "<": operator.lt, "==": operator.eq,
+           "!=": operator.ne}
+    found = _release(found_version)
+    for clause in filter(None, (c.strip() for c in specifier.split(","))):
+        m = re.fullmatch(r"(>=|<=|==|!=|>|<)\s*([0-9][0-9.]*)", clause)
+        if m is None:
+            raise ValueError(f"unsupported version clause {clause!r} in {specifier!r}")
+        bound = _release(m.group(2))
+        width = max(len(found), len(bound))
+        pad = lambda v: v + (0,) * (width - len(v))  # noqa: E731
+        if not ops[m.group(1)](pad(found), pad(bound)):
+            return False
+    return True
+
+
+def check_version(framework_name: str, found_version: Optional[str], *, error: type = UnsupportedVersionError,
+                  allow: Optional[bool] = None) -> Optional[str]:
+    """The one version policy of every framework adapter: a version outside the framework's declared
+    ``supported`` range (or no framework at all) raises ``error`` naming the found version and the range;
+    with ``STABLERL_ALLOW_UNSUPPORTED=1`` (or ``allow=True``) an out-of-range version is a RuntimeWarning
+    instead. Returns ``found_version``."""
+    import os
+    import warnings
+
+    spec = get_framework(framework_name)
+    install = f"pip install '{spec.distribution}{spec.supported}'"
+    if found_version is None:
+        raise error(f"{spec.adapter} needs {spec.distribution}{spec.supported}, which is not installed: {install}")
+    if version_in_range(found_version, spec.supported):
+        return found_version
+    message = (f"{spec.adapter} supports {spec.distribution}{spec.supported}, found {spec.distribution} "
+               f"{found_version}: install a supported version ({install})")
+    if allow is None:
+        allow = os.environ.get(ALLOW_UNSUPPORTED_ENV, "") == "1"
+    if not allow:
+        raise error(f"{message}, or set {ALLOW_UNSUPPORTED_ENV}=1 to try this one anyway")
+    warnings.warn(f"{message}. Continuing because {ALLOW_UNSUPPORTED_ENV}=1.", RuntimeWarning, stacklevel=2)
+    return found_version

@@ -1,5 +1,5 @@
 """Framework-free adapter helpers: the envelope of stablerl's state in framework checkpoints (kind and version
-checked; adapters/_state_format.py) and the version parser of the range checks (adapters/_versions.py)."""
+checked; adapters/_state_format.py) and the patch ledger (adapters/_patching.py; more in test_patching.py)."""
 
 import pytest
 
@@ -24,16 +24,6 @@ def test_round_trip_and_in_place_replace():
 def test_wrong_kind_or_newer_format_is_refused(blob, message):
     with pytest.raises(RuntimeError, match=message):
         fmt.unpack(blob, "loss", "ckpt.pt")
-
-
-@pytest.mark.parametrize("text,parts,expected", [
-    ("0.11.2", 3, (0, 11, 2)), ("0.9.1+cu121", 3, (0, 9, 1)), ("1.16.0rc1", 2, (1, 16)), ("1.16rc1", 2, (1, 16)),
-    ("0.14", 3, (0, 14, 0)), ("unknown", 2, (0, 0)),
-])
-def test_version_tuple(text, parts, expected):
-    from stablerl.adapters._versions import version_tuple
-
-    assert version_tuple(text, parts) == expected
 
 
 def test_patch_ledger_sets_once_marks_and_restores():

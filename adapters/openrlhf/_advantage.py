@@ -32,7 +32,9 @@ from openrlhf.trainer.ppo_utils.length_penalty import apply_length_penalties
 
 from stablerl.frameworks import as_params, log_effective_settings
 
-from . import OPENRLHF, Selection, advantage_settings
+from ._names import advantage_settings
+from ._selection import Selection
+from ._spec import OPENRLHF
 
 
 def _group_reward_std(rewards: torch.Tensor, n: int, indices: torch.Tensor, exp_len: list[int]):

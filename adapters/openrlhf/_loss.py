@@ -12,7 +12,9 @@ import torch
 import stablerl
 from stablerl.params import StableRLError
 
-from . import PREFIX, OPENRLHF_POLICY_LOSSES, Selection, check_openrlhf, resolve, _check_policy_loss_api
+from ._names import resolve
+from ._selection import Selection
+from ._spec import OPENRLHF_POLICY_LOSSES, PREFIX, _check_policy_loss_api, check_openrlhf
 from ._inputs import FED_INPUTS
 
 from openrlhf.models.loss import PolicyLoss  # noqa: E402
@@ -254,7 +256,8 @@ def loss_params(selection: Selection, log: bool = False) -> dict:
     defaults. ``log``: print the effective-settings table (once per process)."""
     from stablerl.frameworks import as_params, log_effective_settings
 
-    from . import OPENRLHF, loss_settings
+    from ._names import loss_settings
+    from ._spec import OPENRLHF
 
     settings = loss_settings(selection)
     if log:

@@ -38,7 +38,8 @@ from stablerl import BATCH_FILTER, REWARD_SHAPER, Context, MissingInputError, St
 from stablerl.contracts import OPTIONAL_INPUTS
 from openrlhf.trainer.ppo_utils.length_penalty import apply_length_penalties
 
-from . import REWARD_FUNCTION_INPUTS, Selection
+from ._selection import Selection
+from ._spec import REWARD_FUNCTION_INPUTS
 
 #: per-process state: one generator per (slot, seed) and the call counter (ctx.step)
 STATE: dict[str, Any] = {}

@@ -4,52 +4,45 @@
         --actor.policy_loss_type m2po --actor.stablerl_params m2_threshold=0.04 \\
         --algo.advantage.estimator qae --algo.advantage.stablerl_params quantile_k=0.4
 
-It runs OpenRLHF's own ``openrlhf.cli.train_ppo_ray`` module (``runpy``, as ``__main__``) with, in
-this driver process only and only for the run:
+It runs OpenRLHF's own ``openrlhf.cli.train_ppo_ray`` module (``runpy``, as ``__main__``). That script
+builds its parser, hierarchizes the arguments and calls ``ray.init`` inside its ``__main__`` block, so
+there is no function to call or subclass; instead the script's own ``import`` statements see, through
+an ``__import__`` in the builtins of the script's namespace only, three modules with one name each
+extended (argparse, Ray and OpenRLHF's modules themselves are never patched; nothing outside the script
+sees a change):
 
-1. ``argparse.ArgumentParser.add_argument`` extended so that ``--actor.policy_loss_type`` and
-   ``--algo.advantage.estimator`` also accept stablerl names (argparse still rejects unknown
-   names, listing the valid ones), and adding ``--actor.stablerl_params`` /
-   ``--algo.advantage.stablerl_params`` (``KEY=VALUE`` items or one JSON object), and
-   ``--actor.stablerl_routing_replay R2|R3`` (MoE routing replay), and
+1. ``argparse.ArgumentParser``: ``--actor.policy_loss_type`` and ``--algo.advantage.estimator`` also
+   accept stablerl names (argparse still rejects unknown names, listing the valid ones), and the parser
+   gets ``--actor.stablerl_params`` / ``--algo.advantage.stablerl_params`` (``KEY=VALUE`` items or one
+   JSON object), ``--actor.stablerl_routing_replay R2|R3`` (MoE routing replay), and
    ``--algo.advantage.stablerl_reward_shaper NAME`` / ``--algo.advantage.stablerl_batch_filter NAME``
    with their ``..._params`` flags (checked against the registry after parsing, so a misspelt name
    gets the nearest valid one);
-2. ``openrlhf.utils.config.hierarchize`` wrapped to attach ``args.stablerl`` (a
+2. ``openrlhf.utils.config.hierarchize``: also attaches ``args.stablerl`` (a
    :class:`stablerl.adapters.openrlhf.Selection`, validated here so a bad key fails before Ray
    starts); it reaches every model actor inside the pickled ``DeepspeedStrategy``;
-3. ``ray.init`` wrapped to add ``worker_process_setup_hook="stablerl.adapters.openrlhf.setup"``
-   to OpenRLHF's ``runtime_env``, so every Ray worker arms the stablerl patches; under R3 it also
+3. ``ray.init``: adds ``worker_process_setup_hook="stablerl.adapters.openrlhf.instrument"`` to
+   OpenRLHF's ``runtime_env``, so every Ray worker arms the stablerl patches; under R3 it also
    forwards ``STABLERL_ROUTING_REPLAY=R3`` (the vLLM rollout workers get no ``args``).
 """
 
 from __future__ import annotations
 
 import argparse
+import builtins
 import os
 import runpy
 import sys
-from typing import Optional, Sequence
+import types
+from typing import Any, Callable, Optional, Sequence
 
 import stablerl
 from stablerl.params import StableRLError
 
 from . import _routing_replay
-from . import (
-    FILTER_FLAG,
-    OPENRLHF_ADV_ESTIMATORS,
-    OPENRLHF_POLICY_LOSSES,
-    PREFIX,
-    SHAPER_FLAG,
-    Selection,
-    add_setup_hook,
-    check_openrlhf,
-    extension_choices,
-    openrlhf_choices,
-    parse_params,
-    resolve,
-    resolve_extension,
-)
+from ._names import extension_choices, openrlhf_choices, resolve, resolve_extension
+from ._selection import Selection, add_setup_hook, parse_params
+from ._spec import FILTER_FLAG, OPENRLHF_ADV_ESTIMATORS, OPENRLHF_POLICY_LOSSES, PREFIX, SHAPER_FLAG, check_openrlhf
 
 _LOSS_FLAG = "--actor.policy_loss_type"
 _ADV_FLAG = "--algo.advantage.estimator"
@@ -85,77 +78,122 @@ def _help(kind: str, builtins: Sequence[str], original_help: Optional[str]) -> s
     return text
 
 
-class _ParserPatch:
-    """Extends the two name flags of OpenRLHF's parser and adds the stablerl parameter flags."""
+def _extend_name_flag(add_argument: Callable[..., Any], args: tuple, kwargs: dict) -> Optional[Any]:
+    """``add_argument`` for OpenRLHF's two name flags, extended with stablerl's names and followed by the
+    stablerl flags that belong to it; None for every other flag."""
+    flags = set(a for a in args if isinstance(a, str))
+    if _LOSS_FLAG in flags:
+        kind, builtins_, params_flag, what = stablerl.POLICY_LOSS, OPENRLHF_POLICY_LOSSES, _LOSS_PARAMS_FLAG, "loss"
+    elif _ADV_FLAG in flags:
+        kind, builtins_, params_flag, what = (stablerl.ADVANTAGE_ESTIMATOR, OPENRLHF_ADV_ESTIMATORS,
+                                              _ADV_PARAMS_FLAG, "advantage estimator")
+    else:
+        return None
+    kwargs["choices"] = _choices(kind, builtins_)
+    kwargs["help"] = _help(kind, builtins_, kwargs.get("help"))
+    kwargs.setdefault("metavar", "NAME")
+    action = add_argument(*args, **kwargs)
+    add_argument(
+        params_flag, type=str, nargs="+", default=None, metavar="KEY=VALUE",
+        help=f"stablerl {what} hyper-parameters, KEY=VALUE items (VALUE read as JSON) or one JSON object; "
+        "unset keys take the paper's defaults",
+    )
+    if kind == stablerl.ADVANTAGE_ESTIMATOR:
+        for ext_kind, flag, what_ext in ((stablerl.REWARD_SHAPER, SHAPER_FLAG, "reward shaper"),
+                                         (stablerl.BATCH_FILTER, FILTER_FLAG, "batch filter")):
+            when = ("on the per-response rewards, after OpenRLHF's length penalties and before the estimator"
+                    if ext_kind == stablerl.REWARD_SHAPER else
+                    "after the estimator; dropped rows get action_mask 0 (no loss, not counted)")
+            add_argument(
+                flag, type=str, default=None, metavar="NAME",
+                help=f"stablerl {what_ext}, applied {when}: {', '.join(extension_choices(ext_kind))}",
+            )
+            add_argument(
+                flag + "_params", type=str, nargs="+", default=None, metavar="KEY=VALUE",
+                help=f"stablerl {what_ext} hyper-parameters, KEY=VALUE items (VALUE read as JSON) or one "
+                "JSON object",
+            )
+    if kind == stablerl.POLICY_LOSS:
+        add_argument(
+            _routing_replay.FLAG, type=lambda v: str(v).strip().upper(), choices=_routing_replay.MODES,
+            default=None, metavar="{R2,R3}",
+            help="stablerl MoE routing replay: R2 records the experts of the actor's old-log-prob pass, R3 "
+            "takes the experts vLLM chose (vllm>=0.14); both are replayed in the old-log-prob pass (R3) and "
+            "in every training step",
+        )
+    return action
+
+
+class _ModuleView(types.ModuleType):
+    """What OpenRLHF's CLI script sees under ``import <module>``: the real module (read at each access, so
+    it stays live) with the names in ``replaced`` replaced."""
+
+    def __init__(self, module: types.ModuleType, **replaced):
+        super().__init__(module.__name__, module.__doc__)
+        self.__dict__.update(replaced, _stablerl_module=module)
+
+    def __getattr__(self, name: str):
+        return getattr(self.__dict__["_stablerl_module"], name)
+
+
+class _ScriptRun:
+    """One run of OpenRLHF's CLI script with stablerl's views of argparse, ``hierarchize`` and Ray."""
 
     def __init__(self):
         self.parser: Optional[argparse.ArgumentParser] = None
-        self._original = None
-
-    def __enter__(self):
-        original = argparse.ArgumentParser.add_argument
-        self._original = original
-        patch = self
-
-        def add_argument(parser, *args, **kwargs):
-            flags = set(a for a in args if isinstance(a, str))
-            if _LOSS_FLAG in flags:
-                kind, builtins, params_flag, what = stablerl.POLICY_LOSS, OPENRLHF_POLICY_LOSSES, _LOSS_PARAMS_FLAG, "loss"
-            elif _ADV_FLAG in flags:
-                kind, builtins, params_flag, what = (stablerl.ADVANTAGE_ESTIMATOR, OPENRLHF_ADV_ESTIMATORS,
-                                                     _ADV_PARAMS_FLAG, "advantage estimator")
-            else:
-                return original(parser, *args, **kwargs)
-            patch.parser = parser
-            kwargs["choices"] = _choices(kind, builtins)
-            kwargs["help"] = _help(kind, builtins, kwargs.get("help"))
-            kwargs.setdefault("metavar", "NAME")
-            action = original(parser, *args, **kwargs)
-            original(
-                parser, params_flag, type=str, nargs="+", default=None, metavar="KEY=VALUE",
-                help=f"stablerl {what} hyper-parameters, KEY=VALUE items (VALUE read as JSON) or one JSON object; "
-                "unset keys take the paper's defaults",
-            )
-            if kind == stablerl.ADVANTAGE_ESTIMATOR:
-                for ext_kind, flag, what_ext in ((stablerl.REWARD_SHAPER, SHAPER_FLAG, "reward shaper"),
-                                                 (stablerl.BATCH_FILTER, FILTER_FLAG, "batch filter")):
-                    when = ("on the per-response rewards, after OpenRLHF's length penalties and before the estimator"
-                            if ext_kind == stablerl.REWARD_SHAPER else
-                            "after the estimator; dropped rows get action_mask 0 (no loss, not counted)")
-                    original(
-                        parser, flag, type=str, default=None, metavar="NAME",
-                        help=f"stablerl {what_ext}, applied {when}: {', '.join(extension_choices(ext_kind))}",
-                    )
-                    original(
-                        parser, flag + "_params", type=str, nargs="+", default=None, metavar="KEY=VALUE",
-                        help=f"stablerl {what_ext} hyper-parameters, KEY=VALUE items (VALUE read as JSON) or one "
-                        "JSON object",
-                    )
-            if kind == stablerl.POLICY_LOSS:
-                original(
-                    parser, _routing_replay.FLAG, type=lambda v: str(v).strip().upper(), choices=_routing_replay.MODES,
-                    default=None, metavar="{R2,R3}",
-                    help="stablerl MoE routing replay: R2 records the experts of the actor's old-log-prob pass, R3 "
-                    "takes the experts vLLM chose (vllm>=0.14); both are replayed in the old-log-prob pass (R3) and "
-                    "in every training step",
-                )
-            return action
-
-        argparse.ArgumentParser.add_argument = add_argument
-        return self
-
-    def restore(self):
-        if self._original is not None:
-            argparse.ArgumentParser.add_argument = self._original
-
-    def __exit__(self, *exc):
-        self.restore()
-        return False
 
     def error(self, message: str):
         if self.parser is not None:
             self.parser.error(message)  # exits 2, like every argparse error
         raise SystemExit(f"error: {message}")
+
+    def _argparse(self, module: types.ModuleType) -> types.ModuleType:
+        run = self
+
+        class ArgumentParser(module.ArgumentParser):
+            def add_argument(self, *args, **kwargs):
+                action = _extend_name_flag(super().add_argument, args, kwargs)
+                if action is None:
+                    return super().add_argument(*args, **kwargs)
+                run.parser = self
+                return action
+
+        return _ModuleView(module, ArgumentParser=ArgumentParser)
+
+    def _config(self, module: types.ModuleType) -> types.ModuleType:
+        def hierarchize(args):
+            out = module.hierarchize(args)
+            try:
+                out.stablerl = selection_from_cli(out)
+            except StableRLError as e:
+                self.error(str(e))
+            if out.stablerl.routing_replay == "R3":  # add_setup_hook forwards it to the vLLM workers (no args there)
+                os.environ[_routing_replay.ENV_MODE] = "R3"
+            return out
+
+        return _ModuleView(module, hierarchize=hierarchize)
+
+    @staticmethod
+    def _ray(module: types.ModuleType) -> types.ModuleType:
+        def init(*args, **kwargs):
+            kwargs["runtime_env"] = add_setup_hook(kwargs.get("runtime_env"))
+            return module.init(*args, **kwargs)
+
+        return _ModuleView(module, init=init)
+
+    def builtins(self) -> dict:
+        """The script's builtins: its ``import`` of the three modules returns the views, any other import the
+        real module (this namespace only; ``builtins.__import__`` itself is untouched)."""
+        views = {"argparse": self._argparse, "openrlhf.utils.config": self._config, "ray": self._ray}
+        real_import = builtins.__import__
+
+        def __import__(name, globals=None, locals=None, fromlist=(), level=0):
+            module = real_import(name, globals, locals, fromlist, level)
+            if level == 0 and name in views and (fromlist or "." not in name):
+                return views[name](module)
+            return module
+
+        return {**vars(builtins), "__import__": __import__}
 
 
 def _given(argv: Sequence[str], flag: str) -> bool:
@@ -225,38 +263,11 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     saved_argv = list(sys.argv)
     if argv is not None:
         sys.argv = [sys.argv[0], *argv]
-    import ray
-    import openrlhf.utils.config as config
-
-    parser_patch = _ParserPatch()
-    original_hierarchize = config.hierarchize
-    original_ray_init = ray.init
-
     saved_mode = os.environ.get(_routing_replay.ENV_MODE)
-
-    def hierarchize(args):
-        parser_patch.restore()  # OpenRLHF's parser is complete: argparse is argparse again
-        out = original_hierarchize(args)
-        try:
-            out.stablerl = selection_from_cli(out)
-        except StableRLError as e:
-            parser_patch.error(str(e))
-        if out.stablerl.routing_replay == "R3":  # add_setup_hook forwards it to the vLLM workers (no args there)
-            os.environ[_routing_replay.ENV_MODE] = "R3"
-        return out
-
-    def ray_init(*args, **kwargs):
-        kwargs["runtime_env"] = add_setup_hook(kwargs.get("runtime_env"))
-        return original_ray_init(*args, **kwargs)
-
-    config.hierarchize = hierarchize
-    ray.init = ray_init
     try:
-        with parser_patch:
-            runpy.run_module("openrlhf.cli.train_ppo_ray", run_name="__main__", alter_sys=True)
+        runpy.run_module("openrlhf.cli.train_ppo_ray", run_name="__main__", alter_sys=True,
+                         init_globals={"__builtins__": _ScriptRun().builtins()})
     finally:
-        config.hierarchize = original_hierarchize
-        ray.init = original_ray_init
         sys.argv = saved_argv
         if saved_mode is None:
             os.environ.pop(_routing_replay.ENV_MODE, None)

@@ -16,6 +16,8 @@ _EXPORTS = (
     "TRL_LOSS_TYPES",
     "UnsupportedTRLVersionError",
     "check_trl",
+    "instrument",
+    "uninstrument",
     "resolve_loss_type",
     "validate_stablerl_args",
 )

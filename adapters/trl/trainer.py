@@ -52,14 +52,14 @@ import stablerl
 from stablerl import routing_replay as rr
 from stablerl.contracts import (ADVANTAGE_ESTIMATOR, BATCH_FILTER, CONTROLLER, OPTIONAL_INPUTS, POLICY_LOSS,
                                 REWARD_SHAPER)
-from stablerl.adapters._versions import version_tuple
-from stablerl.frameworks import (as_params, check_framework_keys_used, effective_hyperparameters, get_framework,
-                                 log_effective_settings, resolve)
+from stablerl.frameworks import (UnsupportedVersionError, as_params, check_framework_keys_used, check_version,
+                                 effective_hyperparameters, get_framework, log_effective_settings, resolve,
+                                 version_in_range)
 from stablerl.ops import AGG_MODES, last_valid_index, scores_on_last_token
 from stablerl.params import StableRLError, UnknownNameError, build_params, unknown_name_message
 
-SUPPORTED_TRL = ">=1.16,<1.17"
-_TRL_MIN, _TRL_MAX = (1, 16), (1, 17)
+#: declared once, in ``stablerl.adapters.frameworks`` (``stablerl.frameworks.get_framework("trl").supported``)
+SUPPORTED_TRL = get_framework("trl").supported
 
 # TRL 1.16's built-in loss types keep TRL's own behaviour; the framework's facts (built-in names,
 # feedable inputs and why not, config keys) are declared once in stablerl.adapters.frameworks.
@@ -91,7 +91,7 @@ _LOSS_INPUTS_VLLM_IS = {"rollout_log_prob"}  # sampling_per_token_logps, with vl
 _LOSS_INPUTS_ROUTING_REPLAY = {"router_log_prob", "old_router_log_prob"}
 
 
-class UnsupportedTRLVersionError(ImportError):
+class UnsupportedTRLVersionError(UnsupportedVersionError):
     """The installed TRL is outside the range this adapter was written and tested against."""
 
 
@@ -121,21 +121,15 @@ def check_trl(trl_module=None) -> None:
     """Raise :class:`UnsupportedTRLVersionError` unless TRL is in the supported range and the
     private methods this adapter uses have the expected signatures.
 
-    ``STABLERL_TRL_SKIP_VERSION_CHECK=1`` turns the version-range error into a warning (to try a
-    newer TRL); the signature checks always apply.
+    The range follows stablerl's one version policy (``stablerl.frameworks.check_version``):
+    ``STABLERL_ALLOW_UNSUPPORTED=1`` (or the older ``STABLERL_TRL_SKIP_VERSION_CHECK=1``) turns the
+    version-range error into a warning (to try a newer TRL); the signature checks always apply.
     """
     if trl_module is None:
         import trl as trl_module
     found = getattr(trl_module, "__version__", "unknown")
-    if not (_TRL_MIN <= version_tuple(found, 2) < _TRL_MAX):
-        message = (
-            f"stablerl.adapters.trl supports trl{SUPPORTED_TRL}, found trl {found}. "
-            f"Install a supported version: pip install 'trl{SUPPORTED_TRL}' (or pip install 'stablerl[trl]')."
-        )
-        if os.environ.get("STABLERL_TRL_SKIP_VERSION_CHECK", "") == "1":
-            warnings.warn(message + " Continuing because STABLERL_TRL_SKIP_VERSION_CHECK=1.", RuntimeWarning)
-        else:
-            raise UnsupportedTRLVersionError(message)
+    check_version("trl", found, error=UnsupportedTRLVersionError,
+                  allow=True if os.environ.get("STABLERL_TRL_SKIP_VERSION_CHECK", "") == "1" else None)
     cls = trl_module.GRPOTrainer
     for method, needed in _REQUIRED_SIGNATURES.items():
         fn = getattr(cls, method, None)
@@ -155,7 +149,19 @@ def check_trl(trl_module=None) -> None:
 import trl as _trl  # noqa: E402  (after the guard's definition, before anything uses trl)
 from transformers import TrainerCallback as _TrainerCallback  # noqa: E402
 
-check_trl(_trl)
+
+def instrument() -> None:
+    """Check the installed TRL against the adapter (version policy and private signatures); run on import.
+    The TRL adapter extends TRL by subclassing only (:class:`GRPOTrainer`, :class:`GRPOConfig`): nothing of
+    TRL's is patched, so there is nothing else to do. Idempotent."""
+    check_trl(_trl)
+
+
+def uninstrument() -> None:
+    """Nothing to undo: the TRL adapter changes no TRL object (see :func:`instrument`)."""
+
+
+instrument()
 
 
 # ----------------------------------------------------------------------------- names
@@ -488,7 +494,7 @@ def _rr_check_rollout(args, kwargs) -> None:
             found = version("vllm")
         except Exception:  # vLLM not installed here (server mode) or no metadata
             return
-        if version_tuple(found, 2) < _VLLM_ROUTES_MIN:
+        if not version_in_range(found, ">=" + ".".join(map(str, _VLLM_ROUTES_MIN))):
             warnings.warn(
                 f"routing_replay='R3': vLLM {found} may predate enable_return_routed_experts (vLLM PR #28284; "
                 f"documented for vLLM >= {'.'.join(map(str, _VLLM_ROUTES_MIN))}, >= 0.22 for hybrid-attention models)",
@@ -1356,8 +1362,10 @@ __all__ = [
     "TRL_LOSS_TYPES",
     "UnsupportedTRLVersionError",
     "check_trl",
+    "instrument",
     "resolve_loss_type",
     "routing_replay_mode",
     "validate_stablerl_args",
     "validate_stablerl_extensions",
+    "uninstrument",
 ]

@@ -18,7 +18,12 @@ therefore wraps verl's loss call site ``verl.workers.utils.losses.ppo_loss`` (se
 :mod:`stablerl.adapters.verl._inputs`): for the selected stablerl loss it gathers exactly the
 inputs the loss declares from verl's ``model_output``/batch and hands them over; verl's own
 entropy bonus, KL loss and metrics still run. ``entropy`` needs
-``actor_rollout_ref.actor.calculate_entropy=True``. :func:`unpatch_ppo_loss` undoes the wrap.
+``actor_rollout_ref.actor.calculate_entropy=True``.
+
+Every change to verl (registry entries, wrapped call sites, engine and trainer patches) is recorded in
+one patch ledger: :func:`instrument` makes them (on import; idempotent) and :func:`uninstrument` puts
+verl's own objects back. A verl outside :data:`SUPPORTED_VERL` is refused, logged at ERROR (verl
+hides plugin errors), unless ``STABLERL_ALLOW_UNSUPPORTED=1``.
 
 Usage (verl >= 0.9: nothing but the name)::
 
@@ -33,7 +38,7 @@ MoE routing replay on verl's FSDP engine (:mod:`stablerl.adapters.verl._routing_
     +actor_rollout_ref.actor.fsdp_config.router_replay.mode=R3   # or R2
     actor_rollout_ref.rollout.enable_rollout_routing_replay=True  # R3 only
 
-Fallback when entry points are disabled (``VERL_USE_EXTERNAL_PLUGINS=none``) or verl < 0.9:
+Fallback when entry points are disabled (``VERL_USE_EXTERNAL_PLUGINS=none``):
 ``actor_rollout_ref.model.external_lib=stablerl.adapters.verl`` or
 ``VERL_USE_EXTERNAL_MODULES=stablerl.adapters.verl``.
 
@@ -51,27 +56,22 @@ logger = logging.getLogger("stablerl.adapters.verl")
 # absolute: one ppo_loss wrapper / ContextVar / state dict per process (see _translate)
 from stablerl.adapters.verl import _inputs as _declared  # noqa: E402  (imports no verl)
 
-patch_ppo_loss = _declared.patch
-unpatch_ppo_loss = _declared.unpatch
-
 # verl's advantage call site (ray_trainer.compute_advantage): declared estimator inputs, reward
 # shapers and batch filters (``+algorithm.stablerl_reward_shaper`` / ``stablerl_batch_filter``)
 from stablerl.adapters.verl import _advantage as _adv_site  # noqa: E402  (imports no verl)
-
-patch_compute_advantage = _adv_site.patch
-unpatch_compute_advantage = _adv_site.unpatch
 
 # verl's FSDP engine subclass (MoE routing replay, checkpointed loss state), the worker switch for
 # +actor_rollout_ref.actor.fsdp_config.router_replay.mode, and the trainers' driver-state checkpoint
 from stablerl.adapters.verl import _engine as engine  # noqa: E402  (imports no verl)
 from stablerl.adapters.verl import _routing_replay as routing_replay  # noqa: E402
 from stablerl.adapters.verl import _state as checkpoint_state  # noqa: E402
-from stablerl.adapters._versions import version_tuple  # noqa: E402
+from stablerl.adapters.verl._ledger import LEDGER as _LEDGER  # noqa: E402
+from stablerl.frameworks import UnsupportedVersionError, check_version, get_framework  # noqa: E402
 
-#: verl versions this adapter is written against: the ``(loss, metrics)`` return (>= 0.6.1),
-#: ``rollout_is_weights`` and ``config.global_batch_info`` (>= 0.7.0); tested with 0.9.1.
-SUPPORTED_VERL = ">=0.7.0,<0.10"
-_MIN, _MAX = (0, 7, 0), (0, 10, 0)
+#: verl versions this adapter supports: declared once, in ``stablerl.adapters.frameworks`` (the
+#: ``(loss, metrics)`` return, ``rollout_is_weights`` and ``config.global_batch_info`` are checked by
+#: signature too); tested with 0.9.1.
+SUPPORTED_VERL = get_framework("verl").supported
 PREFIX = "stablerl_"
 
 #: stablerl algorithm -> the verl built-in that computes the same thing (checked by parity tests
@@ -97,8 +97,8 @@ _REPORT: dict[str, Any] = {
 }
 
 
-class UnsupportedVerlVersion(ImportError):
-    """verl is too old for this adapter (the policy-loss signature it relies on is missing)."""
+class UnsupportedVerlVersion(UnsupportedVersionError):
+    """verl is outside :data:`SUPPORTED_VERL`, or lacks an interface this adapter relies on."""
 
 
 def _verl_version() -> str:
@@ -200,7 +200,7 @@ def _register_all(core_algos, only=None, provides=None) -> None:
                 if verl_name in reserved[kind]:
                     _skip(kind, verl_name, f"{verl_name!r} is hard-coded in verl; use {PREFIX}{spec.name}")
                     continue
-                register(verl_name)(fn)
+                _LEDGER.set_item(f"{kind}:{verl_name}", registry, verl_name, fn)  # undone by uninstrument()
                 _record(kind, verl_name, spec.name)
 
 
@@ -285,19 +285,7 @@ def registration_report() -> dict[str, Any]:
 def _setup():
     version = _verl_version()
     _REPORT["verl_version"] = version
-    v = version_tuple(version)
-    if v < _MIN:
-        raise UnsupportedVerlVersion(
-            f"stablerl.adapters.verl supports verl {SUPPORTED_VERL}, found verl {version}: nothing registered; "
-            f'install a supported verl (pip install "stablerl[verl]")'
-        )
-    if v >= _MAX:
-        logger.warning(
-            "stablerl.adapters.verl supports verl %s, found verl %s: registering anyway; "
-            "the policy-loss/estimator interfaces may have changed",
-            SUPPORTED_VERL,
-            version,
-        )
+    check_version("verl", version, error=UnsupportedVerlVersion)  # outside the range: refused (see instrument)
     from verl.trainer.ppo import core_algos
     from verl.workers.config import PolicyLossConfig  # already imported by core_algos
 
@@ -308,18 +296,18 @@ def _setup():
     from ._translate import VERL_PROVIDES
 
     _check_signatures(core_algos)
-    status = _declared.patch()  # wrap verl's loss call site (now, or when its module is imported)
+    status = _declared.instrument()  # wrap verl's loss call site (now, or when its module is imported)
     _REPORT["ppo_loss_patch"] = status
     _PROVIDES.update(VERL_PROVIDES)
     if status == "failed":  # no wrapper: only verl's own loss arguments reach the losses
         _PROVIDES[stablerl.POLICY_LOSS] = frozenset()
-    adv_status = _adv_site.patch()  # wrap verl's advantage call site (now, or when ray_trainer is imported)
+    adv_status = _adv_site.instrument()  # wrap verl's advantage call site (now, or when ray_trainer is imported)
     _REPORT["compute_advantage_patch"] = adv_status
     if adv_status == "failed":  # no wrapper: verl passes the uid only
         _PROVIDES[stablerl.ADVANTAGE_ESTIMATOR] = frozenset({"index"})
-    engine.install()  # FSDP engine subclass, on import of its module
-    routing_replay.install()  # worker switch for fsdp_config.router_replay.mode
-    checkpoint_state.install()  # trainers' _save_checkpoint / _load_checkpoint: the driver's stablerl state
+    engine.instrument()  # FSDP engine subclass, on import of its module
+    routing_replay.instrument()  # worker switch for fsdp_config.router_replay.mode
+    checkpoint_state.instrument()  # trainers' _save_checkpoint / _load_checkpoint: the driver's stablerl state
     usable = [
         s
         for s in stablerl.list_algorithms(stablerl.POLICY_LOSS)
@@ -346,7 +334,7 @@ def register_batch_field_estimators() -> list[str]:
     kind = stablerl.ADVANTAGE_ESTIMATOR
     if not _adv_site.is_patched():
         raise stablerl.StableRLError(
-            "the compute_advantage wrapper is off (stablerl.adapters.verl.patch_compute_advantage()): the batch fields "
+            "the compute_advantage wrapper is off (stablerl.adapters.verl.instrument()): the batch fields "
             "would not reach the estimators"
         )
     extended = _PROVIDES.get(kind, frozenset()) | _adv_site.BATCH_FIELD_INPUTS
@@ -366,24 +354,84 @@ def register_batch_field_estimators() -> list[str]:
     return sorted(set(VERL_NAMES[kind]) - before)
 
 
-try:
-    StablePolicyLossConfig = _setup()
-except Exception as _e:  # verl hides plugin import errors at DEBUG: say it loudly here
-    _REPORT["error"] = f"{type(_e).__name__}: {_e}"
-    logger.warning("stablerl: verl adapter failed, no stablerl names registered in verl: %s", _REPORT["error"])
-    raise
-else:
-    _pl = sorted(v for v in VERL_NAMES["policy_loss"])
-    _ae = sorted(v for v in VERL_NAMES["advantage_estimator"])
+def instrument() -> None:
+    """Register the stablerl names in verl's registries and wrap verl's call sites (the entry point does it
+    on ``import verl``). Idempotent. A verl outside :data:`SUPPORTED_VERL` is refused
+    (:class:`UnsupportedVerlVersion` naming both) unless ``STABLERL_ALLOW_UNSUPPORTED=1``, then a warning."""
+    global StablePolicyLossConfig
+    if _REPORT["ok"]:
+        return
+    _REPORT.update(error=None, registered=[], skipped=[])
+    try:
+        StablePolicyLossConfig = _setup()
+    except Exception as e:  # verl hides plugin import errors at DEBUG: say it loudly here
+        _REPORT["error"] = f"{type(e).__name__}: {e}"
+        logger.error("stablerl: verl adapter failed, no stablerl names registered in verl: %s", _REPORT["error"])
+        _LEDGER.restore()  # nothing half-done stays
+        raise
+    _REPORT["ok"] = True
+    if _adv_site.BATCH_FIELD_REGISTRAR is _adv_site._no_registrar:  # for +algorithm.stablerl_batch_field_estimators
+        _adv_site.BATCH_FIELD_REGISTRAR = register_batch_field_estimators
     logger.info(
         "stablerl: registered into verl %s: policy losses %s; advantage estimators %s; skipped %d",
-        _REPORT["verl_version"],
-        _pl,
-        _ae,
+        _REPORT["verl_version"], sorted(VERL_NAMES["policy_loss"]), sorted(VERL_NAMES["advantage_estimator"]),
         len(_REPORT["skipped"]),
     )
 
+
+def uninstrument() -> None:
+    """Undo :func:`instrument`: verl's registries, call sites, engine registry and trainer methods hold
+    verl's own objects again and the post-import hooks are gone. Idempotent."""
+    _LEDGER.restore()
+    for names in VERL_NAMES.values():
+        names.clear()
+    _REPORT.update(ok=False, registered=[], skipped=[], ppo_loss_patch=None, compute_advantage_patch=None)
+
+
+def _deprecated(old: str, new: str) -> None:
+    import warnings
+
+    warnings.warn(f"stablerl.adapters.verl.{old}() is deprecated; use {new}", DeprecationWarning, stacklevel=3)
+
+
+def patch_ppo_loss() -> str:
+    """Deprecated: :func:`instrument` wraps ``ppo_loss`` with everything else."""
+    _deprecated("patch_ppo_loss", "instrument()")
+    return _declared.instrument()
+
+
+def unpatch_ppo_loss() -> None:
+    """Deprecated: :func:`uninstrument` restores ``ppo_loss`` with everything else."""
+    _deprecated("unpatch_ppo_loss", "uninstrument()")
+    _LEDGER.restore(_declared.PATCH_KEY)
+
+
+def patch_compute_advantage() -> str:
+    """Deprecated: :func:`instrument` wraps ``compute_advantage`` with everything else."""
+    _deprecated("patch_compute_advantage", "instrument()")
+    return _adv_site.instrument()
+
+
+def unpatch_compute_advantage() -> None:
+    """Deprecated: :func:`uninstrument` restores ``compute_advantage`` with everything else."""
+    _deprecated("unpatch_compute_advantage", "uninstrument()")
+    _LEDGER.restore(_adv_site.PATCH_KEY)
+
+
+def __getattr__(name: str):
+    if name == "StablePolicyLossConfig":  # instrument() refused or failed: say why, not just "no attribute"
+        raise ImportError(f"stablerl.adapters.verl is not instrumented: {_REPORT['error'] or 'call instrument()'}")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+try:
+    instrument()
+except Exception:  # noqa: BLE001 - logged at ERROR above; raising here would only reach verl's DEBUG log
+    pass
+
 __all__ = [
+    "instrument",
+    "uninstrument",
     "StablePolicyLossConfig",
     "VERL_NAMES",
     "VERL_EQUIVALENTS",

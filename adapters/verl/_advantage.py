@@ -22,9 +22,9 @@ Any other call (a verl estimator and no shaper/filter) goes to verl's function u
 
 Callers: ``ray_trainer`` calls ``compute_advantage`` through its module global (legacy trainer);
 ``verl.trainer.ppo.v1.utils`` (v1 trainer, ``compute_advantage_for_multi_trajectories``) and
-``verl.experimental.separation.ray_trainer`` bind it by ``from ... import``: :func:`patch` wraps the
+``verl.experimental.separation.ray_trainer`` bind it by ``from ... import``: :func:`instrument` wraps the
 attribute right after ``ray_trainer`` executes (post-import hook) or at once if it is loaded, and
-rebinds the callers' names; idempotent, :func:`unpatch` restores verl's function.
+rebinds the callers' names; idempotent, the adapter's ``uninstrument()`` restores verl's function.
 
 What reaches the call site differs by trainer (verl 0.9.1):
 
@@ -42,15 +42,14 @@ from __future__ import annotations
 
 import functools
 import logging
-import sys
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import numpy as np
 import torch
 
 import stablerl
 from stablerl import ADVANTAGE_ESTIMATOR, BATCH_FILTER, REWARD_SHAPER, Context, MissingInputError, StableRLError
-from stablerl.adapters import _post_import as post_import
+from stablerl.adapters.verl._ledger import LEDGER
 from stablerl.contracts import OPTIONAL_INPUTS
 from stablerl.ops import last_valid_index
 from stablerl.params import UnknownNameError, build_params, unknown_name_message
@@ -69,6 +68,15 @@ CONTROLLER_KEY = "stablerl_entropy_controller"
 #: ``+algorithm.stablerl_batch_field_estimators=true``: register the estimators whose inputs only a customised
 #: pipeline puts in the batch (``empg``) on the first call (see ``register_batch_field_estimators``)
 BATCH_FIELDS_KEY = "stablerl_batch_field_estimators"
+
+
+def _no_registrar() -> None:
+    pass
+
+
+#: the adapter package's ``register_batch_field_estimators``, set by the first adapter module that
+#: instruments (the package imports this module; this module never imports its package)
+BATCH_FIELD_REGISTRAR: Callable[[], Any] = _no_registrar
 
 _V1_FIELDS = "uid, response_mask, rm_scores, rollout_log_probs, old_log_probs, ref_log_prob, values"
 
@@ -409,9 +417,7 @@ def _wrap(original):
                           config=None):
         name = _stablerl_estimator(adv_estimator)
         if name is None and _truthy(_cfg(config, BATCH_FIELDS_KEY, False)):
-            from stablerl.adapters.verl import register_batch_field_estimators
-
-            register_batch_field_estimators()
+            BATCH_FIELD_REGISTRAR()
             name = _stablerl_estimator(adv_estimator)
         if name is None:
             _refuse_unregistered(adv_estimator)
@@ -446,61 +452,23 @@ def _wrap(original):
 # ----------------------------------------------------------------------------- patching
 
 
-def _is_wrapper(fn: Any) -> bool:
-    return bool(getattr(fn, _MARK, False))
+def _no_compute_advantage(module) -> None:
+    logger.warning("stablerl: %s has no compute_advantage; estimator inputs are not gathered", module.__name__)
 
 
-def _patch_module(module) -> bool:
-    fn = getattr(module, "compute_advantage", None)
-    if fn is None:
-        logger.warning("stablerl: %s has no compute_advantage; estimator inputs are not gathered", module.__name__)
-        return False
-    if not _is_wrapper(fn):
-        module.compute_advantage = _wrap(fn)
-    wrapper = module.compute_advantage
-    for caller in CALLER_MODULES:
-        mod = sys.modules.get(caller)
-        if mod is not None and getattr(mod, "compute_advantage", None) is wrapper.__wrapped__:
-            mod.compute_advantage = wrapper
-    return True
+#: the ledger key of the wrap (``uninstrument()`` restores it with every other patch)
+PATCH_KEY = "compute_advantage"
 
 
-_HOOK_TAG = "stablerl.verl.compute_advantage"
-
-
-def patch() -> str:
-    """Wrap verl's ``compute_advantage`` now (``"patched"``) or right after ``ray_trainer`` is imported
-    (``"deferred"``). Idempotent."""
-    module = sys.modules.get(TRAINER_MODULE)
-    if module is not None:
-        post_import.remove(_HOOK_TAG)
-        return "patched" if _patch_module(module) else "failed"
-    post_import.install(_HOOK_TAG, {TRAINER_MODULE: _patch_module})
-    return "deferred"
-
-
-def unpatch() -> None:
-    """Restore verl's ``compute_advantage`` (in ``ray_trainer`` and the callers' bound names)."""
-    post_import.remove(_HOOK_TAG)
-    module = sys.modules.get(TRAINER_MODULE)
-    if module is None:
-        return
-    wrapper = getattr(module, "compute_advantage", None)
-    if not _is_wrapper(wrapper):
-        return
-    original = wrapper.__wrapped__
-    module.compute_advantage = original
-    for caller in CALLER_MODULES:
-        mod = sys.modules.get(caller)
-        if mod is not None and getattr(mod, "compute_advantage", None) is wrapper:
-            mod.compute_advantage = original
+def instrument() -> str:
+    """Wrap verl's ``compute_advantage`` (and the callers' bound names) now (``"patched"``) or right after
+    ``ray_trainer`` is imported (``"deferred"``). Idempotent."""
+    return LEDGER.wrap_function(PATCH_KEY, TRAINER_MODULE, "compute_advantage", _wrap, CALLER_MODULES,
+                                missing=_no_compute_advantage)
 
 
 def is_patched() -> bool:
-    module = sys.modules.get(TRAINER_MODULE)
-    if module is None:
-        return post_import.installed(_HOOK_TAG)
-    return _is_wrapper(getattr(module, "compute_advantage", None))
+    return LEDGER.function_status(PATCH_KEY, TRAINER_MODULE, "compute_advantage") in ("patched", "deferred")
 
 
 def describe() -> dict[str, Any]:
@@ -514,6 +482,6 @@ def describe() -> dict[str, Any]:
 
 
 __all__ = [
-    "SOURCES", "BATCH_FIELD_INPUTS", "ESTIMATOR_EXTRAS", "STATE", "LAST_METRICS", "patch", "unpatch", "is_patched",
+    "SOURCES", "BATCH_FIELD_INPUTS", "ESTIMATOR_EXTRAS", "STATE", "LAST_METRICS", "instrument", "is_patched",
     "selection", "gather", "describe", "reset_state", "VerlAdvantageInputError",
 ]

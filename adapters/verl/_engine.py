@@ -17,8 +17,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from stablerl.adapters import _post_import as post_import
-from stablerl.adapters._patching import PatchLedger
+from stablerl.adapters.verl._ledger import LEDGER
 
 from . import _routing_replay as routing
 from . import _state
@@ -27,9 +26,8 @@ logger = logging.getLogger("stablerl.adapters.verl")
 
 ENGINE_MODULE = "verl.workers.engine.fsdp.transformer_impl"
 FSDP_BACKENDS = routing.FSDP_BACKENDS
-_HOOK_TAG = "stablerl.verl.engine"
-_STATE: dict[str, Any] = {"engine_class": None, "error": None}
-_PATCHES = PatchLedger("_stablerl_engine")  # the registry entries re-pointed to the subclass
+_KEY = "engine"  # ledger keys of the registry entries re-pointed to the subclass, and of the hook
+_STATE = routing.ENGINE_STATE  # the worker switch reads it (it never imports this module)
 
 
 def engine_class(base):
@@ -84,9 +82,6 @@ def engine_class(base):
 def _patch_engine_module(module) -> None:
     from verl.workers.engine.base import EngineRegistry
 
-    if _PATCHES.keys():  # idempotent
-        return
-
     base = module.FSDPEngineWithLMHead
     cls = _STATE["engine_class"] or engine_class(base)
     _STATE["engine_class"] = cls
@@ -94,7 +89,7 @@ def _patch_engine_module(module) -> None:
     for backend in FSDP_BACKENDS:
         for key, engine in list(registry.get(backend, {}).items()):
             if engine is base:
-                _PATCHES.set_item(f"{backend}:{key}", registry[backend], key, cls)
+                LEDGER.set_item(f"{_KEY}:{backend}:{key}", registry[backend], key, cls)
 
 
 def _apply(module) -> None:
@@ -108,20 +103,16 @@ def _apply(module) -> None:
                      "checkpoints): %s", ENGINE_MODULE, _STATE["error"])
 
 
-def install() -> None:
-    """Re-point verl's FSDP engine entries (now if the module is imported, else on import). Idempotent."""
-    post_import.patch_now_or_on_import(_HOOK_TAG, {ENGINE_MODULE: _apply})
-
-
-def uninstall() -> None:
-    """Give the registry entries back to verl's class and disarm the hook."""
-    post_import.remove(_HOOK_TAG)
-    _PATCHES.restore()
+def instrument() -> None:
+    """Re-point verl's FSDP engine entries (now if the module is imported, else on import). Idempotent; the
+    adapter's ``uninstrument()`` gives them back to verl's class."""
+    LEDGER.on_import(f"{_KEY}:on_import", {ENGINE_MODULE: _apply})
 
 
 def status() -> dict[str, Any]:
     return {
         "engine_class": None if _STATE["engine_class"] is None else _STATE["engine_class"].__name__,
-        "registry_entries": _PATCHES.keys(),
+        "registry_entries": [k[len(_KEY) + 1:] for k in LEDGER.keys()
+                             if k.startswith(_KEY + ":") and k != f"{_KEY}:on_import"],
         "error": _STATE["error"],
     }

@@ -32,12 +32,12 @@ the per-response extras of reward shapers; the training step is not passed eithe
 None).
 
 Callers bind the name at import time (``from verl.workers.utils.losses import ppo_loss`` in
-``verl.workers.engine_workers`` and ``verl.trainer.distillation.losses``), so :func:`patch`
+``verl.workers.engine_workers`` and ``verl.trainer.distillation.losses``), so :func:`instrument`
 replaces the attribute of the losses module *before* they import it: if the module is not loaded
 yet, a post-import hook (a ``sys.meta_path`` finder that imports nothing itself) patches it right
 after it executes; if it is loaded already, it is patched at once, together with the callers'
-bound names. :func:`patch` is idempotent (also across re-imports of the adapter) and
-:func:`unpatch` restores verl's function.
+bound names. :func:`instrument` is idempotent (also across re-imports of the adapter); the adapter's
+``uninstrument()`` restores verl's function (the wrap is recorded in its patch ledger).
 
 Controller state (``Context.state``) lives in :data:`STATE`, one dict per loss name and per
 process; it persists across steps in a worker and is saved with the actor's checkpoint by stablerl's
@@ -52,14 +52,13 @@ from __future__ import annotations
 import contextvars
 import functools
 import logging
-import sys
 from typing import Any, Optional
 
 import numpy as np
 import torch
 
 from stablerl import POLICY_LOSS, MissingInputError, get_spec
-from stablerl.adapters import _post_import as post_import
+from stablerl.adapters.verl._ledger import LEDGER
 from stablerl.contracts import OPTIONAL_INPUTS
 
 logger = logging.getLogger("stablerl.adapters.verl")
@@ -241,69 +240,24 @@ def _wrap(original):
     return ppo_loss
 
 
-def _is_wrapper(fn: Any) -> bool:
-    return bool(getattr(fn, _MARK, False))
+def _no_ppo_loss(module) -> None:
+    logger.warning("stablerl: %s has no ppo_loss; declared loss inputs are not gathered", module.__name__)
 
 
-def _patch_module(module) -> bool:
-    fn = getattr(module, "ppo_loss", None)
-    if fn is None:
-        logger.warning("stablerl: %s has no ppo_loss; declared loss inputs are not gathered", module.__name__)
-        return False
-    if not _is_wrapper(fn):
-        wrapper = _wrap(fn)
-        module.ppo_loss = wrapper
-    wrapper = module.ppo_loss
-    original = wrapper.__wrapped__
-    for caller in CALLER_MODULES:  # already imported: rebind their name too
-        mod = sys.modules.get(caller)
-        if mod is not None and getattr(mod, "ppo_loss", None) is original:
-            mod.ppo_loss = wrapper
-    return True
+#: the ledger key of the wrap (``uninstrument()`` restores it with every other patch)
+PATCH_KEY = "ppo_loss"
 
 
-_HOOK_TAG = "stablerl.verl.ppo_loss"
-
-
-def patch() -> str:
-    """Wrap verl's ``ppo_loss`` (now, or right after its module is imported). Idempotent.
-
-    Returns ``"patched"`` (the module was loaded and is now wrapped) or ``"deferred"`` (a
-    post-import hook will wrap it when it is first imported)."""
-    module = sys.modules.get(LOSSES_MODULE)
-    if module is not None:
-        post_import.remove(_HOOK_TAG)
-        return "patched" if _patch_module(module) else "failed"
-    post_import.install(_HOOK_TAG, {LOSSES_MODULE: _patch_module})
-    return "deferred"
-
-
-def unpatch() -> None:
-    """Restore verl's own ``ppo_loss`` (in the losses module and the callers' bound names) and
-    remove the post-import hook."""
-    post_import.remove(_HOOK_TAG)
-    module = sys.modules.get(LOSSES_MODULE)
-    if module is None:
-        return
-    wrapper = getattr(module, "ppo_loss", None)
-    if not _is_wrapper(wrapper):
-        return
-    original = wrapper.__wrapped__
-    while _is_wrapper(original):
-        original = original.__wrapped__
-    module.ppo_loss = original
-    for caller in CALLER_MODULES:
-        mod = sys.modules.get(caller)
-        if mod is not None and _is_wrapper(getattr(mod, "ppo_loss", None)):
-            mod.ppo_loss = original
+def instrument() -> str:
+    """Wrap verl's ``ppo_loss`` (now, or right after its module is imported), and the callers' bound names.
+    Idempotent. Returns ``"patched"`` (the module was loaded and is now wrapped), ``"deferred"`` (a
+    post-import hook will wrap it when it is first imported) or ``"failed"`` (verl has no ``ppo_loss``)."""
+    return LEDGER.wrap_function(PATCH_KEY, LOSSES_MODULE, "ppo_loss", _wrap, CALLER_MODULES, missing=_no_ppo_loss)
 
 
 def is_patched() -> bool:
     """True when verl's ``ppo_loss`` is wrapped, or will be on import."""
-    module = sys.modules.get(LOSSES_MODULE)
-    if module is None:
-        return post_import.installed(_HOOK_TAG)
-    return _is_wrapper(getattr(module, "ppo_loss", None))
+    return LEDGER.function_status(PATCH_KEY, LOSSES_MODULE, "ppo_loss") in ("patched", "deferred")
 
 
 def dp_group_for(name: str):
@@ -326,7 +280,7 @@ def inputs_for(name: str, requires, optional=()) -> dict[str, Any]:
         raise VerlInputError(
             f"stablerl loss {name!r} needs {', '.join(requires)}, which stablerl gathers at verl's "
             "verl.workers.utils.losses.ppo_loss; this call did not come through it (or the patch is off: "
-            "stablerl.adapters.verl.patch_ppo_loss())"
+            "stablerl.adapters.verl.instrument())"
         )
     return {k: got[k] for k in (*requires, *optional) if k in got}
 
@@ -337,6 +291,6 @@ def describe() -> dict[str, dict[str, str]]:
 
 
 __all__ = [
-    "SOURCES", "NOT_PROVIDED", "STATE", "state_for", "current", "gather", "patch", "unpatch", "is_patched",
+    "SOURCES", "NOT_PROVIDED", "STATE", "state_for", "current", "gather", "instrument", "is_patched",
     "inputs_for", "describe", "VerlInputError",
 ]

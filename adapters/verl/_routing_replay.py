@@ -9,7 +9,7 @@ Two pieces close that gap:
 
 * the engine side, :func:`session_for` / :class:`_Session`, called by stablerl's FSDP engine subclass
   (:mod:`stablerl.adapters.verl._engine`, installed in verl's engine registry);
-* the worker switch (this module's :func:`install`): ``ActorRolloutRefWorker.__init__`` turns verl's
+* the worker switch (this module's :func:`instrument`): ``ActorRolloutRefWorker.__init__`` turns verl's
   routing-replay flag on for an FSDP actor whose ``fsdp_config.router_replay.mode`` is ``R2``/``R3``,
   exactly as verl does for Megatron. verl's own decorators then mark ``compute_log_prob`` and
   ``update_actor`` (not the reference model's pass) as routing-replay steps, and its trainer carries
@@ -43,8 +43,7 @@ from typing import Any, Optional
 
 import torch
 
-from stablerl.adapters import _post_import as post_import
-from stablerl.adapters._patching import PatchLedger
+from stablerl.adapters.verl._ledger import LEDGER
 from stablerl.params import StableRLError, UnknownNameError, unknown_name_message
 
 logger = logging.getLogger("stablerl.adapters.verl")
@@ -52,10 +51,10 @@ logger = logging.getLogger("stablerl.adapters.verl")
 MODES = ("disabled", "R2", "R3")
 WORKER_MODULE = "verl.workers.engine_workers"
 FSDP_BACKENDS = ("fsdp", "fsdp2")
-_HOOK_TAG = "stablerl.verl.routing_replay"
 _STATE: dict[str, Any] = {"error": None}
-_PATCHES = PatchLedger("_stablerl_routing_replay")
-_WORKER_KEY = "ActorRolloutRefWorker.__init__"
+#: the FSDP engine subclass (:mod:`._engine` fills it): the class, or why it is not installed
+ENGINE_STATE: dict[str, Any] = {"engine_class": None, "error": None}
+_WORKER_KEY = "routing_replay:ActorRolloutRefWorker.__init__"  # ledger key of the worker switch
 
 
 def mode_of(engine_config) -> str:
@@ -159,7 +158,7 @@ class _Session:
 
 def _patch_worker_module(module) -> None:
     worker = module.ActorRolloutRefWorker
-    if _WORKER_KEY in _PATCHES:
+    if _WORKER_KEY in LEDGER:
         return
     original = worker.__init__
 
@@ -175,11 +174,9 @@ def _patch_worker_module(module) -> None:
                 f"fsdp_config.router_replay.mode={mode} is stablerl's routing replay for actor.strategy fsdp/fsdp2; "
                 f"this actor uses {strategy!r} (Megatron and VeOmni have verl's own: "
                 "actor.megatron.router_replay.mode / actor.veomni.router_replay.mode)")
-        from . import _engine
-
-        if _engine.status()["error"]:
+        if ENGINE_STATE["error"]:
             raise StableRLError(f"fsdp_config.router_replay.mode={mode}: stablerl's FSDP engine subclass is not "
-                                f"installed ({_engine.status()['error']})")
+                                f"installed ({ENGINE_STATE['error']})")
         rollout_rr = bool(config.get("rollout", {}).get("enable_rollout_routing_replay", False))
         if mode == "R3" and not rollout_rr and getattr(self, "_is_actor", False):
             raise StableRLError(
@@ -192,7 +189,7 @@ def _patch_worker_module(module) -> None:
         self.enable_routing_replay = True
 
     __init__.__wrapped__ = original
-    _PATCHES.set_attr(_WORKER_KEY, worker, "__init__", __init__)
+    LEDGER.set_attr(_WORKER_KEY, worker, "__init__", __init__)
 
 
 def num_hidden_layers(hf_config) -> int:
@@ -226,17 +223,11 @@ def _apply_worker(module) -> None:
                      WORKER_MODULE, _STATE["error"])
 
 
-def install() -> None:
-    """Arm the worker switch (now if its module is imported, else on import). Idempotent. The engine side
-    is :mod:`stablerl.adapters.verl._engine`."""
-    post_import.patch_now_or_on_import(_HOOK_TAG, {WORKER_MODULE: _apply_worker})
-
-
-def uninstall() -> None:
-    """Undo the worker switch and disarm the hook."""
-    post_import.remove(_HOOK_TAG)
-    _PATCHES.restore()
+def instrument() -> None:
+    """Arm the worker switch (now if its module is imported, else on import). Idempotent; the adapter's
+    ``uninstrument()`` undoes it. The engine side is :mod:`stablerl.adapters.verl._engine`."""
+    LEDGER.on_import("routing_replay:on_import", {WORKER_MODULE: _apply_worker})
 
 
 def status() -> dict[str, Any]:
-    return {"worker_switch": _WORKER_KEY in _PATCHES, "error": _STATE["error"]}
+    return {"worker_switch": _WORKER_KEY in LEDGER, "error": _STATE["error"]}

@@ -25,17 +25,15 @@ from typing import Any
 
 import torch
 
-from stablerl.adapters import _post_import as post_import
 from stablerl.adapters import _state_format as state_format
-from stablerl.adapters._patching import PatchLedger
+from stablerl.adapters.verl._ledger import LEDGER
 
 logger = logging.getLogger("stablerl.adapters.verl")
 
 LOSS_STATE_FILE = "stablerl_loss_state_rank{rank}.pt"
 DRIVER_STATE_FILE = "stablerl_driver_state.pt"
 TRAINER_CLASSES = {"verl.trainer.ppo.ray_trainer": "RayPPOTrainer", "verl.trainer.ppo.v1.trainer_base": "PPOTrainer"}
-_HOOK_TAG = "stablerl.verl.checkpoint_state"
-_PATCHES = PatchLedger("_stablerl_state")
+_KEY = "checkpoint_state"  # prefix of this module's ledger keys
 
 
 def _write(path: str, kind: str, state: dict) -> None:
@@ -113,8 +111,8 @@ def _patch_trainer_module(module, class_name: str) -> None:
                 logger.info("stablerl: restored the advantage-side state from %s", folder)
         return out
 
-    _PATCHES.set_attr(f"{class_name}._save_checkpoint", cls, "_save_checkpoint", _save_checkpoint)
-    _PATCHES.set_attr(f"{class_name}._load_checkpoint", cls, "_load_checkpoint", _load_checkpoint)
+    LEDGER.set_attr(f"{_KEY}:{class_name}._save_checkpoint", cls, "_save_checkpoint", _save_checkpoint)
+    LEDGER.set_attr(f"{_KEY}:{class_name}._load_checkpoint", cls, "_load_checkpoint", _load_checkpoint)
 
 
 def _patch_safely(module, class_name: str) -> None:
@@ -126,12 +124,8 @@ def _patch_safely(module, class_name: str) -> None:
                      module.__name__, class_name, type(e).__name__, e)
 
 
-def install() -> None:
-    """Wrap the trainers' checkpoint methods (now if imported, else on import). Idempotent."""
-    post_import.patch_now_or_on_import(
-        _HOOK_TAG, {name: functools.partial(_patch_safely, class_name=cls) for name, cls in TRAINER_CLASSES.items()})
-
-
-def uninstall() -> None:
-    post_import.remove(_HOOK_TAG)
-    _PATCHES.restore()
+def instrument() -> None:
+    """Wrap the trainers' checkpoint methods (now if imported, else on import). Idempotent; the adapter's
+    ``uninstrument()`` restores them."""
+    LEDGER.on_import(f"{_KEY}:on_import",
+                     {name: functools.partial(_patch_safely, class_name=cls) for name, cls in TRAINER_CLASSES.items()})

@@ -22,7 +22,7 @@ from orlhf_helpers import make_args  # noqa: E402
 from stablerl.adapters.openrlhf import _state  # noqa: E402
 
 ds_comm_torch.build_shm_op = lambda: None  # no JIT-compiled shared-memory op: gloo is enough for one process
-adapter.apply()
+adapter.instrument(now=True)
 import openrlhf.trainer.ray.ppo_actor as ppo_actor  # noqa: E402
 import openrlhf.utils.deepspeed.deepspeed as ds_strategy  # noqa: E402
 from openrlhf.utils.deepspeed.deepspeed import DeepspeedStrategy  # noqa: E402

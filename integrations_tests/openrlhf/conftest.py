@@ -31,6 +31,6 @@ def _no_leftover_patches():
     """Every test starts and ends without stablerl patches in this process."""
     import stablerl.adapters.openrlhf as adapter
 
-    adapter.remove()
+    adapter.uninstrument()
     yield
-    adapter.remove()
+    adapter.uninstrument()

@@ -170,16 +170,23 @@ def dry_run(monkeypatch, argv):
         seen["args"] = original(a)
         return seen["args"]
 
+    import builtins
+
+    before, real_import = argparse.ArgumentParser.add_argument, builtins.__import__
+
     def fake_init(*a, **kw):
         seen["ray_init"] = kw
+        # while OpenRLHF's script runs, nothing global is patched (the wrapper extends its namespace only)
+        seen["globals_untouched"] = (argparse.ArgumentParser.add_argument is before and builtins.__import__ is
+                                     real_import and config.hierarchize is recording_hierarchize)
         raise _Stop
 
     monkeypatch.setattr(config, "hierarchize", recording_hierarchize)
     monkeypatch.setattr(ray, "init", fake_init)
     monkeypatch.setattr(ray, "is_initialized", lambda: False)
-    before = argparse.ArgumentParser.add_argument
     with pytest.raises(_Stop):
         wrapper.main(argv)
+    assert seen["globals_untouched"]
     assert argparse.ArgumentParser.add_argument is before
     assert config.hierarchize is recording_hierarchize and ray.init is fake_init  # the wrapper restored them
     return seen["args"], seen["ray_init"]

@@ -24,7 +24,7 @@ def _openrlhf(estimator, exps, kl_coef=0.01, clip_range=(-10.0, 10.0)):
 def _stable(name, exps, params=None, kl_coef=0.01, clip_range=(-10.0, 10.0), given_clip_range=None, framework=None):
     """``given_clip_range``: --reward.clip_range as given on the command line (None: not given, so
     OpenRLHF's default ``clip_range`` is not applied to a stablerl estimator)."""
-    adapter.apply()
+    adapter.instrument(now=True)
     assert RemoteExperienceMaker.compute_advantages_and_returns is not ORIGINAL
     sel = Selection(advantage_estimator=adapter.resolve(stablerl.ADVANTAGE_ESTIMATOR, name),
                     advantage_params=params or {}, reward_clip_range=given_clip_range,
@@ -125,7 +125,7 @@ def test_qae_is_stablerls_and_builtins_delegate():
     torch.testing.assert_close(got, adv)
     # an OpenRLHF name goes to OpenRLHF's own method, untouched
     ref = _openrlhf("reinforce_baseline", clone(exps))
-    adapter.apply()
+    adapter.instrument(now=True)
     via_patch = RemoteExperienceMaker.compute_advantages_and_returns(
         make_maker(make_args(estimator="reinforce_baseline"), "reinforce_baseline", 0.01), clone(exps)
     )

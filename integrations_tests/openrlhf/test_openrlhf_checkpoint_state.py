@@ -75,7 +75,7 @@ def test_shaper_and_filter_state_survive_the_trainers_checkpoint(monkeypatch, tm
     from openrlhf.trainer.ppo_trainer import BasePPOTrainer
 
     monkeypatch.setattr(ray, "get", lambda refs: refs)
-    adapter.apply()
+    adapter.instrument(now=True)
     _shape_filter.STATE.clear()
     args = make_args(estimator="group_norm", stablerl=Selection(reward_shaper="redit", reward_shaper_params={"scale": 0.1}))
     args.train.seed = 5
@@ -117,13 +117,13 @@ def test_patches_are_listed_and_removed():
     from openrlhf.utils.deepspeed.deepspeed import DeepspeedStrategy
 
     originals = DeepspeedStrategy.save_ckpt, DeepspeedStrategy.load_ckpt, BasePPOTrainer.init_checkpoint_states
-    adapter.apply()
+    adapter.instrument(now=True)
     applied = adapter.is_applied()
     for key in ("DeepspeedStrategy.save_ckpt", "DeepspeedStrategy.load_ckpt", "BasePPOTrainer.save_logs_and_checkpoints",
                 "BasePPOTrainer.save_best_checkpoint", "BasePPOTrainer.init_checkpoint_states"):
         assert applied[key] is True, key
     assert DeepspeedStrategy.save_ckpt is not originals[0]
-    adapter.remove()
+    adapter.uninstrument()
     assert (DeepspeedStrategy.save_ckpt, DeepspeedStrategy.load_ckpt, BasePPOTrainer.init_checkpoint_states) == originals
 
 

@@ -26,7 +26,7 @@ def test_dry_run_attaches_selection_and_setup_hook(monkeypatch):
     assert sel.advantage_estimator == "qae" and sel.advantage_params == {"quantile_k": 0.3}
     assert sel.openrlhf_clip == {"clip_ratio_low": 0.2, "clip_ratio_high": 0.28}
     assert args.critic.model_name_or_path is None  # OpenRLHF's own driver logic saw a non-gae estimator
-    assert init["runtime_env"]["worker_process_setup_hook"] == "stablerl.adapters.openrlhf.setup"
+    assert init["runtime_env"]["worker_process_setup_hook"] == "stablerl.adapters.openrlhf.instrument"
     assert "NCCL_DEBUG" in init["runtime_env"]["env_vars"]  # OpenRLHF's own runtime_env is kept
     import argparse
 

@@ -76,7 +76,7 @@ def _trainer(monkeypatch, loss, packing, params=None, entropy_coef=None):
     import openrlhf.trainer.ray.ppo_actor as ppo_actor
     from openrlhf.models import Actor
 
-    adapter.apply()
+    adapter.instrument(now=True)
     if packing:
         from test_openrlhf_routing_replay import _torch_bert_padding
 

@@ -24,27 +24,64 @@ def _trainer(monkeypatch, args):
     return ppo_actor.ActorPPOTrainer(SimpleNamespace(args=args), None, None, None, None)
 
 
-def test_apply_remove_idempotent_and_reversible():
+def _snapshot() -> dict:
+    """Every attribute of every module the adapter patches, and of the classes defined there (by identity)."""
+    import importlib
+
+    from stablerl.adapters.openrlhf._patches import _PATCHERS
+
+    snap = {"sys.meta_path": dict(enumerate(sys.meta_path))}
+    for name in _PATCHERS:
+        module = importlib.import_module(name)
+        snap[name] = dict(vars(module))
+        for value in vars(module).values():  # its classes, and the ones it imported (e.g. Actor in ppo_actor)
+            if isinstance(value, type) and value.__module__.startswith(("openrlhf", "vllm")):
+                snap[f"{value.__module__}.{value.__qualname__}"] = dict(vars(value))
+    return snap
+
+
+def _changed(a: dict, b: dict) -> set:
+    return {f"{owner}.{attr}" for owner in a for attr in set(a[owner]) | set(b[owner])
+            if a[owner].get(attr, None) is not b[owner].get(attr, None)}
+
+
+def test_instrument_uninstrument_idempotent_and_reversible():
     from openrlhf.trainer.ppo_utils.experience_maker import RemoteExperienceMaker
     from openrlhf.trainer.ray.ppo_actor import ActorPPOTrainer
 
     init, cadv = ActorPPOTrainer.__init__, RemoteExperienceMaker.compute_advantages_and_returns
-    adapter.apply()
+    adapter.instrument(now=True)
+    adapter.uninstrument()
+    original = _snapshot()  # every patched module imported, nothing patched
+    assert ActorPPOTrainer.__init__ is init and RemoteExperienceMaker.compute_advantages_and_returns is cadv
+    adapter.instrument(now=True)
     patched = ActorPPOTrainer.__init__, RemoteExperienceMaker.compute_advantages_and_returns
     assert patched[0] is not init and patched[1] is not cadv
-    adapter.apply()
-    adapter.setup()
-    assert (ActorPPOTrainer.__init__, RemoteExperienceMaker.compute_advantages_and_returns) == patched  # once
     assert patched[0].__wrapped__ is init and patched[1].__wrapped__ is cadv
     assert all(adapter.is_applied().values())
-    adapter.remove()
-    assert ActorPPOTrainer.__init__ is init and RemoteExperienceMaker.compute_advantages_and_returns is cadv
+    once = _snapshot()
+    changed = _changed(original, once)
+    # each ledger entry changed one attribute (no post-import hook: every patched module is imported already)
+    assert len(changed) == len(adapter.is_applied()), sorted(changed)
+    assert "openrlhf.models.actor.Actor.forward" in changed and "sys.meta_path.0" not in changed
+    adapter.instrument(now=True)
+    adapter.instrument()
+    assert not _changed(once, _snapshot())  # twice == once
+    adapter.uninstrument()
+    assert not _changed(original, _snapshot())  # every original object is back
     assert not any(adapter.is_applied().values())
-    adapter.remove()  # twice is fine
+    adapter.uninstrument()  # twice is fine
+    assert not _changed(original, _snapshot())
+    with pytest.warns(DeprecationWarning):  # the older names still work
+        adapter.apply()
+    assert all(adapter.is_applied().values())
+    with pytest.warns(DeprecationWarning):
+        adapter.remove()
+    assert not _changed(original, _snapshot())
 
 
 def test_actor_trainer_builds_stablerl_loss(monkeypatch):
-    adapter.apply()
+    adapter.instrument(now=True)
     sel = Selection(policy_loss="m2po", policy_loss_params={"m2_threshold": 0.05})
     args = make_args(policy_loss_type="m2po", eps=(0.2, 0.3), loss_agg_mode="seq-mean-token-mean", stablerl=sel)
     trainer = _trainer(monkeypatch, args)
@@ -71,7 +108,7 @@ def test_actor_trainer_builds_stablerl_loss(monkeypatch):
 
 
 def test_env_selection_no_wrapper_route(monkeypatch):
-    adapter.apply()
+    adapter.instrument(now=True)
     monkeypatch.setenv(adapter.ENV_POLICY_LOSS, "cispo")
     monkeypatch.setenv(adapter.ENV_POLICY_LOSS_PARAMS, '{"clip_ratio_high": 4.0}')
     trainer = _trainer(monkeypatch, make_args(policy_loss_type="ppo"))
@@ -82,27 +119,34 @@ def test_env_selection_no_wrapper_route(monkeypatch):
 def test_add_setup_hook_runtime_env(monkeypatch):
     monkeypatch.setenv(adapter.ENV_ADVANTAGE, "qae")
     env = adapter.add_setup_hook({"env_vars": {"NCCL_DEBUG": "WARN"}})
-    assert env["worker_process_setup_hook"] == "stablerl.adapters.openrlhf.setup"
+    assert env["worker_process_setup_hook"] == "stablerl.adapters.openrlhf.instrument"
     assert env["env_vars"] == {"NCCL_DEBUG": "WARN", "STABLERL_ADVANTAGE_ESTIMATOR": "qae"}
     chained = adapter.add_setup_hook({"worker_process_setup_hook": "mypkg.hooks.setup"})
     assert chained["env_vars"][adapter.ENV_CHAINED_SETUP_HOOK] == "mypkg.hooks.setup"
     assert adapter.add_setup_hook(None)["worker_process_setup_hook"] == adapter.SETUP_HOOK
 
 
-def test_version_guard_names_the_supported_range():
+def test_version_guard_names_the_supported_range(monkeypatch):
+    import stablerl
+
+    assert adapter.SUPPORTED_OPENRLHF == stablerl.frameworks.get_framework("openrlhf").supported
     assert adapter.check_openrlhf() == "0.11.2"
+    monkeypatch.delenv("STABLERL_ALLOW_UNSUPPORTED", raising=False)
     for bad in ("0.11.1", "0.11.3", "0.10.0", "1.0.0"):
         with pytest.raises(adapter.UnsupportedOpenRLHFVersionError, match=r"openrlhf>=0\.11\.2,<0\.11\.3"):
             adapter.check_openrlhf(bad)
+    monkeypatch.setenv("STABLERL_ALLOW_UNSUPPORTED", "1")
+    with pytest.warns(RuntimeWarning, match="found openrlhf 0.11.3"):
+        assert adapter.check_openrlhf("0.11.3") == "0.11.3"
 
 
-def test_setup_is_light_and_patches_on_import():
-    """setup() imports no OpenRLHF module; the post-import hook patches the module when it is imported."""
+def test_instrument_is_light_and_patches_on_import():
+    """instrument() imports no OpenRLHF module; the post-import hook patches the module when it is imported."""
     code = f"""
 import sys
 sys.path.append({STUBS_PATH!r})
 import stablerl.adapters.openrlhf as a
-a.setup(); a.setup()
+a.instrument(); a.instrument()
 heavy = [m for m in sys.modules if m.startswith(("openrlhf", "deepspeed", "ray", "transformers"))]
 assert not heavy, heavy
 from openrlhf.trainer.ppo_utils.experience_maker import RemoteExperienceMaker

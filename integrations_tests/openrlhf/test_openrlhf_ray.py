@@ -64,7 +64,7 @@ def test_setup_hook_patches_ray_worker():
     assert got["loss_cls"] == "StablePolicyLoss" and got["loss_name"] == "m2po"
     # the same computation here, patched explicitly: the worker computed stablerl's numbers
     assert not any(adapter.is_applied().values())  # the driver was never patched
-    adapter.apply()
+    adapter.instrument(now=True)
     want = _work(False)
     assert got["loss"] == pytest.approx(want["loss"], rel=1e-6)
     for g, w in zip(got["advantages"], want["advantages"]):

@@ -109,7 +109,7 @@ def _run(monkeypatch, *, packing, mode, lr=0.05, steps=2, gc=False):
     from openrlhf.models import Actor
     from openrlhf.trainer.ppo_utils.experience_maker import RemoteExperienceMaker
 
-    adapter.apply()
+    adapter.instrument(now=True)
     _torch_bert_padding(monkeypatch)
     run_without_ray_or_gpu(monkeypatch, ppo_actor)
 
@@ -180,7 +180,7 @@ def _run(monkeypatch, *, packing, mode, lr=0.05, steps=2, gc=False):
 @pytest.mark.parametrize("packing", [False, True], ids=["padded", "packed"])
 def test_r2_replays_the_old_pass_experts(monkeypatch, packing):
     native = _run(monkeypatch, packing=packing, mode=None)
-    adapter.remove()
+    adapter.uninstrument()
     replayed = _run(monkeypatch, packing=packing, mode="R2")
 
     # the routes travelled with their rows: one SampleRoutes per row, [n_tokens, L, k] uint8, equal to the
@@ -216,7 +216,7 @@ def test_r2_replays_the_old_pass_experts(monkeypatch, packing):
 
 def test_r2_keeps_the_replay_through_gradient_checkpointing(monkeypatch):
     plain = _run(monkeypatch, packing=False, mode="R2")
-    adapter.remove()
+    adapter.uninstrument()
     ckpt = _run(monkeypatch, packing=False, mode="R2", gc=True)
     assert rr.mismatch_fraction(ckpt["expected"], ckpt["used"][1]) == 0.0
     # in step 1 the native experts differ from the recorded ones: a replay lost before the backward
@@ -252,7 +252,7 @@ def _trainer(monkeypatch, args, model):
 def test_dense_model_r3_and_ring_attention_raise(monkeypatch):
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    adapter.apply()
+    adapter.instrument(now=True)
     dense = Qwen3ForCausalLM(Qwen3Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                                          num_attention_heads=4, num_key_value_heads=2, head_dim=8))
     with pytest.raises(StableRLError) as err:
@@ -286,13 +286,13 @@ def test_patches_are_reversible():
     from openrlhf.trainer.ray.ppo_actor import ActorPPOTrainer
 
     before = (ActorPPOTrainer.training_step, Actor.forward, RemoteExperienceMaker.make_experience)
-    adapter.apply()
+    adapter.instrument(now=True)
     after = (ActorPPOTrainer.training_step, Actor.forward, RemoteExperienceMaker.make_experience)
     assert all(a is not b and a.__wrapped__ is b for a, b in zip(after, before))
     applied = adapter.is_applied()
     assert all(applied[k] for k in ("ActorPPOTrainer.training_step", "Actor.forward",
                                     "RemoteExperienceMaker.make_experience"))
-    adapter.remove()
+    adapter.uninstrument()
     assert (ActorPPOTrainer.training_step, Actor.forward, RemoteExperienceMaker.make_experience) == before
     assert not any(adapter.is_applied().values())
 

@@ -220,7 +220,7 @@ def _run(monkeypatch, tmp_path, *, packing, mode, lr=0.05, steps=2):
     # unpickled in the patched "worker", as Ray does:
     assert not adapter.is_applied()["BaseModelActor.execute_batch"]
     policy_actor_class = ray.cloudpickle.dumps(ppo_actor.PolicyModelActor.__ray_metadata__.modified_class)
-    adapter.apply()
+    adapter.instrument(now=True)
     _torch_bert_padding(monkeypatch)
     run_without_ray_or_gpu(monkeypatch, ppo_actor)
 
@@ -342,7 +342,7 @@ def test_r3_replays_the_rollout_experts(monkeypatch, tmp_path, packing):
         assert missing >= len(ORDER) * len(MOE_LAYERS) and forced > 0
 
     # 6. without routing replay the trainer routes natively: other experts than the rollout's
-    adapter.remove()
+    adapter.uninstrument()
     native = _run(monkeypatch, tmp_path, packing=packing, mode=None)
     assert all(m is None for e in native["experiences"] for m in e.mm_train_inputs)
     assert all(r.get("routed_experts") is None for r in native["responses"])  # the engine returned none
@@ -354,7 +354,7 @@ def test_r3_replays_the_rollout_experts(monkeypatch, tmp_path, packing):
 
 
 def test_engine_kwarg_and_vllm_version(monkeypatch, tmp_path):
-    adapter.apply()
+    adapter.instrument(now=True)
     model = perturbed(tiny_moe())
     monkeypatch.setenv(adapter.ENV_ROUTING_REPLAY, "R3")
     _, engine = rollout_actor(monkeypatch, model)
@@ -394,7 +394,7 @@ def test_unalignable_trajectories_and_missing_routes_raise(monkeypatch):
 
     from openrlhf.trainer.ppo_utils.samples_generator import SamplesGenerator
 
-    adapter.apply()
+    adapter.instrument(now=True)
     generator = SamplesGenerator.__new__(SamplesGenerator)
     generator.args = _args(False, "R3")
     response = dict(prompt="p", label="", observation_tokens=[1, 2, 7, 8], action_ranges=[(2, 4)],

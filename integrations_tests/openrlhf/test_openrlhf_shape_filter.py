@@ -40,7 +40,7 @@ def _penalised_args(estimator, stablerl_sel=None):
 
 
 def _run(args, estimator, exps, kl_coef=0.01):
-    adapter.apply()
+    adapter.instrument(now=True)
     return RemoteExperienceMaker.compute_advantages_and_returns(make_maker(args, estimator, kl_coef), exps)
 
 
@@ -324,7 +324,7 @@ def test_a_step_with_every_row_dropped_trains_on_nothing_instead_of_nan(module_n
     dropped. With a filter selected the patched normalisers give loss 0 and gradient 0, not NaN."""
     import importlib
 
-    adapter.apply()
+    adapter.instrument(now=True)
     module = importlib.import_module(module_name)
     empty = torch.zeros(3, 5)
     filtering = SimpleNamespace(args=make_args(stablerl=Selection(batch_filter="dynamic_sampling")))

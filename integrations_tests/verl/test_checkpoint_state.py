@@ -123,7 +123,7 @@ def test_driver_state_rides_with_the_trainer_checkpoint(adapter, tmp_path):
 
     from stablerl.adapters.verl import _advantage
 
-    assert getattr(RayPPOTrainer._save_checkpoint, "_stablerl_state", False)
+    assert getattr(RayPPOTrainer._save_checkpoint, "_stablerl_verl_patch", False)  # the verl ledger's mark
     _advantage.STATE.clear()
     ctx = _advantage._context({}, "shaper")  # what the advantage wrapper hands a shaper/filter
     _advantage.STATE["step"] = 7

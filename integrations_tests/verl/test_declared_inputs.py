@@ -130,10 +130,10 @@ def _direct(name, padded, leaves, inputs, state=None, **params):
 def declared(adapter):
     from stablerl.adapters.verl import _inputs
 
-    _inputs.patch()
+    _inputs.instrument()
     _inputs.STATE.clear()
     yield _inputs
-    _inputs.patch()
+    _inputs.instrument()
     _inputs.STATE.clear()
 
 
@@ -305,7 +305,7 @@ def test_unpatch_and_patch_are_reversible_and_idempotent(adapter, declared):
     data, model_output, leaves, _ = _batch(seed=10)
     with pytest.raises(stablerl.StableRLError, match=r"did not come through"):
         _through_verl(_config(adapter, "steer"), data, model_output, leaves)
-    assert declared.patch() == "patched" and declared.patch() == "patched"
+    assert declared.instrument() == "patched" and declared.instrument() == "patched"
     assert losses.ppo_loss.__wrapped__ is original and distill.ppo_loss is losses.ppo_loss
     _through_verl(_config(adapter, "steer"), data, model_output, leaves)
 

@@ -64,12 +64,12 @@ GATE = """
 import importlib.metadata as md, logging, sys
 _orig = md.version
 md.version = lambda name: {version!r} if name == "verl" else _orig(name)
+import stablerl.adapters.verl as a  # never raises through verl's import: the refusal is logged
+print("LOADED", "stablerl_vanilla" in a.VERL_NAMES["policy_loss"])
 try:
-    import stablerl.adapters.verl as a
+    a.instrument()
 except ImportError as e:
     print("RAISED", type(e).__name__, e)
-else:
-    print("LOADED", "stablerl_vanilla" in a.VERL_NAMES["policy_loss"])
 """
 
 # verl swallows the entry point's exception at DEBUG; the adapter's own WARNING must show
@@ -99,6 +99,8 @@ _SCENARIOS = {
     "external_lib": (EXTERNAL_LIB, {"VERL_USE_EXTERNAL_MODULES": "stablerl.adapters.verl"}),
     "gate_old": (GATE.format(version="0.6.0"), {"VERL_USE_EXTERNAL_PLUGINS": "none"}),
     "gate_new": (GATE.format(version="0.10.0"), {"VERL_USE_EXTERNAL_PLUGINS": "none"}),
+    "gate_new_allowed": (GATE.format(version="0.10.0"),
+                         {"VERL_USE_EXTERNAL_PLUGINS": "none", "STABLERL_ALLOW_UNSUPPORTED": "1"}),
     "gate_entry_point": (GATE_ENTRY_POINT, {}),
     "light": (LIGHT, {"VERL_USE_EXTERNAL_PLUGINS": "none"}),
 }
@@ -145,24 +147,28 @@ def test_fallback_external_lib_loader_and_double_load(procs):
     assert "stablerl_vanilla" in procs["external_lib"].probe()["losses"]
 
 
-def test_version_gate_too_old_raises_and_warns(procs):
+def test_version_gate_too_old_refuses_and_logs(procs):
     proc = procs["gate_old"].result()
+    assert "LOADED False" in proc.stdout, proc.stdout + proc.stderr[-2000:]
     assert "RAISED UnsupportedVerlVersion" in proc.stdout, proc.stdout + proc.stderr[-2000:]
-    assert ">=0.7.0,<0.10" in proc.stdout and "0.6.0" in proc.stdout
-    assert "verl adapter failed" in proc.stderr  # logged at WARNING: verl hides plugin errors
+    assert ">=0.9.1,<0.10" in proc.stdout and "found verl 0.6.0" in proc.stdout
+    assert "verl adapter failed" in proc.stderr  # logged at ERROR: verl hides plugin errors
 
 
-def test_version_gate_entry_point_failure_is_logged_at_warning(procs):
+def test_version_gate_entry_point_failure_is_logged(procs):
     proc = procs["gate_entry_point"].result()
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert "verl adapter failed" in proc.stderr and ">=0.7.0,<0.10" in proc.stderr
+    assert "verl adapter failed" in proc.stderr and ">=0.9.1,<0.10" in proc.stderr
     assert "stablerl_vanilla" not in json.loads(proc.stdout.strip().splitlines()[-1])["losses"]
 
 
-def test_version_gate_too_new_warns_but_registers(procs):
+def test_version_gate_too_new_refuses_unless_allowed(procs):
     proc = procs["gate_new"].result()
-    assert "LOADED True" in proc.stdout, proc.stdout + proc.stderr[-2000:]
-    assert ">=0.7.0,<0.10" in proc.stderr and "0.10.0" in proc.stderr
+    assert "LOADED False" in proc.stdout and "found verl 0.10.0" in proc.stdout, proc.stdout + proc.stderr[-2000:]
+    assert "STABLERL_ALLOW_UNSUPPORTED=1" in proc.stdout
+    proc = procs["gate_new_allowed"].result()
+    assert "LOADED True" in proc.stdout and "RAISED" not in proc.stdout, proc.stdout + proc.stderr[-2000:]
+    assert ">=0.9.1,<0.10" in proc.stderr and "0.10.0" in proc.stderr  # the warning
 
 
 def test_adapter_module_is_light(procs):
@@ -224,7 +230,7 @@ def test_import_twice_and_under_a_second_module_name(adapter, core_algos):
 
 def test_registration_report_shape(adapter):
     r = adapter.registration_report()
-    assert r["supported"] == ">=0.7.0,<0.10"
+    assert r["supported"] == stablerl.frameworks.get_framework("verl").supported == ">=0.9.1,<0.10"
     assert {"kind", "verl_name", "stablerl_name", "live"} <= set(r["registered"][0])
     assert all({"kind", "name", "reason"} <= set(s) for s in r["skipped"])
     json.dumps(r)  # serialisable for `stablerl doctor`

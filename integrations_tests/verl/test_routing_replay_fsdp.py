@@ -315,9 +315,6 @@ def test_a_failed_engine_patch_does_not_break_verl_and_routing_replay_refuses(ad
     from stablerl.adapters.verl import _engine
 
     monkeypatch.setitem(_engine._STATE, "error", None)
-    from stablerl.adapters._patching import PatchLedger
-
-    monkeypatch.setattr(_engine, "_PATCHES", PatchLedger("_test_engine"))  # as in a process where the patch never took
     _engine._apply(ModuleType("verl_without_the_fsdp_engine"))  # what a future verl might look like: no raise
     assert "FSDPEngineWithLMHead" in _engine.status()["error"]
     with pytest.raises(StableRLError, match="FSDP engine subclass is not installed"):

@@ -1,0 +1,104 @@
+"""instrument() / uninstrument(): every verl object the adapter touches comes back as verl's own object
+(``is``), and instrumenting twice is instrumenting once."""
+
+import sys
+
+import pytest
+
+pytest.importorskip("verl")
+
+
+def _touched():
+    """Every verl object the adapter replaces or adds, by where it lives (the modules imported first, so
+    that the patches apply now rather than on import)."""
+    import verl.trainer.distillation.losses as distill
+    import verl.trainer.ppo.ray_trainer as ray_trainer
+    import verl.workers.engine.fsdp.transformer_impl  # noqa: F401  (the engine registry's FSDP entries)
+    import verl.workers.engine_workers as engine_workers
+    import verl.workers.utils.losses as losses
+    from verl.trainer.ppo import core_algos
+    from verl.workers.engine.base import EngineRegistry
+
+    engines = EngineRegistry._engines["language_model"]
+    return {
+        "policy_losses": dict(core_algos.POLICY_LOSS_REGISTRY),
+        "estimators": dict(core_algos.ADV_ESTIMATOR_REGISTRY),
+        "losses.ppo_loss": losses.ppo_loss,
+        "distill.ppo_loss": distill.ppo_loss,
+        "engine_workers.ppo_loss": engine_workers.ppo_loss,
+        "ray_trainer.compute_advantage": ray_trainer.compute_advantage,
+        "RayPPOTrainer": dict(vars(ray_trainer.RayPPOTrainer)),
+        "ActorRolloutRefWorker": dict(vars(engine_workers.ActorRolloutRefWorker)),
+        "engines": {b: dict(engines.get(b, {})) for b in ("fsdp", "fsdp2")},
+        "meta_path": list(sys.meta_path),
+    }
+
+
+def _same(a, b) -> list[str]:
+    """The entries of two snapshots that are not the identical objects."""
+    diff = []
+    for key in a:
+        x, y = a[key], b[key]
+        if isinstance(x, dict):
+            if set(x) != set(y) or any(
+                    (x[k] is not y[k]) if not isinstance(x[k], dict) else _same(x[k], y[k]) for k in x):
+                diff.append(key)
+        elif isinstance(x, list):
+            if len(x) != len(y) or any(p is not q for p, q in zip(x, y)):
+                diff.append(key)
+        elif x is not y:
+            diff.append(key)
+    return diff
+
+
+def test_uninstrument_restores_every_original_and_instrument_is_idempotent(adapter):
+    from stablerl.adapters.verl._ledger import LEDGER
+
+    _touched()  # import the patched modules while instrumented: the patches are applied, not deferred
+    adapter.uninstrument()
+    try:
+        original = _touched()
+        assert not LEDGER.keys()
+        assert not [n for n in original["policy_losses"] if n.startswith("stablerl_")]
+        assert original["losses.ppo_loss"].__module__ == "verl.workers.utils.losses"
+        assert not hasattr(original["losses.ppo_loss"], "__wrapped__")
+        assert original["ray_trainer.compute_advantage"].__module__ == "verl.trainer.ppo.ray_trainer"
+        assert not hasattr(original["ray_trainer.compute_advantage"], "__wrapped__")
+
+        adapter.instrument()
+        once = _touched()
+        keys = LEDGER.keys()
+        changed = set(_same(original, once))
+        # everything the adapter touches was touched
+        assert changed == {"policy_losses", "estimators", "losses.ppo_loss", "distill.ppo_loss",
+                           "engine_workers.ppo_loss", "ray_trainer.compute_advantage", "RayPPOTrainer",
+                           "ActorRolloutRefWorker", "engines", "meta_path"}, changed
+        assert once["policy_losses"]["stablerl_vanilla"]._stablerl_verl == ("policy_loss", "vanilla")
+        assert once["distill.ppo_loss"] is once["losses.ppo_loss"]  # the callers' bound names follow
+
+        adapter.instrument()  # twice == once: the same objects, nothing new in the ledger
+        assert _same(once, _touched()) == [] and LEDGER.keys() == keys
+
+        adapter.uninstrument()
+        assert _same(original, _touched()) == [] and not LEDGER.keys()
+        adapter.uninstrument()  # twice is harmless
+        assert _same(original, _touched()) == []
+        assert adapter.registration_report()["registered"] == [] and not adapter.VERL_NAMES["policy_loss"]
+    finally:
+        adapter.instrument()  # the other tests of the session run instrumented
+    assert adapter.registration_report()["ok"]
+
+
+def test_version_policy_reads_the_declared_range(monkeypatch):
+    import stablerl
+    from stablerl.frameworks import check_version
+
+    import stablerl.adapters.verl as adapter
+
+    assert adapter.SUPPORTED_VERL == stablerl.frameworks.get_framework("verl").supported == ">=0.9.1,<0.10"
+    monkeypatch.delenv("STABLERL_ALLOW_UNSUPPORTED", raising=False)
+    with pytest.raises(adapter.UnsupportedVerlVersion, match=r"supports verl>=0\.9\.1,<0\.10, found verl 0\.9\.0"):
+        check_version("verl", "0.9.0", error=adapter.UnsupportedVerlVersion)
+    monkeypatch.setenv("STABLERL_ALLOW_UNSUPPORTED", "1")
+    with pytest.warns(RuntimeWarning, match="found verl 0.10.1"):
+        assert check_version("verl", "0.10.1") == "0.10.1"

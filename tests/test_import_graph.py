@@ -1,0 +1,211 @@
+"""The import arrows point one way (issue 14, item 6), read from the source with ``ast`` (nothing is imported):
+
+* no import cycle among the modules of ``adapters/`` (imports inside functions count: they close a cycle
+  at run time just the same);
+* no submodule of an adapter package imports its package's ``__init__`` (what submodules share lives in
+  a private module);
+* no adapter imports another adapter;
+* core (``stablerl`` outside ``stablerl.plugins`` / ``stablerl.adapters``) imports neither by name.
+
+``python tests/test_import_graph.py`` prints every violation.
+"""
+
+from __future__ import annotations
+
+import ast
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+#: import package -> source folder (pyproject's package-dir)
+PACKAGES = {"stablerl": ROOT / "core", "stablerl.plugins": ROOT / "plugins", "stablerl.adapters": ROOT / "adapters"}
+ADAPTERS = "stablerl.adapters"
+
+#: core modules that still import adapters by name; the core side of item 6 removes them (the test fails
+#: when one is added, and when one listed here no longer does, so the list only shrinks)
+KNOWN_CORE_IMPORTS: set = set()  # core reaches adapters only through stablerl.frameworks.load_adapter
+
+
+def modules() -> dict[str, Path]:
+    """Every module of the three packages: dotted name -> file (a package is its ``__init__.py``)."""
+    out: dict[str, Path] = {}
+    for package, folder in PACKAGES.items():
+        for path in folder.rglob("*.py"):
+            parts = list(path.relative_to(folder).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts = parts[:-1]
+            name = ".".join([package, *parts])
+            # a file under core/ whose dotted path is another package's (none today) belongs to that package
+            if package == "stablerl" and name.startswith(("stablerl.plugins", "stablerl.adapters")):
+                continue
+            out[name] = path
+    return out
+
+
+def imports_of(name: str, path: Path, known: set[str]) -> set[str]:
+    """The modules of ``known`` that module ``name`` imports (``from pkg import sub`` counts as ``pkg.sub``
+    when that is a module, else as ``pkg``; ``importlib.import_module("literal")`` counts too)."""
+    is_package = path.name == "__init__.py"
+    package = name if is_package else name.rpartition(".")[0]
+    out: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        targets: list[str] = []
+        if isinstance(node, ast.Import):
+            targets = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")
+                base = base[: len(base) - (node.level - 1)]
+                source = ".".join(base + ([node.module] if node.module else []))
+            else:
+                source = node.module or ""
+            subs = [f"{source}.{alias.name}" for alias in node.names]
+            targets = [s for s in subs if s in known] or [source]
+            if len(targets) < len(subs) and source not in targets:
+                targets.append(source)  # names taken from the package itself besides its submodules
+        elif (isinstance(node, ast.Call) and getattr(node.func, "attr", getattr(node.func, "id", "")) == "import_module"
+              and node.args and isinstance(node.args[0], ast.Constant) and isinstance(node.args[0].value, str)):
+            targets = [node.args[0].value]
+        for target in targets:
+            while target and target not in known:  # `import a.b.c` of a module-less name: its nearest module
+                target = target.rpartition(".")[0]
+            if target and target != name:
+                out.add(target)
+    return out
+
+
+def graph() -> dict[str, set[str]]:
+    mods = modules()
+    known = set(mods)
+    return {name: imports_of(name, path, known) for name, path in mods.items()}
+
+
+def _adapter_package(name: str) -> str | None:
+    """``stablerl.adapters.verl`` for any module of that adapter package, else None."""
+    parts = name.split(".")
+    if name.startswith(ADAPTERS + ".") and len(parts) >= 3:
+        candidate = ".".join(parts[:3])
+        if (PACKAGES[ADAPTERS] / parts[2] / "__init__.py").exists():
+            return candidate
+    return None
+
+
+def cycles(edges: dict[str, set[str]], within: str) -> list[list[str]]:
+    """Strongly connected components with more than one module (Tarjan), among the modules under ``within``."""
+    nodes = [n for n in edges if n == within or n.startswith(within + ".")]
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in edges[v]:
+            if w not in nodes:
+                continue
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in nodes:
+        if v not in index:
+            visit(v)
+    return found
+
+
+def violations(edges: dict[str, set[str]]) -> dict[str, list]:
+    out: dict[str, list] = {"cycles": cycles(edges, ADAPTERS), "imports_own_package": [], "adapter_imports_adapter": [],
+                            "core_imports_by_name": []}
+    for name, targets in sorted(edges.items()):
+        own = _adapter_package(name)
+        for target in sorted(targets):
+            if own is not None and name != own and target == own:
+                out["imports_own_package"].append((name, target))
+            other = _adapter_package(target)
+            if own is not None and other is not None and other != own:
+                out["adapter_imports_adapter"].append((name, target))
+            in_core = not name.startswith(("stablerl.plugins", ADAPTERS))
+            if in_core and target.startswith(("stablerl.plugins", ADAPTERS)):
+                out["core_imports_by_name"].append((name, target))
+    return out
+
+
+# ----------------------------------------------------------------------------- tests
+
+
+def test_the_checker_sees_a_cycle_and_a_package_import(tmp_path):
+    """The rules can fail: a made-up adapter package with both faults is caught."""
+    edges = {
+        "stablerl.adapters.fake": {"stablerl.adapters.fake._a"},
+        "stablerl.adapters.fake._a": {"stablerl.adapters.fake._b"},
+        "stablerl.adapters.fake._b": {"stablerl.adapters.fake._a", "stablerl.adapters.fake"},
+    }
+    assert cycles(edges, ADAPTERS) == [["stablerl.adapters.fake", "stablerl.adapters.fake._a",
+                                        "stablerl.adapters.fake._b"]]
+    assert (PACKAGES[ADAPTERS] / "verl" / "__init__.py").exists()
+    edges = {"stablerl.adapters.verl._x": {"stablerl.adapters.verl", "stablerl.adapters.trl.trainer"},
+             "stablerl.adapters.verl": set(), "stablerl.adapters.trl.trainer": set(),
+             "stablerl.frameworks": {"stablerl.plugins.losses"}, "stablerl.plugins.losses": set()}
+    got = violations(edges)
+    assert got["imports_own_package"] == [("stablerl.adapters.verl._x", "stablerl.adapters.verl")]
+    assert got["adapter_imports_adapter"] == [("stablerl.adapters.verl._x", "stablerl.adapters.trl.trainer")]
+    assert got["core_imports_by_name"] == [("stablerl.frameworks", "stablerl.plugins.losses")]
+
+
+def test_parser_resolves_relative_and_submodule_imports(tmp_path):
+    path = tmp_path / "__init__.py"
+    path.write_text("from . import _a\nfrom ._b import x\nfrom stablerl.adapters.verl import LEDGER\n"
+                    "def f():\n    import stablerl.adapters.verl._c.deep\n")
+    known = {"stablerl.adapters.verl", "stablerl.adapters.verl._a", "stablerl.adapters.verl._b",
+             "stablerl.adapters.verl._c"}
+    sub = tmp_path / "_d.py"
+    sub.write_text(path.read_text())
+    assert imports_of("stablerl.adapters.verl", path, known) == {
+        "stablerl.adapters.verl._a", "stablerl.adapters.verl._b", "stablerl.adapters.verl._c"}
+    assert imports_of("stablerl.adapters.verl._d", sub, known) == {
+        "stablerl.adapters.verl._a", "stablerl.adapters.verl._b", "stablerl.adapters.verl._c", "stablerl.adapters.verl"}
+
+
+def test_no_import_cycles_in_adapters():
+    assert violations(graph())["cycles"] == []
+
+
+def test_no_submodule_imports_its_adapter_package():
+    assert violations(graph())["imports_own_package"] == []
+
+
+def test_no_adapter_imports_another_adapter():
+    assert violations(graph())["adapter_imports_adapter"] == []
+
+
+def test_core_imports_no_adapter_or_plugin_by_name():
+    found = set(violations(graph())["core_imports_by_name"])
+    assert found - KNOWN_CORE_IMPORTS == set(), "new: core must reach adapters/plugins through the plugin manager"
+    assert KNOWN_CORE_IMPORTS - found == set(), "fixed: remove these from KNOWN_CORE_IMPORTS"
+
+
+if __name__ == "__main__":
+    problems = violations(graph())
+    new = 0
+    for rule, items in problems.items():
+        for item in items:
+            known = rule == "core_imports_by_name" and tuple(item) in KNOWN_CORE_IMPORTS
+            new += not known
+            print(f"{rule}: {' -> '.join(item) if isinstance(item, tuple) else ' <-> '.join(item)}"
+                  + (" (known)" if known else ""))
+    sys.exit(1 if new else 0)
