@@ -36,6 +36,7 @@ import torch
 import stablerl
 from stablerl import BATCH_FILTER, REWARD_SHAPER, Context, MissingInputError, StableRLError
 from stablerl.contracts import OPTIONAL_INPUTS
+from stablerl.frameworks import apply_filter_result
 from openrlhf.trainer.ppo_utils.length_penalty import apply_length_penalties
 
 from . import REWARD_FUNCTION_INPUTS, Selection
@@ -145,32 +146,19 @@ def filter_rows(maker, experiences, name: str, params: dict, scores: Optional[to
         index=group_index(experiences, int(args.rollout.n_samples_per_prompt)),
         scores=scores, ctx=_context(args, "filter:" + name), **_inputs(BATCH_FILTER, name, experiences), **params,
     )
-    kept = result.rows.long().reshape(-1)
-    if kept.numel() != torch.unique(kept).numel():
-        raise StableRLError(
-            f"--algo.advantage.stablerl_batch_filter {name!r} returned repeated rows (a resampling sampler; for "
-            "shuffle_r1 set shuffle=false): OpenRLHF's batch is already split into the DP ranks' micro-batches at "
-            "compute_advantages_and_returns, so rows can be dropped (action_mask 0) but not duplicated"
-        )
-    new_mask = torch.zeros_like(mask)
-    new_mask[kept] = result.response_mask.to(mask.dtype)
-    new_mask = ((new_mask * mask) > 0).to(mask.dtype)  # a filter only removes tokens
-    new_adv = torch.zeros_like(adv)
-    new_adv[kept] = adv[kept] if result.advantages is None else result.advantages.to(adv.dtype)
-    new_adv = new_adv * new_mask
+    filtered = apply_filter_result(
+        result, mask, adv, selected_by=f"--algo.advantage.stablerl_batch_filter {name!r}",
+        why_no_resampling="for shuffle_r1 set shuffle=false: OpenRLHF's batch is already split into the DP ranks' "
+        "micro-batches at compute_advantages_and_returns, so rows can be dropped (action_mask 0) but not duplicated")
     sizes = [len(e.index) for e in experiences]
-    for e, m, a in zip(experiences, new_mask.split(sizes), new_adv.split(sizes)):
+    for e, m, a in zip(experiences, filtered.response_mask.split(sizes), filtered.advantages.split(sizes)):
         t = e.action_mask.shape[1]
         m, a = m[:, :t], a[:, :t]
         e.action_mask = m.to(e.action_mask.dtype)
         e.advantages = a.to(e.advantages.dtype)
         if e.returns is not None:
             e.returns = e.returns * m.to(e.returns.dtype)
-    had = mask.sum(-1) > 0
-    metrics = dict(result.metrics)
-    metrics["filter/kept_row_frac"] = float(((new_mask.sum(-1) > 0) & had).sum() / had.sum().clamp(min=1))
-    metrics["filter/kept_token_frac"] = float(new_mask.sum() / mask.sum().clamp(min=1))
-    return metrics
+    return filtered.metrics
 
 
 @torch.no_grad()

@@ -53,6 +53,7 @@ from stablerl import routing_replay as rr
 from stablerl.contracts import (ADVANTAGE_ESTIMATOR, BATCH_FILTER, CONTROLLER, OPTIONAL_INPUTS, POLICY_LOSS,
                                 REWARD_SHAPER)
 from stablerl.adapters._versions import version_tuple
+from stablerl.frameworks import apply_filter_result
 from stablerl.ops import AGG_MODES, last_valid_index, scores_on_last_token
 from stablerl.params import StableRLError, UnknownNameError, build_params, unknown_name_message
 
@@ -965,40 +966,22 @@ class GRPOTrainer(_trl.GRPOTrainer):
         result = stablerl.filter_batch(name, advantages=gadv, response_mask=gmask, index=group, scores=rewards.float(),
                                        entropy=entropy, ctx=self._ext_ctx("filter:" + name), **extras,
                                        **self._ext_params["batch_filter"])
-        kept = result.rows.to(gmask.device).long()
-        if kept.numel() > 1 and not bool((kept[1:] > kept[:-1]).all()):
-            raise StableRLError(
-                f"batch_filter={name!r} returned repeated or reordered rows (a resampling sampler); TRL's generation "
-                "batch has a fixed size and layout (each process's slice, split into micro-batches), so only filters "
-                "that keep or drop rows in order can run in TRL (shuffle_r1: use shuffle=False for its pairwise "
-                "sampling alone)")
-        N = gmask.size(0)
-        new_mask = torch.zeros_like(gmask)
-        new_mask[kept] = result.response_mask.to(gmask.device, gmask.dtype)
-        new_mask = (new_mask * gmask > 0).to(gmask.dtype)  # a filter only removes tokens
-        dropped = torch.ones(N, dtype=torch.bool, device=gmask.device)
-        dropped[kept] = False
-        dropped |= new_mask.sum(-1) == 0  # rows left without a token (e.g. simpletir's void rows) count as dropped
+        filtered = apply_filter_result(
+            result, gmask, gadv, selected_by=f"batch_filter={name!r}",
+            why_no_resampling="TRL's generation batch has a fixed size and layout (each process's slice, split into "
+            "micro-batches), so only filters that keep or drop rows can run in TRL (shuffle_r1: use shuffle=False "
+            "for its pairwise sampling alone)")
         if one_d and result.advantages is None:
-            new_rows = torch.where(dropped, torch.zeros_like(gadv_rows), gadv_rows)
+            new_rows = torch.where(filtered.dropped, torch.zeros_like(gadv_rows), gadv_rows)
             out["advantages"] = new_rows[rows].to(local_adv.dtype).contiguous()
         else:
-            new_adv = torch.zeros_like(gadv)
-            new_adv[kept] = (gadv[kept] if result.advantages is None
-                             else result.advantages.to(gadv.device, gadv.dtype))
-            new_adv = new_adv * new_mask
-            out["advantages"] = new_adv[rows, :T_local].to(torch.float32).contiguous()
+            out["advantages"] = filtered.advantages[rows, :T_local].to(torch.float32).contiguous()
+        new_mask = filtered.response_mask
         local_keep = new_mask[rows, :T_local].to(out["completion_mask"].device, out["completion_mask"].dtype)
         out["tool_mask"] = local_keep if "tool_mask" not in out else out["tool_mask"] * local_keep
-        kept_tokens = new_mask.sum()
         old_items = out["num_items_in_batch"]
-        out["num_items_in_batch"] = kept_tokens.clamp(min=1).to(old_items.device, old_items.dtype)
-        self._ext_log(mode, result.metrics)
-        had_tokens = gmask.sum(-1) > 0
-        self._metrics[mode]["stablerl/filter/kept_row_frac"].append(
-            float((~dropped & had_tokens).sum() / had_tokens.sum().clamp(min=1)))
-        self._metrics[mode]["stablerl/filter/kept_token_frac"].append(
-            float(kept_tokens / gmask.sum().clamp(min=1)))
+        out["num_items_in_batch"] = new_mask.sum().clamp(min=1).to(old_items.device, old_items.dtype)
+        self._ext_log(mode, filtered.metrics)
         return out
 
     def _ext_set_temperature(self, temperature: float) -> None:

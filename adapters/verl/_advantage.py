@@ -52,6 +52,7 @@ import stablerl
 from stablerl import ADVANTAGE_ESTIMATOR, BATCH_FILTER, REWARD_SHAPER, Context, MissingInputError, StableRLError
 from stablerl.adapters import _post_import as post_import
 from stablerl.contracts import OPTIONAL_INPUTS
+from stablerl.frameworks import apply_filter_result
 from stablerl.ops import last_valid_index
 from stablerl.params import UnknownNameError, build_params, unknown_name_message
 
@@ -375,27 +376,15 @@ def _filter(data, config, name: str, params: dict) -> dict[str, float]:
         scores=scores if scores is not None else _scores(data), entropy=entropy,
         ctx=_context(config, "filter:" + name), **inputs, **params,
     )
-    kept = result.rows.to(mask.device).long()
-    if kept.numel() > 1 and not bool((kept[1:] > kept[:-1]).all()):
-        raise StableRLError(
-            f"algorithm.{FILTER_KEY}={name!r} returned repeated or reordered rows (a resampling sampler); verl's "
-            "batch keeps its size and order after compute_advantage (it is already balanced and split over the "
-            "workers), so only filters that keep or drop rows in order can run there"
-        )
-    new_mask = torch.zeros_like(mask)
-    new_mask[kept] = result.response_mask.to(mask.device, mask.dtype)
-    new_mask = ((new_mask * mask) > 0).to(mask.dtype)  # a filter only removes tokens
-    new_adv = torch.zeros_like(adv)
-    new_adv[kept] = adv[kept] if result.advantages is None else result.advantages.to(adv.device, adv.dtype)
-    data.batch["advantages"] = new_adv * new_mask.to(adv.dtype)
+    filtered = apply_filter_result(
+        result, mask, adv, selected_by=f"algorithm.{FILTER_KEY}={name!r}",
+        why_no_resampling="verl's batch keeps its size and order after compute_advantage (it is already balanced "
+        "and split over the workers), so only filters that keep or drop rows can run there")
+    data.batch["advantages"] = filtered.advantages
     if "returns" in data.batch.keys():
-        data.batch["returns"] = data.batch["returns"] * new_mask.to(data.batch["returns"].dtype)
-    data.batch["response_mask"] = new_mask
-    had = mask.sum(-1) > 0
-    metrics = dict(result.metrics)
-    metrics["filter/kept_row_frac"] = float(((new_mask.sum(-1) > 0) & had).sum() / had.sum().clamp(min=1))
-    metrics["filter/kept_token_frac"] = float(new_mask.sum() / mask.sum().clamp(min=1))
-    return metrics
+        data.batch["returns"] = data.batch["returns"] * filtered.response_mask.to(data.batch["returns"].dtype)
+    data.batch["response_mask"] = filtered.response_mask
+    return filtered.metrics
 
 
 #: metrics of the last wrapped call (``stablerl/<name>``), for logging by a trainer subclass
