@@ -36,7 +36,8 @@ def test_the_filters_advantages_replace_the_old_ones_on_kept_tokens():
 
 
 def test_a_row_whose_tokens_are_all_removed_counts_as_dropped():
-    result = FilterResult(rows=torch.arange(4), response_mask=torch.tensor([[0.0, 0, 0], [1, 1, 1], [1, 1, 1], [1, 1, 1]]))
+    none_of_row_0 = torch.tensor([[0.0, 0, 0], [1, 1, 1], [1, 1, 1], [1, 1, 1]])
+    result = FilterResult(rows=torch.arange(4), response_mask=none_of_row_0)
     out = _apply(result)
     assert out.dropped.tolist() == [True, False, False, True]
     assert out.metrics["filter/kept_row_frac"] == pytest.approx(2 / 3)

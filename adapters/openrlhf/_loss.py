@@ -11,6 +11,7 @@ import torch
 
 import stablerl
 from stablerl.params import StableRLError
+from stablerl.state import StateStore
 
 from . import PREFIX, OPENRLHF_POLICY_LOSSES, Selection, check_openrlhf, resolve, _check_policy_loss_api
 from ._inputs import FED_INPUTS
@@ -81,7 +82,7 @@ class StablePolicyLoss(PolicyLoss):
         self.fed_inputs: frozenset = frozenset()
         #: persistent per-algorithm state (ctx.state: e.g. entropic's controller integral), kept across calls
         #: by this loss object (one per actor worker); saved in OpenRLHF's DeepSpeed checkpoints (see _state)
-        self.stablerl_state: dict = {}
+        self.stablerl_state = StateStore(holds="loss")
         self._fed: Optional[dict] = None
         if self.stablerl_name is None:
             if stablerl_params:
@@ -170,7 +171,7 @@ class StablePolicyLoss(PolicyLoss):
             seq_count=global_batch_size,
             # OpenRLHF's aggregate_loss ignores dp_size when it has no global normaliser
             dp_size=int(dp_size) if counts_given else 1,
-            state=self.stablerl_state,
+            state=self.stablerl_state.slot(stablerl.POLICY_LOSS, self.stablerl_name),
         )
         if torch.distributed.is_available() and torch.distributed.is_initialized():
             return stablerl.torch_distributed_context(self.dp_group, **kwargs)

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-from typing import Any, Callable, Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -37,22 +37,19 @@ import stablerl
 from stablerl import BATCH_FILTER, REWARD_SHAPER, Context, MissingInputError, StableRLError
 from stablerl.contracts import OPTIONAL_INPUTS
 from stablerl.frameworks import apply_filter_result
+from stablerl.state import StateStore
 from openrlhf.trainer.ppo_utils.length_penalty import apply_length_penalties
 
 from . import REWARD_FUNCTION_INPUTS, Selection
 
 #: per-process state: one generator per (slot, seed) and the call counter (ctx.step)
-STATE: dict[str, Any] = {}
+STATE = StateStore(holds="driver")
 #: metrics of the last call (``stablerl/<name>/...``); also written into every experience's ``info``
 LAST_METRICS: dict[str, float] = {}
 
 
-def _context(args, slot: str) -> Context:
-    seed = int(getattr(getattr(args, "train", None), "seed", 0) or 0)
-    gens = STATE.setdefault("generators", {})
-    if (slot, seed) not in gens:
-        gens[(slot, seed)] = torch.Generator().manual_seed(seed)
-    return Context(step=STATE.get("step", 0), generator=gens[(slot, seed)], state=STATE.setdefault("state:" + slot, {}))
+def _context(args, kind: str, name: str) -> Context:
+    return STATE.context(kind, name, seed=int(getattr(getattr(args, "train", None), "seed", 0) or 0))
 
 
 @contextlib.contextmanager
@@ -120,7 +117,7 @@ def shape(maker, experiences, name: str, params: dict) -> tuple[dict[str, float]
     scores = torch.cat([e.rewards.reshape(-1) for e in experiences])
     shaped, metrics = stablerl.shape_rewards(
         name, scores=scores, index=group_index(experiences, int(args.rollout.n_samples_per_prompt)),
-        ctx=_context(args, "shaper:" + name), **_inputs(REWARD_SHAPER, name, experiences), **params,
+        ctx=_context(args, REWARD_SHAPER, name), **_inputs(REWARD_SHAPER, name, experiences), **params,
     )
     for e, r in zip(experiences, shaped.split([len(e.index) for e in experiences])):
         e.rewards = r.to(e.rewards.dtype)
@@ -144,7 +141,7 @@ def filter_rows(maker, experiences, name: str, params: dict, scores: Optional[to
     result = stablerl.filter_batch(
         name, advantages=adv, response_mask=mask,
         index=group_index(experiences, int(args.rollout.n_samples_per_prompt)),
-        scores=scores, ctx=_context(args, "filter:" + name), **_inputs(BATCH_FILTER, name, experiences), **params,
+        scores=scores, ctx=_context(args, BATCH_FILTER, name), **_inputs(BATCH_FILTER, name, experiences), **params,
     )
     filtered = apply_filter_result(
         result, mask, adv, selected_by=f"--algo.advantage.stablerl_batch_filter {name!r}",
@@ -178,7 +175,7 @@ def advantages_with_extensions(maker, experiences, selection: Selection, estimat
         if scores is None:  # the rewards after OpenRLHF's length penalties (before any shaper)
             scores = torch.cat([e.rewards.reshape(-1) for e in experiences]).float()
         metrics.update(filter_rows(maker, experiences, selection.batch_filter, selection.batch_filter_params, scores))
-    STATE["step"] = STATE.get("step", 0) + 1
+    STATE.advance()
     LAST_METRICS.clear()
     LAST_METRICS.update({f"stablerl/{k}": float(v) for k, v in metrics.items()})
     for e in experiences:  # OpenRLHF logs info entries per sample

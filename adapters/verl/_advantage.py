@@ -54,6 +54,7 @@ from stablerl.adapters import _post_import as post_import
 from stablerl.contracts import OPTIONAL_INPUTS
 from stablerl.frameworks import apply_filter_result
 from stablerl.ops import last_valid_index
+from stablerl.state import StateStore
 from stablerl.params import UnknownNameError, build_params, unknown_name_message
 
 logger = logging.getLogger("stablerl.adapters.verl")
@@ -115,7 +116,7 @@ _OTHER_WHERE = (
 )
 
 #: per-process state: generators per seed, the call counter (ctx.step), filter/shaper state dicts
-STATE: dict[str, Any] = {}
+STATE = StateStore(holds="driver")
 _MARK = "_stablerl_verl_adv_wrapper"
 
 
@@ -302,13 +303,9 @@ def gather(kind: str, name: str, data, skip=()) -> dict[str, Any]:
     return out
 
 
-def _context(config: Any, slot: str) -> Context:
+def _context(config: Any, kind: str, name: str) -> Context:
     seed = _cfg(config, SEED_KEY, None)
-    seed = 0 if seed is None else int(seed)
-    gens = STATE.setdefault("generators", {})
-    if (slot, seed) not in gens:
-        gens[(slot, seed)] = torch.Generator().manual_seed(seed)
-    return Context(step=STATE.get("step", 0), generator=gens[(slot, seed)], state=STATE.setdefault("state:" + slot, {}))
+    return STATE.context(kind, name, seed=0 if seed is None else int(seed))
 
 
 # ----------------------------------------------------------------------------- the three stages
@@ -324,7 +321,7 @@ def _shape(data, config, name: str, params: dict) -> dict[str, float]:
     if index is None:
         raise VerlAdvantageInputError(f"reward shaper {name!r} needs the 'uid' non-tensor field (group ids)")
     shaped, metrics = stablerl.shape_rewards(
-        name, scores=scores, index=index, ctx=_context(config, "shaper:" + name), **inputs, **params
+        name, scores=scores, index=index, ctx=_context(config, REWARD_SHAPER, name), **inputs, **params
     )
     has = mask.sum(-1) > 0
     last = last_valid_index(mask)
@@ -356,7 +353,7 @@ def _estimate(data, config, name: str) -> None:
         token_level_rewards=data.batch["token_level_rewards"],
         response_mask=data.batch["response_mask"],
         index=index,
-        ctx=_context(config, "estimator:" + name),
+        ctx=_context(config, ADVANTAGE_ESTIMATOR, name),
         **({"extras": extras} if extras else {}),
         **inputs,
         **estimator_hyperparameters(spec, config),
@@ -374,7 +371,7 @@ def _filter(data, config, name: str, params: dict) -> dict[str, float]:
     result = stablerl.filter_batch(
         name, advantages=adv, response_mask=mask, index=data.non_tensor_batch.get("uid"),
         scores=scores if scores is not None else _scores(data), entropy=entropy,
-        ctx=_context(config, "filter:" + name), **inputs, **params,
+        ctx=_context(config, BATCH_FILTER, name), **inputs, **params,
     )
     filtered = apply_filter_result(
         result, mask, adv, selected_by=f"algorithm.{FILTER_KEY}={name!r}",
@@ -421,7 +418,7 @@ def _wrap(original):
                             norm_adv_by_std_in_grpo=norm_adv_by_std_in_grpo, config=config)
         if chosen["filter"] is not None:
             metrics.update(_filter(data, config, *chosen["filter"]))
-        STATE["step"] = STATE.get("step", 0) + 1
+        STATE.advance()
         LAST_METRICS.clear()
         LAST_METRICS.update({f"stablerl/{k}": float(v) for k, v in metrics.items()})
         return data

@@ -39,8 +39,8 @@ after it executes; if it is loaded already, it is patched at once, together with
 bound names. :func:`patch` is idempotent (also across re-imports of the adapter) and
 :func:`unpatch` restores verl's function.
 
-Controller state (``Context.state``) lives in :data:`STATE`, one dict per loss name and per
-process; it persists across steps in a worker and is saved with the actor's checkpoint by stablerl's
+Controller state (``Context.state``) lives in :data:`STATE` (a :class:`stablerl.state.StateStore`), one
+slot per loss name and per process; it persists across steps in a worker and is saved with the actor's checkpoint by stablerl's
 FSDP engine subclass (:mod:`stablerl.adapters.verl._state`; actor.strategy fsdp/fsdp2 only).
 
 This module imports no verl at import time (verl's helpers are imported inside the wrapper, when
@@ -61,6 +61,7 @@ import torch
 from stablerl import POLICY_LOSS, MissingInputError, get_spec
 from stablerl.adapters import _post_import as post_import
 from stablerl.contracts import OPTIONAL_INPUTS
+from stablerl.state import StateStore
 
 logger = logging.getLogger("stablerl.adapters.verl")
 
@@ -93,8 +94,8 @@ NOT_PROVIDED: dict[str, str] = {
 _SCORE_FIELDS = ("token_level_scores", "rm_scores", "token_level_rewards")
 _OLD_ENTROPY_FIELDS = ("entropy", "entropys")
 
-#: per-process controller state, one dict per stablerl loss name (``Context.state``)
-STATE: dict[str, dict] = {}
+#: per-process controller state, one slot per stablerl loss name (``Context.state``)
+STATE = StateStore(holds="loss")
 
 _CURRENT: contextvars.ContextVar[Optional[dict[str, Any]]] = contextvars.ContextVar(
     "stablerl_verl_declared_inputs", default=None
@@ -104,7 +105,7 @@ _MARK = "_stablerl_verl_wrapper"
 
 def state_for(name: str) -> dict:
     """The persistent ``Context.state`` of loss ``name`` in this process."""
-    return STATE.setdefault(name, {})
+    return STATE.slot(POLICY_LOSS, name)
 
 
 def current() -> Optional[dict[str, Any]]:

@@ -198,7 +198,7 @@ def test_entropic_state_persists_across_calls():
         loss.feed({"entropy": torch.full_like(lp, 0.6)})
         loss(lp, lp, torch.randn(3, 5, generator=g, dtype=torch.float64), action_mask=mask)
         integrals.append(loss.last_metrics["entropic/integral"])
-    assert loss.stablerl_state["entropic"]["updates"] == 3
+    assert loss.stablerl_state.slot(stablerl.POLICY_LOSS, "entropic")["entropic"]["updates"] == 3
     assert integrals[0] != 0 and integrals[1] == pytest.approx(2 * integrals[0]) and integrals[2] == pytest.approx(
         3 * integrals[0])
 
