@@ -1,14 +1,20 @@
-"""A batch filter's result applied to a framework batch that keeps its size.
+"""Framework batches meeting stablerl algorithms: machinery every adapter shares.
 
-verl, TRL and OpenRLHF have split the batch over workers / micro-batches by the time a filter runs, so
-rows cannot be removed or duplicated there: a dropped row or token keeps its place with loss mask 0 and
-advantage 0. :func:`apply_filter_result` is that rule, written once for every adapter; the adapter only
-reads its batch into ``[N, T]`` tensors and writes the result back.
+* :func:`apply_filter_result`: verl, TRL and OpenRLHF have split the batch over workers / micro-batches by
+  the time a filter runs, so rows cannot be removed or duplicated there: a dropped row or token keeps its
+  place with loss mask 0 and advantage 0. The adapter only reads its batch into ``[N, T]`` tensors and
+  writes the result back.
+* :func:`loss_inputs` / :func:`pending_loss_inputs`: a framework calls its loss with its own arguments
+  only; the inputs a stablerl loss declares beyond them (entropy, token ids, group ids...) are gathered
+  at the call site and handed to the loss through this scoped channel.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 from dataclasses import dataclass
+from typing import Iterator, Optional
 
 import torch
 
@@ -55,4 +61,32 @@ def apply_filter_result(result: FilterResult, response_mask: torch.Tensor, advan
     return FilteredBatch(response_mask=new_mask, advantages=new_adv, dropped=~row_kept, metrics=metrics)
 
 
-__all__ = ["FilteredBatch", "apply_filter_result"]
+# (loss name, inputs) of the innermost active loss_inputs block
+_PENDING: contextvars.ContextVar[Optional[tuple]] = contextvars.ContextVar("stablerl_loss_inputs", default=None)
+
+
+@contextlib.contextmanager
+def loss_inputs(name: str, inputs: dict) -> Iterator[dict]:
+    """Hand ``inputs`` to the calls of stablerl loss ``name`` made inside the block (the adapter wraps the
+    framework's call site in it; the loss reads :func:`pending_loss_inputs`).
+
+    Reset when the block exits or raises, so nothing leaks into the next call; nested blocks (a loss called
+    inside another's call) each see their own. ``inputs`` is shared, not copied: code inside the block may
+    still add to it (a forward pass that computes the entropy the loss asked for)."""
+    token = _PENDING.set((name, inputs))
+    try:
+        yield inputs
+    finally:
+        _PENDING.reset(token)
+
+
+def pending_loss_inputs(name: Optional[str] = None) -> Optional[dict]:
+    """The inputs of the innermost active :func:`loss_inputs` block if it is loss ``name``'s (any loss's when
+    ``name`` is None); None outside one."""
+    got = _PENDING.get()
+    if got is None or (name is not None and got[0] != name):
+        return None
+    return got[1]
+
+
+__all__ = ["FilteredBatch", "apply_filter_result", "loss_inputs", "pending_loss_inputs"]

@@ -74,4 +74,4 @@ def load_adapter(name: str) -> ModuleType:
     """Import and return the adapter module of framework ``name`` (this imports the framework)."""
     return importlib.import_module(get_framework(name).adapter)
 
-from .framework_batch import FilteredBatch, apply_filter_result  # noqa: E402,F401  (batch machinery, re-exported)
+from .framework_batch import FilteredBatch, apply_filter_result, loss_inputs, pending_loss_inputs  # noqa: E402,F401

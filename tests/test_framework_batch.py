@@ -66,3 +66,29 @@ def test_an_empty_batch_gives_zero_fractions_not_nan():
     out = _apply(result, torch.zeros(2, 3), torch.zeros(2, 3))
     assert out.metrics["filter/kept_row_frac"] == 0.0 and out.metrics["filter/kept_token_frac"] == 0.0
     assert out.dropped.tolist() == [True, True]
+
+
+# ----------------------------------------------------------------------------- declared loss inputs
+
+
+def test_loss_inputs_reach_only_that_loss_inside_the_block_and_nest():
+    from stablerl.frameworks import loss_inputs, pending_loss_inputs
+
+    assert pending_loss_inputs() is None
+    with loss_inputs("steer", {"entropy": 1}) as outer:
+        assert pending_loss_inputs("steer") is outer and pending_loss_inputs() is outer
+        assert pending_loss_inputs("capo") is None  # another loss's call sees nothing
+        outer["token_ids"] = 2  # shared, not copied: a forward inside the block may still add to it
+        with loss_inputs("capo", {"entropy": 3}):
+            assert pending_loss_inputs("capo") == {"entropy": 3} and pending_loss_inputs("steer") is None
+        assert pending_loss_inputs("steer") == {"entropy": 1, "token_ids": 2}
+    assert pending_loss_inputs() is None
+
+
+def test_loss_inputs_are_reset_when_the_call_raises():
+    from stablerl.frameworks import loss_inputs, pending_loss_inputs
+
+    with pytest.raises(RuntimeError, match="boom"):
+        with loss_inputs("steer", {"entropy": 1}):
+            raise RuntimeError("boom")
+    assert pending_loss_inputs() is None

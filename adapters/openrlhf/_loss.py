@@ -11,6 +11,7 @@ import torch
 
 import stablerl
 from stablerl.params import StableRLError
+from stablerl.frameworks import pending_loss_inputs
 from stablerl.state import StateStore
 
 from . import PREFIX, OPENRLHF_POLICY_LOSSES, Selection, check_openrlhf, resolve, _check_policy_loss_api
@@ -127,12 +128,15 @@ class StablePolicyLoss(PolicyLoss):
             )
 
     def feed(self, inputs: Optional[dict]) -> None:
-        """The next call's declared inputs beyond OpenRLHF's (``entropy`` [B, A], ``token_ids`` [B, A],
-        ``scores`` [B]); the dict is read at the call, so a forward may still add to it. None clears."""
+        """The next direct call's declared inputs beyond OpenRLHF's (``entropy`` [B, A], ``token_ids`` [B, A],
+        ``scores`` [B]); the dict is read at the call, so a forward may still add to it. None clears. Inside
+        OpenRLHF's ``training_step`` the adapter hands them over itself (``stablerl.frameworks.loss_inputs``)."""
         self._fed = inputs
 
     def _fed_inputs(self) -> dict:
-        fed, self._fed = self._fed or {}, None  # one micro-batch, one call
+        fed = pending_loss_inputs(self.stablerl_name)  # open for the whole training_step (._inputs.step_inputs)
+        if fed is None:  # a direct call: what feed() gave, for this one call
+            fed, self._fed = self._fed or {}, None
         missing = [name for name in sorted(self.fed_inputs) if fed.get(name) is None]
         if missing:
             raise stablerl.MissingInputError(

@@ -1216,6 +1216,11 @@ class GRPOTrainer(_trl.GRPOTrainer):
         policy_loss_logged = len(metrics["policy_loss"]) if "policy_loss" in metrics else 0
         # TRL's own _compute_loss with zero advantages: its policy term is exactly 0, everything
         # around it (forward, KL, entropy bonus, aux loss, GA scaling, metrics) is TRL's.
+        # Why a capture dict here and not core's loss_inputs channel (verl, OpenRLHF): TRL has no loss
+        # registry -- its loss types are a string switch inside _compute_loss -- so stablerl's loss is never
+        # called from inside TRL; this adapter calls it itself, with the declared inputs read straight from
+        # TRL's `inputs` dict. What must cross TRL's method boundary is the other way round: the log-probs and
+        # entropies TRL computes inside _compute_loss, captured in _get_per_token_logps_and_entropies.
         surroundings_inputs = dict(inputs)
         surroundings_inputs["advantages"] = torch.zeros_like(inputs["advantages"])
         saved_loss_type = self.loss_type
