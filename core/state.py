@@ -80,7 +80,8 @@ class StateStore:
             obj.load_state_dict(self._untracked.pop((kind, name)))
 
     def __bool__(self) -> bool:
-        return bool(self.step or self._slots or self._generators or self._tracked or self._untracked)
+        """True when there is something to save (a slot an algorithm only looked at does not count)."""
+        return bool(self.step or any(self._slots.values()) or self._generators or self._tracked or self._untracked)
 
     def clear(self) -> None:
         """Forget everything but the tracked objects (a fresh process)."""
