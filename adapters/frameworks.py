@@ -1,25 +1,51 @@
 """The built-in framework declarations (verl, TRL, OpenRLHF): stablerl's ``register_frameworks`` plugin.
 
-Framework-free: importing this module imports no framework. Core reaches these declarations only
-through the plugin manager (entry-point group ``stablerl.builtin``), the way a third party would
-declare a fourth framework. Each adapter reads its own declaration back with
-``stablerl.frameworks.get_framework(NAME)``, so a fact about a framework is written once.
+Framework-free: importing this module imports no framework and no adapter. Core reaches these
+declarations only through the plugin manager (entry-point group ``stablerl.builtin``), the way a
+third party would declare a fourth framework; each adapter reads its own declaration back with
+``stablerl.frameworks.get_framework(NAME)``. So a fact about a framework (its built-in names, the
+inputs it can feed and why not, its config keys and their defaults, the supported versions) is
+written once, here, and `stablerl describe`, the generated docs and the adapters all read it.
 """
 
 from __future__ import annotations
 
-from stablerl.contracts import ADVANTAGE_ESTIMATOR, BATCH_FILTER, POLICY_LOSS, REWARD_SHAPER
-from stablerl.frameworks import FrameworkSpec
+from stablerl.contracts import ADVANTAGE_ESTIMATOR, BATCH_FILTER, POLICY_LOSS, REWARD_SHAPER, AlgorithmSpec
+from stablerl.frameworks import FrameworkKey, FrameworkSpec
 from stablerl.hookspecs import hookimpl
 
-from .config_keys import (
-    FEEDABLE_INPUTS,
-    OPENRLHF_BUILTIN_ADV_ESTIMATORS,
-    OPENRLHF_BUILTIN_POLICY_LOSSES,
-    TRL_BUILTIN_LOSS_TYPES,
-    VERL_BUILTIN_ADV_ESTIMATORS,
-    VERL_BUILTIN_POLICY_LOSSES,
+# Per-response values a user's reward function provides to reward shapers and batch filters (verl: its
+# reward_extra_info fields; TRL: log_extra / rollout_func fields / dataset columns; OpenRLHF: the
+# extra_logs it copies into experience.info).
+_REWARD_FUNCTION_INPUTS = frozenset({"correct", "flawed", "void_turn"})
+# Inputs every adapter computes for shapers and filters at its advantage step.
+_EXTENSION_INPUTS = frozenset({"index", "scores", "lengths"}) | _REWARD_FUNCTION_INPUTS
+
+# ----------------------------------------------------------------------------- verl 0.9.1
+
+VERL_BUILTIN_POLICY_LOSSES = frozenset(
+    {"vanilla", "dppo_tv", "dppo_kl", "gspo", "sapo", "gpg", "clip_cov", "kl_cov", "geo_mean", "dro", "cispo", "bypass_mode"}
 )
+VERL_BUILTIN_ADV_ESTIMATORS = frozenset(
+    {
+        "gae", "grpo", "grpo_vectorized", "gdpo", "grpo_passk", "reinforce_plus_plus", "reinforce_plus_plus_baseline",
+        "remax", "rloo", "rloo_vectorized", "opo", "gpg", "optimal_token_baseline", "tir_optimal_token_baseline",
+    }
+)
+_ACTOR = "actor_rollout_ref.actor."
+_POLICY_LOSS = _ACTOR + "policy_loss."
+# verl 0.9.1 PolicyLossConfig's own fields: a stablerl hyper-parameter of the same name is set as a
+# stablerl key through the StablePolicyLossConfig dict field `stablerl_params`
+VERL_POLICY_LOSS_FIELDS = frozenset(
+    {"loss_mode", "clip_cov_ratio", "clip_cov_lb", "clip_cov_ub", "kl_cov_ratio", "ppo_kl_coef", "dro_beta",
+     "rollout_correction"}
+)
+
+
+def _verl_loss_key(name: str, value) -> str:
+    if name in VERL_POLICY_LOSS_FIELDS:
+        return f"+{_POLICY_LOSS}stablerl_params={{{name}:{value}}}"
+    return f"+{_POLICY_LOSS}{name}={value}"
 
 VERL = FrameworkSpec(
     name="verl",
@@ -27,14 +53,72 @@ VERL = FrameworkSpec(
     supported=">=0.9.1,<0.10",
     adapter="stablerl.adapters.verl",
     builtin_names={POLICY_LOSS: VERL_BUILTIN_POLICY_LOSSES, ADVANTAGE_ESTIMATOR: VERL_BUILTIN_ADV_ESTIMATORS},
-    feedable=FEEDABLE_INPUTS["verl"],
+    # verl 0.9.1's policy-loss call passes none beyond the basic tensors and rollout_is_weights: the
+    # adapter wraps its call site (verl.workers.utils.losses.ppo_loss) and gathers these from verl's
+    # model_output / batch (entropy needs actor.calculate_entropy=True, old_entropy the v1 trainer). The
+    # estimator wrapper gathers only fields both the legacy and the v1 trainer have at compute_advantage.
+    feedable={
+        POLICY_LOSS: frozenset({"entropy", "old_entropy", "token_ids", "rollout_log_prob", "index", "scores"}),
+        ADVANTAGE_ESTIMATOR: frozenset({"index", "scores", "lengths", "old_log_prob", "rollout_log_prob"}),
+        REWARD_SHAPER: _EXTENSION_INPUTS,
+        BATCH_FILTER: _EXTENSION_INPUTS,
+    },
+    why_not={
+        "*": {
+            "turn_ids": "verl's batch has no per-token turn ids (only the per-sample num_turns)",
+            "versions": "verl's batch has no per-token policy versions",
+            "policy_version": "the worker's loss call does not know the current policy version / step",
+            "router_log_prob": "verl's loss gets no router log-probs",
+            "old_router_log_prob": "verl's loss gets no router log-probs",
+            "pos_count": "no verl trainer counts samples per prompt over sampling rounds",
+            "neg_count": "no verl trainer counts samples per prompt over sampling rounds",
+        },
+        ADVANTAGE_ESTIMATOR: {
+            "entropy": "no stock verl trainer keeps per-token entropy in the batch at compute_advantage "
+            "(opt in with +algorithm.stablerl_batch_field_estimators=true if your pipeline writes it)",
+            "turn_ids": "no stock verl component writes per-token turn ids (opt in with "
+            "+algorithm.stablerl_batch_field_estimators=true if your agent loop writes 'turn_ids')",
+            "token_ids": "v1's _compute_advantage does not fetch 'responses'",
+        },
+    },
     selection_keys={
-        POLICY_LOSS: "actor_rollout_ref.actor.policy_loss.loss_mode",
+        POLICY_LOSS: _POLICY_LOSS + "loss_mode",
         ADVANTAGE_ESTIMATOR: "algorithm.adv_estimator",
         REWARD_SHAPER: "+algorithm.stablerl_reward_shaper",
         BATCH_FILTER: "+algorithm.stablerl_batch_filter",
     },
+    hyperparameter_keys={
+        POLICY_LOSS: {
+            # verl's ActorConfig / PolicyLossConfig always carry these, at verl's defaults unless set
+            "clip_ratio_low": FrameworkKey(_ACTOR + "clip_ratio_low", 0.2),
+            "clip_ratio_high": FrameworkKey(_ACTOR + "clip_ratio_high", 0.2),
+            "clip_ratio_c": FrameworkKey(_ACTOR + "clip_ratio_c", 3.0),
+            "tau_pos": FrameworkKey(_ACTOR + "tau_pos", 1.0),
+            "tau_neg": FrameworkKey(_ACTOR + "tau_neg", 1.05),
+            "clip_cov_ratio": FrameworkKey(_POLICY_LOSS + "clip_cov_ratio", 0.0002),
+            "clip_cov_lb": FrameworkKey(_POLICY_LOSS + "clip_cov_lb", 1.0),
+            "clip_cov_ub": FrameworkKey(_POLICY_LOSS + "clip_cov_ub", 5.0),
+            "kl_cov_ratio": FrameworkKey(_POLICY_LOSS + "kl_cov_ratio", 0.0002),
+            "ppo_kl_coef": FrameworkKey(_POLICY_LOSS + "ppo_kl_coef", 0.1),
+        },
+        ADVANTAGE_ESTIMATOR: {
+            "norm_adv_by_std_in_grpo": FrameworkKey("algorithm.norm_adv_by_std_in_grpo", True, refuse_if_unused=True),
+        },
+    },
+    params_keys={
+        # needs actor_rollout_ref.actor.policy_loss._target_=stablerl.adapters.verl.StablePolicyLossConfig
+        POLICY_LOSS: _verl_loss_key,
+        ADVANTAGE_ESTIMATOR: "+algorithm.{name}={value}",
+        REWARD_SHAPER: "+algorithm.stablerl_reward_shaper_params.{name}={value}",
+        BATCH_FILTER: "+algorithm.stablerl_batch_filter_params.{name}={value}",
+    },
+    usage='pip install "stablerl[verl]"; select with verl\'s own config keys (entry point verl.plugins)',
+    switches={"rollout_correction": "algorithm.rollout_correction.rollout_is"},
 )
+
+# ----------------------------------------------------------------------------- TRL 1.16
+
+TRL_BUILTIN_LOSS_TYPES = frozenset({"grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo"})
 
 TRL = FrameworkSpec(
     name="trl",
@@ -42,32 +126,216 @@ TRL = FrameworkSpec(
     supported=">=1.16,<1.17",
     adapter="stablerl.adapters.trl",
     builtin_names={POLICY_LOSS: TRL_BUILTIN_LOSS_TYPES},
-    feedable=FEEDABLE_INPUTS["trl"],
+    feedable={
+        # rollout_log_prob only with use_vllm=True and vllm_importance_sampling_correction=True;
+        # router log-probs only with routing_replay="R2"|"R3" (the adapter narrows per run)
+        POLICY_LOSS: frozenset(
+            {"rollout_log_prob", "entropy", "token_ids", "index", "scores", "router_log_prob", "old_router_log_prob"}
+        ),
+        ADVANTAGE_ESTIMATOR: frozenset({"index"}),
+        # filters may also take entropy: the TRL adapter runs one extra no-grad forward for it
+        REWARD_SHAPER: _EXTENSION_INPUTS | {"pos_count", "neg_count"},
+        BATCH_FILTER: _EXTENSION_INPUTS | {"pos_count", "neg_count", "entropy"},
+    },
+    why_not={
+        "*": {
+            "old_entropy": "TRL computes no entropies in its old-log-prob pass",
+            "turn_ids": "TRL marks tool tokens with tool_mask but gives no per-token turn ids",
+            "versions": "TRL's GRPOTrainer is synchronous: no per-token policy versions",
+            "policy_version": "TRL's GRPOTrainer is synchronous: no per-token policy versions",
+            "router_log_prob": "needs routing_replay='R2' or 'R3' on an MoE model (TRL's fused LM head drops router "
+            "logits; stablerl records the router log-probs at the replayed experts)",
+            "old_router_log_prob": "needs routing_replay='R2' or 'R3' on an MoE model (recorded in the old-log-prob pass)",
+            "rollout_log_prob": "needs use_vllm=True and vllm_importance_sampling_correction=True",
+            "entropy": "TRL computes entropies only inside _compute_loss, after advantages",
+            "old_log_prob": "TRL computes advantages before (and independently of) old log-probs",
+        },
+    },
     selection_keys={
         POLICY_LOSS: "loss_type",
         ADVANTAGE_ESTIMATOR: "advantage_estimator",
         REWARD_SHAPER: "reward_shaper",
         BATCH_FILTER: "batch_filter",
     },
+    hyperparameter_keys={
+        POLICY_LOSS: {
+            # TRL's PPO-clip bounds, relative as in its dapo/grpo losses (epsilon_high None = unset)
+            "clip_ratio_low": FrameworkKey("epsilon", 0.2),
+            "clip_ratio_high": FrameworkKey("epsilon_high", None),
+        },
+        ADVANTAGE_ESTIMATOR: {
+            # scale_rewards: 'group' (TRL's default) -> True, 'none' -> False; 'batch' is refused
+            "norm_adv_by_std_in_grpo": FrameworkKey(
+                "scale_rewards", True, refuse_if_unused=True, spelled={True: "'group'", False: "'none'"}
+            ),
+        },
+    },
+    params_keys={
+        POLICY_LOSS: 'stablerl_loss_params={{"{name}": {value}}}',
+        ADVANTAGE_ESTIMATOR: 'stablerl_advantage_params={{"{name}": {value}}}',
+        REWARD_SHAPER: 'stablerl_reward_shaper_params={{"{name}": {value}}}',
+        BATCH_FILTER: 'stablerl_batch_filter_params={{"{name}": {value}}}',
+    },
+    usage="from stablerl.adapters.trl import GRPOTrainer, GRPOConfig  (instead of trl's)",
+    switches={"rollout_correction": "vllm_importance_sampling_correction"},
 )
 
+# ----------------------------------------------------------------------------- OpenRLHF 0.11.2
+
+# argparse choices of openrlhf/cli/train_ppo_ray.py
+OPENRLHF_BUILTIN_POLICY_LOSSES = ("ppo", "gspo")
+OPENRLHF_BUILTIN_ADV_ESTIMATORS = ("gae", "reinforce", "rloo", "reinforce_baseline", "group_norm", "dr_grpo", "flash_reinforce")
+OPENRLHF_COMMAND = "python -m stablerl.adapters.openrlhf.train_ppo_ray <your OpenRLHF flags>"
+
+_ORLHF_OLD_ENTROPY = "OpenRLHF's old-log-prob pass (PolicyModelActor.forward) returns log-probs only, no entropy"
 OPENRLHF = FrameworkSpec(
     name="openrlhf",
     distribution="openrlhf",
     supported=">=0.11.2,<0.11.3",
     adapter="stablerl.adapters.openrlhf",
     builtin_names={
-        POLICY_LOSS: frozenset(OPENRLHF_BUILTIN_POLICY_LOSSES),
-        ADVANTAGE_ESTIMATOR: frozenset(OPENRLHF_BUILTIN_ADV_ESTIMATORS),
+        POLICY_LOSS: OPENRLHF_BUILTIN_POLICY_LOSSES,  # tuples: OpenRLHF's argparse order
+        ADVANTAGE_ESTIMATOR: OPENRLHF_BUILTIN_ADV_ESTIMATORS,
     },
-    feedable=FEEDABLE_INPUTS["openrlhf"],
+    # the loss call passes rollout_log_probs only with --algo.advantage.is_correction_level token|seq; the
+    # adapter's training_step / Actor.forward patches feed entropy, token_ids and scores. Its advantage
+    # step groups responses by prompt (index); shapers and filters run there on the whole rollout batch.
+    feedable={
+        POLICY_LOSS: frozenset({"rollout_log_prob", "entropy", "token_ids", "scores"}),
+        ADVANTAGE_ESTIMATOR: frozenset({"index"}),
+        REWARD_SHAPER: _EXTENSION_INPUTS,
+        BATCH_FILTER: _EXTENSION_INPUTS,
+    },
+    why_not={
+        "*": {
+            "rollout_log_prob": "set --algo.advantage.is_correction_level token|seq (OpenRLHF requests vLLM "
+            "log-probs only then)",
+            "old_entropy": _ORLHF_OLD_ENTROPY,
+            "index": "OpenRLHF keeps no prompt groups at the loss: its replay buffer drops Experience.index "
+            "(split_experience_batch sets it to None) and its DataLoader shuffles rows across micro-batches (unless "
+            "ring attention, tensor parallelism or dynamic batching, which reorder them too), so a loss call sees "
+            "partial groups while the losses that take index need whole groups within the call",
+            "turn_ids": "OpenRLHF's experiences carry no per-token turn ids",
+        },
+        REWARD_SHAPER: {"entropy": _ORLHF_OLD_ENTROPY + ", at compute_advantages_and_returns"},
+        BATCH_FILTER: {"entropy": _ORLHF_OLD_ENTROPY + ", at compute_advantages_and_returns"},
+    },
     selection_keys={
         POLICY_LOSS: "--actor.policy_loss_type",
         ADVANTAGE_ESTIMATOR: "--algo.advantage.estimator",
         REWARD_SHAPER: "--algo.advantage.stablerl_reward_shaper",
         BATCH_FILTER: "--algo.advantage.stablerl_batch_filter",
     },
+    hyperparameter_keys={
+        POLICY_LOSS: {
+            # applied only when given on the command line (the wrapper reads argv)
+            "clip_ratio_low": FrameworkKey("--actor.eps_clip_low_high[0] / --actor.eps_clip", 0.2),
+            "clip_ratio_high": FrameworkKey("--actor.eps_clip_low_high[1] / --actor.eps_clip", 0.2),
+            "clip_ratio_c": FrameworkKey("--actor.dual_clip", None),
+        },
+        ADVANTAGE_ESTIMATOR: {
+            "norm_adv_by_std_in_grpo": FrameworkKey(
+                "--algo.advantage.no_std_norm", True, refuse_if_unused=True, spelled={False: "(given)", True: "(not given)"}
+            ),
+        },
+    },
+    params_keys={
+        POLICY_LOSS: "--actor.stablerl_params {name}={value}",
+        ADVANTAGE_ESTIMATOR: "--algo.advantage.stablerl_params {name}={value}",
+        REWARD_SHAPER: "--algo.advantage.stablerl_reward_shaper_params {name}={value}",
+        BATCH_FILTER: "--algo.advantage.stablerl_batch_filter_params {name}={value}",
+    },
+    usage=OPENRLHF_COMMAND,
+    switches={"rollout_correction": "--algo.advantage.is_correction_level"},
 )
+
+
+# ----------------------------------------------------------------------------- config lines (docs, describe)
+
+
+def _verl_lines(spec: AlgorithmSpec) -> list[str]:
+    fields = list(spec.defaults())
+    name = _first_name(VERL, spec)
+    if spec.kind in (REWARD_SHAPER, BATCH_FILTER):
+        key = "reward_shaper" if spec.kind == REWARD_SHAPER else "batch_filter"
+        return [f"+algorithm.stablerl_{key}={spec.name}"] + [f"+algorithm.stablerl_{key}_params.{f}=<value>" for f in fields]
+    if spec.kind == POLICY_LOSS:
+        lines = [f"{VERL.selection_keys[POLICY_LOSS]}={name}"]
+        if fields:
+            lines.append(_POLICY_LOSS + "_target_=stablerl.adapters.verl.StablePolicyLossConfig")
+            lines += [_verl_loss_key(f, "<value>") for f in fields if f not in VERL_POLICY_LOSS_FIELDS]
+            shared = [f for f in fields if f in VERL_POLICY_LOSS_FIELDS]
+            if shared:
+                lines.append(f"+{_POLICY_LOSS}stablerl_params={{" + ",".join(f"{f}:<value>" for f in shared) + "}")
+        shared = [f for f in fields if f in VERL.hyperparameter_keys[POLICY_LOSS]]
+        if shared:
+            lines.append("(verl's own " + ", ".join(VERL.hyperparameter_keys[POLICY_LOSS][f].key for f in shared)
+                         + " apply when set to a value other than verl's default)")
+        return lines
+    return [f"algorithm.adv_estimator={name}"] + [
+        (f"algorithm.{f}=<value>" if f == "norm_adv_by_std_in_grpo" else f"+algorithm.{f}=<value>") for f in fields
+    ]
+
+
+def _trl_lines(spec: AlgorithmSpec) -> list[str]:
+    fields = list(spec.defaults())
+    if spec.kind in (REWARD_SHAPER, BATCH_FILTER):
+        key = "reward_shaper" if spec.kind == REWARD_SHAPER else "batch_filter"
+        lines = ["from stablerl.adapters.trl import GRPOTrainer, GRPOConfig", f'GRPOConfig({key}="{spec.name}", ...)']
+        if fields:
+            example = ", ".join(f'"{f}": <value>' for f in fields)
+            lines.append(f"GRPOConfig(..., stablerl_{key}_params={{{example}}})")
+        if spec.kind == REWARD_SHAPER:
+            lines.append('(needs a stablerl advantage_estimator, e.g. "grpo")')
+        return lines
+    key = TRL.selection_keys[spec.kind]
+    params_key = "stablerl_loss_params" if spec.kind == POLICY_LOSS else "stablerl_advantage_params"
+    name = _first_name(TRL, spec)
+    lines = ["from stablerl.adapters.trl import GRPOTrainer, GRPOConfig", f'GRPOConfig({key}="{name}", ...)']
+    if fields:
+        example = ", ".join(f'"{f}": <value>' for f in fields)
+        lines.append(f"GRPOConfig(..., {params_key}={{{example}}})")
+        lines.append(f"CLI/YAML: --{key} {name} --{params_key} '{{{example}}}'")
+    return lines
+
+
+def _openrlhf_lines(spec: AlgorithmSpec) -> list[str]:
+    fields = list(spec.defaults())
+    if spec.kind in (REWARD_SHAPER, BATCH_FILTER):
+        key = "reward_shaper" if spec.kind == REWARD_SHAPER else "batch_filter"
+        lines = [OPENRLHF_COMMAND, f"  --algo.advantage.stablerl_{key} {spec.name}"]
+        if fields:
+            lines.append(f"  --algo.advantage.stablerl_{key}_params " + " ".join(f"{f}=<value>" for f in fields))
+        if spec.kind == BATCH_FILTER:
+            lines.append("  (dropped rows get action_mask 0; filters that repeat rows are refused)")
+        return lines
+    loss = spec.kind == POLICY_LOSS
+    flag, params_flag = (
+        ("--actor.policy_loss_type", "--actor.stablerl_params") if loss
+        else ("--algo.advantage.estimator", "--algo.advantage.stablerl_params")
+    )
+    lines = [OPENRLHF_COMMAND, f"  {flag} {_first_name(OPENRLHF, spec)}"]
+    if fields:
+        lines.append(f"  {params_flag} " + " ".join(f"{f}=<value>" for f in fields))
+    if loss and set(fields) & {"clip_ratio_low", "clip_ratio_high", "clip_ratio_c"}:
+        lines.append("  (--actor.eps_clip / --actor.eps_clip_low_high / --actor.dual_clip, when given, "
+                     "set clip_ratio_low/high/c)")
+    if "rollout_log_prob" in spec.requires:
+        lines.append("  --algo.advantage.is_correction_level token   # OpenRLHF passes vLLM log-probs only then")
+    if loss and "entropy" in spec.requires:
+        lines.append("  (entropy: the adapter has OpenRLHF's training forward return it; no flag needed)")
+    return lines
+
+
+def _first_name(framework: FrameworkSpec, spec: AlgorithmSpec) -> str:
+    from stablerl.frameworks import framework_names
+
+    return framework_names(framework, spec)[0]
+
+
+VERL = VERL.with_config_lines(_verl_lines)
+TRL = TRL.with_config_lines(_trl_lines)
+OPENRLHF = OPENRLHF.with_config_lines(_openrlhf_lines)
 
 
 @hookimpl

@@ -201,10 +201,11 @@ def compute_policy_loss(
         correction = get_spec(ROLLOUT_CORRECTION, rollout_correction)
         correction_params = build_params(correction, rollout_correction_params)
         if inputs.get("is_weights") is not None:
+            from .frameworks import switch_names
+
             raise StableRLError(
                 f"rollout_correction={rollout_correction!r} would be applied on top of the framework's own "
-                "rollout-correction weights (is_weights); disable one of them (verl: algorithm.rollout_correction.rollout_is; "
-                "TRL: vllm_importance_sampling_correction; OpenRLHF: --algo.advantage.is_correction_level)"
+                f"rollout-correction weights (is_weights); disable one of them ({switch_names('rollout_correction')})"
             )
         if rollout_log_prob is None:
             raise MissingInputError(

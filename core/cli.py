@@ -9,6 +9,17 @@ from importlib import metadata
 from typing import Optional
 
 from .contracts import KINDS, AlgorithmSpec
+from .frameworks import (
+    PRECEDENCE,
+    config_lines,
+    effective_hyperparameters,
+    format_settings,
+    get_framework,
+    list_frameworks,
+    load_adapter,
+    reach,
+    selectable_in,
+)
 from .params import StableRLError, UnknownNameError, unknown_name_message
 from .registry import get_registry
 
@@ -16,9 +27,7 @@ FRAMEWORK_DISTS = ("torch", "verl", "trl", "openrlhf", "transformers", "vllm", "
 
 
 def _frameworks(spec: AlgorithmSpec) -> list[str]:
-    from stablerl.adapters.config_keys import frameworks_for
-
-    return frameworks_for(spec)
+    return selectable_in(spec)
 
 
 def spec_summary(spec: AlgorithmSpec) -> dict:
@@ -52,8 +61,6 @@ def cmd_list(args: argparse.Namespace) -> int:
 
 
 def describe_text(spec: AlgorithmSpec) -> str:
-    from stablerl.adapters.config_keys import config_keys
-
     lines = [f"{spec.name}  ({spec.kind}, {spec.status})"]
     if spec.title:
         lines.append(spec.title)
@@ -74,7 +81,7 @@ def describe_text(spec: AlgorithmSpec) -> str:
     if spec.notes:
         lines.append(f"notes:     {spec.notes}")
     lines.append(f"plugin:    {spec.plugin}")
-    keys = config_keys(spec)
+    keys = config_lines(spec)
     for framework, cfg in keys.items():
         lines.append(f"{framework}:")
         lines += [f"  {line}" for line in cfg]
@@ -83,12 +90,29 @@ def describe_text(spec: AlgorithmSpec) -> str:
     return "\n".join(lines)
 
 
+def framework_settings_text(spec: AlgorithmSpec, framework: str) -> str:
+    """What ``spec`` runs with in ``framework`` when the user sets no key: the table each adapter
+    prints at start-up, with every framework key at the framework's own default."""
+    fw = get_framework(framework)
+    status, detail = reach(fw, spec)
+    if status != "selectable":
+        return f"{fw.name}: {spec.name!r} cannot be selected: {detail}"
+    defaults = {name: key.default for name, key in fw.hyperparameter_keys.get(spec.kind, {}).items()}
+    settings = effective_hyperparameters(fw, spec, {}, defaults)
+    return "\n".join([f"{fw.name}: select with {fw.selection_keys[spec.kind]}={detail}",
+                      format_settings(fw, spec, settings), PRECEDENCE])
+
+
 def cmd_describe(args: argparse.Namespace) -> int:
     registry = get_registry()
     matches = [s for s in registry.list() if s.name == args.name]
     if not matches:
         raise UnknownNameError(unknown_name_message("algorithm", args.name, {s.name for s in registry.list()}))
-    print("\n\n".join(describe_text(s) for s in matches))
+    if args.framework:
+        get_framework(args.framework)  # an unknown framework is an error naming the declared ones
+        print("\n\n".join(describe_text(s) + "\n\n" + framework_settings_text(s, args.framework) for s in matches))
+    else:
+        print("\n\n".join(describe_text(s) for s in matches))
     return 0
 
 
@@ -110,24 +134,19 @@ def doctor_report() -> dict:
         "algorithms": len(registry.specs),
         "frameworks": {},
     }
-    if report["packages"]["verl"]:
-        eps = [ep.value for ep in metadata.entry_points(group="verl.plugins") if ep.name == "stablerl"]
-        entry = {"entry_point": eps[0] if eps else None}
+    for fw in list_frameworks():  # the declared frameworks (built-in and third-party) that are installed
+        version = _version(fw.distribution)
+        if version is None:
+            continue
+        entry: dict = {"version": version, "supported": fw.supported, "adapter": fw.adapter}
         try:
-            from stablerl.adapters import verl as verl_adapter
-
-            entry.update(verl_adapter.registration_report())
+            adapter = load_adapter(fw.name)
+            report_fn = getattr(adapter, "doctor_report", None)  # what the adapter can say about itself
+            if callable(report_fn):
+                entry.update(report_fn())
         except Exception as e:  # noqa: BLE001 - doctor reports, never crashes
             entry["error"] = f"{type(e).__name__}: {e}"
-        report["frameworks"]["verl"] = entry
-    if report["packages"]["trl"]:
-        try:
-            from stablerl.adapters import trl as trl_adapter
-
-            entry = {"supported": trl_adapter.SUPPORTED_TRL, "adapter": "stablerl.adapters.trl.GRPOTrainer"}
-        except Exception as e:  # noqa: BLE001
-            entry = {"error": f"{type(e).__name__}: {e}"}
-        report["frameworks"]["trl"] = entry
+        report["frameworks"][fw.name] = entry
     return report
 
 
@@ -211,6 +230,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_list)
     p = sub.add_parser("describe", help="formula, defaults and config keys of one algorithm")
     p.add_argument("name")
+    p.add_argument("--framework", metavar="NAME",
+                   help="also print the effective hyper-parameters in that framework (verl, trl, openrlhf, or "
+                        "a third-party one) and where each value comes from")
     p.set_defaults(func=cmd_describe)
     p = sub.add_parser("doctor", help="installed frameworks, registration, plugin failures")
     p.add_argument("--json", action="store_true")

@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any, Callable, Mapping, Optional
 
-from .contracts import AlgorithmSpec
-from .params import UnknownNameError, unknown_name_message
+from .contracts import OPTIONAL_INPUTS, UNAVAILABLE, AlgorithmSpec
+from .params import MissingInputError, StableRLError, UnknownNameError, unknown_name_message
 
 
 @dataclass(frozen=True)
@@ -25,6 +25,15 @@ class FrameworkKey:
 
     key: str
     default: Any = None
+    # a value the user set for an algorithm without that hyper-parameter is refused, not ignored
+    # (framework knobs that change advantages: TRL's scale_rewards, OpenRLHF's no_std_norm)
+    refuse_if_unused: bool = False
+    # how the framework spells a stablerl value, e.g. TRL's scale_rewards: {False: "'none'"}
+    spelled: Optional[Mapping[Any, str]] = None
+
+    def show(self, value: Any) -> str:
+        spelled = (self.spelled or {}).get(value) if not isinstance(value, (list, dict)) else None
+        return f"{self.key}={spelled if spelled is not None else value}"
 
 
 @dataclass(frozen=True)
@@ -39,24 +48,41 @@ class FrameworkSpec:
     builtin_names: Mapping[str, frozenset] = field(default_factory=dict)
     # kind -> optional inputs (contracts.OPTIONAL_INPUTS) the adapter can feed to that kind
     feedable: Mapping[str, frozenset] = field(default_factory=dict)
-    # input -> why the framework cannot feed it (shown when an algorithm needing it is refused)
-    why_not: Mapping[str, str] = field(default_factory=dict)
+    # kind (or "*" for every kind) -> input -> why the framework cannot feed it (shown on refusal)
+    why_not: Mapping[str, Mapping[str, str]] = field(default_factory=dict)
     # kind -> the config key / flag that selects an algorithm of that kind
     selection_keys: Mapping[str, str] = field(default_factory=dict)
-    # stablerl hyper-parameter name -> the framework key that also sets it (see hyperparameters.py)
-    hyperparameter_keys: Mapping[str, FrameworkKey] = field(default_factory=dict)
+    # kind -> stablerl hyper-parameter name -> the framework key that also sets it, with the
+    # framework's default (see effective_hyperparameters for the precedence)
+    hyperparameter_keys: Mapping[str, Mapping[str, FrameworkKey]] = field(default_factory=dict)
+    # kind -> how a user sets a stablerl hyper-parameter in this framework: a template with {name}
+    # and {value}, e.g. "+actor_rollout_ref.actor.policy_loss.{name}={value}", or a function (name, value) -> str
+    params_keys: Mapping[str, Any] = field(default_factory=dict)
     prefix: str = "stablerl_"
     # spec -> the config lines that select spec and set its hyper-parameters (docs, `stablerl describe`)
     config_lines: Optional[Callable[[AlgorithmSpec], list]] = None
     # how to install the adapter / run the framework with it (one line, for docs)
     usage: str = ""
+    # named framework switches core's messages refer to, e.g. {"rollout_correction": "<the key that
+    # turns the framework's own rollout-correction weights off>"}
+    switches: Mapping[str, str] = field(default_factory=dict)
+
+    def with_config_lines(self, fn: Callable[[AlgorithmSpec], list]) -> "FrameworkSpec":
+        from dataclasses import replace
+
+        return replace(self, config_lines=fn)
+
+    def why(self, kind: str, input_name: str) -> str:
+        """Why this framework cannot feed ``input_name`` to an algorithm of ``kind``."""
+        return (self.why_not.get(kind, {}).get(input_name) or self.why_not.get("*", {}).get(input_name)
+                or OPTIONAL_INPUTS.get(input_name, "not provided"))
 
 
 def list_frameworks() -> list[FrameworkSpec]:
     """Every framework declared through ``register_frameworks`` (built-in and third-party)."""
     from .registry import get_registry
 
-    return sorted(get_registry().frameworks.values(), key=lambda f: f.name)
+    return list(get_registry().frameworks.values())  # in declaration order
 
 
 def get_framework(name: str) -> FrameworkSpec:
@@ -73,5 +99,269 @@ def get_framework(name: str) -> FrameworkSpec:
 def load_adapter(name: str) -> ModuleType:
     """Import and return the adapter module of framework ``name`` (this imports the framework)."""
     return importlib.import_module(get_framework(name).adapter)
+
+
+# ----------------------------------------------------------------------------- names
+
+
+def framework_names(framework: FrameworkSpec, spec: AlgorithmSpec) -> list[str]:
+    """The names under which ``framework`` selects ``spec``, preferred first: the bare name where the
+    framework has no built-in of that name, and always ``prefix + name``."""
+    prefixed = framework.prefix + spec.name
+    if spec.name in framework.builtin_names.get(spec.kind, ()) or spec.name.startswith(framework.prefix):
+        return [prefixed]
+    return [spec.name, prefixed]
+
+
+def missing_inputs(framework: FrameworkSpec, spec: AlgorithmSpec, extra: Any = (), feedable: Any = None) -> list[str]:
+    """The inputs ``spec`` requires that ``framework`` cannot feed. ``feedable``: what this run can
+    feed, when narrower than the declaration (TRL's vLLM log-probs only with its IS correction on);
+    ``extra``: inputs this run feeds beyond it (a TRL trainer subclass's own)."""
+    can = set(framework.feedable.get(spec.kind, ()) if feedable is None else feedable) | set(extra)
+    return [r for r in spec.requires if r not in can]
+
+
+def why_missing(framework: FrameworkSpec, spec: AlgorithmSpec, missing: list[str]) -> str:
+    """One sentence per missing input: why the framework cannot feed it (or what it is)."""
+    return "; ".join(f"{m}: {framework.why(spec.kind, m)}" for m in missing)
+
+
+def reach(framework: FrameworkSpec, spec: AlgorithmSpec) -> tuple[str, str]:
+    """``("selectable", name)`` or ``("refused", reason)``: can a user of ``framework`` select ``spec``."""
+    if spec.status == UNAVAILABLE:
+        return "refused", f"unavailable: {spec.notes}"
+    if spec.kind not in framework.selection_keys:
+        return "refused", f"{framework.name} has no config key for a {spec.kind.replace('_', ' ')}"
+    missing = missing_inputs(framework, spec)
+    if missing:
+        return "refused", f"needs {', '.join(missing)} ({why_missing(framework, spec, missing)})"
+    return "selectable", framework_names(framework, spec)[0]
+
+
+def selectable_names(framework: FrameworkSpec, kind: str, extra_inputs: Any = ()) -> list[str]:
+    """The framework's own names of ``kind``, then every stablerl algorithm it can feed, as selected."""
+    from .api import list_algorithms
+
+    own = framework.builtin_names.get(kind, ())
+    out = list(own) if isinstance(own, (tuple, list)) else sorted(own)  # a declared order is kept
+    for spec in list_algorithms(kind):
+        if spec.status != UNAVAILABLE and not missing_inputs(framework, spec, extra_inputs):
+            out.append(framework_names(framework, spec)[0])
+    return out
+
+
+def resolve(framework: FrameworkSpec | str, kind: str, name: Optional[str], extra_inputs: Any = (),
+            feedable: Any = None) -> Optional[str]:
+    """The stablerl algorithm that ``name`` selects in ``framework``, or ``None`` for the framework's
+    own algorithm of that name (or no name).
+
+    One rule for every framework: a framework's built-in name keeps the framework's code;
+    ``prefix + name`` always selects stablerl's; a bare stablerl name selects it where the framework
+    has no built-in of that name. Unknown names raise :class:`UnknownNameError` with the nearest
+    valid one; an unavailable algorithm raises with its reason; an algorithm whose inputs the
+    framework cannot feed raises :class:`MissingInputError` saying why.
+    """
+    from .api import get_spec
+    from .registry import get_registry
+
+    fw = get_framework(framework) if isinstance(framework, str) else framework
+    if name is None or name == "":
+        return None
+    if name in fw.builtin_names.get(kind, ()):
+        return None
+    bare = name[len(fw.prefix):] if name.startswith(fw.prefix) else name
+    key = fw.selection_keys.get(kind, kind.replace("_", " "))
+    if bare not in get_registry().names(kind):
+        own = sorted(fw.builtin_names.get(kind, ()))
+        raise UnknownNameError(
+            unknown_name_message(f"{fw.name} {key} value", name, selectable_names(fw, kind, extra_inputs))
+            + (f" ({fw.name}'s own: {', '.join(own)}; " if own else " (")
+            + f"any stablerl {kind.replace('_', ' ')} also as '{fw.prefix}<name>')"
+        )
+    spec = get_spec(kind, bare)  # raises for 'unavailable' entries, with the reason
+    missing = missing_inputs(fw, spec, extra_inputs, feedable)
+    if missing:
+        raise MissingInputError(
+            f"{kind.replace('_', ' ')} {bare!r} ({key}={name}) needs input(s) {fw.name} cannot provide "
+            f"({why_missing(fw, spec, missing)})"
+        )
+    return bare
+
+
+def selectable_in(spec: AlgorithmSpec) -> list[str]:
+    """The frameworks (declaration order) whose users can select ``spec`` by a config key."""
+    return [fw.name for fw in list_frameworks() if reach(fw, spec)[0] == "selectable"]
+
+
+def config_lines(spec: AlgorithmSpec) -> dict[str, list[str]]:
+    """Per framework that can select ``spec``: the config lines that select it and set its
+    hyper-parameters (``stablerl describe`` and the generated docs)."""
+    out: dict[str, list[str]] = {}
+    for fw in list_frameworks():
+        if fw.config_lines is not None and reach(fw, spec)[0] == "selectable":
+            out[fw.name] = list(fw.config_lines(spec))
+    return out
+
+
+# ----------------------------------------------------------------------------- hyper-parameters
+
+#: where an effective hyper-parameter value came from, highest precedence first
+FROM_STABLERL_KEY = "stablerl key"
+FROM_FRAMEWORK_KEY = "framework key"
+FROM_PAPER_DEFAULT = "paper default"
+
+PRECEDENCE = (
+    "One precedence rule in every framework: (1) a stablerl key (verl: policy_loss./algorithm. fields, "
+    "TRL: stablerl_*_params, OpenRLHF: --*.stablerl_params) > (2) a framework key the user set (verl's "
+    "actor clip keys at a value other than verl's default, TRL's epsilon/epsilon_high, OpenRLHF's clip "
+    "flags given on the command line) > (3) the paper's default. A framework key left at the framework's "
+    "own default never replaces a paper default; where the two differ, start-up says so and names the key."
+)
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One effective hyper-parameter: its value, where it came from, and the key that sets it."""
+
+    name: str
+    value: Any
+    source: str  # FROM_STABLERL_KEY, FROM_FRAMEWORK_KEY or FROM_PAPER_DEFAULT
+    key: str  # the key that set it, or the stablerl key that would set it
+    note: str = ""  # e.g. a framework default that differs from the paper default and was not used
+
+
+def stablerl_key(framework: FrameworkSpec, kind: str, name: str, value: Any = "<value>") -> str:
+    template = framework.params_keys.get(kind)
+    if callable(template):
+        return template(name, value)
+    return template.format(name=name, value=value) if template else f"{name}={value}"
+
+
+def effective_hyperparameters(
+    framework: FrameworkSpec | str,
+    spec: AlgorithmSpec,
+    stablerl_params: Optional[Mapping[str, Any]] = None,
+    framework_values: Optional[Mapping[str, Any]] = None,
+    user_set: Optional[Any] = None,
+) -> list[Setting]:
+    """Every hyper-parameter of ``spec`` as it will run in ``framework``, under :data:`PRECEDENCE`.
+
+    ``stablerl_params``: the stablerl keys the user set. ``framework_values``: stablerl name -> the
+    value of the framework key declared for it (``FrameworkSpec.hyperparameter_keys``), as read from
+    the framework's config. ``user_set``: the names whose framework key the user set explicitly, when
+    the framework can tell (OpenRLHF's command line); otherwise a framework value counts as set when
+    it differs from the framework's declared default.
+    """
+    fw = get_framework(framework) if isinstance(framework, str) else framework
+    stablerl_params = dict(stablerl_params or {})
+    framework_values = dict(framework_values or {})
+    keys = fw.hyperparameter_keys.get(spec.kind, {})
+    defaults = spec.defaults()
+    for name in stablerl_params:  # a typo is an error naming the valid keys, never a silently dropped value
+        if name not in defaults:
+            raise UnknownNameError(unknown_name_message(f"hyper-parameter for {spec.name!r}", name, defaults))
+    out: list[Setting] = []
+    for name, default in defaults.items():
+        own_key = stablerl_key(fw, spec.kind, name)
+        if name in stablerl_params:
+            out.append(Setting(name, stablerl_params[name], FROM_STABLERL_KEY,
+                               stablerl_key(fw, spec.kind, name, stablerl_params[name])))
+            continue
+        fk = keys.get(name)
+        value = framework_values.get(name)
+        if fk is not None and value is not None:
+            explicitly = (name in user_set) if user_set is not None else not _same(value, fk.default)
+            if explicitly:
+                out.append(Setting(name, value, FROM_FRAMEWORK_KEY, fk.show(value)))
+                continue
+            if not _same(value, default):
+                out.append(Setting(
+                    name, default, FROM_PAPER_DEFAULT, own_key,
+                    note=f"{fk.show(value)} is {fw.name}'s default, not applied; to run with it set "
+                         f"{stablerl_key(fw, spec.kind, name, value)}",
+                ))
+                continue
+        out.append(Setting(name, default, FROM_PAPER_DEFAULT, own_key))
+    return out
+
+
+def check_framework_keys_used(
+    framework: FrameworkSpec | str, spec: AlgorithmSpec, framework_values: Optional[Mapping[str, Any]] = None,
+    user_set: Optional[Any] = None,
+) -> None:
+    """Refuse a framework knob the user set that ``spec`` has no hyper-parameter for, where ignoring it
+    would silently change the run (``FrameworkKey.refuse_if_unused``: knobs that change advantages)."""
+    fw = get_framework(framework) if isinstance(framework, str) else framework
+    fields = set(spec.defaults())
+    for name, fk in fw.hyperparameter_keys.get(spec.kind, {}).items():
+        value = (framework_values or {}).get(name)
+        if not fk.refuse_if_unused or name in fields or value is None:
+            continue
+        explicitly = (name in user_set) if user_set is not None else not _same(value, fk.default)
+        if explicitly:
+            raise StableRLError(
+                f"{fw.name}: {fk.show(value)} has no effect on the stablerl {spec.kind.replace('_', ' ')} "
+                f"{spec.name!r} (it has no {name!r}); remove it, or choose an algorithm with that "
+                f"hyper-parameter (ignoring it would change your advantages without a word)"
+            )
+
+
+def _same(a: Any, b: Any) -> bool:
+    try:
+        return a == b or (a is not None and b is not None and float(a) == float(b))
+    except (TypeError, ValueError):
+        return False
+
+
+def as_params(settings: list[Setting]) -> dict[str, Any]:
+    """The keyword arguments for ``compute_policy_loss`` / ``compute_advantage``: every value that is
+    not the paper default (the defaults are the Params dataclass's own)."""
+    return {s.name: s.value for s in settings if s.source != FROM_PAPER_DEFAULT}
+
+
+def format_settings(framework: FrameworkSpec | str, spec: AlgorithmSpec, settings: list[Setting]) -> str:
+    """The effective-settings table printed at start-up and by ``stablerl describe --framework``."""
+    fw = get_framework(framework) if isinstance(framework, str) else framework
+    head = f"stablerl/{fw.name}: {spec.kind.replace('_', ' ')} {spec.name!r} runs with"
+    if not settings:
+        return head + " no hyper-parameters"
+    w = max(len(s.name) for s in settings)
+    v = max(len(repr(s.value)) for s in settings)
+    lines = [head + ":"]
+    for s in settings:
+        lines.append(f"  {s.name:<{w}} = {s.value!r:<{v}}  ({s.source}: {s.key})")
+        if s.note:
+            lines.append(f"  {'':<{w}}   note: {s.note}")
+    return "\n".join(lines)
+
+
+_LOGGED: set = set()
+
+
+def log_effective_settings(framework: FrameworkSpec | str, spec: AlgorithmSpec, settings: list[Setting],
+                           logger: Any = None) -> str:
+    """Print the effective-settings table to stderr once per process and selection (Ray forwards a
+    worker's stderr to the driver's console, and no logging set-up can hide it), and log each note (a
+    framework default that differs from the paper's and was not applied) as a WARNING."""
+    import logging
+    import sys
+
+    fw = get_framework(framework) if isinstance(framework, str) else framework
+    logger = logger or logging.getLogger(f"stablerl.adapters.{fw.name}")
+    table = format_settings(fw, spec, settings)
+    key = (fw.name, spec.kind, spec.name, table)
+    if key not in _LOGGED:
+        _LOGGED.add(key)
+        print(table, file=sys.stderr, flush=True)
+        for s in settings:
+            if s.note:
+                logger.warning("stablerl/%s: %s %s = %r (paper default): %s", fw.name, spec.name, s.name, s.value, s.note)
+    return table
+
+
+def switch_names(switch: str) -> str:
+    """``"verl: <key>; trl: <key>; ..."`` for a named framework switch (core's error messages name the
+    frameworks' keys through the declarations, never by writing them itself)."""
+    return "; ".join(f"{fw.name}: {fw.switches[switch]}" for fw in list_frameworks() if switch in fw.switches)
 
 from .framework_batch import FilteredBatch, apply_filter_result, loss_inputs, pending_loss_inputs  # noqa: E402,F401

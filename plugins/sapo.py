@@ -70,11 +70,13 @@ def sapo_loss(b, p: SAPOParams, ctx):
     adv = b.broadcast_advantages
     log_ratio = clamped_log_ratio(b.log_prob, b.old_log_prob)
     ratio = torch.exp(log_ratio)
-    # A == 0 takes tau_neg (as verl); the loss is 0 there either way (0-dim bounds: no [B, T] fills)
+    # A == 0 takes tau_neg (as verl); the loss is 0 there either way (0-dim bounds: no [B, T] fills).
+    # The temperatures take the ratio's (compute) dtype, not the advantages': fp32 advantages with fp64
+    # log-probs would otherwise round tau_neg=1.05 to fp32, and integer advantages would truncate it.
     tau = torch.where(
         adv > 0,
-        torch.tensor(p.tau_pos, dtype=adv.dtype, device=adv.device),
-        torch.tensor(p.tau_neg, dtype=adv.dtype, device=adv.device),
+        torch.tensor(p.tau_pos, dtype=ratio.dtype, device=adv.device),
+        torch.tensor(p.tau_neg, dtype=ratio.dtype, device=adv.device),
     )
     s = torch.sigmoid(tau * (ratio - 1.0))
     # a [B, 1] tau makes 4 / tau [B, 1] too: the plain product keeps nothing large for backward and

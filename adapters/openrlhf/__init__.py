@@ -65,46 +65,30 @@ from typing import Any, Optional
 SUPPORTED_OPENRLHF = ">=0.11.2,<0.11.3"
 _MIN, _MAX = (0, 11, 2), (0, 11, 3)
 
-#: OpenRLHF 0.11.2's own names (argparse choices of ``openrlhf/cli/train_ppo_ray.py``) and the
-#: inputs the adapter can feed: one source with ``stablerl describe`` (stablerl.adapters.config_keys).
-#: ``rollout_log_prob`` exists only while ``--algo.advantage.is_correction_level`` is not ``off``.
-from stablerl.adapters.config_keys import (  # noqa: E402  (framework-free)
-    FEEDABLE_INPUTS as _FEEDABLE,
-    OPENRLHF_BUILTIN_ADV_ESTIMATORS as OPENRLHF_ADV_ESTIMATORS,
-    OPENRLHF_BUILTIN_POLICY_LOSSES as OPENRLHF_POLICY_LOSSES,
-    OPENRLHF_PREFIX as PREFIX,
-)
 from stablerl.adapters import _post_import as post_import  # noqa: E402
 from stablerl.adapters._patching import PatchLedger  # noqa: E402
 from stablerl.adapters._versions import version_tuple  # noqa: E402
 from stablerl.contracts import ADVANTAGE_ESTIMATOR as _ADV, POLICY_LOSS as _LOSS  # noqa: E402
 from stablerl.contracts import BATCH_FILTER as _FILTER, REWARD_SHAPER as _SHAPER  # noqa: E402
+from stablerl.frameworks import get_framework as _get_framework  # noqa: E402
 
-FEEDABLE_LOSS_INPUTS = _FEEDABLE["openrlhf"][_LOSS]
-FEEDABLE_ADVANTAGE_INPUTS = _FEEDABLE["openrlhf"][_ADV]
-#: entropy, token_ids and scores are fed by the training_step / Actor.forward patches (._inputs).
-_WHY_NOT = {
-    "rollout_log_prob": "set --algo.advantage.is_correction_level token|seq (OpenRLHF requests vLLM log-probs only then)",
-    "old_entropy": "OpenRLHF's old-log-prob pass (PolicyModelActor.forward) returns log-probs only, no entropy",
-    "index": "OpenRLHF keeps no prompt groups at the loss: its replay buffer drops Experience.index "
-    "(split_experience_batch sets it to None) and its DataLoader shuffles rows across micro-batches (unless ring "
-    "attention, tensor parallelism or dynamic batching, which reorder them too), so a loss call sees partial groups "
-    "while the losses that take index need whole groups within the call",
-    "turn_ids": "OpenRLHF's experiences carry no per-token turn ids",
-}
+#: OpenRLHF 0.11.2's own names (argparse choices of ``openrlhf/cli/train_ppo_ray.py``), the inputs the
+#: adapter can feed and why not: declared once (stablerl.adapters.frameworks), read here and by
+#: ``stablerl describe``. ``rollout_log_prob`` exists only while ``--algo.advantage.is_correction_level``
+#: is not ``off``; entropy, token_ids and scores are fed by the training_step / Actor.forward patches (._inputs).
+OPENRLHF = _get_framework("openrlhf")
+OPENRLHF_POLICY_LOSSES = tuple(OPENRLHF.builtin_names[_LOSS])
+OPENRLHF_ADV_ESTIMATORS = tuple(OPENRLHF.builtin_names[_ADV])
+PREFIX = OPENRLHF.prefix
+FEEDABLE_LOSS_INPUTS = OPENRLHF.feedable[_LOSS]
+FEEDABLE_ADVANTAGE_INPUTS = OPENRLHF.feedable[_ADV]
 
 #: Reward shapers and batch filters run at compute_advantages_and_returns on the whole rollout batch
 #: (``_shape_filter``): prompt groups, the per-response rewards / the reward function's scores, the
 #: response lengths, and per-response values of the user's reward function (its ``extra_logs``, which
 #: OpenRLHF copies into ``experience.info``).
-FEEDABLE_EXTENSION_INPUTS = _FEEDABLE["openrlhf"][_SHAPER] | _FEEDABLE["openrlhf"][_FILTER]
+FEEDABLE_EXTENSION_INPUTS = OPENRLHF.feedable[_SHAPER] | OPENRLHF.feedable[_FILTER]
 REWARD_FUNCTION_INPUTS = tuple(sorted(FEEDABLE_EXTENSION_INPUTS - {"index", "scores", "lengths"}))
-_WHY_NOT_EXTENSION = {
-    "entropy": "OpenRLHF's old-log-prob pass (PolicyModelActor.forward) returns log-probs only, no per-token "
-    "entropy, at compute_advantages_and_returns",
-    "old_entropy": _WHY_NOT["old_entropy"],
-    "turn_ids": _WHY_NOT["turn_ids"],
-}
 SHAPER_FLAG = "--algo.advantage.stablerl_reward_shaper"
 FILTER_FLAG = "--algo.advantage.stablerl_batch_filter"
 
@@ -199,80 +183,57 @@ def _registry_names(kind: str) -> list[str]:
     return [s.name for s in stablerl.list_algorithms(kind) if s.status != stablerl.UNAVAILABLE]
 
 
-def _feedable(kind: str) -> frozenset:
-    from stablerl.contracts import POLICY_LOSS
-
-    return FEEDABLE_LOSS_INPUTS if kind == POLICY_LOSS else FEEDABLE_ADVANTAGE_INPUTS
-
-
 def openrlhf_choices(kind: str) -> list[str]:
     """The names the wrapper's argparse lists: OpenRLHF's, then every stablerl algorithm OpenRLHF
     can feed (bare where free, ``stablerl_<name>`` where OpenRLHF has the same name)."""
-    import stablerl
+    from stablerl.frameworks import selectable_names
 
-    builtins = OPENRLHF_POLICY_LOSSES if kind == stablerl.POLICY_LOSS else OPENRLHF_ADV_ESTIMATORS
-    out = list(builtins)
-    for spec in stablerl.list_algorithms(kind):
-        if spec.status == stablerl.UNAVAILABLE or not set(spec.requires) <= _feedable(kind):
-            continue
-        out.append(PREFIX + spec.name if spec.name in builtins else spec.name)
-    return out
+    return selectable_names(OPENRLHF, kind)
 
 
 def resolve(kind: str, name: Optional[str]) -> Optional[str]:
-    """The stablerl algorithm ``name`` selects, or None for an OpenRLHF built-in (or None).
+    """The stablerl algorithm ``name`` selects, or None for an OpenRLHF built-in (or None): core's one
+    rule for every framework (:func:`stablerl.frameworks.resolve`). Unknown names raise
+    :class:`stablerl.UnknownNameError` listing the valid ones; inputs OpenRLHF cannot feed raise
+    :class:`stablerl.MissingInputError` saying why."""
+    from stablerl.frameworks import resolve as resolve_in
 
-    Unknown names raise :class:`stablerl.UnknownNameError` listing the valid ones.
-    """
-    import stablerl
-    from stablerl.params import UnknownNameError, unknown_name_message
-
-    if name is None:
-        return None
-    builtins = OPENRLHF_POLICY_LOSSES if kind == stablerl.POLICY_LOSS else OPENRLHF_ADV_ESTIMATORS
-    if name in builtins:
-        return None
-    bare = name[len(PREFIX):] if name.startswith(PREFIX) else name
-    registered = stablerl.get_registry().names(kind)
-    if bare not in registered:
-        what = "--actor.policy_loss_type" if kind == stablerl.POLICY_LOSS else "--algo.advantage.estimator"
-        raise UnknownNameError(unknown_name_message(what, name, openrlhf_choices(kind)))
-    spec = stablerl.get_spec(kind, bare)  # raises for 'unavailable' entries, with the reason
-    missing = [r for r in spec.requires if r not in _feedable(kind)]
-    if missing:
-        reasons = "; ".join(f"{m}: {_WHY_NOT.get(m, 'not provided by OpenRLHF')}" for m in missing)
-        raise stablerl.MissingInputError(f"{kind.replace('_', ' ')} {bare!r} needs input(s) OpenRLHF cannot provide ({reasons})")
-    return bare
+    return resolve_in(OPENRLHF, kind, name)
 
 
 def extension_choices(kind: str) -> list[str]:
     """The reward shapers / batch filters OpenRLHF can feed (names of the wrapper's argparse choices)."""
-    import stablerl
-
-    return [s.name for s in stablerl.list_algorithms(kind)
-            if s.status != stablerl.UNAVAILABLE and set(s.requires) <= FEEDABLE_EXTENSION_INPUTS]
+    return openrlhf_choices(kind)
 
 
 def resolve_extension(kind: str, name: Optional[str]) -> Optional[str]:
-    """The stablerl reward shaper / batch filter ``name`` (None: none). Unknown names raise
-    :class:`stablerl.UnknownNameError` with the nearest one; inputs OpenRLHF cannot provide at its
-    advantage step raise :class:`stablerl.MissingInputError` with the reason."""
-    import stablerl
-    from stablerl.params import UnknownNameError, unknown_name_message
+    """The stablerl reward shaper / batch filter ``name`` (None: none), under the same rule as :func:`resolve`."""
+    return resolve(kind, name)
 
-    if name is None or name == "":
-        return None
-    flag = SHAPER_FLAG if kind == _SHAPER else FILTER_FLAG
-    if name not in stablerl.get_registry().names(kind):
-        raise UnknownNameError(unknown_name_message(flag, name, extension_choices(kind)))
-    spec = stablerl.get_spec(kind, name)  # raises for 'unavailable' entries, with the reason
-    missing = [r for r in spec.requires if r not in FEEDABLE_EXTENSION_INPUTS]
-    if missing:
-        reasons = "; ".join(f"{m}: {_WHY_NOT_EXTENSION.get(m, 'not provided by OpenRLHF')}" for m in missing)
-        raise stablerl.MissingInputError(
-            f"{kind.replace('_', ' ')} {name!r} ({flag}) needs input(s) OpenRLHF cannot provide ({reasons})"
-        )
-    return name
+
+def loss_settings(selection: "Selection") -> list:
+    """The effective hyper-parameters of the selected stablerl loss, with their sources (one precedence
+    rule, :data:`stablerl.frameworks.PRECEDENCE`): ``--actor.stablerl_params`` > the OpenRLHF clip flags
+    given on the command line (``selection.openrlhf_clip``) > the paper's defaults."""
+    import stablerl
+    from stablerl.frameworks import effective_hyperparameters
+
+    clip = dict(selection.openrlhf_clip or {})
+    return effective_hyperparameters(OPENRLHF, stablerl.get_spec(_LOSS, selection.policy_loss),
+                                     selection.policy_loss_params, clip, user_set=set(clip))
+
+
+def advantage_settings(selection: "Selection") -> list:
+    """The effective hyper-parameters of the selected stablerl estimator: ``--algo.advantage.stablerl_params``
+    > ``--algo.advantage.no_std_norm`` when given (``selection.openrlhf_advantage``; refused for an
+    estimator without a std-normalisation switch) > the paper's defaults."""
+    import stablerl
+    from stablerl.frameworks import check_framework_keys_used, effective_hyperparameters
+
+    spec = stablerl.get_spec(_ADV, selection.advantage_estimator)
+    given = dict(selection.openrlhf_advantage or {})
+    check_framework_keys_used(OPENRLHF, spec, given, user_set=set(given))
+    return effective_hyperparameters(OPENRLHF, spec, selection.advantage_params, given, user_set=set(given))
 
 
 def parse_params(value: Any, flag: str) -> dict[str, Any]:
@@ -320,6 +281,12 @@ class Selection:
     #: --actor.dual_clip) as clip_ratio_low/high/c: they set those fields of a stablerl loss that
     #: has them. Flags left at OpenRLHF's defaults leave the paper's defaults in place.
     openrlhf_clip: dict = field(default_factory=dict)
+    #: --algo.advantage.no_std_norm given: {"norm_adv_by_std_in_grpo": False} (honoured where the stablerl
+    #: estimator has the switch, refused where it has not)
+    openrlhf_advantage: dict = field(default_factory=dict)
+    #: --reward.clip_range given on the command line: OpenRLHF's clamp of the baseline-shaped reward, then
+    #: applied to the stablerl estimator's advantages too; its default is not (one behaviour in every framework)
+    reward_clip_range: Optional[tuple] = None
     #: MoE routing replay (--actor.stablerl_routing_replay): "R2", "R3", or None (native routing)
     routing_replay: Optional[str] = None
     #: --algo.advantage.stablerl_reward_shaper / --algo.advantage.stablerl_batch_filter (None: none)
@@ -339,6 +306,7 @@ class Selection:
             raise stablerl.StableRLError("stablerl loss hyper-parameters given, but --actor.policy_loss_type is an OpenRLHF built-in")
         if self.advantage_estimator is not None:
             build_params(stablerl.get_spec(stablerl.ADVANTAGE_ESTIMATOR, self.advantage_estimator), self.advantage_params)
+            advantage_settings(self)  # a framework knob the estimator cannot honour is refused here, in the driver
         elif self.advantage_params:
             raise stablerl.StableRLError(
                 "stablerl advantage hyper-parameters given, but --algo.advantage.estimator is an OpenRLHF built-in"
@@ -663,6 +631,6 @@ def __getattr__(name: str):
 __all__ = [
     "SUPPORTED_OPENRLHF", "OPENRLHF_POLICY_LOSSES", "OPENRLHF_ADV_ESTIMATORS", "PREFIX", "Selection",
     "UnsupportedOpenRLHFVersionError", "check_openrlhf", "openrlhf_choices", "resolve", "parse_params",
-    "extension_choices", "resolve_extension",
+    "extension_choices", "resolve_extension", "loss_settings", "advantage_settings", "OPENRLHF",
     "selection_from_args", "setup", "apply", "remove", "is_applied", "add_setup_hook", "StablePolicyLoss",
 ]

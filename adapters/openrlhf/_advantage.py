@@ -8,7 +8,8 @@ Imported only in OpenRLHF's trainer worker (or by tests). OpenRLHF's order is ke
    ``experience.index // n_samples_per_prompt``), placed on the last valid token, and
    ``stablerl.compute_advantage`` runs once over the whole rollout batch;
 3. OpenRLHF's ``compute_reward`` then adds ``-kl_coef * kl`` per token after the baseline (never
-   normalised) and its ``--reward.clip_range`` clamps the baseline-shaped value, and OpenRLHF's
+   normalised) and ``--reward.clip_range``, when given on the command line, clamps the baseline-shaped
+   value (its default is not applied to a stablerl estimator: one behaviour in every framework), and OpenRLHF's
    ``get_cumulative_returns`` (gamma 1, as for every group estimator) turns the per-token KL
    reward into returns: ``A = clamp(A_stablerl) + cumsum_reversed(-kl_coef * kl)``;
 4. ``info["return"]`` is set and ``experience.kl`` cleared, as OpenRLHF does; no global whitening
@@ -29,7 +30,9 @@ from stablerl.ops import scores_on_last_token
 from openrlhf.models.utils import compute_reward
 from openrlhf.trainer.ppo_utils.length_penalty import apply_length_penalties
 
-from . import Selection
+from stablerl.frameworks import as_params, log_effective_settings
+
+from . import OPENRLHF, Selection, advantage_settings
 
 
 def _group_reward_std(rewards: torch.Tensor, n: int, indices: torch.Tensor, exp_len: list[int]):
@@ -66,16 +69,21 @@ def stable_advantages_and_returns(maker, experiences, selection: Selection):
         masks.append(mask)
         token_rewards.append(scores_on_last_token(experience.rewards.to(mask.dtype), mask) * mask)
     mask_all = torch.cat(masks)
+    settings = advantage_settings(selection)  # one precedence rule; printed once per process
+    log_effective_settings(OPENRLHF, stablerl.get_spec(stablerl.ADVANTAGE_ESTIMATOR, selection.advantage_estimator),
+                           settings)
     advantages, returns = stablerl.compute_advantage(
         selection.advantage_estimator,
         token_level_rewards=torch.cat(token_rewards),
         response_mask=mask_all,
         index=torch.div(indices, n, rounding_mode="floor"),  # OpenRLHF's prompt groups
         ctx=stablerl.Context(),
-        **selection.advantage_params,
+        **as_params(settings),
     )
 
-    clip_range = args.reward.clip_range
+    # OpenRLHF's clamp of the baseline-shaped reward: only when the user gave --reward.clip_range (its
+    # default (-10, 10) would cut a stablerl estimator's advantages in OpenRLHF alone)
+    clip_range = selection.reward_clip_range
     for experience, adv, ret in zip(experiences, advantages.split(exp_len), returns.split(exp_len)):
         mask = experience.action_mask
         t = mask.shape[1]

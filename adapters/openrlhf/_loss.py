@@ -247,16 +247,21 @@ def build_policy_loss(args, selection: Selection, strategy=None) -> StablePolicy
         is_correction_mode=args.algo.advantage.is_correction_mode,
         is_correction_gating=args.algo.advantage.is_correction_gating,
         is_correction_threshold=args.algo.advantage.is_correction_threshold,
-        stablerl_params=loss_params(selection),
+        stablerl_params=loss_params(selection, log=True),
         dp_group=dp_group,
         clip_to_params=False,
     )
 
 
-def loss_params(selection: Selection) -> dict:
-    """The stablerl loss hyper-parameters: the OpenRLHF clip flags given on the command line
-    (``selection.openrlhf_clip``, for the loss's clip fields only), then ``--actor.stablerl_params``."""
-    fields = stablerl.get_spec(stablerl.POLICY_LOSS, selection.policy_loss).params.field_names()
-    out = {k: v for k, v in (selection.openrlhf_clip or {}).items() if k in fields}
-    out.update(selection.policy_loss_params or {})
-    return out
+def loss_params(selection: Selection, log: bool = False) -> dict:
+    """The stablerl loss hyper-parameters under the one precedence rule (``loss_settings``):
+    ``--actor.stablerl_params`` > the OpenRLHF clip flags given on the command line > the paper's
+    defaults. ``log``: print the effective-settings table (once per process)."""
+    from stablerl.frameworks import as_params, log_effective_settings
+
+    from . import OPENRLHF, loss_settings
+
+    settings = loss_settings(selection)
+    if log:
+        log_effective_settings(OPENRLHF, stablerl.get_spec(stablerl.POLICY_LOSS, selection.policy_loss), settings)
+    return as_params(settings)

@@ -173,6 +173,14 @@ def explicit_clip_flags(args, argv: Sequence[str]) -> dict:
     return out
 
 
+def explicit_advantage_flags(args, argv: Sequence[str]) -> tuple[dict, Optional[tuple]]:
+    """The OpenRLHF advantage knobs the user gave: ``--algo.advantage.no_std_norm`` as the stablerl
+    ``norm_adv_by_std_in_grpo=False``, and ``--reward.clip_range`` (None when not given)."""
+    framework = {"norm_adv_by_std_in_grpo": False} if _given(argv, "--algo.advantage.no_std_norm") else {}
+    clip_range = tuple(args.reward.clip_range) if _given(argv, "--reward.clip_range") and args.reward.clip_range else None
+    return framework, clip_range
+
+
 def selection_from_cli(args) -> Selection:
     """``args.stablerl`` from OpenRLHF's hierarchized args (names resolved, params parsed and validated)."""
     loss = resolve(stablerl.POLICY_LOSS, args.actor.policy_loss_type)
@@ -192,6 +200,7 @@ def selection_from_cli(args) -> Selection:
                                          FILTER_FLAG + "_params"),
     )
     sel.openrlhf_clip = explicit_clip_flags(args, sys.argv[1:])
+    sel.openrlhf_advantage, sel.reward_clip_range = explicit_advantage_flags(args, sys.argv[1:])
     sel.routing_replay = _routing_replay.check_mode(getattr(args.actor, "stablerl_routing_replay", None), args)
     sel.validate()
     if loss is not None:

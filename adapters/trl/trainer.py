@@ -53,7 +53,8 @@ from stablerl import routing_replay as rr
 from stablerl.contracts import (ADVANTAGE_ESTIMATOR, BATCH_FILTER, CONTROLLER, OPTIONAL_INPUTS, POLICY_LOSS,
                                 REWARD_SHAPER)
 from stablerl.adapters._versions import version_tuple
-from stablerl.frameworks import apply_filter_result
+from stablerl.frameworks import (apply_filter_result, as_params, check_framework_keys_used, effective_hyperparameters,
+                                 get_framework, log_effective_settings, resolve)
 from stablerl.ops import AGG_MODES, last_valid_index, scores_on_last_token
 from stablerl.params import StableRLError, UnknownNameError, build_params, unknown_name_message
 from stablerl.state import StateStore
@@ -61,9 +62,11 @@ from stablerl.state import StateStore
 SUPPORTED_TRL = ">=1.16,<1.17"
 _TRL_MIN, _TRL_MAX = (1, 16), (1, 17)
 
-# TRL 1.16's built-in loss types: these names keep TRL's own behaviour.
-TRL_LOSS_TYPES = ("grpo", "dr_grpo", "dapo", "bnpo", "cispo", "sapo", "luspo", "vespo")
-PREFIX = "stablerl_"
+# TRL 1.16's built-in loss types keep TRL's own behaviour; the framework's facts (built-in names,
+# feedable inputs and why not, config keys) are declared once in stablerl.adapters.frameworks.
+TRL = get_framework("trl")
+TRL_LOSS_TYPES = tuple(sorted(TRL.builtin_names[POLICY_LOSS]))
+PREFIX = TRL.prefix
 
 # The TRL built-in whose aggregation equals each stablerl loss_agg_mode. TRL's _compute_loss runs
 # under it (with zero advantages) so that the KL term is normalised like the stablerl loss.
@@ -82,24 +85,11 @@ _HOST_CLIP_METRICS = (
     "clip_ratio/high_max",
 )
 
-# Inputs a stablerl algorithm may declare (core.contracts.OPTIONAL_INPUTS) that TRL can feed.
-_LOSS_INPUTS_ALWAYS = {"entropy", "token_ids", "index", "scores"}
+# The inputs TRL can feed in a given run (the declaration lists all of them; these narrow it per run).
+_LOSS_INPUTS_ALWAYS = TRL.feedable[POLICY_LOSS] - {"rollout_log_prob", "router_log_prob", "old_router_log_prob"}
 _LOSS_INPUTS_VLLM_IS = {"rollout_log_prob"}  # sampling_per_token_logps, with vllm_importance_sampling_correction
 # router log-probs at the replayed experts, recorded in the old-log-prob pass and the training forward
 _LOSS_INPUTS_ROUTING_REPLAY = {"router_log_prob", "old_router_log_prob"}
-_ADVANTAGE_INPUTS = {"index"}
-_WHY_NOT = {
-    "old_entropy": "TRL computes no entropies in its old-log-prob pass",
-    "turn_ids": "TRL marks tool tokens with tool_mask but gives no per-token turn ids",
-    "versions": "TRL's GRPOTrainer is synchronous: no per-token policy versions",
-    "policy_version": "TRL's GRPOTrainer is synchronous: no per-token policy versions",
-    "router_log_prob": "needs routing_replay='R2' or 'R3' on an MoE model (TRL's fused LM head drops router logits; "
-    "stablerl records the router log-probs at the replayed experts)",
-    "old_router_log_prob": "needs routing_replay='R2' or 'R3' on an MoE model (recorded in the old-log-prob pass)",
-    "rollout_log_prob": "needs use_vllm=True and vllm_importance_sampling_correction=True",
-    "entropy": "TRL computes entropies only inside _compute_loss, after advantages",
-    "old_log_prob": "TRL computes advantages before (and independently of) old log-probs",
-}
 
 
 class UnsupportedTRLVersionError(ImportError):
@@ -173,28 +163,11 @@ check_trl(_trl)
 
 
 def resolve_loss_type(loss_type: str) -> Optional[str]:
-    """The stablerl policy-loss name ``loss_type`` selects, or ``None`` for a TRL built-in.
-
-    Unknown names raise :class:`stablerl.UnknownNameError` naming the nearest valid one.
-    """
-    registered = stablerl.get_registry().names(POLICY_LOSS)
-    if loss_type.startswith(PREFIX):
-        name = loss_type[len(PREFIX):]
-        if name not in registered:
-            valid = [PREFIX + n for n in registered]
-            raise UnknownNameError(unknown_name_message("stablerl loss_type", loss_type, valid))
-        stablerl.get_spec(POLICY_LOSS, name)  # raises for 'unavailable' entries, with the reason
-        return name
-    if loss_type in TRL_LOSS_TYPES:
-        return None
-    if loss_type not in registered:
-        valid = list(TRL_LOSS_TYPES) + [n for n in registered if n not in TRL_LOSS_TYPES]
-        raise UnknownNameError(
-            unknown_name_message("loss_type", loss_type, valid)
-            + f" (TRL built-ins: {', '.join(TRL_LOSS_TYPES)}; any stablerl loss also as '{PREFIX}<name>')"
-        )
-    stablerl.get_spec(POLICY_LOSS, loss_type)
-    return loss_type
+    """The stablerl policy-loss name ``loss_type`` selects, or ``None`` for a TRL built-in (core's one
+    rule for every framework, :func:`stablerl.frameworks.resolve`; the inputs are checked per run by
+    :func:`check_loss_inputs`). Unknown names raise :class:`stablerl.UnknownNameError` naming the
+    nearest valid one."""
+    return resolve(TRL, POLICY_LOSS, loss_type, feedable=TRL.feedable[POLICY_LOSS] | set(OPTIONAL_INPUTS))
 
 
 def _as_dict(value: Any, key: str) -> dict:
@@ -208,10 +181,6 @@ def _as_dict(value: Any, key: str) -> dict:
     if not isinstance(value, dict):
         raise StableRLError(f"{key} must be a dict (or a JSON object string), got {type(value).__name__}")
     return dict(value)
-
-
-def _unfeedable(requires, feedable) -> list[str]:
-    return [r for r in requires if r not in feedable]
 
 
 def loss_inputs_trl_can_feed(use_vllm_is: bool, routing_replay: bool = False) -> set[str]:
@@ -233,21 +202,14 @@ def check_extra_loss_inputs(names) -> tuple[str, ...]:
 
 
 def check_loss_inputs(name: str, use_vllm_is: bool, routing_replay: bool = False, extra=()) -> None:
-    """Raise :class:`stablerl.MissingInputError` if the loss declares inputs TRL cannot feed (``extra``: the
-    ones a trainer subclass declared it supplies, ``stablerl_extra_loss_inputs``)."""
-    spec = stablerl.get_spec(POLICY_LOSS, name)
-    missing = _unfeedable(spec.requires, loss_inputs_trl_can_feed(use_vllm_is, routing_replay) | set(extra))
-    if missing:
-        reasons = "; ".join(f"{m}: {_WHY_NOT.get(m, OPTIONAL_INPUTS.get(m, ''))}" for m in missing)
-        raise stablerl.MissingInputError(f"policy loss {name!r} needs input(s) TRL cannot provide ({reasons})")
+    """Raise :class:`stablerl.MissingInputError` if the loss declares inputs TRL cannot feed in this run
+    (``extra``: the ones a trainer subclass declared it supplies, ``stablerl_extra_loss_inputs``)."""
+    resolve(TRL, POLICY_LOSS, PREFIX + name, extra_inputs=extra,
+            feedable=loss_inputs_trl_can_feed(use_vllm_is, routing_replay))
 
 
 def check_advantage_inputs(name: str) -> None:
-    spec = stablerl.get_spec(ADVANTAGE_ESTIMATOR, name)
-    missing = _unfeedable(spec.requires, _ADVANTAGE_INPUTS)
-    if missing:
-        reasons = "; ".join(f"{m}: {_WHY_NOT.get(m, OPTIONAL_INPUTS.get(m, ''))}" for m in missing)
-        raise stablerl.MissingInputError(f"advantage estimator {name!r} needs input(s) TRL cannot provide ({reasons})")
+    resolve(TRL, ADVANTAGE_ESTIMATOR, name)
 
 
 # ----------------------------------------------------------------------------- config
@@ -370,22 +332,24 @@ def validate_stablerl_args(args, warn: bool = True) -> tuple[Optional[str], Opti
             )
     else:
         build_params(stablerl.get_spec(POLICY_LOSS, loss), loss_params)  # unknown key / bad value -> clear error
+        build_params(stablerl.get_spec(POLICY_LOSS, loss), as_params(loss_settings(args, loss)))
         if agg not in AGG_MODES:
             raise UnknownNameError(unknown_name_message("stablerl_loss_agg_mode", agg, AGG_MODES))
         check_loss_inputs(loss, bool(args.use_vllm and args.vllm_importance_sampling_correction),
                           routing_replay=routing_replay_mode(args) is not None,
                           extra=check_extra_loss_inputs(getattr(args, "stablerl_extra_loss_inputs", None)))
-        if warn and (args.epsilon != 0.2 or args.epsilon_high is not None or args.delta is not None):
+        if warn and args.delta is not None:
             warnings.warn(
-                f"epsilon/epsilon_high/delta configure TRL's built-in loss types; the stablerl loss {loss!r} takes "
-                "its hyper-parameters from stablerl_loss_params (paper defaults otherwise)",
+                f"delta (TRL's two-sided ratio clip) configures TRL's built-in loss types only; the stablerl loss "
+                f"{loss!r} does not use it",
                 UserWarning,
                 stacklevel=3,
             )
     estimator = getattr(args, "advantage_estimator", None)
     if estimator:
-        build_params(stablerl.get_spec(ADVANTAGE_ESTIMATOR, estimator), adv_params)
         check_advantage_inputs(estimator)
+        build_params(stablerl.get_spec(ADVANTAGE_ESTIMATOR, estimator), adv_params)
+        advantage_settings(args, estimator)  # TRL's scale_rewards: honoured or refused, never ignored
         if args.multi_objective_aggregation != "sum_then_normalize":
             raise StableRLError(
                 "advantage_estimator works on the weighted sum of the reward functions "
@@ -395,6 +359,36 @@ def validate_stablerl_args(args, warn: bool = True) -> tuple[Optional[str], Opti
     elif adv_params:
         raise StableRLError("stablerl_advantage_params is set but advantage_estimator is not")
     return loss, estimator or None
+
+
+def loss_settings(args, loss: str):
+    """The effective hyper-parameters of stablerl loss ``loss`` under TRL ``args``, with their sources
+    (one precedence rule, :data:`stablerl.frameworks.PRECEDENCE`): ``stablerl_loss_params`` > TRL's
+    ``epsilon`` / ``epsilon_high`` when set (other than 0.2 / None; relative bounds, as in TRL's
+    dapo/grpo) > the paper's defaults."""
+    params = _as_dict(getattr(args, "stablerl_loss_params", None), "stablerl_loss_params")
+    framework_values = {"clip_ratio_low": getattr(args, "epsilon", None), "clip_ratio_high": getattr(args, "epsilon_high", None)}
+    return effective_hyperparameters(TRL, stablerl.get_spec(POLICY_LOSS, loss), params, framework_values)
+
+
+def advantage_settings(args, estimator: str):
+    """The effective hyper-parameters of stablerl estimator ``estimator`` under TRL ``args``. TRL's
+    ``scale_rewards`` is honoured where the estimator has a std-normalisation switch
+    (``'none'`` -> ``norm_adv_by_std_in_grpo=False``) and refused where it would be ignored
+    (``'none'`` for an estimator without the switch; ``'batch'`` for every stablerl estimator)."""
+    spec = stablerl.get_spec(ADVANTAGE_ESTIMATOR, estimator)
+    params = _as_dict(getattr(args, "stablerl_advantage_params", None), "stablerl_advantage_params")
+    scale = getattr(args, "scale_rewards", "group")
+    scale = {True: "group", False: "none"}.get(scale, scale)
+    if scale == "batch":
+        raise StableRLError(
+            f"scale_rewards='batch' (TRL's batch-std scaling of its own advantages) has no effect on the stablerl "
+            f"advantage estimator {estimator!r}, and ignoring it would change your advantages without a word: "
+            "use scale_rewards='group' (default) or 'none', or TRL's built-in advantages (no advantage_estimator)"
+        )
+    framework_values = {"norm_adv_by_std_in_grpo": scale != "none"}
+    check_framework_keys_used(TRL, spec, framework_values)
+    return effective_hyperparameters(TRL, spec, params, framework_values)
 
 
 # ----------------------------------------------------------------------------- shapers, filters, controllers
@@ -430,11 +424,6 @@ def _ext_name(args, key: str) -> Optional[str]:
     return name
 
 
-def _ext_unfeedable(spec, filter_: bool) -> list[str]:
-    feedable = _EXT_INPUTS_AUTO | set(_EXT_INPUTS_USER) | ({"entropy"} if filter_ else set())
-    return [r for r in spec.requires if r not in feedable]
-
-
 def validate_stablerl_extensions(args) -> dict[str, Optional[str]]:
     """Check ``reward_shaper`` / ``batch_filter`` / ``entropy_controller`` and their parameters; return the names.
 
@@ -452,14 +441,12 @@ def validate_stablerl_extensions(args) -> dict[str, Optional[str]]:
                 raise StableRLError(f"{params_key} is set but {key} is not")
             continue
         kind = {"reward_shaper": REWARD_SHAPER, "batch_filter": BATCH_FILTER, "entropy_controller": CONTROLLER}[key]
-        if name not in stablerl.get_registry().names(kind):
-            raise UnknownNameError(unknown_name_message(key, name, stablerl.get_registry().names(kind)))
-        spec = stablerl.get_spec(kind, name)  # raises for 'unavailable' entries, with the reason
-        build_params(spec, params)
-        missing = _ext_unfeedable(spec, filter_=key == "batch_filter") if kind != CONTROLLER else []
-        if missing:
-            reasons = "; ".join(f"{m}: {_WHY_NOT.get(m, OPTIONAL_INPUTS.get(m, ''))}" for m in missing)
-            raise stablerl.MissingInputError(f"{key} {name!r} needs input(s) TRL cannot provide ({reasons})")
+        if kind == CONTROLLER:
+            if name not in stablerl.get_registry().names(kind):
+                raise UnknownNameError(unknown_name_message(key, name, stablerl.get_registry().names(kind)))
+        else:
+            resolve(TRL, kind, name)  # unknown, unavailable or unfeedable: an error saying which and why
+        build_params(stablerl.get_spec(kind, name), params)
     if names["reward_shaper"] and not getattr(args, "advantage_estimator", None):
         raise StableRLError(
             f"reward_shaper={names['reward_shaper']!r} needs a stablerl advantage_estimator: TRL computes its "
@@ -602,8 +589,16 @@ class GRPOTrainer(_trl.GRPOTrainer):
         self._rr_setup()
         # a stablerl GRPOConfig was validated when it was built; a plain TRL one is validated here
         self._stablerl_loss, self._stablerl_estimator = validate_stablerl_args(cfg, warn=not isinstance(cfg, GRPOConfig))
-        self._stablerl_loss_params = _as_dict(getattr(cfg, "stablerl_loss_params", None), "stablerl_loss_params")
-        self._stablerl_adv_params = _as_dict(getattr(cfg, "stablerl_advantage_params", None), "stablerl_advantage_params")
+        # the effective hyper-parameters (one precedence rule), printed once at start-up with their sources
+        self._stablerl_loss_params, self._stablerl_adv_params = {}, {}
+        if self._stablerl_loss:
+            settings = loss_settings(cfg, self._stablerl_loss)
+            log_effective_settings(TRL, stablerl.get_spec(POLICY_LOSS, self._stablerl_loss), settings)
+            self._stablerl_loss_params = as_params(settings)
+        if self._stablerl_estimator:
+            settings = advantage_settings(cfg, self._stablerl_estimator)
+            log_effective_settings(TRL, stablerl.get_spec(ADVANTAGE_ESTIMATOR, self._stablerl_estimator), settings)
+            self._stablerl_adv_params = as_params(settings)
         self._stablerl_agg_mode = getattr(cfg, "stablerl_loss_agg_mode", "token-mean")
         self._stablerl_spec = stablerl.get_spec(POLICY_LOSS, self._stablerl_loss) if self._stablerl_loss else None
         # rspo: router log-probs at the replayed experts (old pass and training forward)

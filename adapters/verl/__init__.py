@@ -218,22 +218,29 @@ def _check_policy_loss_config(cfg: Any) -> None:
     import stablerl
     from stablerl.params import build_params
 
-    from ._translate import ACTOR_KEYS
-
     name = VERL_NAMES["policy_loss"].get(getattr(cfg, "loss_mode", None))
     extra = set(_REPORT["policy_loss_config_fields"])
     if name is None:  # a verl loss (or one registered later): verl decides
         return
     spec = stablerl.get_spec(stablerl.POLICY_LOSS, name)
-    own = set(spec.params.field_names()) - set(ACTOR_KEYS)
+    own = set(spec.params.field_names())
     given = {k: getattr(cfg, k) for k in own if getattr(cfg, k, None) is not None}
-    build_params(spec, given)  # raises StableRLError naming a bad value
-    unused = sorted(k for k in extra - own if getattr(cfg, k, None) is not None)
+    given.update(dict(getattr(cfg, "stablerl_params", None) or {}))
+    build_params(spec, given)  # raises StableRLError naming a bad value (or an unknown stablerl_params key)
+    unused = sorted(k for k in extra - own - {"stablerl_params"} if getattr(cfg, k, None) is not None)
     if unused:
         logger.warning(
             "stablerl: policy_loss keys %s are not hyper-parameters of loss_mode=%s (%s) and are ignored",
-            unused, cfg.loss_mode, sorted(own) or "it has none besides the actor keys",
+            unused, cfg.loss_mode, sorted(own) or "it has none",
         )
+
+
+def doctor_report() -> dict[str, Any]:
+    """For ``stablerl doctor``: verl's entry point for stablerl and what this process registered."""
+    from importlib import metadata
+
+    eps = [ep.value for ep in metadata.entry_points(group="verl.plugins") if ep.name == "stablerl"]
+    return {"entry_point": eps[0] if eps else None, **registration_report()}
 
 
 def registration_report() -> dict[str, Any]:

@@ -215,14 +215,15 @@ def _refuse_unregistered(adv_estimator: Any) -> None:
     """A stablerl estimator name that is not in verl's registry: say why instead of verl's 'Unknown'."""
     from verl.trainer.ppo import core_algos
 
-    from stablerl.adapters.config_keys import FEEDABLE_INPUTS, verl_names
+    from stablerl.frameworks import framework_names, get_framework
 
+    verl = get_framework("verl")
     key = getattr(adv_estimator, "value", adv_estimator)
     if not isinstance(key, str) or key in core_algos.ADV_ESTIMATOR_REGISTRY or key in ("gae", "grpo"):
         return
     for spec in stablerl.list_algorithms(ADVANTAGE_ESTIMATOR):
-        if key in verl_names(spec) and spec.status != stablerl.UNAVAILABLE:
-            missing = sorted(set(spec.requires) - FEEDABLE_INPUTS["verl"][ADVANTAGE_ESTIMATOR])
+        if key in framework_names(verl, spec) and spec.status != stablerl.UNAVAILABLE:
+            missing = sorted(set(spec.requires) - verl.feedable[ADVANTAGE_ESTIMATOR])
             hint = (
                 f"; it needs {missing}, batch fields no stock verl trainer writes (see "
                 "stablerl.adapters.verl._advantage.SOURCES): put them in the batch and set "

@@ -17,8 +17,6 @@ import dataclasses
 import typing
 from typing import Any, Optional
 
-from ._translate import ACTOR_KEYS
-
 _SIMPLE = (int, float, bool, str)
 
 
@@ -51,6 +49,11 @@ def hyperparameter_fields(specs, reserved: set[str]) -> tuple[list[tuple[str, An
             types[f.name] = t
             owners.setdefault(f.name, []).append(spec.name)
     fields = [(n, Optional[t], dataclasses.field(default=None)) for n, t in sorted(types.items())]
+    if "stablerl_params" not in reserved:
+        # stablerl keys for any hyper-parameter, including names verl's PolicyLossConfig already has
+        # (kl_cov_ratio, ...) whose verl field is verl's key: +...policy_loss.stablerl_params={kl_cov_ratio:0.002}
+        fields.append(("stablerl_params", Optional[dict], dataclasses.field(default=None)))
+        owners["stablerl_params"] = [spec.name for spec in specs]
     return fields, owners
 
 
@@ -60,11 +63,12 @@ def build_policy_loss_config(base: type, specs, module: str, check=None) -> tupl
     ``check(config)``, if given, runs after construction (where verl builds the actor config:
     driver and workers), so a bad value fails before the first rollout, not after it.
 
-    Names verl's config already has (``loss_mode``, ``dro_beta``, ...) are left to verl's field,
-    and the actor-level keys ``clip_ratio_low/high/c`` are read from the actor config, so neither
-    is duplicated here.
+    Names verl's config already has (``loss_mode``, ``kl_cov_ratio``, ...) are left to verl's field.
+    The actor-level names (``clip_ratio_low/high/c``, ``tau_pos/neg``) are fields here too: set
+    under ``policy_loss`` they are stablerl keys, which take precedence over the actor's keys
+    (stablerl.frameworks.PRECEDENCE).
     """
-    reserved = {f.name for f in dataclasses.fields(base)} | set(ACTOR_KEYS)
+    reserved = {f.name for f in dataclasses.fields(base)}
     fields, owners = hyperparameter_fields(specs, reserved)
 
     def __post_init__(self) -> None:

@@ -70,7 +70,7 @@ LOSSES_MODULE = "verl.workers.utils.losses"
 CALLER_MODULES = ("verl.workers.engine_workers", "verl.trainer.distillation.losses")
 
 #: declared input -> where the wrapper takes it from (the single place this is written down; the
-#: set of keys must equal ``FEEDABLE_INPUTS["verl"][POLICY_LOSS]`` in stablerl.adapters.config_keys)
+#: set of keys must equal ``get_framework("verl").feedable[POLICY_LOSS]``, declared in stablerl.adapters.frameworks)
 SOURCES: dict[str, str] = {
     "entropy": 'model_output["entropy"] (needs actor_rollout_ref.actor.calculate_entropy=True)',
     "token_ids": 'data["responses"]',

@@ -22,19 +22,30 @@ from stablerl import get_spec
 
 logger = logging.getLogger("stablerl.adapters.verl")
 
+from stablerl.frameworks import (
+    as_params,
+    check_framework_keys_used,
+    effective_hyperparameters,
+    get_framework,
+    log_effective_settings,
+)
+
+#: this framework's declaration (stablerl.adapters.frameworks): inputs, config keys and their defaults
+VERL = get_framework("verl")
 #: verl actor-config keys that map 1:1 onto stablerl hyper-parameters of the same name (the PPO
-#: clip bounds and dual clip; SAPO's temperatures). They are read from the actor config
-#: (``actor_rollout_ref.actor.<key>``), never from ``policy_loss``, exactly as verl's built-ins do.
-from stablerl.adapters.config_keys import FEEDABLE_INPUTS
-from stablerl.adapters.config_keys import VERL_ACTOR_KEYS as ACTOR_KEYS
+#: clip bounds and dual clip; SAPO's temperatures), read from ``actor_rollout_ref.actor.<key>`` as
+#: verl's built-ins read them; they apply under the one precedence rule (stablerl.frameworks.PRECEDENCE)
+_ACTOR_PREFIX = "actor_rollout_ref.actor."
+ACTOR_KEYS = tuple(n for n, k in VERL.hyperparameter_keys[POLICY_LOSS].items()
+                   if k.key.startswith(_ACTOR_PREFIX) and not k.key.startswith(_ACTOR_PREFIX + "policy_loss."))
 
 # absolute import: one gatherer (one ContextVar, one state dict) per process, even when the
 # adapter package is executed a second time under another module name
 from stablerl.adapters.verl import _inputs as _declared
 
-#: extra inputs (``AlgorithmSpec.requires``) verl hands to each kind of function (single source:
-#: ``stablerl.adapters.config_keys``, which the docs are generated from)
-VERL_PROVIDES = FEEDABLE_INPUTS["verl"]
+#: extra inputs (``AlgorithmSpec.requires``) verl hands to each kind of function (single source: the
+#: framework declaration, which the docs are generated from)
+VERL_PROVIDES = VERL.feedable
 
 _warned: set[str] = set()
 
@@ -106,33 +117,46 @@ def verl_context(config: Any, response_mask: torch.Tensor, loss_agg_mode: str, d
     return ctx, mode
 
 
-def loss_hyperparameters(spec, config: Any) -> dict[str, Any]:
-    """stablerl hyper-parameters for ``spec`` from a verl actor config.
+def loss_settings(spec, config: Any):
+    """The effective hyper-parameters of policy loss ``spec`` under a verl actor config, with their
+    sources (:func:`stablerl.frameworks.effective_hyperparameters`, one precedence rule):
 
-    * the :data:`ACTOR_KEYS` from the actor config, if the algorithm has them
-      (``clip_ratio_low``/``clip_ratio_high`` = ``None`` falls back to ``actor.clip_ratio`` as
-      verl's built-ins do);
-    * every field of ``actor.policy_loss`` whose name is one of the algorithm's hyper-parameters
-      and whose value is not ``None`` (``None`` keeps the algorithm's default).
+    * stablerl keys: the fields of ``actor.policy_loss`` (``StablePolicyLossConfig``) named like the
+      algorithm's hyper-parameters, when not ``None``;
+    * verl's keys (the actor's ``clip_ratio_low/high/c``, ``tau_pos/neg``; verl's own ``policy_loss``
+      fields such as ``kl_cov_ratio``) apply when set to a value other than verl's default
+      (``clip_ratio_low/high = None`` falls back to ``actor.clip_ratio`` as verl's built-ins do);
+    * otherwise the paper's default, with a note where verl's default differs from it.
     """
-    names = set(spec.params.field_names())
-    out: dict[str, Any] = {}
-    if config is None:
-        return out
-    actor = {key: cfg_get(config, key, None) for key in ACTOR_KEYS}
-    for key in ("clip_ratio_low", "clip_ratio_high"):
-        if actor[key] is None:
-            actor[key] = cfg_get(config, "clip_ratio", None)
-    for key, value in actor.items():
-        if key in names and value is not None:
-            out[key] = value
-    policy_loss = cfg_get(config, "policy_loss", None)
-    if policy_loss is not None:
-        for key in names - set(ACTOR_KEYS):
-            value = cfg_get(policy_loss, key, None)
+    names = spec.params.field_names()
+    framework_keys = VERL.hyperparameter_keys[POLICY_LOSS]
+    stablerl_params: dict[str, Any] = {}
+    framework_values: dict[str, Any] = {}
+    if config is not None:
+        policy_loss = cfg_get(config, "policy_loss", None)
+        pinned = cfg_get(policy_loss, "stablerl_params", None) or {}  # stablerl keys, also for verl's own names
+        for name in names:
+            if name in pinned and pinned[name] is not None:
+                stablerl_params[name] = pinned[name]
+            key = framework_keys.get(name)
+            if key is not None and key.key.startswith(_ACTOR_PREFIX + "policy_loss."):
+                framework_values[name] = cfg_get(policy_loss, name, None)  # verl's own policy_loss field
+                continue
+            if key is not None:
+                value = cfg_get(config, name, None)
+                if value is None and name in ("clip_ratio_low", "clip_ratio_high"):
+                    value = cfg_get(config, "clip_ratio", None)
+                framework_values[name] = value
+            value = cfg_get(policy_loss, name, None)  # a StablePolicyLossConfig field: a stablerl key
             if value is not None:
-                out[key] = value
-    return out
+                stablerl_params[name] = value
+    return effective_hyperparameters(VERL, spec, stablerl_params, framework_values)
+
+
+def loss_hyperparameters(spec, config: Any) -> dict[str, Any]:
+    """The keyword hyper-parameters for ``spec`` under a verl actor config (values other than the
+    paper defaults; see :func:`loss_settings`)."""
+    return as_params(loss_settings(spec, config))
 
 
 def make_policy_loss_fn(name: str):
@@ -158,6 +182,8 @@ def make_policy_loss_fn(name: str):
         ctx.state = _declared.state_for(name)  # per-process, persists across steps (saved with the actor's checkpoint)
         # declared inputs (entropy, token ids, uids...), gathered by the ppo_loss wrapper
         extra = _declared.inputs_for(name, spec.requires, spec.optional_inputs)
+        settings = loss_settings(spec, config)
+        log_effective_settings(VERL, spec, settings, logger)  # once per worker process
         loss, metrics = _compute_policy_loss(
             name,
             log_prob=log_prob,
@@ -168,7 +194,7 @@ def make_policy_loss_fn(name: str):
             ctx=ctx,
             is_weights=rollout_is_weights,
             **extra,
-            **loss_hyperparameters(spec, config),
+            **as_params(settings),
         )
         return loss, {f"actor/{k}": v for k, v in metrics.items()}
 
@@ -180,18 +206,29 @@ def make_policy_loss_fn(name: str):
 
 # ----------------------------------------------------------------------------- estimators
 
+def estimator_settings(spec, config: Any):
+    """The effective hyper-parameters of estimator ``spec`` under verl's ``algorithm`` config: every
+    ``algorithm.<name>`` (``+algorithm.quantile_k=0.6``) is a stablerl key, except verl's own
+    ``algorithm.norm_adv_by_std_in_grpo``, which is verl's key (default True) and applies under the one
+    precedence rule; set to False for an estimator without that hyper-parameter, it is refused."""
+    framework_keys = VERL.hyperparameter_keys[ADVANTAGE_ESTIMATOR]
+    stablerl_params: dict[str, Any] = {}
+    framework_values = {name: cfg_get(config, name, None) for name in framework_keys} if config is not None else {}
+    if config is not None:
+        for key in spec.params.field_names():
+            value = cfg_get(config, key, None)
+            if value is not None and key not in framework_keys:
+                stablerl_params[key] = value
+    check_framework_keys_used(VERL, spec, framework_values)
+    return effective_hyperparameters(VERL, spec, stablerl_params, framework_values)
+
+
 def estimator_hyperparameters(spec, config: Any) -> dict[str, Any]:
-    """For each hyper-parameter of ``spec``: ``algorithm.<name>`` if set and not ``None``
-    (``+algorithm.quantile_k=0.6``; verl's own ``algorithm.norm_adv_by_std_in_grpo`` reaches every
-    estimator with a hyper-parameter of that name)."""
-    out: dict[str, Any] = {}
-    if config is None:
-        return out
-    for key in spec.params.field_names():
-        value = cfg_get(config, key, None)
-        if value is not None:
-            out[key] = value
-    return out
+    """The keyword hyper-parameters for ``spec`` under verl's ``algorithm`` config (see
+    :func:`estimator_settings`)."""
+    settings = estimator_settings(spec, config)
+    log_effective_settings(VERL, spec, settings, logger)
+    return as_params(settings)
 
 
 def make_adv_estimator_fn(name: str):

@@ -21,11 +21,14 @@ def _openrlhf(estimator, exps, kl_coef=0.01, clip_range=(-10.0, 10.0)):
     return ORIGINAL(make_maker(args, estimator, kl_coef), exps)
 
 
-def _stable(name, exps, params=None, kl_coef=0.01, clip_range=(-10.0, 10.0)):
+def _stable(name, exps, params=None, kl_coef=0.01, clip_range=(-10.0, 10.0), given_clip_range=None, framework=None):
+    """``given_clip_range``: --reward.clip_range as given on the command line (None: not given, so
+    OpenRLHF's default ``clip_range`` is not applied to a stablerl estimator)."""
     adapter.apply()
     assert RemoteExperienceMaker.compute_advantages_and_returns is not ORIGINAL
     sel = Selection(advantage_estimator=adapter.resolve(stablerl.ADVANTAGE_ESTIMATOR, name),
-                    advantage_params=params or {})
+                    advantage_params=params or {}, reward_clip_range=given_clip_range,
+                    openrlhf_advantage=framework or {})
     args = make_args(estimator=name, clip_range=clip_range, stablerl=sel)
     return RemoteExperienceMaker.compute_advantages_and_returns(make_maker(args, name, kl_coef), exps)
 
@@ -64,9 +67,32 @@ def test_reward_clip_range_is_kept():
     for e in exps:
         e.rewards = e.rewards * 40  # shaped rewards beyond +-3
     ref = _openrlhf("dr_grpo", clone(exps), 0.02, clip_range=(-3.0, 3.0))
-    out = _stable("stablerl_dr_grpo", clone(exps), None, 0.02, clip_range=(-3.0, 3.0))
+    out = _stable("stablerl_dr_grpo", clone(exps), None, 0.02, clip_range=(-3.0, 3.0), given_clip_range=(-3.0, 3.0))
     _assert_same(out, ref)
     assert float(torch.cat([r.advantages.flatten() for r in ref]).abs().max()) > 3.0  # KL on top of the clip
+
+
+def test_openrlhf_default_clip_range_does_not_cut_a_stablerl_estimator():
+    """OpenRLHF's default --reward.clip_range (-10, 10) is not applied to a stablerl estimator's advantages
+    unless given on the command line: they stay as verl and TRL compute them (one behaviour everywhere)."""
+    exps = make_experiences(seed=2)
+    for e in exps:
+        e.rewards = e.rewards * 40  # baseline-shaped rewards beyond +-10
+    out = _stable("stablerl_dr_grpo", clone(exps), None, 0.0)
+    assert float(torch.cat([e.advantages.flatten() for e in out]).abs().max()) > 10.0
+    ref = _openrlhf("dr_grpo", clone(exps), 0.0)  # OpenRLHF's own estimator keeps its default clamp
+    assert float(torch.cat([e.advantages.flatten() for e in ref]).abs().max()) <= 10.0
+    clipped = _stable("stablerl_dr_grpo", clone(exps), None, 0.0, given_clip_range=(-10.0, 10.0))
+    _assert_same(clipped, ref)
+
+
+def test_no_std_norm_is_honoured_or_refused():
+    exps = make_experiences(seed=1, kl_scale=0.0)
+    off = _stable("grpo", clone(exps), {"epsilon": 1e-9}, 0.0, framework={"norm_adv_by_std_in_grpo": False})
+    ref = _openrlhf("dr_grpo", clone(exps), 0.0)  # r - mean: group_norm without the std
+    _assert_same(off, ref)
+    with pytest.raises(stablerl.StableRLError, match="no_std_norm.*no effect.*'rloo'"):
+        Selection(advantage_estimator="rloo", openrlhf_advantage={"norm_adv_by_std_in_grpo": False}).validate()
 
 
 def test_grpo_default_epsilon_differs_from_group_norm():

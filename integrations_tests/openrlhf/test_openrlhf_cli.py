@@ -33,6 +33,22 @@ def test_dry_run_attaches_selection_and_setup_hook(monkeypatch):
     assert "<locals>" not in argparse.ArgumentParser.add_argument.__qualname__  # restored
 
 
+def test_advantage_knobs_given_on_the_command_line(monkeypatch, capsys):
+    """--algo.advantage.no_std_norm and --reward.clip_range count only when given (one precedence rule);
+    the effective settings are printed with their sources."""
+    args, _ = dry_run(monkeypatch, BASE + ["--algo.advantage.estimator", "qae"])
+    assert args.stablerl.openrlhf_advantage == {} and args.stablerl.reward_clip_range is None
+    args, _ = dry_run(monkeypatch, BASE + ["--algo.advantage.estimator", "qae", "--algo.advantage.no_std_norm",
+                                            "--reward.clip_range", "-5", "5"])
+    assert args.stablerl.openrlhf_advantage == {"norm_adv_by_std_in_grpo": False}
+    assert args.stablerl.reward_clip_range == (-5.0, 5.0)
+    settings = {s.name: (s.value, s.source) for s in adapter.advantage_settings(args.stablerl)}
+    assert settings["norm_adv_by_std_in_grpo"] == (False, "framework key")
+    with pytest.raises(SystemExit):  # an estimator without the switch: refused, not ignored
+        dry_run(monkeypatch, BASE + ["--algo.advantage.estimator", "stablerl_rloo", "--algo.advantage.no_std_norm"])
+    assert "--algo.advantage.no_std_norm=(given) has no effect" in capsys.readouterr().err
+
+
 def test_builtin_names_select_nothing(monkeypatch):
     args, _ = dry_run(monkeypatch, BASE + ["--actor.policy_loss_type", "gspo", "--algo.advantage.estimator", "group_norm"])
     assert args.stablerl.policy_loss is None and args.stablerl.advantage_estimator is None

@@ -14,7 +14,7 @@ import torch
 import stablerl
 import stablerl.adapters.openrlhf as adapter
 from orlhf_helpers import make_args, training_strategy
-from stablerl.adapters import config_keys
+from stablerl import frameworks
 from stablerl.adapters.openrlhf import Selection
 
 VOCAB = 64
@@ -208,9 +208,9 @@ def test_what_openrlhf_can_and_cannot_feed():
     for name in ("steer", "entropic"):
         assert adapter.resolve(kind, name) == name
         assert name in adapter.openrlhf_choices(kind)
-        lines = config_keys.config_keys(stablerl.get_spec(kind, name))["openrlhf"]
+        lines = frameworks.config_lines(stablerl.get_spec(kind, name))["openrlhf"]
         assert f"  --actor.policy_loss_type {name}" in lines
-    assert config_keys.FEEDABLE_INPUTS["openrlhf"][kind] == {"rollout_log_prob", "entropy", "token_ids", "scores"}
+    assert frameworks.get_framework("openrlhf").feedable[kind] == {"rollout_log_prob", "entropy", "token_ids", "scores"}
     for name, reason in (("pacs", "partial groups"), ("gvpo", "split_experience_batch sets it to None"),
                          ("gtpo", "shuffles rows across micro-batches"), ("erc", "returns log-probs only")):
         with pytest.raises(stablerl.MissingInputError, match=reason):

@@ -350,14 +350,14 @@ def test_a_step_with_every_row_dropped_trains_on_nothing_instead_of_nan(module_n
 
 
 def test_describe_names_the_openrlhf_flags():
-    from stablerl.adapters import config_keys
+    from stablerl import frameworks
 
-    lines = config_keys.config_keys(stablerl.get_spec(stablerl.REWARD_SHAPER, "fapo"))["openrlhf"]
+    lines = frameworks.config_lines(stablerl.get_spec(stablerl.REWARD_SHAPER, "fapo"))["openrlhf"]
     assert lines[1:] == ["  --algo.advantage.stablerl_reward_shaper fapo",
                          "  --algo.advantage.stablerl_reward_shaper_params flawed_reward_penalty=<value>"]
-    assert "  --algo.advantage.stablerl_batch_filter dynamic_sampling" in config_keys.config_keys(
+    assert "  --algo.advantage.stablerl_batch_filter dynamic_sampling" in frameworks.config_lines(
         stablerl.get_spec(stablerl.BATCH_FILTER, "dynamic_sampling"))["openrlhf"]
-    assert "openrlhf" not in config_keys.config_keys(stablerl.get_spec(stablerl.BATCH_FILTER, "d3s"))
+    assert "openrlhf" not in frameworks.config_lines(stablerl.get_spec(stablerl.BATCH_FILTER, "d3s"))
     for kind in (stablerl.REWARD_SHAPER, stablerl.BATCH_FILTER):  # one source: describe and the wrapper agree
-        runnable = [s.name for s in stablerl.list_algorithms(kind) if "openrlhf" in config_keys.frameworks_for(s)]
+        runnable = [s.name for s in stablerl.list_algorithms(kind) if "openrlhf" in frameworks.selectable_in(s)]
         assert runnable == adapter.extension_choices(kind)

@@ -16,7 +16,7 @@ CPU = dict(output_dir="/tmp/stablerl-trl-config-test", use_cpu=True, bf16=False,
 def test_unknown_loss_type_fails_at_config_time_with_nearest_match():
     with pytest.raises(stablerl.UnknownNameError, match=r"'m2p0' \(did you mean 'm2po'\?\)") as e:
         GRPOConfig(loss_type="m2p0", **CPU)
-    assert "dapo" in str(e.value) and "TRL built-ins" in str(e.value)
+    assert "dapo" in str(e.value) and "trl's own: " in str(e.value)
 
 
 def test_unknown_estimator_and_hyper_parameter_fail_at_config_time():
@@ -102,3 +102,51 @@ def test_version_guard_names_the_supported_range(monkeypatch):
     with pytest.raises(UnsupportedTRLVersionError, match="_calculate_rewards"):
         check_trl(fake)
     check_trl(trl)  # the installed one passes
+
+
+def test_one_precedence_rule_for_loss_hyperparameters():
+    """stablerl_loss_params > TRL's epsilon/epsilon_high when set > the paper's defaults."""
+    from stablerl.adapters.trl.trainer import loss_settings
+    from stablerl.frameworks import FROM_FRAMEWORK_KEY, FROM_PAPER_DEFAULT, FROM_STABLERL_KEY, as_params
+
+    def effective(**kw):
+        return {s.name: (s.value, s.source) for s in loss_settings(GRPOConfig(**CPU, **kw), kw["loss_type"])}
+
+    gspo = effective(loss_type="gspo")  # TRL's epsilon at its default 0.2: GSPO's own bounds
+    assert gspo == {"clip_ratio_low": (3e-4, FROM_PAPER_DEFAULT), "clip_ratio_high": (4e-4, FROM_PAPER_DEFAULT)}
+    user = effective(loss_type="vanilla", epsilon=0.1, epsilon_high=0.3)
+    assert user["clip_ratio_low"] == (0.1, FROM_FRAMEWORK_KEY) and user["clip_ratio_high"] == (0.3, FROM_FRAMEWORK_KEY)
+    forced = effective(loss_type="vanilla", epsilon=0.1, stablerl_loss_params={"clip_ratio_low": 0.2})
+    assert forced["clip_ratio_low"] == (0.2, FROM_STABLERL_KEY) and forced["clip_ratio_c"] == (3.0, FROM_PAPER_DEFAULT)
+    assert as_params(loss_settings(GRPOConfig(**CPU, loss_type="gspo"), "gspo")) == {}
+
+
+def test_scale_rewards_is_honoured_or_refused():
+    from stablerl.adapters.trl.trainer import advantage_settings
+    from stablerl.frameworks import as_params
+
+    off = GRPOConfig(advantage_estimator="grpo", scale_rewards="none", **CPU)
+    assert as_params(advantage_settings(off, "grpo")) == {"norm_adv_by_std_in_grpo": False}
+    assert as_params(advantage_settings(GRPOConfig(advantage_estimator="grpo", **CPU), "grpo")) == {}
+    with pytest.raises(stablerl.StableRLError, match="scale_rewards='batch'.*'grpo'"):
+        GRPOConfig(advantage_estimator="grpo", scale_rewards="batch", **CPU)
+    with pytest.raises(stablerl.StableRLError, match="scale_rewards='none' has no effect.*'rloo'"):
+        GRPOConfig(advantage_estimator="rloo", scale_rewards="none", **CPU)
+    # reinforce_ada's paper default (False) is not replaced by TRL's default scale_rewards='group'
+    ada = advantage_settings(GRPOConfig(advantage_estimator="rloo", **CPU), "reinforce_ada")
+    assert {s.name: s.value for s in ada}["norm_adv_by_std_in_grpo"] is False
+
+
+def test_effective_settings_are_printed_at_trainer_start(tmp_path, capsys):
+    from stablerl import frameworks
+    from stablerl.adapters.trl import GRPOTrainer
+
+    frameworks._LOGGED.clear()
+    args = GRPOConfig(**H.base_kwargs(tmp_path, loss_type="gspo", advantage_estimator="qae",
+                                      stablerl_advantage_params={"quantile_k": 0.6}))
+    GRPOTrainer(model=H.tiny_model(0), reward_funcs=H.binary_digit_reward, args=args,
+                train_dataset=H.build_dataset(8), processing_class=H.TOKENIZER)
+    err = capsys.readouterr().err
+    assert "stablerl/trl: policy loss 'gspo' runs with:" in err
+    assert "clip_ratio_low  = 0.0003  (paper default: stablerl_loss_params={\"clip_ratio_low\": <value>})" in err
+    assert "quantile_k" in err and "(stablerl key: stablerl_advantage_params={\"quantile_k\": 0.6})" in err

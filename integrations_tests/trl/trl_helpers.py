@@ -31,9 +31,15 @@ def plain(value):
     return value
 
 
-def tiny_model(seed=0):
-    """~20k-parameter Qwen2-style model (hidden 32, 2 layers) over the demo's word-level vocabulary."""
-    return build_model(TOKENIZER, seed=seed, hidden_size=32, num_layers=2)
+def tiny_model(seed=0, dtype=torch.float32):
+    """~20k-parameter Qwen2-style model (hidden 32, 2 layers) over the demo's word-level vocabulary.
+
+    ``dtype=torch.float64`` for parity tests: two runs of the same formula summed in a different
+    order differ by ~1e-16 relative instead of ~1e-7, so Adam (which turns tiny gradient differences
+    of near-zero gradients into parameter differences of order ``lr``) cannot amplify them past a
+    tolerance, whatever vector kernels (AVX2, AVX-512) the CPU runs."""
+    model = build_model(TOKENIZER, seed=seed, hidden_size=32, num_layers=2)
+    return model.to(dtype)
 
 
 def binary_digit_reward(prompts, completions, **kwargs):
@@ -86,9 +92,9 @@ class Recorder(TrainerCallback):
         self.params.append(torch.cat([p.detach().reshape(-1).clone() for p in self.model.parameters()]))
 
 
-def train(trainer_cls, args, model_seed=0, reward=copy_reward, model=None):
+def train(trainer_cls, args, model_seed=0, reward=copy_reward, model=None, dtype=torch.float32):
     """Train ``trainer_cls`` with ``args`` on the copy task; return (trainer, recorder, initial params)."""
-    model = model if model is not None else tiny_model(model_seed)
+    model = model if model is not None else tiny_model(model_seed, dtype)
     initial = torch.cat([p.detach().reshape(-1).clone() for p in model.parameters()])
     rec = Recorder(model)
     trainer = trainer_cls(

@@ -91,3 +91,31 @@ def test_every_registered_estimator_runs_through_compute_advantage(adapter, rewa
         adv, ret = _compute(verl_name, _data_proto(rewards, mask, index), _algorithm())
         torch.testing.assert_close(adv, expected.float(), rtol=0, atol=0, msg=verl_name)
         assert torch.isfinite(adv).all() and (adv * (1 - mask)).abs().max() == 0
+
+
+def test_verl_default_norm_key_does_not_replace_the_paper_default(adapter, rewards_batch):
+    """reinforce_ada's paper default is norm_adv_by_std_in_grpo=False; verl's algorithm key is always
+    there at True. Under the one precedence rule the paper default wins (same as TRL and OpenRLHF),
+    and a stablerl key (+algorithm.<name> cannot be used for verl's own key, so the verl key set to a
+    value other than verl's default) still applies."""
+    rewards, mask, index = rewards_batch(seed=2)
+    # in-batch statistics (no adaptive sampler's per-prompt counts in a stock verl trainer)
+    got, _ = _compute("reinforce_ada", _data_proto(rewards, mask, index), _algorithm(global_stat_est=False))
+    rewards, mask = rewards.float(), mask.float()  # as verl's batch holds them
+    paper, _ = stablerl.compute_advantage("reinforce_ada", token_level_rewards=rewards, response_mask=mask, index=index,
+                                          global_stat_est=False)
+    verl_default, _ = stablerl.compute_advantage("reinforce_ada", token_level_rewards=rewards, response_mask=mask,
+                                                 index=index, global_stat_est=False, norm_adv_by_std_in_grpo=True)
+    assert (paper - verl_default).abs().max() > 1e-3
+    torch.testing.assert_close(got, paper.float(), rtol=0, atol=0)
+
+
+def test_a_norm_key_the_estimator_does_not_take_is_refused(adapter, rewards_batch):
+    """algorithm.norm_adv_by_std_in_grpo=False with an estimator that has no such hyper-parameter would
+    change nothing while the user expects unnormalised advantages: refused, naming the key."""
+    rewards, mask, index = rewards_batch(seed=2)
+    rewards = (rewards > 0).float() * mask  # bnpo: rewards in [0, 1]
+    assert "norm_adv_by_std_in_grpo" not in stablerl.get_spec("advantage_estimator", "bnpo").defaults()
+    with pytest.raises(stablerl.StableRLError, match="algorithm.norm_adv_by_std_in_grpo=False has no effect.*'bnpo'"):
+        _compute("bnpo", _data_proto(rewards, mask, index), _algorithm(norm_adv_by_std_in_grpo=False))
+    _compute("bnpo", _data_proto(rewards, mask, index), _algorithm())  # verl's default: nothing to refuse

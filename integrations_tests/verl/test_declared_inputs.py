@@ -369,9 +369,9 @@ def test_fresh_process_registers_the_losses_with_declared_inputs():
         assert name not in out["losses"] and "stablerl_" + name not in out["losses"], name
     # deferred at `import verl` (the adapter imports nothing heavy), then in place before any caller binds it
     assert out["patch"] == "deferred" and out["wrapped"] and out["distill_bound"] and out["ew_bound"] in (True, None)
-    from stablerl.adapters.config_keys import FEEDABLE_INPUTS
+    from stablerl.frameworks import get_framework
 
-    assert set(out["provided"]) == set(FEEDABLE_INPUTS["verl"]["policy_loss"])
+    assert set(out["provided"]) == set(get_framework("verl").feedable["policy_loss"])
 
 
 def _dense(batch_out, pad_id=7):

@@ -23,7 +23,31 @@ def _need(kind, name):
         pytest.skip(f"stablerl {kind} {name!r} not present yet")
 
 
+def _same_settings(config):
+    """The config a stablerl loss needs to run with exactly the values verl's built-in reads: every
+    verl key the stablerl loss also takes, pinned as a stablerl key (``policy_loss.stablerl_params``).
+    Without it a verl key left at verl's default gives way to the paper's default (one precedence
+    rule; test_ppo_loss.py checks that)."""
+    import dataclasses
+
+    from stablerl.adapters.verl import StablePolicyLossConfig
+    from stablerl.frameworks import get_framework
+
+    pinned = {}
+    for name, key in get_framework("verl").hyperparameter_keys["policy_loss"].items():
+        owner = config.policy_loss if key.key.startswith("actor_rollout_ref.actor.policy_loss.") else config
+        value = getattr(owner, name, None)
+        if value is None and name in ("clip_ratio_low", "clip_ratio_high"):
+            value = config.clip_ratio
+        if value is not None:
+            pinned[name] = value
+    return dataclasses.replace(config, policy_loss=StablePolicyLossConfig(
+        loss_mode=config.policy_loss.loss_mode, stablerl_params=pinned))
+
+
 def _loss_and_grad(core_algos, verl_name, batch, config, is_weights=None):
+    if getattr(core_algos.get_policy_loss_fn(verl_name), "_stablerl_verl", None):
+        config = _same_settings(config)
     lp = batch["log_prob"].detach().clone().requires_grad_(True)
     loss, metrics = core_algos.get_policy_loss_fn(verl_name)(
         old_log_prob=batch["old_log_prob"],

@@ -109,11 +109,7 @@ def test_stablerl_loss_and_hyperparameter_through_ppo_loss(adapter, actor_config
     s = spy
     assert s["response_mask"].dtype == torch.bool and s["rollout_is_weights"] is not None
     assert s["info"] == {"dp_size": 2, "batch_num_tokens": 19, "global_batch_size": 6, "loss_scale_factor": None}
-    params = {param: value}
-    fields = stablerl.get_spec("policy_loss", name).params.field_names()
-    for key in ("clip_ratio_low", "clip_ratio_high"):
-        if key in fields:
-            params[key] = 0.2  # verl's actor defaults, which the adapter passes for these keys
+    params = {param: value}  # verl's actor keys are at verl's defaults: the paper's clip bounds apply
     expected, _ = stablerl.compute_policy_loss(
         name,
         log_prob=s["log_prob"].detach(),
@@ -157,7 +153,7 @@ def test_policy_loss_config_fields(adapter):
     for spec in stablerl.list_algorithms("policy_loss"):
         for p in spec.params.field_names():
             if p in ACTOR_KEYS:
-                assert p not in names  # read from the actor config, one place only
+                assert p in names  # a stablerl key under policy_loss, above the actor's key (one precedence rule)
             elif spec.name in registered and p not in verl_names:
                 assert p in names, (spec.name, p)
     # only what can run in verl: losses verl cannot feed (entropy, rollout log-probs...) add no keys
@@ -200,3 +196,47 @@ def test_hydra_target_route_builds_the_actor_config(adapter):
     bad.policy_loss.m2_treshold = 0.05  # typo: rejected by the dataclass
     with pytest.raises(Exception, match="m2_treshold"):
         omega_conf_to_dataclass(bad)
+
+
+def _gspo_loss(adapter, actor_config, data, leaves, policy_loss=None, **actor):
+    PLC = adapter.StablePolicyLossConfig
+    cfg = actor_config(policy_loss=policy_loss or PLC(loss_mode="stablerl_gspo"), **actor)
+    return _run_ppo_loss(cfg, data, leaves)
+
+
+def _gspo_expected(spy_data, **params):
+    s = spy_data
+    return stablerl.compute_policy_loss(
+        "gspo", log_prob=s["log_prob"].detach(), old_log_prob=s["old_log_prob"], advantages=s["advantages"],
+        response_mask=s["response_mask"], ctx=stablerl.Context(token_count=19, seq_count=6, dp_size=2), **params,
+    )[0]
+
+
+def test_paper_defaults_win_over_verl_defaults_and_startup_says_so(adapter, actor_config, spy, capsys, caplog):
+    """One precedence rule: stablerl key > a verl key the user set > the paper default. verl's actor
+    clip keys always exist at verl's defaults (0.2/0.2/3.0); they must not replace GSPO's 3e-4/4e-4."""
+    from stablerl import frameworks
+
+    frameworks._LOGGED.clear()
+    data, leaves = _worker_batch(seed=5, dp_size=2, extra_tokens=5, extra_seqs=2)
+    _run_ppo_loss(actor_config(policy_loss=adapter.StablePolicyLossConfig(loss_mode="_stablerl_test_spy")), data, leaves)
+    paper = _gspo_expected(spy)
+    verl_bounds = _gspo_expected(spy, clip_ratio_low=0.2, clip_ratio_high=0.2)
+    assert abs(float(paper) - float(verl_bounds)) > 1e-4  # the two settings give different losses here
+
+    with caplog.at_level("WARNING", logger="stablerl.adapters.verl"):
+        default = _gspo_loss(adapter, actor_config, data, leaves)  # no clip key set anywhere
+    assert float(default[0]) == pytest.approx(float(paper), rel=1e-6, abs=1e-7)
+    table = capsys.readouterr().err  # the effective-settings table, printed once per process
+    assert "stablerl/verl: policy loss 'gspo' runs with" in table and "clip_ratio_low  = 0.0003" in table
+    assert "actor_rollout_ref.actor.clip_ratio_low=0.2 is verl's default, not applied" in caplog.text
+    assert "+actor_rollout_ref.actor.policy_loss.clip_ratio_low=0.2" in caplog.text  # the exact key to set
+
+    # a verl key the user set (a value other than verl's default) applies
+    user = _gspo_loss(adapter, actor_config, data, leaves, clip_ratio_low=0.1, clip_ratio_high=0.3)
+    assert float(user[0]) == pytest.approx(float(_gspo_expected(spy, clip_ratio_low=0.1, clip_ratio_high=0.3)), rel=1e-6)
+    # a stablerl key beats the verl key, even at verl's default value
+    PLC = adapter.StablePolicyLossConfig
+    forced = _gspo_loss(adapter, actor_config, data, leaves, clip_ratio_low=0.1,
+                        policy_loss=PLC(loss_mode="stablerl_gspo", clip_ratio_low=0.2, clip_ratio_high=0.2))
+    assert float(forced[0]) == pytest.approx(float(verl_bounds), rel=1e-6, abs=1e-7)

@@ -1,0 +1,187 @@
+"""The framework contract (stablerl.frameworks): one name rule, one precedence rule for hyper-parameters,
+the framework declarations, and a fourth framework added through the register_frameworks hook. Torch only:
+no framework is imported."""
+
+from __future__ import annotations
+
+import sys
+import textwrap
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import stablerl
+from stablerl import frameworks as F
+from stablerl.contracts import ADVANTAGE_ESTIMATOR, POLICY_LOSS
+
+
+def test_the_three_builtin_frameworks_are_declared_through_the_hook():
+    assert [fw.name for fw in F.list_frameworks()] == ["verl", "trl", "openrlhf"]
+    assert F.get_framework("verl").adapter == "stablerl.adapters.verl"
+    with pytest.raises(stablerl.UnknownNameError, match="unknown framework 'verll' .*did you mean 'verl'"):
+        F.get_framework("verll")
+    # core imports no adapter to know them: the declarations plugin is framework-free
+    assert "stablerl.adapters.verl" not in sys.modules and "verl" not in sys.modules
+
+
+def test_one_name_rule_in_every_framework():
+    gspo = stablerl.get_spec(POLICY_LOSS, "gspo")
+    m2po = stablerl.get_spec(POLICY_LOSS, "m2po")
+    for name in ("verl", "trl", "openrlhf"):
+        fw = F.get_framework(name)
+        assert F.resolve(fw, POLICY_LOSS, "m2po") == F.resolve(fw, POLICY_LOSS, "stablerl_m2po") == "m2po"
+        assert F.framework_names(fw, m2po) == ["m2po", "stablerl_m2po"]
+        assert F.resolve(fw, POLICY_LOSS, None) is None
+    # a framework's own name keeps the framework's code; ours is prefixed there
+    assert F.resolve("verl", POLICY_LOSS, "gspo") is None and F.framework_names(F.get_framework("verl"), gspo) == ["stablerl_gspo"]
+    assert F.resolve("openrlhf", POLICY_LOSS, "gspo") is None
+    assert F.resolve("trl", POLICY_LOSS, "gspo") == "gspo"  # TRL has no 'gspo' loss_type
+    with pytest.raises(stablerl.UnknownNameError, match=r"'m2p0' \(did you mean 'm2po'\?\).*trl's own: .*dapo"):
+        F.resolve("trl", POLICY_LOSS, "m2p0")
+
+
+def test_refusals_say_why_in_the_frameworks_words():
+    with pytest.raises(stablerl.MissingInputError, match="index: OpenRLHF keeps no prompt groups at the loss"):
+        F.resolve("openrlhf", POLICY_LOSS, "pacs")
+    status, why = F.reach(F.get_framework("trl"), stablerl.get_spec(POLICY_LOSS, "erc"))
+    assert status == "refused" and "old_entropy: TRL computes no entropies in its old-log-prob pass" in why
+    assert F.selectable_in(stablerl.get_spec(POLICY_LOSS, "erc")) == ["verl"]
+    assert F.selectable_in(stablerl.get_spec(POLICY_LOSS, "m2po")) == ["verl", "trl", "openrlhf"]
+
+
+def _values(settings):
+    return {s.name: (s.value, s.source) for s in settings}
+
+
+def test_paper_default_wins_over_a_framework_default_and_says_so():
+    gspo = stablerl.get_spec(POLICY_LOSS, "gspo")
+    verl = F.get_framework("verl")
+    at_verl_defaults = {"clip_ratio_low": 0.2, "clip_ratio_high": 0.2, "clip_ratio_c": 3.0}
+    s = F.effective_hyperparameters(verl, gspo, {}, at_verl_defaults)
+    assert _values(s) == {"clip_ratio_low": (3e-4, F.FROM_PAPER_DEFAULT), "clip_ratio_high": (4e-4, F.FROM_PAPER_DEFAULT)}
+    note = {x.name: x.note for x in s}["clip_ratio_low"]
+    assert note == ("actor_rollout_ref.actor.clip_ratio_low=0.2 is verl's default, not applied; to run with it set "
+                    "+actor_rollout_ref.actor.policy_loss.clip_ratio_low=0.2")
+    assert F.as_params(s) == {}
+    # a framework key the user set applies; a stablerl key beats it
+    s = F.effective_hyperparameters(verl, gspo, {"clip_ratio_high": 5e-4}, {"clip_ratio_low": 1e-4, "clip_ratio_high": 0.2})
+    assert _values(s) == {"clip_ratio_low": (1e-4, F.FROM_FRAMEWORK_KEY), "clip_ratio_high": (5e-4, F.FROM_STABLERL_KEY)}
+    # where the framework can tell what was given (OpenRLHF's argv), a given default value counts as set
+    s = F.effective_hyperparameters("openrlhf", gspo, {}, {"clip_ratio_low": 0.2}, user_set={"clip_ratio_low"})
+    assert _values(s)["clip_ratio_low"] == (0.2, F.FROM_FRAMEWORK_KEY)
+    with pytest.raises(stablerl.UnknownNameError, match="'clip_ratio_hihg'.*did you mean 'clip_ratio_high'"):
+        F.effective_hyperparameters(verl, gspo, {"clip_ratio_hihg": 0.3}, {})
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    name=st.sampled_from([s.name for s in stablerl.list_algorithms(POLICY_LOSS) if s.defaults()]),
+    framework=st.sampled_from(["verl", "trl", "openrlhf"]),
+    data=st.data(),
+)
+def test_precedence_holds_for_every_loss_and_framework(name, framework, data):
+    """For any loss, any subset of stablerl keys and of framework keys (at or off the framework default):
+    the value comes from the stablerl key if given, else from a framework key set off its default, else
+    is the paper default -- and the recorded source says which."""
+    spec = stablerl.get_spec(POLICY_LOSS, name)
+    fw = F.get_framework(framework)
+    defaults = spec.defaults()
+    keys = fw.hyperparameter_keys.get(POLICY_LOSS, {})
+    mine = {k: 0.123 for k in data.draw(st.sets(st.sampled_from(sorted(defaults))), label="stablerl keys")}
+    theirs = {}
+    for k in data.draw(st.sets(st.sampled_from(sorted(keys))), label="framework keys"):
+        theirs[k] = data.draw(st.sampled_from([keys[k].default, 0.456]), label=k)
+    for s in F.effective_hyperparameters(fw, spec, mine, theirs):
+        if s.name in mine:
+            assert (s.value, s.source) == (0.123, F.FROM_STABLERL_KEY)
+        elif s.name in theirs and theirs[s.name] == 0.456 and s.name in keys:
+            assert (s.value, s.source) == (0.456, F.FROM_FRAMEWORK_KEY)
+        else:
+            assert (s.value, s.source) == (defaults[s.name], F.FROM_PAPER_DEFAULT)
+            assert bool(s.note) == (s.name in theirs and theirs[s.name] is not None and theirs[s.name] != defaults[s.name])
+
+
+def test_an_advantage_knob_the_estimator_cannot_honour_is_refused():
+    rloo = stablerl.get_spec(ADVANTAGE_ESTIMATOR, "rloo")
+    grpo = stablerl.get_spec(ADVANTAGE_ESTIMATOR, "grpo")
+    F.check_framework_keys_used("trl", rloo, {"norm_adv_by_std_in_grpo": True})  # TRL's default: nothing to refuse
+    with pytest.raises(stablerl.StableRLError, match="scale_rewards='none' has no effect.*'rloo'"):
+        F.check_framework_keys_used("trl", rloo, {"norm_adv_by_std_in_grpo": False})
+    F.check_framework_keys_used("trl", grpo, {"norm_adv_by_std_in_grpo": False})  # grpo honours it
+    s = F.effective_hyperparameters("trl", grpo, {}, {"norm_adv_by_std_in_grpo": False})
+    assert _values(s)["norm_adv_by_std_in_grpo"] == (False, F.FROM_FRAMEWORK_KEY)
+    assert {x.name: x.key for x in s}["norm_adv_by_std_in_grpo"] == "scale_rewards='none'"
+
+
+def test_format_and_log_once(capsys, caplog):
+    gspo = stablerl.get_spec(POLICY_LOSS, "gspo")
+    s = F.effective_hyperparameters("verl", gspo, {}, {"clip_ratio_low": 0.2, "clip_ratio_high": 0.2})
+    F._LOGGED.clear()
+    with caplog.at_level("WARNING"):
+        F.log_effective_settings("verl", gspo, s)
+        F.log_effective_settings("verl", gspo, s)
+    err = capsys.readouterr().err
+    assert err.count("stablerl/verl: policy loss 'gspo' runs with:") == 1
+    assert "clip_ratio_high = 0.0004  (paper default: +actor_rollout_ref.actor.policy_loss.clip_ratio_high=<value>)" in err
+    assert caplog.text.count("is verl's default, not applied") == 2  # one warning per note, once
+
+
+def test_describe_framework_prints_the_effective_settings(capsys):
+    from stablerl.cli import main
+
+    assert main(["describe", "gspo", "--framework", "verl"]) == 0
+    out = capsys.readouterr().out
+    assert "verl: select with actor_rollout_ref.actor.policy_loss.loss_mode=stablerl_gspo" in out
+    assert "clip_ratio_low  = 0.0003" in out and "One precedence rule in every framework" in out
+    assert main(["describe", "pacs", "--framework", "openrlhf"]) == 0
+    assert "openrlhf: 'pacs' cannot be selected: needs index" in capsys.readouterr().out
+    assert main(["describe", "gspo", "--framework", "jax"]) == 2
+    assert "unknown framework 'jax'" in capsys.readouterr().err
+
+
+def test_a_fourth_framework_through_the_hook(tmp_path, monkeypatch):
+    """A third party declares a framework without touching core: it resolves names, refuses what it
+    cannot feed, and applies the precedence rule, like the built-in three."""
+    pkg = tmp_path / "sr_jaxrl"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text(textwrap.dedent('''
+        from stablerl import hookimpl
+        from stablerl.frameworks import FrameworkKey, FrameworkSpec
+
+        @hookimpl
+        def register_frameworks(register):
+            register(FrameworkSpec(
+                name="jaxrl", distribution="jaxrl", supported=">=1.0", adapter="sr_jaxrl.adapter",
+                builtin_names={"policy_loss": frozenset({"ppo"})},
+                feedable={"policy_loss": frozenset({"entropy"})},
+                why_not={"*": {"index": "jaxrl shuffles rows"}},
+                selection_keys={"policy_loss": "loss.name"},
+                hyperparameter_keys={"policy_loss": {"clip_ratio_low": FrameworkKey("loss.eps", 0.1)}},
+                params_keys={"policy_loss": "loss.stablerl.{name}={value}"},
+                config_lines=lambda spec: [f"loss.name={spec.name}"],
+            ))
+    '''))
+    (pkg / "adapter.py").write_text("LOADED = True\n")
+    info = tmp_path / "sr_jaxrl-0.1.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: sr-jaxrl\nVersion: 0.1\n")
+    (info / "entry_points.txt").write_text("[stablerl]\njaxrl = sr_jaxrl\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delenv("STABLERL_PLUGINS", raising=False)
+    try:
+        stablerl.reload_registry()
+        assert [fw.name for fw in F.list_frameworks()] == ["verl", "trl", "openrlhf", "jaxrl"]
+        assert F.resolve("jaxrl", POLICY_LOSS, "ppo") is None and F.resolve("jaxrl", POLICY_LOSS, "m2po") == "m2po"
+        with pytest.raises(stablerl.MissingInputError, match="index: jaxrl shuffles rows"):
+            F.resolve("jaxrl", POLICY_LOSS, "pacs")
+        s = F.effective_hyperparameters("jaxrl", stablerl.get_spec(POLICY_LOSS, "vanilla"), {}, {"clip_ratio_low": 0.1})
+        assert {x.name: x.note for x in s}["clip_ratio_low"] == (
+            "loss.eps=0.1 is jaxrl's default, not applied; to run with it set loss.stablerl.clip_ratio_low=0.1")
+        assert F.config_lines(stablerl.get_spec(POLICY_LOSS, "m2po"))["jaxrl"] == ["loss.name=m2po"]
+        assert F.load_adapter("jaxrl").LOADED is True
+    finally:
+        monkeypatch.undo()
+        sys.modules.pop("sr_jaxrl", None)
+        sys.modules.pop("sr_jaxrl.adapter", None)
+        stablerl.reload_registry()
