@@ -151,11 +151,12 @@ def doctor_report() -> dict:
 
 
 def conformance_report() -> list[dict]:
-    """Run the conformance suite on every third-party policy loss and estimator (not the built-ins,
-    which the project's own tests cover). One entry per algorithm: ``ok`` or the failed property."""
+    """Run the conformance suite on every third-party algorithm of every kind it covers (not the
+    built-ins, which the project's own tests cover). One entry per algorithm: ``ok`` or the failed property."""
     from .testing import ConformanceError, check_advantage_estimator, check_policy_loss
+    from .testing.extensions import EXTENSION_CHECKS
 
-    checks = {"policy_loss": check_policy_loss, "advantage_estimator": check_advantage_estimator}
+    checks = {"policy_loss": check_policy_loss, "advantage_estimator": check_advantage_estimator, **EXTENSION_CHECKS}
     out = []
     for spec in get_registry().list():
         if spec.plugin.startswith("stablerl.plugins.") or spec.kind not in checks or spec.status == "unavailable":
@@ -202,7 +203,7 @@ def cmd_doctor(args: argparse.Namespace) -> int:
 
 def cmd_demo(argv: list[str]) -> int:
     try:
-        from stablerl.adapters.trl import demo
+        from stablerl import demo
     except ImportError as e:
         print(f"stablerl demo needs TRL: pip install 'stablerl[trl]' ({e})", file=sys.stderr)
         return 2
@@ -210,13 +211,13 @@ def cmd_demo(argv: list[str]) -> int:
 
 
 def _add_bench_arguments(p: argparse.ArgumentParser) -> None:
-    from stablerl.adapters import bench  # torch-only; verl is imported lazily by the bench itself
+    from stablerl import bench  # torch-only; verl is imported lazily by the bench itself
 
     bench.add_arguments(p)
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from stablerl.adapters import bench
+    from stablerl import bench
 
     return bench.main(args=args)
 

@@ -1,9 +1,5 @@
 """Shared fixtures for the unit tests (torch only)."""
 
-import os
-import tempfile
-import time
-
 import pytest
 import torch
 
@@ -48,38 +44,3 @@ def per_seq(a, mask):
     out = a[torch.arange(a.shape[0]), (lengths - 1).clamp(min=0)]
     assert torch.equal(a, out[:, None] * mask)
     return out
-
-
-def _gloo_rank(rank, world, init_method, out_dir, fn):
-    import torch.distributed as dist
-
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world)
-    try:
-        torch.save(fn(rank, world), os.path.join(out_dir, f"rank{rank}.pt"))
-        dist.barrier()  # no rank leaves while another is still in a collective
-    finally:
-        dist.destroy_process_group()
-
-
-def run_gloo_ranks(fn, world: int = 2, timeout: float = 120.0) -> list:
-    """``fn(rank, world)`` on ``world`` gloo ranks (CPU processes); returns each rank's result (anything
-    ``torch.save`` takes). Forked where the platform allows (``fn`` may be any function), else spawned
-    (``fn`` must then be importable from its module)."""
-    import torch.distributed as dist
-    import torch.multiprocessing as mp
-
-    if not dist.is_available():
-        pytest.skip("torch.distributed is not available")
-    method = "fork" if "fork" in mp.get_all_start_methods() else "spawn"
-    with tempfile.TemporaryDirectory(prefix="stablerl-gloo-") as tmp:
-        procs = mp.start_processes(_gloo_rank, args=(world, f"file://{tmp}/init", tmp, fn), nprocs=world,
-                                   join=False, start_method=method)
-        deadline = time.monotonic() + timeout
-        while not procs.join(timeout=1):
-            if time.monotonic() > deadline:
-                for proc in procs.processes:
-                    proc.terminate()
-                pytest.fail(f"the {world}-process gloo run did not finish within {timeout:.0f} s")
-        return [torch.load(os.path.join(tmp, f"rank{r}.pt")) for r in range(world)]

@@ -8,7 +8,7 @@ import math
 import torch
 
 from stablerl import cli
-from stablerl.adapters import bench
+from stablerl import bench
 
 TINY = [("B4xT32", 4, 32)]
 

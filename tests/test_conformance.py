@@ -59,7 +59,8 @@ def _skips() -> dict[str, tuple[str, ...]]:
     return {n: tuple(BY_DESIGN.get(n, {})) + tuple(KNOWN_ISSUES.get(n, {})) for n in names}
 
 
-BUILTIN_CASES = conformance_cases(plugin="stablerl.plugins", skip=_skips(), inputs=INPUTS)
+BUILTIN_CASES = conformance_cases(plugin="stablerl.plugins", kinds=(POLICY_LOSS, ADVANTAGE_ESTIMATOR), skip=_skips(),
+                                  inputs=INPUTS)
 
 
 @pytest.mark.parametrize("case", BUILTIN_CASES)
@@ -196,7 +197,7 @@ def test_suite_catches_broken_estimator(monkeypatch, prop):
 def test_skip_names_are_checked():
     with pytest.raises(ValueError, match="unknown conformance properties"):
         check_policy_loss("vanilla", skip=["masked_token"])
-    with pytest.raises(LookupError, match="no policy_loss/advantage_estimator registered by plugin 'nope'"):
+    with pytest.raises(LookupError, match="no policy_loss/advantage_estimator/.*router_family registered by plugin 'nope'"):
         conformance_cases(plugin="nope")
 
 

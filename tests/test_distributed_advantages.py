@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import run_gloo_ranks
+from stablerl.testing import launch_gloo
 
 WORLD = 2
 NAMES = ("grpo", "dr_grpo", "rloo", "opo", "qae", "bnpo")
@@ -85,7 +85,7 @@ def test_two_gloo_ranks_equal_one_rank_whole_batch():
     alone = _run("bnpo", rewards[rows0], mask[rows0], uids[rows0.numpy()])
     assert not torch.allclose(alone, expected["bnpo"][rows0])
 
-    parts = run_gloo_ranks(_rank, WORLD)
+    parts = launch_gloo(_rank, WORLD)
 
     covered = torch.cat([p["rows"] for p in parts]).sort().values
     assert torch.equal(covered, torch.arange(len(uids)))

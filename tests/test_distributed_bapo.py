@@ -6,7 +6,8 @@ import pytest
 import torch
 
 import stablerl
-from conftest import make_batch, run_gloo_ranks
+from conftest import make_batch
+from stablerl.testing import launch_gloo
 
 WORLD = 2
 
@@ -45,7 +46,7 @@ def _rank(rank, world):
 
 
 def test_bapo_two_ranks_equal_one_rank():
-    res = run_gloo_ranks(_rank, WORLD)
+    res = launch_gloo(_rank, WORLD)
 
     full = bapo_batch()
     loss, grad, metrics = run_bapo(full)

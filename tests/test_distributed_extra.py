@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import run_gloo_ranks
+from stablerl.testing import launch_gloo
 
 WORLD = 2
 
@@ -97,7 +97,7 @@ def test_two_gloo_ranks_equal_one_rank_whole_batch():
     alone_loss, alone_grad = _delta_l(d, rows0)
     assert not torch.allclose(alone_grad, expected_dl[1.0][1][rows0])
 
-    parts = run_gloo_ranks(_rank, WORLD)
+    parts = launch_gloo(_rank, WORLD)
 
     covered = torch.cat([p["rows"] for p in parts]).sort().values
     assert torch.equal(covered, torch.arange(len(d["uids"])))

@@ -14,7 +14,7 @@ import torch
 
 import stablerl
 from stablerl import Context, compute_policy_loss
-from conftest import run_gloo_ranks
+from stablerl.testing import launch_gloo
 
 F64 = torch.float64
 B, T, WORLD = 8, 12, 2
@@ -84,7 +84,7 @@ def _rank(rank, world):
 
 @pytest.fixture(scope="module")
 def two_rank_results():
-    return run_gloo_ranks(_rank, WORLD)
+    return launch_gloo(_rank, WORLD)
 
 
 def _one_rank(name, kw):

@@ -2,10 +2,9 @@
 
 A drop-in for TRL's classes: ``GRPOConfig(loss_type="m2po", advantage_estimator="qae", ...)``.
 TRL's built-in ``loss_type`` names keep TRL's behaviour; see :mod:`stablerl.adapters.trl.trainer`.
-``stablerl.adapters.trl.demo`` is the ``stablerl demo`` command.
 
-TRL is imported lazily (on first attribute access), so that ``stablerl.adapters.trl.demo`` can set
-its offline environment before TRL and the Hugging Face Hub client are imported.
+TRL is imported lazily (on first attribute access), so that ``stablerl.demo`` (the ``stablerl demo``
+command) can set its offline environment before TRL and the Hugging Face Hub client are imported.
 """
 
 from __future__ import annotations

@@ -1,14 +1,13 @@
-"""Worker for test_trl_distributed.py (run by torchrun with 2 CPU processes, gloo).
+"""Worker for test_trl_distributed.py (2 CPU processes, gloo, under ``stablerl.testing.launch_gloo``, which
+gives each torchrun's environment; Accelerate sets up the process group from it).
 
 Trains with a stablerl loss that uses prompt groups and scores (gvpo) and a stablerl advantage
 estimator, and checks on every rank that stablerl's ``grpo`` estimator (epsilon 1e-4) reproduces
 TRL's own per-process advantages exactly: same gathered rewards, same groups, same slice.
 """
 
-import json
 import math
 import os
-import sys
 
 for _k in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_DATASETS_OFFLINE", "HF_HUB_DISABLE_TELEMETRY"):
     os.environ[_k] = "1"
@@ -20,7 +19,7 @@ torch.set_num_threads(1)
 from transformers import TrainerCallback  # noqa: E402
 
 from stablerl.adapters.trl import GRPOConfig, GRPOTrainer  # noqa: E402
-from stablerl.adapters.trl.demo import build_dataset, build_model, build_tokenizer  # noqa: E402
+from stablerl.demo import build_dataset, build_model, build_tokenizer  # noqa: E402
 
 
 def digit_reward(prompts, completions, **kwargs):
@@ -39,7 +38,7 @@ class Checked(GRPOTrainer):
         return ours
 
 
-def main(out_path):
+def rank_main(rank, world, out_dir, loss_type):
     tok = build_tokenizer()
     logs = []
 
@@ -50,7 +49,7 @@ def main(out_path):
 
     records = logs
     args = GRPOConfig(
-        output_dir=os.path.join(os.path.dirname(out_path), "run"), loss_type=sys.argv[2], advantage_estimator="grpo",
+        output_dir=os.path.join(out_dir, "run"), loss_type=loss_type, advantage_estimator="grpo",
         stablerl_advantage_params={"epsilon": 1e-4}, per_device_train_batch_size=8, num_generations=4,
         max_completion_length=4, num_iterations=2, gradient_accumulation_steps=1, learning_rate=5e-3, max_steps=3,
         logging_steps=1, use_cpu=True, bf16=False, gradient_checkpointing=False, report_to="none",
@@ -71,9 +70,4 @@ def main(out_path):
         "moved": bool(not torch.equal(before, after)),
         "metrics": sorted(k for log in logs for k in log if k.startswith("stablerl/")),
     }
-    with open(f"{out_path}.{result['rank']}", "w") as f:
-        json.dump(result, f)
-
-
-if __name__ == "__main__":
-    main(sys.argv[1])
+    return result

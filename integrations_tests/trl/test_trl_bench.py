@@ -8,7 +8,8 @@ import torch
 
 import trl
 from stablerl import cli
-from stablerl.adapters import bench, bench_trl
+from stablerl import bench
+from stablerl.bench import trl as bench_trl
 
 TINY = [("B4xT32", 4, 32)]
 

@@ -291,14 +291,14 @@ def test_controller_and_loss_state_checkpointed(tmp_path):
 # ----------------------------------------------------------------------------- two processes
 
 _WORKER = r'''
-import json, math, os, sys
+import math, os
 for _k in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_DATASETS_OFFLINE", "HF_HUB_DISABLE_TELEMETRY"):
     os.environ[_k] = "1"
 import torch
 torch.set_num_threads(1)
 from transformers import TrainerCallback
 from stablerl.adapters.trl import GRPOConfig, GRPOTrainer
-from stablerl.adapters.trl.demo import build_dataset, build_model, build_tokenizer
+from stablerl.demo import build_dataset, build_model, build_tokenizer
 
 VOID = []
 
@@ -324,54 +324,44 @@ class Rec(TrainerCallback):
         if logs and "loss" in logs:
             records.append(dict(logs))
 records = logs
-out_path = sys.argv[1]
-args = GRPOConfig(output_dir=os.path.join(os.path.dirname(out_path), "run"), advantage_estimator="grpo",
-                  reward_shaper="redit", batch_filter="simpletir", entropy_controller="aepo",
-                  per_device_train_batch_size=8, num_generations=4, max_completion_length=4, num_iterations=1,
-                  gradient_accumulation_steps=1, learning_rate=5e-3, max_steps=3, logging_steps=1, use_cpu=True,
-                  bf16=False, gradient_checkpointing=False, report_to="none", save_strategy="no", disable_tqdm=True,
-                  seed=0)
-tok = build_tokenizer()
-trainer = T(model=build_model(tok, hidden_size=32), reward_funcs=reward, args=args, train_dataset=build_dataset(64),
-            processing_class=tok, callbacks=[Rec()])
-trainer.train()
-torch.save(trainer.stablerl_state_dict(), f"{out_path}.{trainer.accelerator.process_index}.pt")
-result = {"rank": trainer.accelerator.process_index, "world": trainer.accelerator.num_processes,
-          "checks": T.checks, "temperature": trainer.generation_config.temperature,
-          "finite": all(math.isfinite(l["loss"]) for l in logs),
-          "stablerl_logs": [{k: v for k, v in l.items() if k.startswith("stablerl/")} for l in logs]}
-with open(f"{out_path}.{result['rank']}", "w") as f:
-    json.dump(result, f)
+
+def rank_main(rank, world, work):
+    args = GRPOConfig(output_dir=os.path.join(work, "run"), advantage_estimator="grpo",
+                      reward_shaper="redit", batch_filter="simpletir", entropy_controller="aepo",
+                      per_device_train_batch_size=8, num_generations=4, max_completion_length=4, num_iterations=1,
+                      gradient_accumulation_steps=1, learning_rate=5e-3, max_steps=3, logging_steps=1, use_cpu=True,
+                      bf16=False, gradient_checkpointing=False, report_to="none", save_strategy="no",
+                      disable_tqdm=True, seed=0)
+    tok = build_tokenizer()
+    trainer = T(model=build_model(tok, hidden_size=32), reward_funcs=reward, args=args,
+                train_dataset=build_dataset(64), processing_class=tok, callbacks=[Rec()])
+    trainer.train()
+    state = trainer.stablerl_state_dict()
+    return {"rank": trainer.accelerator.process_index, "world": trainer.accelerator.num_processes,
+            "checks": T.checks, "state": state, "temperature": trainer.generation_config.temperature,
+            "finite": all(math.isfinite(l["loss"]) for l in logs),
+            "stablerl_logs": [{k: v for k, v in l.items() if k.startswith("stablerl/")} for l in logs]}
 '''
 
 
 def test_two_processes_identical_state(tmp_path):
     """redit + simpletir (void_turn from log_extra, gathered over processes) + aepo on 2 processes: each
     process masks exactly its own void rows, and the controller, generator and ctx state stay identical."""
-    import shutil
-    import subprocess
-    import sys
+    import tempfile
     from pathlib import Path
 
-    torchrun = shutil.which("torchrun", path=str(Path(sys.executable).parent)) or shutil.which("torchrun")
-    if torchrun is None:
-        pytest.skip("torchrun not found")
-    import tempfile
+    from stablerl.testing import launch_gloo
 
     with tempfile.TemporaryDirectory(prefix="stablerl_trl_ext_") as work:  # not tmp_path: concurrent pytest
         worker = Path(work) / "worker.py"                                  # runs may prune its base folder
         worker.write_text(_WORKER)
-        out = Path(work) / "result"
-        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-        proc = subprocess.run([torchrun, "--nproc_per_node", "2", "--master_port", "29547", str(worker), str(out)],
-                              capture_output=True, text=True, timeout=300, env=env)
-        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-        r0, r1 = (json.loads(Path(f"{out}.{r}").read_text()) for r in (0, 1))
-        for r in (r0, r1):  # the stablerl state, as each process would checkpoint it
-            r["state"] = H.plain(torch.load(f"{out}.{r['rank']}.pt", weights_only=False))
+        r0, r1 = launch_gloo(f"{worker}:rank_main", 2, args=(work,), init_process_group=False, timeout=300,
+                             env={"PYTHONWARNINGS": "ignore"})
+    assert r0["rank"] == 0 and r1["rank"] == 1
     assert r0["world"] == 2 and r0["checks"] == 3 and r1["checks"] == 3
     assert r0["finite"] and r1["finite"]
-    assert r0["state"] == r1["state"] and r0["state"]["objects"]["controller"]["aepo"]["state"]["steps"] == 3
+    state0, state1 = H.plain(r0["state"]), H.plain(r1["state"])  # as each process would checkpoint it
+    assert state0 == state1 and state0["objects"]["controller"]["aepo"]["state"]["steps"] == 3
     assert r0["temperature"] == r1["temperature"] == 0.8
     assert r0["stablerl_logs"] == r1["stablerl_logs"]
     assert any(log["stablerl/simpletir/void_frac"] > 0 for log in r0["stablerl_logs"])

@@ -14,12 +14,10 @@ import trl_helpers as H  # noqa: I001
 
 import stablerl
 from stablerl.adapters.trl import GRPOConfig, GRPOTrainer
-from stablerl.adapters.trl.trainer import (
-    _ADVANTAGE_INPUTS,
-    _WHY_NOT,
-    TRL_LOSS_TYPES,
-    loss_inputs_trl_can_feed,
-)
+from stablerl.adapters.trl.trainer import TRL_LOSS_TYPES, loss_inputs_trl_can_feed
+from stablerl.frameworks import get_framework
+
+TRL = get_framework("trl")  # the declaration: what TRL can feed, and why not the rest
 
 LOSSES = stablerl.list_algorithms("policy_loss")
 # hyper-parameters that let an algorithm act on a random tiny model within 2 steps
@@ -34,7 +32,7 @@ def _skip_reason(spec, feedable):
         return f"{spec.name}: listed as unavailable ({spec.notes[:120]})"
     missing = [r for r in spec.requires if r not in feedable]
     if missing:
-        return f"{spec.name} needs {', '.join(missing)}: " + "; ".join(_WHY_NOT.get(m, "not provided by TRL") for m in missing)
+        return f"{spec.name} needs {', '.join(missing)}: " + "; ".join(TRL.why(spec.kind, m) for m in missing)
     return None
 
 
@@ -69,7 +67,7 @@ def test_every_policy_loss_trains(spec, tmp_path):
 
 @pytest.mark.parametrize("spec", ESTIMATORS, ids=[s.name for s in ESTIMATORS])
 def test_every_advantage_estimator_trains(spec, tmp_path):
-    reason = _skip_reason(spec, _ADVANTAGE_INPUTS)
+    reason = _skip_reason(spec, TRL.feedable[spec.kind])
     if reason:
         pytest.skip(reason)
     args = GRPOConfig(**H.base_kwargs(tmp_path, loss_type="dapo", advantage_estimator=spec.name,

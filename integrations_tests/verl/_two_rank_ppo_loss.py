@@ -1,7 +1,5 @@
 """Worker for test_ppo_loss_dp.py: one gloo rank calling verl's real (wrapped) ppo_loss on its rows."""
 
-import sys
-
 import torch
 import torch.distributed as dist
 
@@ -46,11 +44,8 @@ def run(rows, dp_size, group, loss_mode, total_tokens=None, total_rows=None):
     return loss.detach(), [g.detach() for g in grads]
 
 
-if __name__ == "__main__":
-    rank, world, init_file, loss_mode, use_group, out = sys.argv[1:7]
-    rank, world = int(rank), int(world)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+def rank_main(rank, world, loss_mode, use_group):
+    """One rank under ``stablerl.testing.launch_gloo``: rows 0-2 or 3-5, with verl's DP group or without."""
     rows = [0, 1, 2] if rank == 0 else [3, 4, 5]
-    loss, grads = run(rows, world, dist.group.WORLD if use_group == "1" else None, loss_mode)
-    torch.save({"loss": loss, "grads": grads, "rows": rows}, out)
-    dist.destroy_process_group()
+    loss, grads = run(rows, world, dist.group.WORLD if use_group else None, loss_mode)
+    return {"loss": loss, "grads": grads, "rows": rows}

@@ -1,13 +1,16 @@
 """TRL part of ``stablerl bench``: stablerl's losses against TRL 1.16's built-in ``loss_type``\\s.
 
 TRL has no standalone loss function: its loss lives in ``GRPOTrainer._compute_loss(model, inputs)``,
-after the model forward. The bench calls that real method on a light stand-in for the trainer
-(:class:`TRLLossHost`) whose ``_get_per_token_logps_and_entropies`` returns the prepared log-prob
-tensor instead of running a model, so only TRL's loss computation (its per-token loss, aggregation
-and metrics) is timed. Ours is :func:`stablerl.compute_policy_loss` called as the stablerl TRL
-adapter calls it (``adapters/trl/trainer.py``): TRL's mask as a bool mask, the
-``[B]`` advantages broadcast over tokens, and a ``Context`` with TRL's normalisers (token count =
-``num_items_in_batch``, sequence count = ``B``, ``loss_scale_factor`` = ``max_completion_length``).
+after the model forward. Both sides are the frameworks' real methods on light stand-in trainers whose
+``__init__`` builds no model and whose forward (``_get_per_token_logps_and_entropies``) returns the
+prepared log-prob tensor, so only loss computation is timed:
+
+* TRL: ``trl.GRPOTrainer._compute_loss`` (its per-token loss, aggregation and metrics);
+* ours: the stablerl TRL adapter's ``GRPOTrainer`` (loaded with ``stablerl.frameworks.load_adapter("trl")``),
+  built by its own ``__init__`` from a config selecting ``loss_type="stablerl_<name>"``. The timed call is
+  its ``_stablerl_policy_loss`` (the policy term its ``_compute_loss`` adds to TRL's surroundings, which
+  it runs with zero advantages: the same cost with any loss); the same-loss check runs its whole
+  ``_compute_loss``. So the bench runs the code users run and cannot drift from it.
 
 Pairs (``TRL_TWINS``; the conventions are those of ``integrations_tests/trl/test_trl_parity.py``):
 ``dapo``/``bnpo``/``grpo``/``dr_grpo``/``luspo`` == ``vanilla`` without dual clip, with the
@@ -21,14 +24,14 @@ error in the results, not a timing.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections import defaultdict
 from types import SimpleNamespace
 from typing import Any, Callable, Optional
 
 import torch
 
-import stablerl
-from stablerl import Context
+from stablerl.frameworks import load_adapter
 
 #: label -> (TRL loss_type, TRL trainer settings, stablerl loss, its hyper-parameters, loss_agg_mode)
 TRL_TWINS: dict[str, tuple[str, dict, str, dict, str]] = {
@@ -62,44 +65,73 @@ def trl_version() -> Optional[str]:
     return trl.__version__
 
 
-class TRLLossHost:
-    """The attributes TRL 1.16's ``GRPOTrainer._compute_loss`` reads, on one process with no
-    gradient accumulation, no KL (``beta=0``), no vLLM, no entropy or off-policy mask and no
-    entropy bonus; its forward returns ``self.log_prob``. Other settings keep ``GRPOConfig``'s
-    defaults. An attribute TRL reads and this lacks raises ``AttributeError``: the case fails."""
+@functools.lru_cache(maxsize=None)
+def _trainer_classes() -> tuple[type, type]:
+    """``(TRLLossHost, AdapterLossHost)``: stand-ins for TRL's ``GRPOTrainer`` and for the stablerl
+    TRL adapter's ``GRPOTrainer`` (got through :func:`stablerl.frameworks.load_adapter`), built on
+    first use (they subclass the framework's classes, so TRL is imported here, not at import time)."""
+    from trl import GRPOTrainer
 
-    def __init__(self, loss_type: str, settings: dict, max_completion_length: int):
-        from trl import GRPOConfig
+    adapter = load_adapter("trl")
 
-        defaults = {f.name: f.default for f in dataclasses.fields(GRPOConfig) if f.default is not dataclasses.MISSING}
-        args = {**defaults, "steps_per_generation": 1, **settings}
-        self.args = SimpleNamespace(**args)
-        self.loss_type = loss_type
-        self.epsilon_low = args["epsilon"]
-        self.epsilon_high = args["epsilon_high"] if args["epsilon_high"] is not None else args["epsilon"]
-        self.importance_sampling_level = args["importance_sampling_level"]
-        self.beta = 0.0
-        self.top_entropy_quantile = 1.0
-        self.off_policy_mask_threshold = None
-        self.use_vllm = False
-        self.vllm_importance_sampling_correction = False
-        self.aux_loss_enabled = False
-        self._entropy_bonus_enabled = False
-        self.max_completion_length = max_completion_length
-        self.current_gradient_accumulation_steps = 1
-        self.model = SimpleNamespace(training=True)
-        self.accelerator = SimpleNamespace(
-            num_processes=1,
-            gather=lambda t: t,
-            gather_for_metrics=lambda t: t,
-            reduce=lambda t, reduction="sum": t,
-        )
-        self._metrics: dict = {}
-        self.log_prob: Optional[torch.Tensor] = None
-        self.entropies: Optional[torch.Tensor] = None
+    class TRLLossHost(GRPOTrainer):
+        """TRL 1.16's ``GRPOTrainer`` without its ``__init__`` (no model, data or accelerator):
+        the attributes ``_compute_loss`` reads, on one process with no gradient accumulation, no
+        KL (``beta=0``), no vLLM, no entropy or off-policy mask and no entropy bonus; its
+        forward returns ``self.log_prob``. An attribute TRL reads and this lacks raises
+        ``AttributeError``: the case fails."""
 
-    def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, **kwargs):
-        return self.log_prob, self.entropies, None
+        def __init__(self, args=None, **_ignored):
+            self.args = args
+            self.loss_type = args.loss_type
+            self.epsilon_low = args.epsilon
+            self.epsilon_high = args.epsilon_high if args.epsilon_high is not None else args.epsilon
+            self.importance_sampling_level = args.importance_sampling_level
+            self.beta = 0.0
+            self.top_entropy_quantile = 1.0
+            self.off_policy_mask_threshold = None
+            self.use_vllm = False
+            self.vllm_importance_sampling_correction = False
+            self.aux_loss_enabled = False
+            self._entropy_bonus_enabled = False
+            self.max_completion_length = args.max_completion_length
+            self.current_gradient_accumulation_steps = 1
+            self.model = SimpleNamespace(training=True)
+            self.state = SimpleNamespace(global_step=0, max_steps=0)
+            self.tools = None
+            self.accelerator = SimpleNamespace(
+                num_processes=1,
+                device=torch.device("cpu"),
+                gather=lambda t: t,
+                gather_for_metrics=lambda t: t,
+                reduce=lambda t, reduction="sum": t,
+                unwrap_model=lambda m: m,
+            )
+            self._metrics = {"train": defaultdict(list), "eval": defaultdict(list)}
+            self.log_prob: Optional[torch.Tensor] = None
+            self.entropies: Optional[torch.Tensor] = None
+
+        def add_callback(self, callback) -> None:  # no training loop: callbacks never run
+            pass
+
+        def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, *args,
+                                               **kwargs):
+            return self.log_prob, self.entropies, None
+
+    class AdapterLossHost(adapter.GRPOTrainer, TRLLossHost):
+        """The adapter's ``GRPOTrainer`` with its own ``__init__`` (which reads the stablerl
+        settings from ``args``) and its own loss methods; only TRL's base (next in the MRO) is
+        the stand-in above."""
+
+    return TRLLossHost, AdapterLossHost
+
+
+def _config(config_class: type, max_completion_length: int, **settings: Any) -> SimpleNamespace:
+    """``config_class``'s defaults (TRL's or the adapter's ``GRPOConfig``) with ``settings``, as a
+    namespace: building the real ``TrainingArguments`` would set up an accelerator."""
+    defaults = {f.name: f.default for f in dataclasses.fields(config_class) if f.default is not dataclasses.MISSING}
+    return SimpleNamespace(**{**defaults, "steps_per_generation": 1, "max_completion_length": max_completion_length,
+                              **settings})
 
 
 def trl_inputs(inputs: dict) -> dict:
@@ -120,42 +152,64 @@ def trl_inputs(inputs: dict) -> dict:
     }
 
 
-def trl_fn(label: str, inputs: dict, batch: dict) -> Callable:
-    """TRL's real ``GRPOTrainer._compute_loss`` for the pair ``label``: ``(lp) -> (loss, metrics)``."""
-    from trl import GRPOTrainer
+def trl_host(label: str, inputs: dict):
+    """A stand-in TRL ``GRPOTrainer`` set up for the TRL side of pair ``label``."""
+    from trl import GRPOConfig
 
     loss_type, settings, _, _, _ = TRL_TWINS[label]
-    host = TRLLossHost(loss_type, settings, max_completion_length=inputs["log_prob"].shape[1])
+    host_class, _ = _trainer_classes()
+    host = host_class(args=_config(GRPOConfig, inputs["log_prob"].shape[1], loss_type=loss_type, **settings))
     host.entropies = inputs["entropy"]
+    return host
+
+
+def adapter_host(label: str, inputs: dict):
+    """A stand-in of the stablerl TRL adapter's ``GRPOTrainer`` set up as a user selects our side of
+    pair ``label``: ``loss_type="stablerl_<name>"``, ``stablerl_loss_params``, ``stablerl_loss_agg_mode``."""
+    _, _, name, params, agg = TRL_TWINS[label]
+    _, host_class = _trainer_classes()
+    config = _config(load_adapter("trl").GRPOConfig, inputs["log_prob"].shape[1], loss_type=f"stablerl_{name}",
+                     stablerl_loss_params=dict(params), stablerl_loss_agg_mode=agg)
+    host = host_class(args=config)
+    host.entropies = inputs["entropy"]
+    return host
+
+
+def _compute_loss_fn(host, batch: dict) -> Callable:
+    """``host._compute_loss`` on ``batch`` with the stand-in forward returning ``lp``: ``(lp) -> (loss, metrics)``."""
 
     def call(lp: torch.Tensor):
         host.log_prob = lp
         host._metrics = {"train": defaultdict(list)}
-        return GRPOTrainer._compute_loss(host, None, batch), host._metrics
+        return host._compute_loss(None, batch), host._metrics
 
     return call
+
+
+def trl_fn(label: str, inputs: dict, batch: dict) -> Callable:
+    """TRL's real ``GRPOTrainer._compute_loss`` for the pair ``label``: ``(lp) -> (loss, metrics)``."""
+    return _compute_loss_fn(trl_host(label, inputs), batch)
 
 
 def ours_fn(label: str, inputs: dict, batch: dict) -> Callable:
-    """Ours, called as the stablerl TRL adapter calls it for TRL's batch (a bool mask): ``(lp) -> (loss, metrics)``."""
-    _, _, name, params, agg = TRL_TWINS[label]
-    completion_mask, advantages = batch["completion_mask"], batch["advantages"]
-    token_count = batch["num_items_in_batch"]
+    """Ours, timed: the stablerl TRL adapter's own policy-loss step (``GRPOTrainer._stablerl_policy_loss``,
+    the term its ``_compute_loss`` adds to TRL's zero-advantage surroundings) on TRL's batch:
+    ``(lp) -> (loss, metrics)``."""
+    host = adapter_host(label, inputs)
 
     def call(lp: torch.Tensor):
-        ctx = Context(token_count=token_count, seq_count=lp.size(0), loss_scale_factor=float(lp.size(1)))
-        return stablerl.compute_policy_loss(
-            name,
-            log_prob=lp,
-            old_log_prob=batch["old_per_token_logps"],
-            advantages=advantages.unsqueeze(1).expand_as(lp),
-            response_mask=completion_mask.bool(),
-            loss_agg_mode=agg,
-            ctx=ctx,
-            **params,
-        )
+        host._metrics = {"train": defaultdict(list)}
+        loss, _ = host._stablerl_policy_loss(batch, lp, host.entropies, "train")
+        return loss, host._metrics
 
     return call
+
+
+def adapter_compute_loss_fn(label: str, inputs: dict, batch: dict) -> Callable:
+    """Ours, whole: the adapter's ``GRPOTrainer._compute_loss`` (TRL's surroundings run with zero
+    advantages, plus the stablerl policy term), i.e. exactly what a user's training step computes:
+    ``(lp) -> (loss, metrics)``. The same-loss check uses it."""
+    return _compute_loss_fn(adapter_host(label, inputs), batch)
 
 
 def _loss_and_grad(call: Callable, lp: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -172,7 +226,7 @@ def check_same_loss(label: str, inputs: dict) -> dict:
     fp32 = {k: (v.float() if isinstance(v, torch.Tensor) and v.is_floating_point() else v) for k, v in inputs.items()}
     batch = trl_inputs(fp32)
     l_trl, g_trl = _loss_and_grad(trl_fn(label, fp32, batch), fp32["log_prob"])
-    l_ours, g_ours = _loss_and_grad(ours_fn(label, fp32, batch), fp32["log_prob"])
+    l_ours, g_ours = _loss_and_grad(adapter_compute_loss_fn(label, fp32, batch), fp32["log_prob"])
     loss_diff = abs(float(l_ours - l_trl))
     scale = max(float(g_trl.abs().max()), 1e-30)
     grad_diff = float((g_ours - g_trl).abs().max()) / scale

@@ -34,6 +34,8 @@ for _key, _value in {
 }.items():
     os.environ[_key] = _value
 
+from stablerl.frameworks import load_adapter  # noqa: E402  (imports no framework)
+
 DIGITS = [str(d) for d in range(10)]
 VOCAB = ["<pad>", "<eos>", "<unk>", "copy", ":"] + DIGITS
 DEFAULT_LOSSES = ("dapo", "m2po", "gspo")  # TRL's built-in baseline, then two stablerl losses
@@ -114,8 +116,7 @@ def copy_reward(prompts, completions, target, **kwargs) -> list[float]:
 def make_config(output_dir: str, loss: str, *, steps: int, seed: int, lr: float = 5e-4, num_iterations: int = 2,
                 estimator: Optional[str] = None, **overrides: Any):
     """The demo's GRPOConfig: 8 prompts x 8 generations, completions <= 4 tokens, CPU, fp32."""
-    from stablerl.adapters.trl import GRPOConfig
-
+    trl_adapter = load_adapter("trl")
     kwargs: dict[str, Any] = dict(
         output_dir=output_dir,
         loss_type=loss,
@@ -140,22 +141,18 @@ def make_config(output_dir: str, loss: str, *, steps: int, seed: int, lr: float 
         disable_tqdm=True,
         log_level="error",
     )
-    from stablerl.adapters.trl import resolve_loss_type
-
-    stablerl_name = resolve_loss_type(loss)
+    stablerl_name = trl_adapter.resolve_loss_type(loss)
     if stablerl_name in _PAPER_AGG_MODE:
         kwargs["stablerl_loss_agg_mode"] = _PAPER_AGG_MODE[stablerl_name]
     kwargs.update(overrides)
-    return GRPOConfig(**kwargs)
+    return trl_adapter.GRPOConfig(**kwargs)
 
 
 def make_trainer(args, tokenizer=None, model=None, dataset=None, reward=copy_reward, callbacks=None, seed: int = 0):
-    from stablerl.adapters.trl import GRPOTrainer
-
     tokenizer = tokenizer or build_tokenizer()
     model = model if model is not None else build_model(tokenizer, seed=seed)
     dataset = dataset if dataset is not None else build_dataset(seed=seed)
-    trainer = GRPOTrainer(
+    trainer = load_adapter("trl").GRPOTrainer(
         model=model, reward_funcs=reward, args=args, train_dataset=dataset, processing_class=tokenizer,
         callbacks=callbacks,
     )
@@ -332,7 +329,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         import tqdm  # noqa: F401
         import transformers
 
-        from stablerl.adapters.trl import GRPOTrainer  # noqa: F401  (imports trl and checks its version)
+        load_adapter("trl").GRPOTrainer  # noqa: B018  (imports trl and checks its version)
     except ImportError as e:
         print(f"stablerl demo needs TRL 1.16 and its extras: pip install -e '.[trl]' ({e})", file=sys.stderr)
         return 2
@@ -371,5 +368,5 @@ def main(argv: Optional[list[str]] = None) -> int:
     return 0
 
 
-if __name__ == "__main__":  # python -m stablerl.adapters.trl.demo
+if __name__ == "__main__":  # python -m stablerl.demo
     raise SystemExit(main())

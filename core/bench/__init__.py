@@ -1,19 +1,20 @@
 """``stablerl bench``: what stablerl's policy losses cost next to the frameworks' native ones.
 
 For every stablerl loss with a native twin in verl (``vanilla``, ``gspo``, ``gmpo``/``geo_mean``,
-``cispo``, ``sapo``, ``clip_cov``, ``kl_cov``) the bench times forward + backward of ours
-(:func:`stablerl.compute_policy_loss`) and of verl's function (``verl.trainer.ppo.core_algos``,
-called by keyword with a real ``FSDPActorConfig`` holding the same hyper-parameters) on the same
-inputs, interleaved in one process: each repeat times both, in alternating order, and the ratio
-``ours / native`` of that repeat is recorded; min and median over repeats are reported. Every
-other loss is measured the same way against stablerl's ``vanilla`` (its cost relative to plain
-PPO-clip). Without verl only the relative-to-vanilla table is produced.
+``cispo``, ``sapo``, ``clip_cov``, ``kl_cov``) the bench times forward + backward of ours (the
+function the stablerl verl adapter registers in verl as ``stablerl_<name>``) and of verl's own
+(both from ``verl.trainer.ppo.core_algos``, called by keyword with the same real ``FSDPActorConfig``
+holding the loss's paper hyper-parameters) on the same inputs, interleaved in one process: each
+repeat times both, in alternating order, and the ratio ``ours / native`` of that repeat is
+recorded; min and median over repeats are reported. Every other loss
+(:func:`stablerl.compute_policy_loss`) is measured the same way against stablerl's ``vanilla``
+(its cost relative to plain PPO-clip). Without verl only the relative-to-vanilla table is produced.
 
 With TRL installed, a third table compares stablerl's losses with TRL 1.16's built-in
 ``loss_type``\s (``dapo``, ``bnpo``, ``grpo``, ``dr_grpo``, ``luspo``, ``grpo`` at sequence level,
-``cispo``, ``sapo``): TRL's real ``GRPOTrainer._compute_loss`` on a stand-in trainer whose forward
-returns the prepared log-probs, against ours called as the stablerl TRL adapter calls it
-(:mod:`stablerl.adapters.bench_trl`). Each pair is first checked to give the same loss and gradient.
+``cispo``, ``sapo``): TRL's real ``GRPOTrainer._compute_loss`` against the stablerl TRL adapter's
+own loss methods, both on stand-in trainers whose forward returns the prepared log-probs
+(:mod:`stablerl.bench.trl`). Each pair is first checked to give the same loss and gradient.
 
 Memory. On CUDA: peak allocated bytes above the inputs during forward + backward
 (``torch.cuda.max_memory_allocated``). On CPU PyTorch keeps no allocator statistics, so the bench
@@ -51,7 +52,9 @@ import torch
 
 import stablerl
 from stablerl import POLICY_LOSS
-from stablerl.adapters import bench_trl
+from stablerl.frameworks import get_framework, load_adapter
+
+from . import trl as bench_trl
 
 #: stablerl name -> verl 0.9.1 built-in name
 VERL_TWINS = {
@@ -175,14 +178,23 @@ def verl_config(stablerl_name: str, loss_agg_mode: str = "token-mean"):
     )
 
 
-def native_fn(core_algos, stablerl_name: str, inputs: dict, loss_agg_mode: str = "token-mean") -> tuple[Callable, dict]:
+def native_fn(core_algos, stablerl_name: str, inputs: dict, loss_agg_mode: str = "token-mean") -> tuple[Callable, Any]:
     """verl's built-in twin, called by keyword as ``verl.workers.utils.losses.ppo_loss`` does;
-    also returns the stablerl hyper-parameters equal to the config (via the verl adapter's mapping)."""
-    from stablerl.adapters.verl._translate import loss_hyperparameters
-
+    also returns the config it is called with."""
     cfg = verl_config(stablerl_name, loss_agg_mode)
-    fn = core_algos.get_policy_loss_fn(VERL_TWINS[stablerl_name])
+    return _verl_call(core_algos.get_policy_loss_fn(VERL_TWINS[stablerl_name]), inputs, cfg, loss_agg_mode), cfg
 
+
+def adapter_fn(core_algos, stablerl_name: str, inputs: dict, cfg, loss_agg_mode: str = "token-mean") -> Callable:
+    """Ours as verl runs it: the function the stablerl verl adapter registers in verl's policy-loss
+    registry (``stablerl_<name>``), called by keyword with the same config as the native twin, so
+    the hyper-parameters reach it through the adapter's own mapping."""
+    load_adapter("verl")  # registers stablerl's losses into verl (``import verl`` does too, through its plugins)
+    fn = core_algos.get_policy_loss_fn(get_framework("verl").prefix + stablerl_name)
+    return _verl_call(fn, inputs, cfg, loss_agg_mode)
+
+
+def _verl_call(fn: Callable, inputs: dict, cfg, loss_agg_mode: str) -> Callable:
     def call(lp: torch.Tensor):
         return fn(
             old_log_prob=inputs["old_log_prob"],
@@ -194,7 +206,7 @@ def native_fn(core_algos, stablerl_name: str, inputs: dict, loss_agg_mode: str =
             rollout_is_weights=None,
         )
 
-    return call, loss_hyperparameters(stablerl.get_spec(POLICY_LOSS, stablerl_name), cfg)
+    return call
 
 
 # ----------------------------------------------------------------------------- measurement
@@ -466,8 +478,8 @@ def run(
                 entry = result["losses"].setdefault(name, {"cases": {}})
                 try:
                     if core_algos is not None and name in VERL_TWINS:
-                        base, params = native_fn(core_algos, name, inputs)
-                        ours = ours_fn(name, inputs, params)
+                        base, cfg = native_fn(core_algos, name, inputs)
+                        ours = adapter_fn(core_algos, name, inputs, cfg)
                         entry["baseline"] = f"verl:{VERL_TWINS[name]}"
                         row = compare(ours, base, inputs, device, repeats, max_s=max_s)
                         row.update(agreement(ours, base, inputs))
