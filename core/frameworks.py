@@ -426,3 +426,5 @@ def check_version(framework_name: str, found_version: Optional[str], *, error: t
         raise error(f"{message}, or set {ALLOW_UNSUPPORTED_ENV}=1 to try this one anyway")
     warnings.warn(f"{message}. Continuing because {ALLOW_UNSUPPORTED_ENV}=1.", RuntimeWarning, stacklevel=2)
     return found_version
+
+from .framework_batch import FilteredBatch, apply_filter_result, loss_inputs, pending_loss_inputs  # noqa: E402,F401

@@ -2,9 +2,9 @@
 
 ``ActorPPOTrainer.training_step`` calls its loss with the log-probs, old log-probs, advantages, the
 mask and the rollout log-probs only. For a stablerl loss that declares more, the adapter's existing
-``training_step`` and ``Actor.forward`` patches read them and hand them to
-:meth:`StablePolicyLoss.feed <stablerl.adapters.openrlhf._loss.StablePolicyLoss.feed>` before the
-loss call (nothing is computed for a loss that does not declare them):
+``training_step`` and ``Actor.forward`` patches read them and hand them to the loss through core's
+scoped channel (:func:`stablerl.frameworks.loss_inputs`, open for the whole ``training_step``; the
+same one verl's adapter uses); nothing is computed for a loss that does not declare them:
 
 * ``token_ids``: ``experience.sequences[:, -A:]`` (``A`` = the ``action_mask`` width), the tokens
   whose log-probs ``Actor.forward`` returns (it takes ``log_probs[:, :-1][:, -A:]``, the log-prob of
@@ -22,11 +22,13 @@ loss call (nothing is computed for a loss that does not declare them):
 
 from __future__ import annotations
 
-from typing import Optional
+import contextlib
+from typing import Iterator, Optional
+
+from stablerl.frameworks import loss_inputs, pending_loss_inputs
 
 #: Inputs this module feeds (with ``rollout_log_prob``, which OpenRLHF passes itself).
 FED_INPUTS = ("entropy", "token_ids", "scores")
-_PENDING = "__stablerl_loss_inputs__"  # on the Actor during one training_step: the dict the loss reads
 
 
 def wanted(loss_fn) -> frozenset:
@@ -34,11 +36,13 @@ def wanted(loss_fn) -> frozenset:
     return frozenset(getattr(loss_fn, "fed_inputs", ()))
 
 
-def begin_step(trainer, experience) -> Optional[dict]:
-    """In ``training_step``, before the forward: the micro-batch's inputs, handed to the loss."""
+@contextlib.contextmanager
+def step_inputs(trainer, experience) -> Iterator[Optional[dict]]:
+    """Around ``training_step``: the micro-batch's inputs, handed to the loss (None: the loss declares none)."""
     need = wanted(getattr(trainer, "actor_loss_fn", None))
     if not need:
-        return None
+        yield None
+        return
     from stablerl.params import MissingInputError
 
     inputs: dict = {}
@@ -50,20 +54,15 @@ def begin_step(trainer, experience) -> Optional[dict]:
             raise MissingInputError("the experience has no rewards (OpenRLHF's per-response reward) to pass as scores")
         inputs["scores"] = experience.rewards.reshape(-1)
     if "entropy" in need:
-        trainer.actor.__dict__[_PENDING] = inputs  # train_forward adds the entropy
-    trainer.actor_loss_fn.feed(inputs)
-    return inputs
-
-
-def end_step(trainer) -> None:
-    trainer.actor.__dict__.pop(_PENDING, None)
-    trainer.actor_loss_fn.feed(None)
+        inputs["entropy"] = None  # asked for: train_forward computes it in the training forward
+    with loss_inputs(trainer.actor_loss_fn.stablerl_name, inputs):
+        yield inputs
 
 
 def train_forward(forward, actor, *args, **kwargs):
     """``Actor.forward`` in training: with ``return_entropy=True`` when the loss declares ``entropy``."""
-    inputs = actor.__dict__.get(_PENDING)
-    if inputs is None or not kwargs.get("return_output"):
+    inputs = pending_loss_inputs()
+    if inputs is None or "entropy" not in inputs or not kwargs.get("return_output"):
         return forward(actor, *args, **kwargs)
     openrlhf_wants_it = bool(kwargs.get("return_entropy"))
     kwargs["return_entropy"] = True
@@ -76,4 +75,4 @@ def train_forward(forward, actor, *args, **kwargs):
     return log_probs, output
 
 
-__all__ = ["FED_INPUTS", "wanted", "begin_step", "end_step", "train_forward"]
+__all__ = ["FED_INPUTS", "wanted", "step_inputs", "train_forward"]

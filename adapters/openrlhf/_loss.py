@@ -11,6 +11,8 @@ import torch
 
 import stablerl
 from stablerl.params import StableRLError
+from stablerl.frameworks import pending_loss_inputs
+from stablerl.state import StateStore
 
 from ._names import resolve
 from ._selection import Selection
@@ -83,7 +85,7 @@ class StablePolicyLoss(PolicyLoss):
         self.fed_inputs: frozenset = frozenset()
         #: persistent per-algorithm state (ctx.state: e.g. entropic's controller integral), kept across calls
         #: by this loss object (one per actor worker); saved in OpenRLHF's DeepSpeed checkpoints (see _state)
-        self.stablerl_state: dict = {}
+        self.stablerl_state = StateStore(holds="loss")
         self._fed: Optional[dict] = None
         if self.stablerl_name is None:
             if stablerl_params:
@@ -128,12 +130,15 @@ class StablePolicyLoss(PolicyLoss):
             )
 
     def feed(self, inputs: Optional[dict]) -> None:
-        """The next call's declared inputs beyond OpenRLHF's (``entropy`` [B, A], ``token_ids`` [B, A],
-        ``scores`` [B]); the dict is read at the call, so a forward may still add to it. None clears."""
+        """The next direct call's declared inputs beyond OpenRLHF's (``entropy`` [B, A], ``token_ids`` [B, A],
+        ``scores`` [B]); the dict is read at the call, so a forward may still add to it. None clears. Inside
+        OpenRLHF's ``training_step`` the adapter hands them over itself (``stablerl.frameworks.loss_inputs``)."""
         self._fed = inputs
 
     def _fed_inputs(self) -> dict:
-        fed, self._fed = self._fed or {}, None  # one micro-batch, one call
+        fed = pending_loss_inputs(self.stablerl_name)  # open for the whole training_step (._inputs.step_inputs)
+        if fed is None:  # a direct call: what feed() gave, for this one call
+            fed, self._fed = self._fed or {}, None
         missing = [name for name in sorted(self.fed_inputs) if fed.get(name) is None]
         if missing:
             raise stablerl.MissingInputError(
@@ -172,7 +177,7 @@ class StablePolicyLoss(PolicyLoss):
             seq_count=global_batch_size,
             # OpenRLHF's aggregate_loss ignores dp_size when it has no global normaliser
             dp_size=int(dp_size) if counts_given else 1,
-            state=self.stablerl_state,
+            state=self.stablerl_state.slot(stablerl.POLICY_LOSS, self.stablerl_name),
         )
         if torch.distributed.is_available() and torch.distributed.is_initialized():
             return stablerl.torch_distributed_context(self.dp_group, **kwargs)

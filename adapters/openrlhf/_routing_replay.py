@@ -328,17 +328,13 @@ def patch_actor_module(module, set_patch) -> None:
     @functools.wraps(training_step)
     def training_step_with_replay(self, experience, *args, **kwargs):
         # the same patch feeds a stablerl loss's declared entropy / token_ids / scores (._inputs)
-        fed = loss_inputs.begin_step(self, experience)
-        try:
+        with loss_inputs.step_inputs(self, experience):
             state = getattr(self.actor, ARMED, None)
             if state is None:
                 return training_step(self, experience, *args, **kwargs)
             # kept until the optimizer step: gradient checkpointing re-runs the routers in backward
             with rr.replay(_inner(self.actor.model), batch_routes(state, experience)):
                 return training_step(self, experience, *args, **kwargs)
-        finally:
-            if fed is not None:
-                loss_inputs.end_step(self)
 
     training_step_with_replay.__wrapped__ = training_step
     set_patch("ActorPPOTrainer.training_step", trainer_cls, "training_step", training_step_with_replay)

@@ -29,30 +29,28 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-from typing import Any, Callable, Optional
+from typing import Callable, Optional
 
 import torch
 
 import stablerl
 from stablerl import BATCH_FILTER, REWARD_SHAPER, Context, MissingInputError, StableRLError
 from stablerl.contracts import OPTIONAL_INPUTS
+from stablerl.frameworks import apply_filter_result
+from stablerl.state import StateStore
 from openrlhf.trainer.ppo_utils.length_penalty import apply_length_penalties
 
 from ._selection import Selection
 from ._spec import REWARD_FUNCTION_INPUTS
 
 #: per-process state: one generator per (slot, seed) and the call counter (ctx.step)
-STATE: dict[str, Any] = {}
+STATE = StateStore(holds="driver")
 #: metrics of the last call (``stablerl/<name>/...``); also written into every experience's ``info``
 LAST_METRICS: dict[str, float] = {}
 
 
-def _context(args, slot: str) -> Context:
-    seed = int(getattr(getattr(args, "train", None), "seed", 0) or 0)
-    gens = STATE.setdefault("generators", {})
-    if (slot, seed) not in gens:
-        gens[(slot, seed)] = torch.Generator().manual_seed(seed)
-    return Context(step=STATE.get("step", 0), generator=gens[(slot, seed)], state=STATE.setdefault("state:" + slot, {}))
+def _context(args, kind: str, name: str) -> Context:
+    return STATE.context(kind, name, seed=int(getattr(getattr(args, "train", None), "seed", 0) or 0))
 
 
 @contextlib.contextmanager
@@ -120,7 +118,7 @@ def shape(maker, experiences, name: str, params: dict) -> tuple[dict[str, float]
     scores = torch.cat([e.rewards.reshape(-1) for e in experiences])
     shaped, metrics = stablerl.shape_rewards(
         name, scores=scores, index=group_index(experiences, int(args.rollout.n_samples_per_prompt)),
-        ctx=_context(args, "shaper:" + name), **_inputs(REWARD_SHAPER, name, experiences), **params,
+        ctx=_context(args, REWARD_SHAPER, name), **_inputs(REWARD_SHAPER, name, experiences), **params,
     )
     for e, r in zip(experiences, shaped.split([len(e.index) for e in experiences])):
         e.rewards = r.to(e.rewards.dtype)
@@ -144,34 +142,21 @@ def filter_rows(maker, experiences, name: str, params: dict, scores: Optional[to
     result = stablerl.filter_batch(
         name, advantages=adv, response_mask=mask,
         index=group_index(experiences, int(args.rollout.n_samples_per_prompt)),
-        scores=scores, ctx=_context(args, "filter:" + name), **_inputs(BATCH_FILTER, name, experiences), **params,
+        scores=scores, ctx=_context(args, BATCH_FILTER, name), **_inputs(BATCH_FILTER, name, experiences), **params,
     )
-    kept = result.rows.long().reshape(-1)
-    if kept.numel() != torch.unique(kept).numel():
-        raise StableRLError(
-            f"--algo.advantage.stablerl_batch_filter {name!r} returned repeated rows (a resampling sampler; for "
-            "shuffle_r1 set shuffle=false): OpenRLHF's batch is already split into the DP ranks' micro-batches at "
-            "compute_advantages_and_returns, so rows can be dropped (action_mask 0) but not duplicated"
-        )
-    new_mask = torch.zeros_like(mask)
-    new_mask[kept] = result.response_mask.to(mask.dtype)
-    new_mask = ((new_mask * mask) > 0).to(mask.dtype)  # a filter only removes tokens
-    new_adv = torch.zeros_like(adv)
-    new_adv[kept] = adv[kept] if result.advantages is None else result.advantages.to(adv.dtype)
-    new_adv = new_adv * new_mask
+    filtered = apply_filter_result(
+        result, mask, adv, selected_by=f"--algo.advantage.stablerl_batch_filter {name!r}",
+        why_no_resampling="for shuffle_r1 set shuffle=false: OpenRLHF's batch is already split into the DP ranks' "
+        "micro-batches at compute_advantages_and_returns, so rows can be dropped (action_mask 0) but not duplicated")
     sizes = [len(e.index) for e in experiences]
-    for e, m, a in zip(experiences, new_mask.split(sizes), new_adv.split(sizes)):
+    for e, m, a in zip(experiences, filtered.response_mask.split(sizes), filtered.advantages.split(sizes)):
         t = e.action_mask.shape[1]
         m, a = m[:, :t], a[:, :t]
         e.action_mask = m.to(e.action_mask.dtype)
         e.advantages = a.to(e.advantages.dtype)
         if e.returns is not None:
             e.returns = e.returns * m.to(e.returns.dtype)
-    had = mask.sum(-1) > 0
-    metrics = dict(result.metrics)
-    metrics["filter/kept_row_frac"] = float(((new_mask.sum(-1) > 0) & had).sum() / had.sum().clamp(min=1))
-    metrics["filter/kept_token_frac"] = float(new_mask.sum() / mask.sum().clamp(min=1))
-    return metrics
+    return filtered.metrics
 
 
 @torch.no_grad()
@@ -191,7 +176,7 @@ def advantages_with_extensions(maker, experiences, selection: Selection, estimat
         if scores is None:  # the rewards after OpenRLHF's length penalties (before any shaper)
             scores = torch.cat([e.rewards.reshape(-1) for e in experiences]).float()
         metrics.update(filter_rows(maker, experiences, selection.batch_filter, selection.batch_filter_params, scores))
-    STATE["step"] = STATE.get("step", 0) + 1
+    STATE.advance()
     LAST_METRICS.clear()
     LAST_METRICS.update({f"stablerl/{k}": float(v) for k, v in metrics.items()})
     for e in experiences:  # OpenRLHF logs info entries per sample

@@ -18,7 +18,8 @@ Two kinds of state live outside OpenRLHF's model/optimizer/dataloader checkpoint
 
 ``PolicyModelActor`` is a ``@ray.remote`` class shipped by value, so its methods cannot be patched in a
 worker: the hooks sit on ``DeepspeedStrategy``, ``ActorPPOTrainer`` and ``BasePPOTrainer``, plain classes
-imported by reference. A checkpoint without these keys (written before stablerl, or by a run without
+imported by reference. Both keys hold :meth:`stablerl.state.StateStore.state_dict` (core's one format); this
+module only says where OpenRLHF keeps them. A checkpoint without these keys (written before stablerl, or by a run without
 stateful algorithms) loads as before.
 """
 
@@ -31,7 +32,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from stablerl.adapters import _state_format as state_format
+from stablerl.state import StateStore
 
 logger = logging.getLogger("stablerl.adapters.openrlhf")
 
@@ -39,7 +40,7 @@ LOSS_KEY = "stablerl_loss_state"
 DRIVER_KEY = "stablerl_driver_state"
 
 _live_loss: Optional[weakref.ref] = None  # the StablePolicyLoss this process's actor trains with
-_pending_loss_state: Optional[dict] = None  # read by load_ckpt before the loss exists
+_pending_loss_state: Optional[tuple] = None  # (state, where) read by load_ckpt before the loss exists
 
 
 def adopt_loss(loss: Any) -> None:
@@ -48,7 +49,7 @@ def adopt_loss(loss: Any) -> None:
     global _live_loss, _pending_loss_state
     _live_loss = weakref.ref(loss)
     if _pending_loss_state is not None:
-        state_format.replace(loss.stablerl_state, _pending_loss_state)
+        _restore_loss_state(loss.stablerl_state, *_pending_loss_state)
         _pending_loss_state = None
         logger.info("stablerl: restored the policy loss's state from the checkpoint")
 
@@ -57,38 +58,33 @@ def _with_loss_state(client_state: Optional[dict]) -> Optional[dict]:
     loss = _live_loss() if _live_loss is not None else None
     if loss is None or not loss.stablerl_state:
         return client_state
-    return {**(client_state or {}), LOSS_KEY: state_format.pack("loss", dict(loss.stablerl_state))}
+    return {**(client_state or {}), LOSS_KEY: loss.stablerl_state.state_dict()}
 
 
-def _on_device(value: Any, device: Any) -> Any:
-    if isinstance(value, torch.Tensor):
-        return value.to(device)
-    if isinstance(value, dict):
-        return {k: _on_device(v, device) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return type(value)(_on_device(v, device) for v in value)
-    return value
+def _restore_loss_state(store: StateStore, state: Any, where: str, device: Any = None) -> None:
+    # DeepSpeed loads client_state onto the CPU: tensors go back to this worker's accelerator
+    if device is None and torch.cuda.is_available():
+        device = torch.device("cuda", torch.cuda.current_device())
+    store.load_state_dict(state, where=where, device=device)
 
 
 def _take_loss_state(states: Any, where: str) -> None:
     global _pending_loss_state
     if not isinstance(states, dict) or LOSS_KEY not in states:
         return
-    state = state_format.unpack(states.pop(LOSS_KEY), "loss", f"{where} ({LOSS_KEY})")
-    # DeepSpeed loads client_state onto the CPU: tensors go back to this worker's accelerator
-    if torch.cuda.is_available():
-        state = _on_device(state, torch.device("cuda", torch.cuda.current_device()))
+    state, where = states.pop(LOSS_KEY), f"{where} ({LOSS_KEY})"
+    StateStore(holds="loss").check(state, where)  # refuse a foreign blob now, not when the loss is built
     loss = _live_loss() if _live_loss is not None else None
     if loss is not None:  # a load after the loss was built: restore now
-        state_format.replace(loss.stablerl_state, state)
+        _restore_loss_state(loss.stablerl_state, state, where)
     else:
-        _pending_loss_state = state
+        _pending_loss_state = (state, where)
 
 
 def driver_state() -> Optional[dict]:
     from . import _shape_filter
 
-    return state_format.pack("driver", dict(_shape_filter.STATE)) if _shape_filter.STATE else None
+    return _shape_filter.STATE.state_dict() if _shape_filter.STATE else None
 
 
 def restore_driver_state(states: Any) -> bool:
@@ -96,7 +92,7 @@ def restore_driver_state(states: Any) -> bool:
 
     if not isinstance(states, dict) or states.get(DRIVER_KEY) is None:
         return False
-    state_format.replace(_shape_filter.STATE, state_format.unpack(states[DRIVER_KEY], "driver", DRIVER_KEY))
+    _shape_filter.STATE.load_state_dict(states[DRIVER_KEY], where=DRIVER_KEY)
     logger.info("stablerl: restored the reward shapers' / batch filters' state from the checkpoint")
     return True
 

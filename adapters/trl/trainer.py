@@ -22,7 +22,7 @@ What it translates, and nothing more (the algorithms live in ``stablerl.plugins`
   (dropped rows/tokens: advantage 0 and loss mask 0 through ``tool_mask``; ``num_items_in_batch`` = kept
   tokens); controllers are stepped once per optimizer step with TRL's process-reduced entropy, their
   temperature applied to generation and their penalty added to the loss; controller, ``ctx.state`` and
-  generator state are saved as ``stablerl_controller.json`` in each checkpoint (see docs/trl.md).
+  generator state are saved as ``stablerl_state.pt`` in each checkpoint (see docs/trl.md).
 
 Everything TRL does around the loss is kept by running TRL's own ``_compute_loss`` for it: for a
 stablerl loss, ``_compute_loss`` calls the parent's method with zero advantages under the TRL
@@ -52,11 +52,12 @@ import stablerl
 from stablerl import routing_replay as rr
 from stablerl.contracts import (ADVANTAGE_ESTIMATOR, BATCH_FILTER, CONTROLLER, OPTIONAL_INPUTS, POLICY_LOSS,
                                 REWARD_SHAPER)
-from stablerl.frameworks import (UnsupportedVersionError, as_params, check_framework_keys_used, check_version,
-                                 effective_hyperparameters, get_framework, log_effective_settings, resolve,
-                                 version_in_range)
+from stablerl.frameworks import (UnsupportedVersionError, apply_filter_result, as_params, check_framework_keys_used,
+                                 check_version, effective_hyperparameters, get_framework, log_effective_settings,
+                                 resolve, version_in_range)
 from stablerl.ops import AGG_MODES, last_valid_index, scores_on_last_token
 from stablerl.params import StableRLError, UnknownNameError, build_params, unknown_name_message
+from stablerl.state import StateStore
 
 #: declared once, in ``stablerl.adapters.frameworks`` (``stablerl.frameworks.get_framework("trl").supported``)
 SUPPORTED_TRL = get_framework("trl").supported
@@ -290,7 +291,7 @@ class GRPOConfig(_trl.GRPOConfig):
         default=None,
         metadata={"help": "stablerl entropy controller ('aepo', 'epo'): one instance per trainer, stepped once per "
                   "optimizer step with TRL's (process-reduced) mean entropy; its state is saved with each "
-                  "checkpoint (stablerl_controller.json) and restored on resume."},
+                  "checkpoint (stablerl_state.pt) and restored on resume."},
     )
     stablerl_entropy_controller_params: Optional[Union[dict, str]] = field(
         default=None, metadata={"help": "Hyper-parameters of the entropy controller, a dict or a JSON object string."},
@@ -414,7 +415,10 @@ _EXT_HOW_TO_PROVIDE = (
     "(TRL passes log_extra to every reward function), or return {name!r} from a rollout_func as an extra field "
     "(one value per completion), or give the dataset a {name!r} column"
 )
-_EXT_STATE_FILE = "stablerl_controller.json"
+_EXT_STATE_FILE = "stablerl_state.pt"
+_EXT_LEGACY_STATE_FILE = "stablerl_controller.json"  # JSON of stablerl 0.1 development versions, still read
+_EXT_RNG_STREAM = "reward_shaper+batch_filter"  # one generator for shapers and filters (see _ext_setup)
+_LEGACY_SLOT_KINDS = {"filter:": BATCH_FILTER, "shaper:": REWARD_SHAPER, "adv:": ADVANTAGE_ESTIMATOR}
 _EXT_MULTIMODAL_KEYS = ("pixel_values", "image_grid_thw", "pixel_attention_mask", "image_sizes", "token_type_ids",
                         "mm_token_type_ids", "image_position_ids", "spatial_shapes")
 
@@ -503,19 +507,8 @@ def _rr_check_rollout(args, kwargs) -> None:
             )
 
 
-def _json_encode(value: Any) -> Any:
-    """Controller / ctx.state values as JSON (tensors tagged with their dtype, restored exactly)."""
-    if isinstance(value, torch.Tensor):
-        t = value.detach().cpu()
-        return {"__tensor__": t.tolist(), "dtype": str(t.dtype).replace("torch.", ""), "shape": list(t.shape)}
-    if isinstance(value, dict):
-        return {str(k): _json_encode(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_json_encode(v) for v in value]
-    return value
-
-
 def _json_decode(value: Any) -> Any:
+    """A value of the legacy ``stablerl_controller.json`` (tensors were tagged with their dtype and shape)."""
     if isinstance(value, dict):
         if "__tensor__" in value:
             return torch.tensor(value["__tensor__"], dtype=getattr(torch, value["dtype"])).reshape(value["shape"])
@@ -525,9 +518,43 @@ def _json_decode(value: Any) -> Any:
     return value
 
 
+def _from_legacy_json(state: dict, seed: int) -> dict:
+    """The ``{"format": 1}`` JSON of earlier development versions as a ``StateStore.state_dict()``."""
+    slots: dict[str, dict] = {}
+    for key, value in _json_decode(state.get("ctx_state") or {}).items():
+        kind, name = next(((k, key[len(p):]) for p, k in _LEGACY_SLOT_KINDS.items() if key.startswith(p)),
+                          (POLICY_LOSS, key))  # a loss's slot was its bare name
+        slots.setdefault(kind, {})[name] = value
+    generators = {}
+    if state.get("rng") is not None:
+        generators[_EXT_RNG_STREAM] = {seed: torch.tensor(state["rng"], dtype=torch.uint8)}
+    objects = {}
+    ctrl = state.get("controller")
+    if ctrl is not None:
+        objects[CONTROLLER] = {ctrl.get("name"): {"state": _json_decode(ctrl["state"]),
+                                                  "decision": _json_decode(ctrl.get("decision") or {})}}
+    return {**StateStore(holds="trainer").state_dict(), "slots": slots, "generators": generators, "objects": objects}
+
+
+class _ControllerState:
+    """The entropy controller's state and last decision, as the trainer's state store saves them; restoring
+    re-applies the decision (e.g. AEPO's generation temperature)."""
+
+    def __init__(self, trainer):
+        self.trainer = trainer
+
+    def state_dict(self) -> dict:
+        return {"state": self.trainer._ext_controller.state_dict(), "decision": dict(self.trainer._ext_decision)}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.trainer._ext_controller.load_state_dict(state["state"])
+        self.trainer._ext_decision = dict(state.get("decision") or {})
+        self.trainer._ext_apply(self.trainer._ext_decision)
+
+
 class _StablerlStateCallback(_TrainerCallback):
     """Steps the entropy controller once per optimizer step and writes the stablerl state
-    (``stablerl_controller.json``) into every checkpoint folder (restored in ``_load_optimizer_and_scheduler``)."""
+    (``stablerl_state.pt``) into every checkpoint folder (restored in ``_load_optimizer_and_scheduler``)."""
 
     def __init__(self, trainer):
         self.trainer = trainer
@@ -582,7 +609,9 @@ class GRPOTrainer(_trl.GRPOTrainer):
         self._stablerl_spec = stablerl.get_spec(POLICY_LOSS, self._stablerl_loss) if self._stablerl_loss else None
         # rspo: router log-probs at the replayed experts (old pass and training forward)
         self._rr_router_lp = bool(self._rr_mode and self._stablerl_spec and "router_log_prob" in self._stablerl_spec.requires)
-        self._stablerl_state: dict[str, dict] = {}  # persistent per-algorithm state (Context.state)
+        # persistent per-algorithm state (Context.state, the shapers/filters' generator, the controller): per
+        # trainer, not per process (several trainers may share one process), saved in TRL's checkpoint folders
+        self._stablerl_store = StateStore(holds="trainer")
         self._stablerl_capture: Optional[dict] = None
         self._stablerl_rewards: Optional[torch.Tensor] = None
         needs = set(self._stablerl_spec.requires) if self._stablerl_spec else set()
@@ -826,7 +855,7 @@ class GRPOTrainer(_trl.GRPOTrainer):
         self._ext_inputs: Optional[dict] = None
         # one generator for shapers/filters, seeded alike on every process (they run on the gathered batch,
         # so every process draws the same numbers); saved with the checkpoint
-        self._ext_rng = torch.Generator().manual_seed(int(cfg.seed))
+        self._ext_rng = self._stablerl_store.generator(_EXT_RNG_STREAM, int(cfg.seed))
         self._ext_controller = None
         self._ext_decision: dict[str, Any] = {}
         self._ext_entropy_seen: tuple = (None, 0)
@@ -841,6 +870,7 @@ class GRPOTrainer(_trl.GRPOTrainer):
                     f"entropy_controller {self._ext_controller_name!r} needs statistic(s) {needed} that TRL does not "
                     "provide (TRL gives the mean entropy of each optimizer step)")
             self._ext_controller = ctrl
+            self._stablerl_store.track(CONTROLLER, self._ext_controller_name, _ControllerState(self))
             penalty = getattr(ctrl, "penalty", None)
             self._ext_penalty = callable(penalty)
             if self._ext_penalty and "turn_index" in inspect.signature(penalty).parameters:
@@ -905,9 +935,9 @@ class GRPOTrainer(_trl.GRPOTrainer):
         local = out["completion_mask"] if "tool_mask" not in out else out["completion_mask"] * out["tool_mask"]
         return self.accelerator.gather(self.accelerator.pad_across_processes(local, dim=1, pad_index=0)).float()
 
-    def _ext_ctx(self, state_key: str) -> "stablerl.Context":
+    def _ext_ctx(self, kind: str, name: str) -> "stablerl.Context":
         return stablerl.Context(step=int(self.state.global_step), total_steps=int(self.state.max_steps or 0) or None,
-                                generator=self._ext_rng, state=self._stablerl_state.setdefault(state_key, {}))
+                                generator=self._ext_rng, state=self._stablerl_store.slot(kind, name))
 
     def _ext_log(self, mode: str, metrics: dict[str, float]) -> None:
         for k, v in metrics.items():  # computed on the gathered batch: the same on every process
@@ -918,8 +948,9 @@ class GRPOTrainer(_trl.GRPOTrainer):
         spec = stablerl.get_spec(REWARD_SHAPER, name)
         mask = self._ext_gathered_mask(out).to(rewards.device) if "lengths" in spec.requires else None
         extras = self._ext_extras(spec, "reward_shaper", mask)
-        shaped, metrics = stablerl.shape_rewards(name, scores=rewards, index=group, ctx=self._ext_ctx("shaper:" + name),
-                                                 **extras, **self._ext_params["reward_shaper"])
+        shaped, metrics = stablerl.shape_rewards(name, scores=rewards, index=group,
+                                                 ctx=self._ext_ctx(REWARD_SHAPER, name), **extras,
+                                                 **self._ext_params["reward_shaper"])
         self._ext_log(mode, metrics)
         self._metrics[mode]["stablerl/shaped_reward/mean"].append(shaped.float().mean().item())
         return shaped.to(rewards.dtype)
@@ -965,42 +996,24 @@ class GRPOTrainer(_trl.GRPOTrainer):
             entropy = entropy.to(rewards.device)
         extras = self._ext_extras(spec, "batch_filter", gmask)
         result = stablerl.filter_batch(name, advantages=gadv, response_mask=gmask, index=group, scores=rewards.float(),
-                                       entropy=entropy, ctx=self._ext_ctx("filter:" + name), **extras,
+                                       entropy=entropy, ctx=self._ext_ctx(BATCH_FILTER, name), **extras,
                                        **self._ext_params["batch_filter"])
-        kept = result.rows.to(gmask.device).long()
-        if kept.numel() > 1 and not bool((kept[1:] > kept[:-1]).all()):
-            raise StableRLError(
-                f"batch_filter={name!r} returned repeated or reordered rows (a resampling sampler); TRL's generation "
-                "batch has a fixed size and layout (each process's slice, split into micro-batches), so only filters "
-                "that keep or drop rows in order can run in TRL (shuffle_r1: use shuffle=False for its pairwise "
-                "sampling alone)")
-        N = gmask.size(0)
-        new_mask = torch.zeros_like(gmask)
-        new_mask[kept] = result.response_mask.to(gmask.device, gmask.dtype)
-        new_mask = (new_mask * gmask > 0).to(gmask.dtype)  # a filter only removes tokens
-        dropped = torch.ones(N, dtype=torch.bool, device=gmask.device)
-        dropped[kept] = False
-        dropped |= new_mask.sum(-1) == 0  # rows left without a token (e.g. simpletir's void rows) count as dropped
+        filtered = apply_filter_result(
+            result, gmask, gadv, selected_by=f"batch_filter={name!r}",
+            why_no_resampling="TRL's generation batch has a fixed size and layout (each process's slice, split into "
+            "micro-batches), so only filters that keep or drop rows can run in TRL (shuffle_r1: use shuffle=False "
+            "for its pairwise sampling alone)")
         if one_d and result.advantages is None:
-            new_rows = torch.where(dropped, torch.zeros_like(gadv_rows), gadv_rows)
+            new_rows = torch.where(filtered.dropped, torch.zeros_like(gadv_rows), gadv_rows)
             out["advantages"] = new_rows[rows].to(local_adv.dtype).contiguous()
         else:
-            new_adv = torch.zeros_like(gadv)
-            new_adv[kept] = (gadv[kept] if result.advantages is None
-                             else result.advantages.to(gadv.device, gadv.dtype))
-            new_adv = new_adv * new_mask
-            out["advantages"] = new_adv[rows, :T_local].to(torch.float32).contiguous()
+            out["advantages"] = filtered.advantages[rows, :T_local].to(torch.float32).contiguous()
+        new_mask = filtered.response_mask
         local_keep = new_mask[rows, :T_local].to(out["completion_mask"].device, out["completion_mask"].dtype)
         out["tool_mask"] = local_keep if "tool_mask" not in out else out["tool_mask"] * local_keep
-        kept_tokens = new_mask.sum()
         old_items = out["num_items_in_batch"]
-        out["num_items_in_batch"] = kept_tokens.clamp(min=1).to(old_items.device, old_items.dtype)
-        self._ext_log(mode, result.metrics)
-        had_tokens = gmask.sum(-1) > 0
-        self._metrics[mode]["stablerl/filter/kept_row_frac"].append(
-            float((~dropped & had_tokens).sum() / had_tokens.sum().clamp(min=1)))
-        self._metrics[mode]["stablerl/filter/kept_token_frac"].append(
-            float(kept_tokens / gmask.sum().clamp(min=1)))
+        out["num_items_in_batch"] = new_mask.sum().clamp(min=1).to(old_items.device, old_items.dtype)
+        self._ext_log(mode, filtered.metrics)
         return out
 
     def _ext_set_temperature(self, temperature: float) -> None:
@@ -1070,42 +1083,34 @@ class GRPOTrainer(_trl.GRPOTrainer):
     # -- checkpointed state: the controller, every ctx.state dict, the shapers/filters' generator -----
 
     def stablerl_state_dict(self) -> dict[str, Any]:
-        """What :meth:`save_stablerl_state` writes: JSON-able, the same on every process."""
-        controller = None
-        if self._ext_controller is not None:
-            controller = {"name": self._ext_controller_name, "state": _json_encode(self._ext_controller.state_dict()),
-                          "decision": _json_encode(self._ext_decision)}
-        return {"format": 1, "controller": controller, "ctx_state": _json_encode(self._stablerl_state),
-                "rng": self._ext_rng.get_state().tolist()}
+        """What :meth:`save_stablerl_state` writes (``StateStore.state_dict()``): the same on every process."""
+        return self._stablerl_store.state_dict()
 
     def load_stablerl_state_dict(self, state: dict[str, Any]) -> None:
-        ctrl = state.get("controller")
-        if ctrl is not None and self._ext_controller is not None:
-            if ctrl.get("name") != self._ext_controller_name:
-                raise StableRLError(f"the checkpoint's controller state is {ctrl.get('name')!r}'s, this run uses "
-                                    f"entropy_controller={self._ext_controller_name!r}")
-            self._ext_controller.load_state_dict(_json_decode(ctrl["state"]))
-            self._ext_decision = dict(_json_decode(ctrl.get("decision") or {}))
-            self._ext_apply(self._ext_decision)
-        self._stablerl_state.clear()
-        self._stablerl_state.update(_json_decode(state.get("ctx_state") or {}))
-        if state.get("rng") is not None:
-            self._ext_rng.set_state(torch.tensor(state["rng"], dtype=torch.uint8))
+        if state.get("format") == 1:  # stablerl_controller.json of earlier development versions
+            state = _from_legacy_json(state, int(self.args.seed))
+        self._stablerl_store.load_state_dict(state, where="the checkpoint's " + _EXT_STATE_FILE)
+        self._ext_rng = self._stablerl_store.generator(_EXT_RNG_STREAM, int(self.args.seed))
 
     def save_stablerl_state(self, folder: str) -> str:
         path = os.path.join(folder, _EXT_STATE_FILE)
-        with open(path, "w") as f:
-            json.dump(self.stablerl_state_dict(), f)
+        torch.save(self.stablerl_state_dict(), path + ".tmp")  # tensors as tensors (CAPO's moments are [V, H])
+        os.replace(path + ".tmp", path)  # a crash mid-save leaves no torn file
         return path
 
     def load_stablerl_state(self, folder: str) -> bool:
-        """Restore from ``folder``/stablerl_controller.json; False when the folder has none."""
+        """Restore from ``folder``/stablerl_state.pt (or an older stablerl_controller.json); False when the
+        folder has neither."""
         path = os.path.join(folder, _EXT_STATE_FILE)
-        if not os.path.exists(path):
-            return False
-        with open(path) as f:
-            self.load_stablerl_state_dict(json.load(f))
-        return True
+        if os.path.exists(path):
+            self.load_stablerl_state_dict(torch.load(path, map_location="cpu", weights_only=False))
+            return True
+        legacy = os.path.join(folder, _EXT_LEGACY_STATE_FILE)
+        if os.path.exists(legacy):
+            with open(legacy) as f:
+                self.load_stablerl_state_dict(json.load(f))
+            return True
+        return False
 
     def _load_optimizer_and_scheduler(self, checkpoint):
         super()._load_optimizer_and_scheduler(checkpoint)
@@ -1172,7 +1177,7 @@ class GRPOTrainer(_trl.GRPOTrainer):
         if n_unscorable:
             index[unscorable] = int(group.max()) + 1 + torch.arange(n_unscorable, device=index.device)
         name = self._stablerl_estimator
-        ctx = stablerl.Context(step=int(self.state.global_step), state=self._stablerl_state.setdefault("adv:" + name, {}))
+        ctx = stablerl.Context(step=int(self.state.global_step), state=self._stablerl_store.slot(ADVANTAGE_ESTIMATOR, name))
         adv, _ = stablerl.compute_advantage(
             name, token_level_rewards=token_rewards, response_mask=mask, index=index, ctx=ctx, **self._stablerl_adv_params
         )
@@ -1212,6 +1217,11 @@ class GRPOTrainer(_trl.GRPOTrainer):
         policy_loss_logged = len(metrics["policy_loss"]) if "policy_loss" in metrics else 0
         # TRL's own _compute_loss with zero advantages: its policy term is exactly 0, everything
         # around it (forward, KL, entropy bonus, aux loss, GA scaling, metrics) is TRL's.
+        # Why a capture dict here and not core's loss_inputs channel (verl, OpenRLHF): TRL has no loss
+        # registry -- its loss types are a string switch inside _compute_loss -- so stablerl's loss is never
+        # called from inside TRL; this adapter calls it itself, with the declared inputs read straight from
+        # TRL's `inputs` dict. What must cross TRL's method boundary is the other way round: the log-probs and
+        # entropies TRL computes inside _compute_loss, captured in _get_per_token_logps_and_entropies.
         surroundings_inputs = dict(inputs)
         surroundings_inputs["advantages"] = torch.zeros_like(inputs["advantages"])
         saved_loss_type = self.loss_type
@@ -1313,7 +1323,7 @@ class GRPOTrainer(_trl.GRPOTrainer):
             token_count=token_count,
             seq_count=logps.size(0) * P * GA,
             loss_scale_factor=float(self.max_completion_length),
-            state=self._stablerl_state.setdefault(self._stablerl_loss, {}),
+            state=self._stablerl_store.slot(POLICY_LOSS, self._stablerl_loss),
         )
         extra: dict[str, Any] = {}
         supplied = self._stablerl_supplied_inputs(inputs, logps)

@@ -51,7 +51,9 @@ import stablerl
 from stablerl import ADVANTAGE_ESTIMATOR, BATCH_FILTER, REWARD_SHAPER, Context, MissingInputError, StableRLError
 from stablerl.adapters.verl._ledger import LEDGER
 from stablerl.contracts import OPTIONAL_INPUTS
+from stablerl.frameworks import apply_filter_result
 from stablerl.ops import last_valid_index
+from stablerl.state import StateStore
 from stablerl.params import UnknownNameError, build_params, unknown_name_message
 
 logger = logging.getLogger("stablerl.adapters.verl")
@@ -122,7 +124,7 @@ _OTHER_WHERE = (
 )
 
 #: per-process state: generators per seed, the call counter (ctx.step), filter/shaper state dicts
-STATE: dict[str, Any] = {}
+STATE = StateStore(holds="driver")
 _MARK = "_stablerl_verl_adv_wrapper"
 
 
@@ -310,13 +312,9 @@ def gather(kind: str, name: str, data, skip=()) -> dict[str, Any]:
     return out
 
 
-def _context(config: Any, slot: str) -> Context:
+def _context(config: Any, kind: str, name: str) -> Context:
     seed = _cfg(config, SEED_KEY, None)
-    seed = 0 if seed is None else int(seed)
-    gens = STATE.setdefault("generators", {})
-    if (slot, seed) not in gens:
-        gens[(slot, seed)] = torch.Generator().manual_seed(seed)
-    return Context(step=STATE.get("step", 0), generator=gens[(slot, seed)], state=STATE.setdefault("state:" + slot, {}))
+    return STATE.context(kind, name, seed=0 if seed is None else int(seed))
 
 
 # ----------------------------------------------------------------------------- the three stages
@@ -332,7 +330,7 @@ def _shape(data, config, name: str, params: dict) -> dict[str, float]:
     if index is None:
         raise VerlAdvantageInputError(f"reward shaper {name!r} needs the 'uid' non-tensor field (group ids)")
     shaped, metrics = stablerl.shape_rewards(
-        name, scores=scores, index=index, ctx=_context(config, "shaper:" + name), **inputs, **params
+        name, scores=scores, index=index, ctx=_context(config, REWARD_SHAPER, name), **inputs, **params
     )
     has = mask.sum(-1) > 0
     last = last_valid_index(mask)
@@ -364,7 +362,7 @@ def _estimate(data, config, name: str) -> None:
         token_level_rewards=data.batch["token_level_rewards"],
         response_mask=data.batch["response_mask"],
         index=index,
-        ctx=_context(config, "estimator:" + name),
+        ctx=_context(config, ADVANTAGE_ESTIMATOR, name),
         **({"extras": extras} if extras else {}),
         **inputs,
         **estimator_hyperparameters(spec, config),
@@ -382,29 +380,17 @@ def _filter(data, config, name: str, params: dict) -> dict[str, float]:
     result = stablerl.filter_batch(
         name, advantages=adv, response_mask=mask, index=data.non_tensor_batch.get("uid"),
         scores=scores if scores is not None else _scores(data), entropy=entropy,
-        ctx=_context(config, "filter:" + name), **inputs, **params,
+        ctx=_context(config, BATCH_FILTER, name), **inputs, **params,
     )
-    kept = result.rows.to(mask.device).long()
-    if kept.numel() > 1 and not bool((kept[1:] > kept[:-1]).all()):
-        raise StableRLError(
-            f"algorithm.{FILTER_KEY}={name!r} returned repeated or reordered rows (a resampling sampler); verl's "
-            "batch keeps its size and order after compute_advantage (it is already balanced and split over the "
-            "workers), so only filters that keep or drop rows in order can run there"
-        )
-    new_mask = torch.zeros_like(mask)
-    new_mask[kept] = result.response_mask.to(mask.device, mask.dtype)
-    new_mask = ((new_mask * mask) > 0).to(mask.dtype)  # a filter only removes tokens
-    new_adv = torch.zeros_like(adv)
-    new_adv[kept] = adv[kept] if result.advantages is None else result.advantages.to(adv.device, adv.dtype)
-    data.batch["advantages"] = new_adv * new_mask.to(adv.dtype)
+    filtered = apply_filter_result(
+        result, mask, adv, selected_by=f"algorithm.{FILTER_KEY}={name!r}",
+        why_no_resampling="verl's batch keeps its size and order after compute_advantage (it is already balanced "
+        "and split over the workers), so only filters that keep or drop rows can run there")
+    data.batch["advantages"] = filtered.advantages
     if "returns" in data.batch.keys():
-        data.batch["returns"] = data.batch["returns"] * new_mask.to(data.batch["returns"].dtype)
-    data.batch["response_mask"] = new_mask
-    had = mask.sum(-1) > 0
-    metrics = dict(result.metrics)
-    metrics["filter/kept_row_frac"] = float(((new_mask.sum(-1) > 0) & had).sum() / had.sum().clamp(min=1))
-    metrics["filter/kept_token_frac"] = float(new_mask.sum() / mask.sum().clamp(min=1))
-    return metrics
+        data.batch["returns"] = data.batch["returns"] * filtered.response_mask.to(data.batch["returns"].dtype)
+    data.batch["response_mask"] = filtered.response_mask
+    return filtered.metrics
 
 
 #: metrics of the last wrapped call (``stablerl/<name>``), for logging by a trainer subclass
@@ -439,7 +425,7 @@ def _wrap(original):
                             norm_adv_by_std_in_grpo=norm_adv_by_std_in_grpo, config=config)
         if chosen["filter"] is not None:
             metrics.update(_filter(data, config, *chosen["filter"]))
-        STATE["step"] = STATE.get("step", 0) + 1
+        STATE.advance()
         LAST_METRICS.clear()
         LAST_METRICS.update({f"stablerl/{k}": float(v) for k, v in metrics.items()})
         return data

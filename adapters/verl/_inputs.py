@@ -8,10 +8,10 @@ in the arguments of the function that makes that call,
 wraps that function: for the stablerl loss selected by ``config.policy_loss.loss_mode`` it gathers
 exactly the declared inputs from verl's own ``model_output`` / ``data``, converts them to the
 padded ``[B, T]`` layout ``ppo_loss`` gives ``old_log_prob``, and makes them visible to the
-registered loss through a :class:`contextvars.ContextVar` set around the call to the *original*
-``ppo_loss`` (so verl's entropy bonus, KL loss and metrics run unchanged). The variable is reset
-when the call returns or raises: nothing leaks from one call to the next, and nested calls
-(distillation's ``ppo_loss`` inside its own loss) each see their own inputs.
+registered loss through core's scoped channel (:func:`stablerl.frameworks.loss_inputs`, a context
+variable) around the call to the *original* ``ppo_loss`` (so verl's entropy bonus, KL loss and metrics
+run unchanged). It is reset when the call returns or raises: nothing leaks from one call to the next,
+and nested calls (distillation's ``ppo_loss`` inside its own loss) each see their own inputs.
 
 Where each input comes from (verl 0.9.1):
 
@@ -39,8 +39,8 @@ after it executes; if it is loaded already, it is patched at once, together with
 bound names. :func:`instrument` is idempotent (also across re-imports of the adapter); the adapter's
 ``uninstrument()`` restores verl's function (the wrap is recorded in its patch ledger).
 
-Controller state (``Context.state``) lives in :data:`STATE`, one dict per loss name and per
-process; it persists across steps in a worker and is saved with the actor's checkpoint by stablerl's
+Controller state (``Context.state``) lives in :data:`STATE` (a :class:`stablerl.state.StateStore`), one
+slot per loss name and per process; it persists across steps in a worker and is saved with the actor's checkpoint by stablerl's
 FSDP engine subclass (:mod:`stablerl.adapters.verl._state`; actor.strategy fsdp/fsdp2 only).
 
 This module imports no verl at import time (verl's helpers are imported inside the wrapper, when
@@ -49,7 +49,6 @@ verl already loaded them).
 
 from __future__ import annotations
 
-import contextvars
 import functools
 import logging
 from typing import Any, Optional
@@ -60,6 +59,8 @@ import torch
 from stablerl import POLICY_LOSS, MissingInputError, get_spec
 from stablerl.adapters.verl._ledger import LEDGER
 from stablerl.contracts import OPTIONAL_INPUTS
+from stablerl.frameworks import loss_inputs, pending_loss_inputs
+from stablerl.state import StateStore
 
 logger = logging.getLogger("stablerl.adapters.verl")
 
@@ -92,23 +93,21 @@ NOT_PROVIDED: dict[str, str] = {
 _SCORE_FIELDS = ("token_level_scores", "rm_scores", "token_level_rewards")
 _OLD_ENTROPY_FIELDS = ("entropy", "entropys")
 
-#: per-process controller state, one dict per stablerl loss name (``Context.state``)
-STATE: dict[str, dict] = {}
+#: per-process controller state, one slot per stablerl loss name (``Context.state``)
+STATE = StateStore(holds="loss")
 
-_CURRENT: contextvars.ContextVar[Optional[dict[str, Any]]] = contextvars.ContextVar(
-    "stablerl_verl_declared_inputs", default=None
-)
+_DP_GROUP = "__dp_group__"  # beside the inputs: the group verl handed ppo_loss (for the loss's Context)
 _MARK = "_stablerl_verl_wrapper"
 
 
 def state_for(name: str) -> dict:
     """The persistent ``Context.state`` of loss ``name`` in this process."""
-    return STATE.setdefault(name, {})
+    return STATE.slot(POLICY_LOSS, name)
 
 
 def current() -> Optional[dict[str, Any]]:
     """The inputs gathered by the innermost active ``ppo_loss`` wrapper call (None outside one)."""
-    return _CURRENT.get()
+    return pending_loss_inputs()
 
 
 # ----------------------------------------------------------------------------- gathering
@@ -228,12 +227,8 @@ def _wrap(original):
         name = _stablerl_name(loss_mode)
         if name is None:  # a verl loss (or not a policy-loss config): nothing to gather
             return original(config, model_output, data, dp_group)
-        inputs = {"__name__": name, "__dp_group__": dp_group, **gather(name, loss_mode, model_output, data)}
-        token = _CURRENT.set(inputs)
-        try:
+        with loss_inputs(name, {_DP_GROUP: dp_group, **gather(name, loss_mode, model_output, data)}):
             return original(config, model_output, data, dp_group)
-        finally:
-            _CURRENT.reset(token)
 
     setattr(ppo_loss, _MARK, True)
     ppo_loss.__wrapped__ = original
@@ -263,8 +258,8 @@ def is_patched() -> bool:
 def dp_group_for(name: str):
     """The data-parallel group verl handed to the active ``ppo_loss`` call of loss ``name`` (None outside
     one, or when verl passed none)."""
-    got = _CURRENT.get()
-    return got.get("__dp_group__") if got is not None and got.get("__name__") == name else None
+    got = pending_loss_inputs(name)
+    return got.get(_DP_GROUP) if got is not None else None
 
 
 def inputs_for(name: str, requires, optional=()) -> dict[str, Any]:
@@ -273,8 +268,8 @@ def inputs_for(name: str, requires, optional=()) -> dict[str, Any]:
 
     Raises a clear error when the loss requires inputs and no wrapper call is active for it (the
     loss was called from somewhere other than ``verl.workers.utils.losses.ppo_loss``)."""
-    got = _CURRENT.get()
-    if got is None or got.get("__name__") != name:
+    got = pending_loss_inputs(name)
+    if got is None:
         if not requires:
             return {}
         raise VerlInputError(

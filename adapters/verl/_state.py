@@ -3,16 +3,17 @@
 Two kinds of state live outside verl's model/optimizer/dataloader checkpoint:
 
 * **in the actor workers**: each stablerl loss's ``Context.state`` (EntroPIC's controller integral, CAPO's
-  tracked Adam moments), :data:`stablerl.adapters.verl._inputs.STATE`. The FSDP engine subclass saves it
-  next to the actor's shards as ``stablerl_loss_state_rank<r>.pt`` and restores it on load (one file per
+  tracked Adam moments), the store :data:`stablerl.adapters.verl._inputs.STATE`. The FSDP engine subclass
+  saves it next to the actor's shards as ``stablerl_loss_state_rank<r>.pt`` and restores it on load (one file per
   rank: the state is per process);
 * **in the driver**: the state of the advantage call site (the call counter ``ctx.step`` that scheduled
   estimators/shapers read, random generators of filters/shapers, their state dicts),
-  :data:`stablerl.adapters.verl._advantage.STATE`. verl's trainers' ``_save_checkpoint`` /
+  the store :data:`stablerl.adapters.verl._advantage.STATE`. verl's trainers' ``_save_checkpoint`` /
   ``_load_checkpoint`` (legacy ``RayPPOTrainer`` and v1 ``PPOTrainer``) are wrapped to save it as
   ``global_step_<n>/stablerl_driver_state.pt`` and restore it.
 
-A checkpoint without these files (written before stablerl, or by a run without stateful algorithms)
+Both files hold :meth:`stablerl.state.StateStore.state_dict` (core's one format); this module only says where
+verl keeps them. A checkpoint without these files (written before stablerl, or by a run without stateful algorithms)
 loads as before; a warning says the state starts fresh only when a file was expected but is missing.
 """
 
@@ -25,8 +26,8 @@ from typing import Any
 
 import torch
 
-from stablerl.adapters import _state_format as state_format
 from stablerl.adapters.verl._ledger import LEDGER
+from stablerl.state import StateStore
 
 logger = logging.getLogger("stablerl.adapters.verl")
 
@@ -36,17 +37,17 @@ TRAINER_CLASSES = {"verl.trainer.ppo.ray_trainer": "RayPPOTrainer", "verl.traine
 _KEY = "checkpoint_state"  # prefix of this module's ledger keys
 
 
-def _write(path: str, kind: str, state: dict) -> None:
+def _write(path: str, store: StateStore) -> None:
     os.makedirs(os.path.dirname(path), exist_ok=True)
     tmp = path + ".tmp"
-    torch.save(state_format.pack(kind, state), tmp)
+    torch.save(store.state_dict(), tmp)
     os.replace(tmp, path)  # a crash mid-save leaves the previous file, never a torn one
 
 
-def _read(path: str, kind: str, restore) -> bool:
+def _read(path: str, store: StateStore) -> bool:
     if not os.path.exists(path):
         return False
-    restore(state_format.unpack(torch.load(path, weights_only=False), kind, path))
+    store.load_state_dict(torch.load(path, weights_only=False), where=path)
     return True
 
 
@@ -57,14 +58,13 @@ def save_loss_state(folder: str, rank: int) -> None:
     from . import _inputs
 
     if _inputs.STATE:
-        _write(os.path.join(folder, LOSS_STATE_FILE.format(rank=rank)), "loss", dict(_inputs.STATE))
+        _write(os.path.join(folder, LOSS_STATE_FILE.format(rank=rank)), _inputs.STATE)
 
 
 def load_loss_state(folder: str, rank: int) -> bool:
     from . import _inputs
 
-    return _read(os.path.join(folder, LOSS_STATE_FILE.format(rank=rank)), "loss",
-                 lambda s: state_format.replace(_inputs.STATE, s))
+    return _read(os.path.join(folder, LOSS_STATE_FILE.format(rank=rank)), _inputs.STATE)
 
 
 # ---- the driver ----------------------------------------------------------------------------------
@@ -74,13 +74,13 @@ def save_driver_state(folder: str) -> None:
     from . import _advantage
 
     if _advantage.STATE:
-        _write(os.path.join(folder, DRIVER_STATE_FILE), "driver", dict(_advantage.STATE))
+        _write(os.path.join(folder, DRIVER_STATE_FILE), _advantage.STATE)
 
 
 def load_driver_state(folder: str) -> bool:
     from . import _advantage
 
-    return _read(os.path.join(folder, DRIVER_STATE_FILE), "driver", lambda s: state_format.replace(_advantage.STATE, s))
+    return _read(os.path.join(folder, DRIVER_STATE_FILE), _advantage.STATE)
 
 
 def _step_folder(trainer: Any, loading: bool) -> str:

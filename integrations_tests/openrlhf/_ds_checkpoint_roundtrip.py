@@ -64,14 +64,14 @@ with tempfile.TemporaryDirectory() as ckpt:
     step(loss, 0), step(loss, 1)
     # PolicyModelActor.save_checkpoint's call: positional, with the driver's client_states
     strategy.save_ckpt(engine, ckpt, "global_step2", 3, 1000, {"global_step": 2})
-    out["saved_state"] = dict(loss.stablerl_state["entropic"])
+    out["saved_state"] = dict(loss.stablerl_state.slot("policy_loss", "entropic")["entropic"])
     reference = step(loss, 2)  # the uninterrupted third step
 
     _state._live_loss = None  # a fresh actor process: no loss yet when PolicyModelActor loads the checkpoint
     load_path, states = strategy.load_ckpt(engine, ckpt)
     out["states_keys"] = sorted(k for k in states if k in ("global_step", _state.LOSS_KEY))
     resumed = actor_loss()
-    out["restored_state"] = dict(resumed.stablerl_state["entropic"])
+    out["restored_state"] = dict(resumed.stablerl_state.slot("policy_loss", "entropic")["entropic"])
     out["same_third_step"] = step(resumed, 2) == reference
     out["third_integral"] = reference[1]["entropic/integral"]
 
@@ -81,5 +81,5 @@ with tempfile.TemporaryDirectory() as ckpt:
     _, states = strategy.load_ckpt(engine, ckpt)
     fresh = actor_loss()
     out["plain_states_keys"] = sorted(k for k in states if k in ("global_step", _state.LOSS_KEY))
-    out["fresh_state"] = dict(fresh.stablerl_state)
+    out["fresh_state"] = fresh.stablerl_state.state_dict()["slots"]
 print(json.dumps(out))

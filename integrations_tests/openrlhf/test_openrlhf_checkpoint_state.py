@@ -17,6 +17,7 @@ from types import SimpleNamespace
 import torch
 
 import stablerl
+from stablerl.state import StateStore
 import stablerl.adapters.openrlhf as adapter
 from orlhf_helpers import HERE_PATH, STUBS_PATH, clone, make_args, make_experiences, make_maker
 from stablerl.adapters.openrlhf import Selection, _shape_filter, _state
@@ -87,7 +88,7 @@ def test_shaper_and_filter_state_survive_the_trainers_checkpoint(monkeypatch, tm
     BasePPOTrainer.save_logs_and_checkpoints(trainer, 2, {}, {"global_step": 2})
     assert len(trainer.saved) == 1 and trainer.saved[0]["global_step"] == 2
     saved = trainer.saved[0][_state.DRIVER_KEY]
-    assert saved["stablerl_state"] == "driver" and saved["state"]["step"] == 2
+    assert saved["holds"] == "driver" and saved["step"] == 2
     # what DeepSpeed writes: a pickled copy (torch.save round trip), generators included
     path = tmp_path / "client_states.pt"
     torch.save(trainer.saved[0], path)
@@ -97,7 +98,7 @@ def test_shaper_and_filter_state_survive_the_trainers_checkpoint(monkeypatch, tm
     _shape_filter.STATE.clear()  # a fresh trainer process
     (tmp_path / "_actor").mkdir()
     states = BasePPOTrainer.init_checkpoint_states(_TrainerStandIn(str(tmp_path), loaded=loaded))
-    assert states["global_step"] == 2 and _shape_filter.STATE["step"] == 2
+    assert states["global_step"] == 2 and _shape_filter.STATE.step == 2
     resumed = _redit(args, exps)
     torch.testing.assert_close(resumed, reference, rtol=0, atol=0)
     fresh = _redit(args, exps)
@@ -106,7 +107,7 @@ def test_shaper_and_filter_state_survive_the_trainers_checkpoint(monkeypatch, tm
 
 
 def test_a_newer_state_format_is_refused_with_its_name():
-    blob = {_state.DRIVER_KEY: {"stablerl_state": "driver", "version": 99, "state": {}}}
+    blob = {_state.DRIVER_KEY: {**StateStore(holds="driver").state_dict(), "version": 99}}
     with pytest.raises(RuntimeError, match=r"stablerl_driver_state was written by a newer stablerl .*format 99"):
         _state.restore_driver_state(blob)
     assert _state.restore_driver_state({"global_step": 3}) is False  # a checkpoint from before stablerl
@@ -129,9 +130,12 @@ def test_patches_are_listed_and_removed():
 
 def test_restored_tensors_follow_the_worker_device():
     # DeepSpeed loads client_state onto the CPU; on a GPU worker the loss state goes to its current device
-    # (here the CPU stands in for it): nested dicts, lists and tuples keep their shape, non-tensors are kept
+    # (here the meta device stands in for it): nested dicts, lists and tuples keep their shape, non-tensors are kept
     state = {"capo": {"exp_avg": torch.ones(2, 3), "step": 4}, "pair": (torch.zeros(1), [torch.ones(1), "x"])}
-    moved = _state._on_device(state, torch.device("cpu"))
-    assert moved["capo"]["step"] == 4 and torch.equal(moved["capo"]["exp_avg"], torch.ones(2, 3))
+    store = StateStore(holds="loss")
+    store.slot(stablerl.POLICY_LOSS, "capo").update(state)
+    _state._restore_loss_state(store, store.state_dict(), "ckpt", device=torch.device("meta"))
+    moved = store.slot(stablerl.POLICY_LOSS, "capo")
+    assert moved["capo"]["step"] == 4 and moved["capo"]["exp_avg"].shape == (2, 3)
     assert isinstance(moved["pair"], tuple) and moved["pair"][1][1] == "x"
-    assert moved["capo"]["exp_avg"].device.type == "cpu"
+    assert moved["capo"]["exp_avg"].device.type == "meta" and moved["pair"][1][0].device.type == "meta"

@@ -125,7 +125,7 @@ def _step(trainer, batch):
 @pytest.mark.parametrize("packing", [False, True])
 @pytest.mark.parametrize("entropy_coef", [None, 0.01])
 def test_steer_gets_the_training_forwards_entropy(monkeypatch, packing, entropy_coef):
-    from stablerl.adapters.openrlhf._inputs import _PENDING
+    from stablerl.frameworks import pending_loss_inputs
 
     trainer, model = _trainer(monkeypatch, "steer", packing, entropy_coef=entropy_coef)
     assert trainer.actor_loss_fn.fed_inputs == {"entropy"}
@@ -150,7 +150,7 @@ def test_steer_gets_the_training_forwards_entropy(monkeypatch, packing, entropy_
     # OpenRLHF's own entropy term keeps working (and only then is it logged)
     assert ("entropy_loss" in status["metrics"]) == (entropy_coef is not None)
     # nothing left behind for the next call
-    assert _PENDING not in trainer.actor.__dict__ and trainer.actor_loss_fn._fed is None
+    assert pending_loss_inputs() is None and trainer.actor_loss_fn._fed is None
 
 
 @pytest.mark.parametrize("packing", [False, True])
@@ -198,7 +198,7 @@ def test_entropic_state_persists_across_calls():
         loss.feed({"entropy": torch.full_like(lp, 0.6)})
         loss(lp, lp, torch.randn(3, 5, generator=g, dtype=torch.float64), action_mask=mask)
         integrals.append(loss.last_metrics["entropic/integral"])
-    assert loss.stablerl_state["entropic"]["updates"] == 3
+    assert loss.stablerl_state.slot(stablerl.POLICY_LOSS, "entropic")["entropic"]["updates"] == 3
     assert integrals[0] != 0 and integrals[1] == pytest.approx(2 * integrals[0]) and integrals[2] == pytest.approx(
         3 * integrals[0])
 

@@ -199,9 +199,9 @@ def test_d3s_runs_and_masks_tokens(tmp_path):
 
 
 def test_resampling_filter_refused(tmp_path):
-    with pytest.raises(stablerl.StableRLError, match="repeated or reordered rows.*fixed size"):
+    with pytest.raises(stablerl.StableRLError, match="repeated rows.*fixed size"):
         run(tmp_path, advantage_estimator="grpo", batch_filter="shuffle_r1")
-    # its pairwise sampling alone keeps rows in order: runs
+    # its pairwise sampling alone returns each row once: runs
     trainer, rec, _ = run(tmp_path / "b", advantage_estimator="grpo", batch_filter="shuffle_r1",
                           stablerl_batch_filter_params={"shuffle": False})
     assert math.isfinite(rec.logs[0]["loss"])
@@ -235,22 +235,25 @@ def test_controller_and_loss_state_checkpointed(tmp_path):
               max_steps=2, save_strategy="steps", save_steps=1)
     trainer, rec, _ = run(tmp_path / "a", **kw)
     ckpt1, ckpt2 = (os.path.join(tmp_path / "a", f"checkpoint-{i}") for i in (1, 2))
-    with open(os.path.join(ckpt2, "stablerl_controller.json")) as f:
-        saved = json.load(f)
-    assert saved == json.loads(json.dumps(trainer.stablerl_state_dict()))
-    assert saved["controller"]["name"] == "aepo" and saved["controller"]["state"]["steps"] == 2
-    assert saved["ctx_state"]["entropic"]["entropic"]["updates"] > 0  # EntroPIC's PI state, kept across steps
-    with open(os.path.join(ckpt1, "stablerl_controller.json")) as f:
-        saved1 = json.load(f)
-    assert saved1["controller"]["state"]["steps"] == 1
-    assert saved1["ctx_state"]["entropic"]["entropic"]["updates"] < saved["ctx_state"]["entropic"]["entropic"]["updates"]
+
+    def updates(state):  # EntroPIC's PI state, kept across steps
+        return state["slots"]["policy_loss"]["entropic"]["entropic"]["updates"]
+
+    saved = H.plain(torch.load(os.path.join(ckpt2, "stablerl_state.pt"), weights_only=False))
+    assert saved == H.plain(trainer.stablerl_state_dict())
+    assert list(saved["objects"]["controller"]) == ["aepo"]
+    assert saved["objects"]["controller"]["aepo"]["state"]["steps"] == 2
+    assert updates(saved) > 0
+    saved1 = H.plain(torch.load(os.path.join(ckpt1, "stablerl_state.pt"), weights_only=False))
+    assert saved1["objects"]["controller"]["aepo"]["state"]["steps"] == 1
+    assert updates(saved1) < updates(saved)
 
     # restore into a fresh trainer: exactly the saved state, and the decision re-applied
     fresh = Spy(model=H.tiny_model(), reward_funcs=H.binary_digit_reward, args=cfg(tmp_path / "b", **kw),
                 train_dataset=H.build_dataset(64, seed=0), processing_class=H.TOKENIZER)
     assert fresh.load_stablerl_state(ckpt2)
-    assert fresh.stablerl_state_dict() == saved
-    assert fresh.generation_config.temperature == saved["controller"]["decision"]["temperature"]
+    assert H.plain(fresh.stablerl_state_dict()) == saved
+    assert fresh.generation_config.temperature == saved["objects"]["controller"]["aepo"]["decision"]["temperature"]
     assert not fresh.load_stablerl_state(str(tmp_path))  # no file: nothing loaded
 
     # resume: TRL's checkpoint loading restores it before the first step
@@ -259,14 +262,30 @@ def test_controller_and_loss_state_checkpointed(tmp_path):
 
         def load_stablerl_state_dict(self, state):
             super().load_stablerl_state_dict(state)
-            Resumed.restored = json.loads(json.dumps(self.stablerl_state_dict()))
+            Resumed.restored = H.plain(self.stablerl_state_dict())
 
     resumed = Resumed(model=H.tiny_model(), reward_funcs=H.binary_digit_reward, args=cfg(tmp_path / "c", **kw),
                       train_dataset=H.build_dataset(64, seed=0), processing_class=H.TOKENIZER)
     resumed.train(resume_from_checkpoint=ckpt1)
     assert Resumed.restored == saved1
     assert resumed._ext_controller.steps == 2  # continued from 1, not restarted
-    assert resumed._stablerl_state["entropic"]["entropic"]["updates"] > saved1["ctx_state"]["entropic"]["entropic"]["updates"]
+    assert updates(H.plain(resumed.stablerl_state_dict())) > updates(saved1)
+
+    # a checkpoint of earlier development versions (stablerl_controller.json, {"format": 1}) still loads
+    legacy_dir = tmp_path / "legacy"
+    legacy_dir.mkdir()
+    aepo = saved["objects"]["controller"]["aepo"]
+    legacy = {"format": 1, "controller": {"name": "aepo", "state": aepo["state"], "decision": aepo["decision"]},
+              "ctx_state": {"entropic": saved["slots"]["policy_loss"]["entropic"],
+                            "shaper:redit": saved["slots"]["reward_shaper"]["redit"],
+                            "adv:grpo": saved["slots"]["advantage_estimator"]["grpo"]},
+              "rng": next(iter(saved["generators"]["reward_shaper+batch_filter"].values()))}
+    (legacy_dir / "stablerl_controller.json").write_text(json.dumps(legacy))
+    old = Spy(model=H.tiny_model(), reward_funcs=H.binary_digit_reward, args=cfg(tmp_path / "d", **kw),
+              train_dataset=H.build_dataset(64, seed=0), processing_class=H.TOKENIZER)
+    assert old.load_stablerl_state(str(legacy_dir))
+    assert H.plain(old.stablerl_state_dict()) == saved
+    assert torch.equal(old._ext_rng.get_state(), fresh._ext_rng.get_state())
 
 
 # ----------------------------------------------------------------------------- two processes
@@ -341,7 +360,8 @@ def test_two_processes_identical_state(tmp_path):
     assert r0["rank"] == 0 and r1["rank"] == 1
     assert r0["world"] == 2 and r0["checks"] == 3 and r1["checks"] == 3
     assert r0["finite"] and r1["finite"]
-    assert r0["state"] == r1["state"] and r0["state"]["controller"]["state"]["steps"] == 3
+    state0, state1 = H.plain(r0["state"]), H.plain(r1["state"])  # as each process would checkpoint it
+    assert state0 == state1 and state0["objects"]["controller"]["aepo"]["state"]["steps"] == 3
     assert r0["temperature"] == r1["temperature"] == 0.8
     assert r0["stablerl_logs"] == r1["stablerl_logs"]
     assert any(log["stablerl/simpletir/void_frac"] > 0 for log in r0["stablerl_logs"])

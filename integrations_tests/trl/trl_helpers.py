@@ -20,6 +20,17 @@ from stablerl.demo import build_dataset, build_model, build_tokenizer, copy_rewa
 TOKENIZER = build_tokenizer()
 
 
+def plain(value):
+    """A stablerl state dict with its tensors as lists (comparable with ==, JSON-able)."""
+    if isinstance(value, torch.Tensor):
+        return value.tolist()
+    if isinstance(value, dict):
+        return {str(k): plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [plain(v) for v in value]
+    return value
+
+
 def tiny_model(seed=0, dtype=torch.float32):
     """~20k-parameter Qwen2-style model (hidden 32, 2 layers) over the demo's word-level vocabulary.
 

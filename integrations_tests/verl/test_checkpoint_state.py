@@ -55,12 +55,13 @@ def test_engine_saves_and_restores_the_losses_state(adapter, actor_config, make_
     eng = _engine(make_engine)
     _inputs.STATE.clear()
     uninterrupted = [_entropic_step(adapter, actor_config) for _ in range(4)]
-    assert _inputs.STATE["entropic"]["entropic"]["updates"] == 4
+    assert _inputs.state_for("entropic")["entropic"]["updates"] == 4
 
     _inputs.STATE.clear()
     for _ in range(3):
         _entropic_step(adapter, actor_config)
-    saved = {k: dict(v["entropic"]) for k, v in _inputs.STATE.items()}
+    saved = _inputs.STATE.state_dict()["slots"]
+    saved = {name: dict(s["entropic"]) for name, s in saved["policy_loss"].items()}
     actor_dir = str(tmp_path / "global_step_3" / "actor")
     eng.save_checkpoint(actor_dir, None, global_step=3)
     assert eng.checkpoint_manager.calls == [("save", actor_dir)]
@@ -72,7 +73,8 @@ def test_engine_saves_and_restores_the_losses_state(adapter, actor_config, make_
 
     _inputs.STATE.clear()
     eng.load_checkpoint(actor_dir)
-    assert {k: dict(v["entropic"]) for k, v in _inputs.STATE.items()} == saved
+    restored = _inputs.STATE.state_dict()["slots"]["policy_loss"]
+    assert {name: dict(s["entropic"]) for name, s in restored.items()} == saved
     resumed = _entropic_step(adapter, actor_config)
     torch.testing.assert_close(resumed[0], uninterrupted[3][0], rtol=0, atol=0)
     torch.testing.assert_close(resumed[1], uninterrupted[3][1], rtol=0, atol=0)
@@ -85,9 +87,10 @@ def test_checkpoint_without_stablerl_state_loads_as_before(adapter, make_engine,
     _inputs.STATE.clear()
     eng.save_checkpoint(str(tmp_path / "actor"))  # no stateful loss ran: no file
     assert not [f for f in os.listdir(tmp_path / "actor") if f.startswith("stablerl")]
-    _inputs.STATE["entropic"] = {"entropic": {"integral": 1.0}}
+    _inputs.state_for("entropic")["entropic"] = {"integral": 1.0}
     eng.load_checkpoint(str(tmp_path / "actor"))
-    assert _inputs.STATE == {"entropic": {"entropic": {"integral": 1.0}}}  # untouched
+    untouched = {"policy_loss": {"entropic": {"entropic": {"integral": 1.0}}}}
+    assert _inputs.STATE.state_dict()["slots"] == untouched
     torch.save({"something": "else"}, tmp_path / "actor" / "stablerl_loss_state_rank0.pt")
     with pytest.raises(RuntimeError, match="stablerl_loss_state_rank0.pt is not a stablerl loss state"):
         eng.load_checkpoint(str(tmp_path / "actor"))
@@ -125,8 +128,8 @@ def test_driver_state_rides_with_the_trainer_checkpoint(adapter, tmp_path):
 
     assert getattr(RayPPOTrainer._save_checkpoint, "_stablerl_verl_patch", False)  # the verl ledger's mark
     _advantage.STATE.clear()
-    ctx = _advantage._context({}, "shaper")  # what the advantage wrapper hands a shaper/filter
-    _advantage.STATE["step"] = 7
+    ctx = _advantage._context({}, "reward_shaper", "redit")  # what the advantage wrapper hands a shaper/filter
+    _advantage.STATE.step = 7
     ctx.state["seen"] = 3
     torch.rand(5, generator=ctx.generator)
     expected_next = torch.rand(4, generator=torch.Generator().set_state(ctx.generator.get_state()))
@@ -139,7 +142,7 @@ def test_driver_state_rides_with_the_trainer_checkpoint(adapter, tmp_path):
     trainer = _trainer(tmp_path, steps=0)
     (tmp_path / "global_step_7" / "actor").mkdir(exist_ok=True)
     RayPPOTrainer._load_checkpoint(trainer)
-    assert trainer.global_steps == 7 and _advantage.STATE["step"] == 7
-    ctx = _advantage._context({}, "shaper")
+    assert trainer.global_steps == 7 and _advantage.STATE.step == 7
+    ctx = _advantage._context({}, "reward_shaper", "redit")
     assert ctx.state == {"seen": 3}
     torch.testing.assert_close(torch.rand(4, generator=ctx.generator), expected_next, rtol=0, atol=0)

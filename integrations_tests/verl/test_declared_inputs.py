@@ -233,8 +233,8 @@ def test_entropic_integral_accumulates_across_calls(adapter, declared):
     step = error * len(R) / (len(R) + 2)
     assert integrals[0] == pytest.approx(step, rel=1e-6)
     assert integrals[1] == pytest.approx(2 * step, rel=1e-6)
-    assert declared.STATE["entropic"]["entropic"]["integral"] == pytest.approx(2 * step, rel=1e-6)
-    assert declared.STATE["entropic"]["entropic"]["updates"] == 2
+    assert declared.state_for("entropic")["entropic"]["integral"] == pytest.approx(2 * step, rel=1e-6)
+    assert declared.state_for("entropic")["entropic"]["updates"] == 2
 
 
 def test_missing_entropy_names_the_key(adapter, declared):

@@ -1,0 +1,94 @@
+"""stablerl.frameworks.apply_filter_result: a filter's result applied to a batch that keeps its size (the rule
+verl, TRL and OpenRLHF share)."""
+
+import pytest
+import torch
+
+import stablerl
+from stablerl.contracts import FilterResult
+from stablerl.frameworks import apply_filter_result
+
+MASK = torch.tensor([[1.0, 1, 1], [1, 1, 0], [1, 0, 0], [0, 0, 0]])
+ADV = torch.tensor([[1.0, 1, 1], [2, 2, 0], [3, 0, 0], [0, 0, 0]])
+
+
+def _apply(result, mask=MASK, adv=ADV):
+    return apply_filter_result(result, mask, adv, selected_by="filter='f'", why_no_resampling="the batch is split")
+
+
+def test_kept_rows_go_back_to_their_places_and_only_lose_tokens():
+    # rows in another order than the batch's; row 2's mask asks for tokens it never had
+    result = FilterResult(rows=torch.tensor([2, 0]), response_mask=torch.tensor([[1.0, 1, 1], [1, 0, 1]]),
+                          metrics={"f/kept": 0.5})
+    out = _apply(result)
+    assert torch.equal(out.response_mask, torch.tensor([[1.0, 0, 1], [0, 0, 0], [1, 0, 0], [0, 0, 0]]))
+    assert torch.equal(out.advantages, torch.tensor([[1.0, 0, 1], [0, 0, 0], [3, 0, 0], [0, 0, 0]]))
+    assert out.dropped.tolist() == [False, True, False, True]
+    # 2 of the 3 rows that had tokens keep some; 3 of 6 tokens
+    assert out.metrics == {"f/kept": 0.5, "filter/kept_row_frac": pytest.approx(2 / 3), "filter/kept_token_frac": 0.5}
+
+
+def test_the_filters_advantages_replace_the_old_ones_on_kept_tokens():
+    result = FilterResult(rows=torch.tensor([2, 0]), response_mask=torch.tensor([[1.0, 1, 1], [1, 0, 1]]),
+                          advantages=torch.tensor([[5.0, 5, 5], [7, 7, 7]]))
+    out = _apply(result)
+    assert torch.equal(out.advantages, torch.tensor([[7.0, 0, 7], [0, 0, 0], [5, 0, 0], [0, 0, 0]]))
+
+
+def test_a_row_whose_tokens_are_all_removed_counts_as_dropped():
+    none_of_row_0 = torch.tensor([[0.0, 0, 0], [1, 1, 1], [1, 1, 1], [1, 1, 1]])
+    result = FilterResult(rows=torch.arange(4), response_mask=none_of_row_0)
+    out = _apply(result)
+    assert out.dropped.tolist() == [True, False, False, True]
+    assert out.metrics["filter/kept_row_frac"] == pytest.approx(2 / 3)
+    assert out.metrics["filter/kept_token_frac"] == pytest.approx(3 / 6)
+    assert torch.equal(out.advantages[0], torch.zeros(3)) and torch.equal(out.advantages[1:], ADV[1:])
+
+
+def test_dtypes_of_the_batch_are_kept():
+    mask, adv = MASK.long(), ADV.to(torch.bfloat16)
+    result = FilterResult(rows=torch.tensor([1]), response_mask=torch.tensor([[1.0, 0, 0]]),
+                          advantages=torch.tensor([[0.25, 9, 9]], dtype=torch.float64))
+    out = _apply(result, mask, adv)
+    assert out.response_mask.dtype == torch.long and out.advantages.dtype == torch.bfloat16
+    assert out.response_mask.sum().item() == 1 and out.advantages[1, 0].item() == 0.25
+    assert out.advantages.sum().item() == 0.25
+
+
+def test_repeated_rows_are_refused_with_the_key_and_the_reason():
+    result = FilterResult(rows=torch.tensor([0, 1, 0]), response_mask=MASK[[0, 1, 0]])
+    with pytest.raises(stablerl.StableRLError, match=r"filter='f' returned repeated rows .*the batch is split"):
+        _apply(result)
+
+
+def test_an_empty_batch_gives_zero_fractions_not_nan():
+    result = FilterResult(rows=torch.tensor([], dtype=torch.long), response_mask=torch.zeros(0, 3))
+    out = _apply(result, torch.zeros(2, 3), torch.zeros(2, 3))
+    assert out.metrics["filter/kept_row_frac"] == 0.0 and out.metrics["filter/kept_token_frac"] == 0.0
+    assert out.dropped.tolist() == [True, True]
+
+
+# ----------------------------------------------------------------------------- declared loss inputs
+
+
+def test_loss_inputs_reach_only_that_loss_inside_the_block_and_nest():
+    from stablerl.frameworks import loss_inputs, pending_loss_inputs
+
+    assert pending_loss_inputs() is None
+    with loss_inputs("steer", {"entropy": 1}) as outer:
+        assert pending_loss_inputs("steer") is outer and pending_loss_inputs() is outer
+        assert pending_loss_inputs("capo") is None  # another loss's call sees nothing
+        outer["token_ids"] = 2  # shared, not copied: a forward inside the block may still add to it
+        with loss_inputs("capo", {"entropy": 3}):
+            assert pending_loss_inputs("capo") == {"entropy": 3} and pending_loss_inputs("steer") is None
+        assert pending_loss_inputs("steer") == {"entropy": 1, "token_ids": 2}
+    assert pending_loss_inputs() is None
+
+
+def test_loss_inputs_are_reset_when_the_call_raises():
+    from stablerl.frameworks import loss_inputs, pending_loss_inputs
+
+    with pytest.raises(RuntimeError, match="boom"):
+        with loss_inputs("steer", {"entropy": 1}):
+            raise RuntimeError("boom")
+    assert pending_loss_inputs() is None
