@@ -53,9 +53,9 @@ def decoupled_terms(lp, lp_prox, lp_behav, b, p: DecoupledParams):
     if b.is_weights is not None:
         # the behaviour IS weight is this loss's own; a framework correction on top would apply it twice
         raise StableRLError(
-            "decoupled_ppo/a3po apply their own behaviour-policy IS weight; turn the framework's rollout "
-            "correction off (verl: algorithm.rollout_correction.rollout_is=null; TRL: "
-            "vllm_importance_sampling_correction=False) or use rollout_correction= instead"
+            "decoupled_ppo/a3po apply their own behaviour-policy IS weight from rollout_log_prob: do not also pass "
+            "is_weights (a framework's rollout-correction weights; the TRL and OpenRLHF adapters leave theirs out "
+            "for these losses; in verl set algorithm.rollout_correction.rollout_is=null)"
         )
     mask = b.response_mask
     log_w = clamped_log_ratio(lp_prox, lp_behav)

@@ -114,6 +114,7 @@ class StablePolicyLoss(PolicyLoss):
                 f"policy loss {self.stablerl_name!r} needs rollout log-probs: set --algo.advantage.is_correction_level "
                 "token|seq (OpenRLHF requests vLLM log-probs only then)"
             )
+        self._corrects_itself = "rollout_log_prob" in spec.requires
         # OpenRLHF's own IS-correction code, run on a ppo loss at ratio 1 (see _openrlhf_is_weights)
         self._is_probe = None
         if is_correction_level != "off":
@@ -209,6 +210,11 @@ class StablePolicyLoss(PolicyLoss):
                     "rollout_log_probs"
                 )
             is_weights, vllm_kl, is_filter_ratio = self._openrlhf_is_weights(old_log_probs, rollout_log_probs, mask)
+            if self._corrects_itself:
+                # the loss corrects for the sampler itself (decoupled_ppo, a3po): it gets the vLLM log-probs and
+                # OpenRLHF's weights are not applied on top (as the TRL adapter does with vLLM's ratio); the
+                # probe's vllm_kl / is_filter_ratio are still logged
+                is_weights = None
         loss, metrics = stablerl.compute_policy_loss(
             self.stablerl_name,
             log_prob=log_probs,

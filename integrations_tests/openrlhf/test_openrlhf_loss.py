@@ -115,6 +115,22 @@ def test_m2po_is_stablerls_and_aggregates_like_openrlhf():
     assert float(ones) == pytest.approx(float(b.mask.sum()) / 61.0 * 2)
 
 
+def test_decoupled_ppo_gets_the_vllm_log_probs_and_not_openrlhfs_weights_on_top():
+    """A loss that corrects for the sampler itself (decoupled_ppo) runs under OpenRLHF's IS correction: it
+    gets the rollout log-probs, OpenRLHF's IS weights are not applied on top (they would apply the
+    behaviour weight twice), and OpenRLHF's vllm_kl is still reported."""
+    b = loss_batch(seed=12)
+    norm = NORMALISERS[1]
+    fn = StablePolicyLoss(policy_loss_type="decoupled_ppo", is_correction_level="token", clip_eps_low=0.2)
+    out, grad = _run(fn, b, b.adv_tok, norm, rollout=True)
+    ref, _ = stablerl.compute_policy_loss(
+        "decoupled_ppo", log_prob=b.new, old_log_prob=b.old, rollout_log_prob=b.rollout, advantages=b.adv_tok,
+        response_mask=b.mask, ctx=stablerl.Context(token_count=61.0, seq_count=11.0, dp_size=2),
+    )
+    torch.testing.assert_close(out[0], ref, rtol=1e-12, atol=1e-12)
+    assert out[3] is not None and torch.all(grad[~b.mask] == 0)  # vllm_kl reported
+
+
 def test_bad_inputs_raise_clear_errors():
     with pytest.raises(stablerl.UnknownNameError, match="m2po"):
         StablePolicyLoss(policy_loss_type="m2p0")
