@@ -59,7 +59,7 @@ import torch
 from stablerl import POLICY_LOSS, MissingInputError, get_spec
 from stablerl.adapters.verl._ledger import LEDGER
 from stablerl.contracts import OPTIONAL_INPUTS
-from stablerl.frameworks import loss_inputs, pending_loss_inputs
+from stablerl.frameworks import get_framework, loss_inputs, pending_loss_inputs
 from stablerl.state import StateStore
 
 logger = logging.getLogger("stablerl.adapters.verl")
@@ -79,16 +79,8 @@ SOURCES: dict[str, str] = {
     "old_entropy": 'data["entropy"] (written by the v1 trainer\'s old-log-prob pass) or data["entropys"]',
 }
 
-#: declared inputs verl 0.9.1 cannot provide to a policy loss, and why
-NOT_PROVIDED: dict[str, str] = {
-    "turn_ids": "verl's batch has no per-token turn ids (only the per-sample num_turns)",
-    "versions": "verl's batch has no per-token policy versions",
-    "policy_version": "the worker's loss call does not know the current policy version / step",
-    "router_log_prob": "verl's loss gets no router log-probs",
-    "old_router_log_prob": "verl's loss gets no router log-probs",
-    "pos_count": "no verl trainer counts samples per prompt over sampling rounds",
-    "neg_count": "no verl trainer counts samples per prompt over sampling rounds",
-}
+#: declared inputs verl 0.9.1 cannot provide to a policy loss, and why (the framework declaration's words)
+NOT_PROVIDED: dict[str, str] = dict(get_framework("verl").why_not["*"])
 
 _SCORE_FIELDS = ("token_level_scores", "rm_scores", "token_level_rewards")
 _OLD_ENTROPY_FIELDS = ("entropy", "entropys")
