@@ -114,6 +114,10 @@ VERL = FrameworkSpec(
     },
     usage='pip install "stablerl[verl]"; select with verl\'s own config keys (entry point verl.plugins)',
     switches={"rollout_correction": "algorithm.rollout_correction.rollout_is"},
+    algorithm_notes={
+        "m2po": "old_log_prob is the actor's recomputed log-prob at the start of the update (the proximal "
+        "policy); the rollout engine's (behaviour) policy is used only in verl's bypass mode",
+    },
 )
 
 # ----------------------------------------------------------------------------- TRL 1.16
@@ -178,6 +182,11 @@ TRL = FrameworkSpec(
     },
     usage="from stablerl.adapters.trl import GRPOTrainer, GRPOConfig  (instead of trl's)",
     switches={"rollout_correction": "vllm_importance_sampling_correction"},
+    algorithm_notes={
+        "m2po": "old_log_prob is TRL's old_per_token_logps (recomputed when num_iterations > 1 or "
+        "steps_per_generation > gradient_accumulation_steps), else the detached current policy (ratio 1); a "
+        "trainer subclass can hand the behaviour policy's log-probs (stablerl_extra_loss_inputs)",
+    },
 )
 
 # ----------------------------------------------------------------------------- OpenRLHF 0.11.2
@@ -247,6 +256,10 @@ OPENRLHF = FrameworkSpec(
     },
     usage=OPENRLHF_COMMAND,
     switches={"rollout_correction": "--algo.advantage.is_correction_level"},
+    algorithm_notes={
+        "m2po": "old_log_prob is the actor's recomputed old-log-prob pass; OpenRLHF offers no way to give the "
+        "behaviour (vLLM) policy as the old policy",
+    },
 )
 
 

@@ -66,6 +66,9 @@ class FrameworkSpec:
     # named framework switches core's messages refer to, e.g. {"rollout_correction": "<the key that
     # turns the framework's own rollout-correction weights off>"}
     switches: Mapping[str, str] = field(default_factory=dict)
+    # algorithm name -> what differs in this framework by the framework's own design (shown with its
+    # config lines: `stablerl describe`, the generated docs, the parity matrix)
+    algorithm_notes: Mapping[str, str] = field(default_factory=dict)
 
     def with_config_lines(self, fn: Callable[[AlgorithmSpec], list]) -> "FrameworkSpec":
         from dataclasses import replace
@@ -200,6 +203,8 @@ def config_lines(spec: AlgorithmSpec) -> dict[str, list[str]]:
     for fw in list_frameworks():
         if fw.config_lines is not None and reach(fw, spec)[0] == "selectable":
             out[fw.name] = list(fw.config_lines(spec))
+            if spec.name in fw.algorithm_notes:
+                out[fw.name].append(f"(in {fw.name}: {fw.algorithm_notes[spec.name]})")
     return out
 
 

@@ -185,3 +185,11 @@ def test_a_fourth_framework_through_the_hook(tmp_path, monkeypatch):
         sys.modules.pop("sr_jaxrl", None)
         sys.modules.pop("sr_jaxrl.adapter", None)
         stablerl.reload_registry()
+
+
+def test_a_framework_difference_by_design_is_shown_with_the_config_lines():
+    """M2PO's 'old' policy is a different thing in each framework: each declaration says which."""
+    lines = F.config_lines(stablerl.get_spec(POLICY_LOSS, "m2po"))
+    assert lines["verl"][-1].startswith("(in verl: old_log_prob is the actor's recomputed log-prob")
+    assert "detached current policy" in lines["trl"][-1]
+    assert "no way to give the behaviour (vLLM) policy" in lines["openrlhf"][-1]
