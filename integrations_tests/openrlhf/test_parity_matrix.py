@@ -1,0 +1,115 @@
+"""OpenRLHF's column of the cross-framework parity matrix (see integrations_tests/parity/parity_matrix.py).
+
+The shared batch goes through the OpenRLHF adapter's real code: the policy loss that
+``stablerl.adapters.openrlhf`` builds from OpenRLHF args (``build_policy_loss``, what the patched
+``ActorPPOTrainer`` uses; declared inputs OpenRLHF's loss call lacks are handed over with ``feed``,
+as its ``training_step`` patch does) and the patched
+``RemoteExperienceMaker.compute_advantages_and_returns`` (rollouts as two experiences of different
+padded widths, no KL). Every hyper-parameter is set explicitly: OpenRLHF's clip flags
+(``--actor.eps_clip_low_high``, ``--actor.dual_clip``, as if given on the command line) and
+``--actor.stablerl_params`` / ``--algo.advantage.stablerl_params`` for the rest, all to the
+algorithm's own defaults. ``--reward.clip_range`` keeps OpenRLHF's default (-10, 10).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("openrlhf", reason="OpenRLHF is not installed (nox -s openrlhf installs it)")
+
+import torch  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "parity"))
+
+import parity_matrix as M  # noqa: E402
+from orlhf_helpers import make_args, make_maker  # noqa: E402
+
+import stablerl  # noqa: E402
+import stablerl.adapters.openrlhf as adapter  # noqa: E402
+from stablerl.adapters.config_keys import openrlhf_name  # noqa: E402
+from stablerl.adapters.openrlhf import Selection  # noqa: E402
+
+FRAMEWORK = "openrlhf"
+ALGORITHMS = M.matrix_algorithms()
+CLIP_FLAGS = ("clip_ratio_low", "clip_ratio_high", "clip_ratio_c")
+
+
+@pytest.fixture(scope="module")
+def results():
+    import openrlhf
+
+    res = M.Results(FRAMEWORK, getattr(openrlhf, "__version__", adapter.openrlhf_version() or "?"))
+    yield res
+    res.write()
+
+
+def _loss_fn(name):
+    from stablerl.adapters.openrlhf._loss import build_policy_loss
+
+    spec = stablerl.get_spec(M.POLICY_LOSS, name)
+    params = M.hyperparameters(M.POLICY_LOSS, name)
+    clip = {k: params.pop(k) for k in CLIP_FLAGS if k in params}
+    rollout = "rollout_log_prob" in spec.requires
+    args = make_args(
+        policy_loss_type=openrlhf_name(spec),
+        eps=(clip.get("clip_ratio_low", 0.2), clip.get("clip_ratio_high", 0.2)),
+        dual_clip=clip.get("clip_ratio_c"),
+        loss_agg_mode=M.LOSS_AGG_MODE,
+        # OpenRLHF passes rollout (vLLM) log-probs only with its IS correction on
+        is_level="token" if rollout else "off",
+    )
+    selection = Selection(policy_loss=name, policy_loss_params=params, openrlhf_clip=clip).validate()
+    return build_policy_loss(args, selection), rollout
+
+
+def _through_policy_loss(name, b):
+    loss_fn, rollout = _loss_fn(name)
+    mask = b["response_mask"]
+    loss_fn.feed({k: b[k] for k in ("entropy", "token_ids", "scores")})  # what training_step hands over
+    leaf = b["log_prob"].clone().requires_grad_(True)
+    loss = loss_fn(
+        leaf, b["old_log_prob"], b["advantages"], action_mask=mask,
+        rollout_log_probs=b["rollout_log_prob"] if rollout else None,
+        dp_size=1, batch_num_tokens=mask.sum().float(), global_batch_size=torch.tensor(float(mask.shape[0])),
+    )[0]
+    (grad,) = torch.autograd.grad(loss, leaf)
+    return loss.detach(), grad
+
+
+def _experiences(b, split):
+    """The rollout as OpenRLHF's trainer hands it over: experiences cut to their own padded width."""
+    from openrlhf.trainer.ppo_utils.experience import Experience
+
+    out = []
+    for rows in (slice(0, split), slice(split, None)):
+        mask = b["response_mask"][rows].bool()
+        width = int(mask.sum(-1).max())
+        lengths = mask.sum(-1)
+        out.append(Experience(action_mask=mask[:, :width], rewards=b["scores"][rows].clone(), kl=None,
+                              index=list(range(b["scores"].numel()))[rows], response_length=lengths.float(), info={}))
+    return out
+
+
+def _through_experience_maker(name, b):
+    from openrlhf.trainer.ppo_utils.experience_maker import RemoteExperienceMaker
+
+    adapter.apply()
+    params = M.hyperparameters(M.ADVANTAGE_ESTIMATOR, name)
+    flag = openrlhf_name(stablerl.get_spec(M.ADVANTAGE_ESTIMATOR, name))  # --algo.advantage.estimator
+    selection = Selection(advantage_estimator=adapter.resolve(stablerl.ADVANTAGE_ESTIMATOR, flag),
+                          advantage_params=params).validate()
+    assert selection.advantage_estimator == name
+    args = make_args(estimator=flag, n_samples=b["group_size"], stablerl=selection)
+    experiences = RemoteExperienceMaker.compute_advantages_and_returns(
+        make_maker(args, flag, kl_coef=0.0), _experiences(b, split=5))
+    T = b["response_mask"].shape[1]
+    adv = torch.cat([torch.nn.functional.pad(e.advantages, (0, T - e.advantages.shape[1])) for e in experiences])
+    return adv * b["response_mask"]
+
+
+@pytest.mark.parametrize("kind, name", ALGORITHMS, ids=[f"{k}:{n}" for k, n in ALGORITHMS])
+def test_parity_matrix(results, kind, name):
+    M.check_case(results, kind, name, _through_policy_loss, _through_experience_maker)

@@ -1,0 +1,368 @@
+"""The cross-framework parity matrix: the shared batch, the algorithms, the listed differences, the results files.
+
+Each framework's nox session runs ``integrations_tests/<framework>/test_parity_matrix.py``: it feeds the
+batches built here through that framework's real call site, checks the result against the direct core
+call (:func:`core_loss` / :func:`core_advantages`, rel 1e-6) and records it with :class:`Results`
+(``$STABLERL_PARITY_DIR/<framework>.json``, default ``build/parity/``). The ``parity`` session
+(``integrations_tests/parity/parity_report.py``, torch only) compares the three files with each other
+and writes ``docs/parity-matrix.md``.
+
+Everything is fp32 and every hyper-parameter is set explicitly, to the same value, in every
+framework (:func:`hyperparameters`), so no framework default can make a difference.
+A framework whose documented behaviour must differ is listed in :data:`KNOWN_DIFFERENCES`, with why.
+This module imports stablerl and torch only (no framework).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+
+import stablerl
+from stablerl.contracts import ADVANTAGE_ESTIMATOR, POLICY_LOSS, UNAVAILABLE
+
+FRAMEWORKS = ("verl", "trl", "openrlhf")
+KINDS = (POLICY_LOSS, ADVANTAGE_ESTIMATOR)
+RTOL = 1e-6
+LOSS_AGG_MODE = "token-mean"
+REPO = Path(__file__).resolve().parents[2]
+FORMAT = 1  # of the results files
+
+IDENTICAL, DIFFERS, NOT_OFFERED = "identical", "differs", "not offered"
+
+
+# ----------------------------------------------------------------------------- which algorithms
+
+
+def offered_frameworks(spec) -> list[str]:
+    """The frameworks whose adapter can run ``spec``: the one place that asks (re-point it when the
+    framework declarations move into core)."""
+    from stablerl.adapters.config_keys import frameworks_for
+
+    return list(frameworks_for(spec))
+
+
+# Why a framework cannot feed an input, until the framework declarations (stablerl.frameworks
+# FrameworkSpec.why_not) say it; a declared reason wins.
+_WHY_NOT_FEEDABLE = {
+    ("openrlhf", "index"): "OpenRLHF's replay buffer drops Experience.index and shuffles rows, so a loss call "
+                           "never sees whole prompt groups",
+}
+
+
+def not_offered_reason(spec, framework: str) -> str:
+    """Why ``framework`` cannot run ``spec``: the declared inputs its adapter cannot feed, and why not."""
+    from stablerl.frameworks import get_framework
+
+    declaration = get_framework(framework)
+    declared = dict(declaration.why_not)
+    feedable = declaration.feedable.get(spec.kind, frozenset())
+    missing = sorted(set(spec.requires) - set(feedable))
+    if not missing:
+        return f"{framework} has no call site for it"
+    why = [declared.get(m) or _WHY_NOT_FEEDABLE.get((framework, m)) for m in missing]
+    text = f"{framework} cannot feed {', '.join(missing)}"
+    reasons = [w for w in why if w]
+    return text + (": " + "; ".join(reasons) if reasons else "")
+
+
+def matrix_algorithms() -> list[tuple[str, str]]:
+    """``(kind, name)`` of every built-in policy loss and advantage estimator offered in two or more
+    frameworks (third-party plugins installed in one environment only are left out, so every
+    environment lists the same algorithms)."""
+    registry = stablerl.get_registry()
+    out = []
+    for kind in KINDS:
+        for name in sorted(registry.names(kind)):
+            try:
+                spec = stablerl.get_spec(kind, name)
+            except stablerl.StableRLError:  # listed as unavailable
+                continue
+            if spec.status == UNAVAILABLE or not spec.plugin.startswith("stablerl."):
+                continue
+            if len(offered_frameworks(spec)) >= 2:
+                out.append((kind, name))
+    return out
+
+
+#: (kind, name) -> hyper-parameters that replace a default no framework's call site can run, and why.
+HYPERPARAMETER_OVERRIDES: dict[tuple[str, str], tuple[dict[str, Any], str]] = {
+    (ADVANTAGE_ESTIMATOR, "reinforce_ada"): (
+        {"global_stat_est": False},
+        "its default global_stat_est=True needs the adaptive-sampling rounds' pos_count / neg_count, "
+        "which no framework's advantage step passes (MissingInputError in all three)",
+    ),
+}
+
+
+def hyperparameters(kind: str, name: str) -> dict[str, Any]:
+    """Every hyper-parameter of the algorithm, explicitly: the algorithm's (paper) defaults, except
+    the :data:`HYPERPARAMETER_OVERRIDES`."""
+    params = dict(stablerl.get_spec(kind, name).defaults())
+    params.update(HYPERPARAMETER_OVERRIDES.get((kind, name), ({}, ""))[0])
+    return params
+
+
+# ----------------------------------------------------------------------------- the shared batches
+
+# Loss batch: 8 responses in 2 prompt groups of 4 (contiguous, as TRL's sampler lays them out),
+# right-padded to T; prompt lengths for the frameworks that lay log-probs over prompt + response.
+PROMPT_LENGTHS = (3, 2, 4, 1, 2, 3, 1, 2)
+RESPONSE_LENGTHS = (7, 3, 5, 1, 6, 2, 7, 4)
+GROUP_SIZE = 4
+VOCAB = 5  # few token ids: responses of a group share tokens (GTPO's conflicts)
+
+
+def loss_batch() -> dict[str, Any]:
+    """The deterministic fp32 loss batch ``[B, T]`` (padding holds zeros): log-probs (half the rows near
+    the old policy, half far, so both tight and loose clip bounds are crossed), old and rollout log-probs,
+    one advantage per response broadcast over its tokens, entropies, token ids, group ids, scores."""
+    g = torch.Generator().manual_seed(1234)
+    B, T = len(RESPONSE_LENGTHS), max(RESPONSE_LENGTHS)
+    lengths = torch.tensor(RESPONSE_LENGTHS)
+    mask = torch.arange(T).unsqueeze(0) < lengths.unsqueeze(1)
+    old = -torch.rand(B, T, generator=g) * 2.5 - 0.05
+    spread = torch.tensor([0.35, 2e-4] * (B // 2)).unsqueeze(1)
+    log_prob = (old + spread * torch.randn(B, T, generator=g)).clamp(max=-1e-3)
+    rollout = (old + 0.08 * torch.randn(B, T, generator=g)).clamp(max=-1e-3)
+    seq_adv = torch.tensor([1.1, -0.6, 0.4, -0.9, 0.8, -1.3, 0.2, 0.5])
+    scores = torch.tensor([1.0, 0.0, 1.0, 0.0, 1.0, 0.0, 0.0, 1.0])
+    entropy = torch.rand(B, T, generator=g) * 2.0
+    token_ids = torch.randint(0, VOCAB, (B, T), generator=g)
+    zero = torch.zeros(())
+    batch = {
+        "log_prob": torch.where(mask, log_prob, zero),
+        "old_log_prob": torch.where(mask, old, zero),
+        "rollout_log_prob": torch.where(mask, rollout, zero),
+        "advantages": seq_adv.unsqueeze(1) * mask,
+        "seq_advantages": seq_adv,
+        "response_mask": mask,
+        "entropy": torch.where(mask, entropy, zero),
+        "token_ids": token_ids * mask,
+        "index": torch.arange(B) // GROUP_SIZE,
+        "scores": scores,
+        "prompt_lengths": PROMPT_LENGTHS,
+        "response_lengths": RESPONSE_LENGTHS,
+    }
+    return batch
+
+
+# Estimator batch: 3 prompt groups of 4 (contiguous): binary rewards, graded rewards, one group of equal
+# rewards; response lengths differ (OPO weights by length); the reward sits on the last valid token.
+REWARD_LENGTHS = (5, 2, 6, 3, 1, 4, 6, 2, 3, 5, 6, 1)
+REWARDS = (1.0, 0.0, 0.0, 1.0, 0.25, 0.75, 0.5, 1.0, 1.0, 1.0, 1.0, 1.0)
+
+
+def reward_batch() -> dict[str, Any]:
+    """The deterministic fp32 estimator batch: ``scores`` [N], ``token_level_rewards`` / ``response_mask`` [N, T]
+    and the group ids ``index`` [N]."""
+    N, T = len(REWARD_LENGTHS), max(REWARD_LENGTHS)
+    lengths = torch.tensor(REWARD_LENGTHS)
+    mask = (torch.arange(T).unsqueeze(0) < lengths.unsqueeze(1)).float()
+    scores = torch.tensor(REWARDS)
+    rewards = torch.zeros(N, T)
+    rewards[torch.arange(N), lengths - 1] = scores
+    return {"scores": scores, "token_level_rewards": rewards, "response_mask": mask,
+            "index": torch.arange(N) // GROUP_SIZE, "group_size": GROUP_SIZE}
+
+
+# ----------------------------------------------------------------------------- the direct core calls
+
+
+def loss_inputs(name: str, batch: dict) -> dict[str, Any]:
+    """The declared inputs of loss ``name`` from the batch (what every framework must hand over)."""
+    spec = stablerl.get_spec(POLICY_LOSS, name)
+    return {k: batch[k] for k in spec.requires}
+
+
+def core_loss(name: str, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """``stablerl.compute_policy_loss`` called directly: (loss, d loss / d log_prob [B, T]). The
+    normalisers are this batch's own (its tokens and responses, one rank)."""
+    mask = batch["response_mask"]
+    leaf = batch["log_prob"].clone().requires_grad_(True)
+    ctx = stablerl.Context(token_count=float(mask.sum()), seq_count=float(mask.shape[0]), dp_size=1, state={})
+    loss, _ = stablerl.compute_policy_loss(
+        name, log_prob=leaf, old_log_prob=batch["old_log_prob"], advantages=batch["advantages"], response_mask=mask,
+        loss_agg_mode=LOSS_AGG_MODE, ctx=ctx, **loss_inputs(name, batch), **hyperparameters(POLICY_LOSS, name),
+    )
+    (grad,) = torch.autograd.grad(loss, leaf)
+    return loss.detach(), grad
+
+
+def core_advantages(name: str, batch: dict) -> torch.Tensor:
+    """``stablerl.compute_advantage`` called directly: the advantages [N, T] (zero on padding)."""
+    adv, _ = stablerl.compute_advantage(
+        name, token_level_rewards=batch["token_level_rewards"], response_mask=batch["response_mask"],
+        index=batch["index"], ctx=stablerl.Context(state={}), **hyperparameters(ADVANTAGE_ESTIMATOR, name),
+    )
+    return adv * batch["response_mask"]
+
+
+# ----------------------------------------------------------------------------- comparing
+
+
+def relative_difference(value, reference) -> float:
+    """max |value - reference| / max(|reference|_max, 1e-30): one number per tensor (a gradient's tiny
+    entries are compared at the scale of its largest, so summation order does not count as a difference)."""
+    v = torch.as_tensor(value, dtype=torch.float64)
+    r = torch.as_tensor(reference, dtype=torch.float64)
+    if v.shape != r.shape:
+        return math.inf
+    if not (torch.isfinite(v).all() and torch.isfinite(r).all()):
+        return 0.0 if torch.equal(v.nan_to_num(), r.nan_to_num()) and torch.equal(v.isnan(), r.isnan()) else math.inf
+    scale = max(float(r.abs().max()) if r.numel() else 0.0, 1e-30)
+    return float((v - r).abs().max()) / scale if v.numel() else 0.0
+
+
+# ----------------------------------------------------------------------------- listed differences
+
+
+@dataclass(frozen=True)
+class KnownDifference:
+    """A framework's result for an algorithm that differs from the core call, and why. ``to_fix``:
+    a stablerl bug (the adapter should match), not a framework's documented behaviour."""
+
+    reason: str
+    to_fix: bool = False
+
+
+#: (framework, kind, name) -> why that framework's result differs from the direct core call.
+#: A listed difference that no longer differs fails the framework's matrix test: remove it here.
+KNOWN_DIFFERENCES: dict[tuple[str, str, str], KnownDifference] = {
+    ("openrlhf", ADVANTAGE_ESTIMATOR, "krpo"): KnownDifference(
+        "OpenRLHF clamps advantages to --reward.clip_range (default -10, 10) after the estimator, and the "
+        "adapter keeps that step; KRPO's advantages exceed 10 on this batch"
+    ),
+    ("openrlhf", POLICY_LOSS, "decoupled_ppo"): KnownDifference(
+        "cannot run: OpenRLHF passes rollout log-probs only with --algo.advantage.is_correction_level "
+        "token|seq, and then the adapter also passes OpenRLHF's IS weights, which decoupled_ppo refuses "
+        "(it applies its own behaviour-policy weight)",
+        to_fix=True,
+    ),
+}
+
+
+def known_difference(framework: str, kind: str, name: str) -> Optional[KnownDifference]:
+    return KNOWN_DIFFERENCES.get((framework, kind, name))
+
+
+# ----------------------------------------------------------------------------- results files
+
+
+def results_dir() -> Path:
+    """``$STABLERL_PARITY_DIR``, default ``build/parity/`` in the repository (git-ignored)."""
+    return Path(os.environ.get("STABLERL_PARITY_DIR") or REPO / "build" / "parity")
+
+
+def _values(x) -> Any:
+    if isinstance(x, torch.Tensor):
+        return x.detach().to(torch.float64).tolist()
+    return x
+
+
+class Results:
+    """One framework's matrix results, written to ``results_dir()/<framework>.json``."""
+
+    def __init__(self, framework: str, version: str):
+        self.framework = framework
+        self.data: dict[str, Any] = {"format": FORMAT, "framework": framework, "version": version,
+                                     "torch": torch.__version__, "rtol": RTOL, "loss_agg_mode": LOSS_AGG_MODE,
+                                     "algorithms": {},
+                                     "overrides": {Results.key(k, n): f"{params} ({why})"
+                                                   for (k, n), (params, why) in HYPERPARAMETER_OVERRIDES.items()}}
+
+    @staticmethod
+    def key(kind: str, name: str) -> str:
+        return f"{kind}/{name}"
+
+    def record(self, kind: str, name: str, status: str, reason: str = "", to_fix: bool = False,
+               values: Optional[dict] = None, core: Optional[dict] = None, rel_diff: Optional[dict] = None) -> None:
+        self.data["algorithms"][self.key(kind, name)] = {
+            "kind": kind, "name": name, "status": status, "reason": reason, "to_fix": to_fix,
+            "hyperparameters": {k: v for k, v in hyperparameters(kind, name).items()},
+            "values": {k: _values(v) for k, v in (values or {}).items()},
+            "core": {k: _values(v) for k, v in (core or {}).items()},
+            "rel_diff": dict(rel_diff or {}),
+        }
+
+    def write(self) -> Path:
+        path = results_dir() / f"{self.framework}.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".json.tmp")
+        tmp.write_text(json.dumps(self.data, indent=1, sort_keys=True, default=str))
+        tmp.replace(path)
+        return path
+
+
+def check_and_record(results: Results, kind: str, name: str, values: dict, core: dict) -> None:
+    """Compare a framework's ``values`` with the direct core call's ``core`` (same keys), record the
+    outcome, and fail unless they agree (rel :data:`RTOL`) or the difference is listed (and real)."""
+    diffs = {k: relative_difference(values[k], core[k]) for k in core}
+    differs = [k for k, d in diffs.items() if not d <= RTOL]
+    listed = known_difference(results.framework, kind, name)
+    if not differs:
+        results.record(kind, name, IDENTICAL, values=values, core=core, rel_diff=diffs)
+        assert listed is None, (
+            f"{results.framework} {kind} {name!r} now equals the core call: remove its entry from "
+            "KNOWN_DIFFERENCES in integrations_tests/parity/parity_matrix.py"
+        )
+        return
+    detail = ", ".join(f"{k} rel diff {diffs[k]:.3g}" for k in differs)
+    if listed is not None:
+        results.record(kind, name, DIFFERS, listed.reason, listed.to_fix, values, core, diffs)
+        return
+    results.record(kind, name, DIFFERS, f"UNLISTED: {detail}", True, values, core, diffs)
+    raise AssertionError(
+        f"{results.framework} {kind} {name!r} differs from the core call ({detail}) and KNOWN_DIFFERENCES "
+        f"gives no reason; values {values} vs core {core}"
+    )
+
+
+def run_call_site(results: Results, kind: str, name: str, call):
+    """``call()``, the framework's call site; an error is recorded (and raised unless listed). Returns
+    ``call()``'s value, or ``None`` after a listed error."""
+    try:
+        return call()
+    except Exception as exc:  # noqa: BLE001 - recorded, re-raised unless listed
+        listed = known_difference(results.framework, kind, name)
+        error = f"{type(exc).__name__}: {exc}"
+        if listed is None:
+            results.record(kind, name, DIFFERS, f"UNLISTED error: {error}", True)
+            raise
+        results.record(kind, name, DIFFERS, listed.reason, listed.to_fix)
+        results.data["algorithms"][results.key(kind, name)]["error"] = error
+        return None
+
+
+def record_not_offered(results: Results, kind: str, name: str) -> None:
+    results.record(kind, name, NOT_OFFERED, not_offered_reason(stablerl.get_spec(kind, name), results.framework))
+
+
+def check_case(results: Results, kind: str, name: str, loss_call_site, advantage_call_site) -> None:
+    """One cell of a framework's column: ``loss_call_site(name, loss_batch()) -> (loss, grad)`` or
+    ``advantage_call_site(name, reward_batch()) -> advantages``, against the direct core call."""
+    if results.framework not in offered_frameworks(stablerl.get_spec(kind, name)):
+        record_not_offered(results, kind, name)
+        return
+    if kind == POLICY_LOSS:
+        batch = loss_batch()
+        out = run_call_site(results, kind, name, lambda: loss_call_site(name, batch))
+        if out is None:
+            return
+        ref_loss, ref_grad = core_loss(name, batch)
+        assert torch.isfinite(ref_loss) and ref_grad.abs().sum() > 0  # a non-trivial gradient is compared
+        check_and_record(results, kind, name, {"loss": out[0], "grad": out[1]}, {"loss": ref_loss, "grad": ref_grad})
+    else:
+        batch = reward_batch()
+        adv = run_call_site(results, kind, name, lambda: advantage_call_site(name, batch))
+        if adv is None:
+            return
+        ref = core_advantages(name, batch)
+        assert ref.abs().sum() > 0
+        check_and_record(results, kind, name, {"advantages": adv}, {"advantages": ref})
