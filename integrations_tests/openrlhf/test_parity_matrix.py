@@ -35,29 +35,21 @@ from stablerl.adapters.openrlhf import Selection  # noqa: E402
 FRAMEWORK = "openrlhf"
 ALGORITHMS = M.matrix_algorithms()
 CLIP_FLAGS = ("clip_ratio_low", "clip_ratio_high", "clip_ratio_c")
+results = M.Results.fixture(FRAMEWORK)
 
 
-@pytest.fixture(scope="module")
-def results():
-    import openrlhf
-
-    res = M.Results(FRAMEWORK, getattr(openrlhf, "__version__", adapter.openrlhf_version() or "?"))
-    yield res
-    res.write()
-
-
-def _loss_fn(name):
+def _loss_fn(name, mode, params):
     from stablerl.adapters.openrlhf._loss import build_policy_loss
 
     spec = stablerl.get_spec(M.POLICY_LOSS, name)
-    params = M.hyperparameters(M.POLICY_LOSS, name)
+    params = dict(params)
     clip = {k: params.pop(k) for k in CLIP_FLAGS if k in params}
     rollout = "rollout_log_prob" in spec.requires
     args = make_args(
         policy_loss_type=openrlhf_name(spec),
         eps=(clip.get("clip_ratio_low", 0.2), clip.get("clip_ratio_high", 0.2)),
         dual_clip=clip.get("clip_ratio_c"),
-        loss_agg_mode=M.LOSS_AGG_MODE,
+        loss_agg_mode=mode,
         # OpenRLHF passes rollout (vLLM) log-probs only with its IS correction on
         is_level="token" if rollout else "off",
     )
@@ -65,8 +57,8 @@ def _loss_fn(name):
     return build_policy_loss(args, selection), rollout
 
 
-def _through_policy_loss(name, b):
-    loss_fn, rollout = _loss_fn(name)
+def _through_policy_loss(name, b, mode, params):
+    loss_fn, rollout = _loss_fn(name, mode, params)
     mask = b["response_mask"]
     loss_fn.feed({k: b[k] for k in ("entropy", "token_ids", "scores")})  # what training_step hands over
     leaf = b["log_prob"].clone().requires_grad_(True)
@@ -93,11 +85,10 @@ def _experiences(b, split):
     return out
 
 
-def _through_experience_maker(name, b):
+def _through_experience_maker(name, b, params):
     from openrlhf.trainer.ppo_utils.experience_maker import RemoteExperienceMaker
 
     adapter.apply()
-    params = M.hyperparameters(M.ADVANTAGE_ESTIMATOR, name)
     flag = openrlhf_name(stablerl.get_spec(M.ADVANTAGE_ESTIMATOR, name))  # --algo.advantage.estimator
     selection = Selection(advantage_estimator=adapter.resolve(stablerl.ADVANTAGE_ESTIMATOR, flag),
                           advantage_params=params).validate()

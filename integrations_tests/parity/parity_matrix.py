@@ -24,13 +24,16 @@ from typing import Any, Optional
 
 import torch
 
+from parity_report import relative_difference  # noqa: F401  (one definition, shared with the parity session)
+
 import stablerl
 from stablerl.contracts import ADVANTAGE_ESTIMATOR, POLICY_LOSS, UNAVAILABLE
 
 FRAMEWORKS = ("verl", "trl", "openrlhf")
 KINDS = (POLICY_LOSS, ADVANTAGE_ESTIMATOR)
 RTOL = 1e-6
-LOSS_AGG_MODE = "token-mean"
+# the aggregations all three frameworks offer (OpenRLHF: token-mean or seq-mean-token-mean)
+LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean")
 REPO = Path(__file__).resolve().parents[2]
 FORMAT = 1  # of the results files
 
@@ -101,10 +104,16 @@ HYPERPARAMETER_OVERRIDES: dict[tuple[str, str], tuple[dict[str, Any], str]] = {
 }
 
 
-def hyperparameters(kind: str, name: str) -> dict[str, Any]:
-    """Every hyper-parameter of the algorithm, explicitly: the algorithm's (paper) defaults, except
-    the :data:`HYPERPARAMETER_OVERRIDES`."""
-    params = dict(stablerl.get_spec(kind, name).defaults())
+#: The two settings each framework runs every algorithm under:
+#: "explicit": every hyper-parameter set, to the algorithm's (paper) defaults, in each framework's own keys;
+#: "defaults": none set (only HYPERPARAMETER_OVERRIDES), as a user who selects the algorithm by name gets it.
+SETTINGS = ("explicit", "defaults")
+
+
+def hyperparameters(kind: str, name: str, setting: str = "explicit") -> dict[str, Any]:
+    """What the framework is told, in the given setting: every hyper-parameter at the algorithm's
+    default ("explicit"), or nothing ("defaults"); the :data:`HYPERPARAMETER_OVERRIDES` in both."""
+    params = dict(stablerl.get_spec(kind, name).defaults()) if setting == "explicit" else {}
     params.update(HYPERPARAMETER_OVERRIDES.get((kind, name), ({}, ""))[0])
     return params
 
@@ -181,7 +190,7 @@ def loss_inputs(name: str, batch: dict) -> dict[str, Any]:
     return {k: batch[k] for k in spec.requires}
 
 
-def core_loss(name: str, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+def core_loss(name: str, batch: dict, loss_agg_mode: str) -> tuple[torch.Tensor, torch.Tensor]:
     """``stablerl.compute_policy_loss`` called directly: (loss, d loss / d log_prob [B, T]). The
     normalisers are this batch's own (its tokens and responses, one rank)."""
     mask = batch["response_mask"]
@@ -189,7 +198,8 @@ def core_loss(name: str, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
     ctx = stablerl.Context(token_count=float(mask.sum()), seq_count=float(mask.shape[0]), dp_size=1, state={})
     loss, _ = stablerl.compute_policy_loss(
         name, log_prob=leaf, old_log_prob=batch["old_log_prob"], advantages=batch["advantages"], response_mask=mask,
-        loss_agg_mode=LOSS_AGG_MODE, ctx=ctx, **loss_inputs(name, batch), **hyperparameters(POLICY_LOSS, name),
+        loss_agg_mode=loss_agg_mode, ctx=ctx, **loss_inputs(name, batch),
+        **hyperparameters(POLICY_LOSS, name, "explicit"),
     )
     (grad,) = torch.autograd.grad(loss, leaf)
     return loss.detach(), grad
@@ -199,25 +209,10 @@ def core_advantages(name: str, batch: dict) -> torch.Tensor:
     """``stablerl.compute_advantage`` called directly: the advantages [N, T] (zero on padding)."""
     adv, _ = stablerl.compute_advantage(
         name, token_level_rewards=batch["token_level_rewards"], response_mask=batch["response_mask"],
-        index=batch["index"], ctx=stablerl.Context(state={}), **hyperparameters(ADVANTAGE_ESTIMATOR, name),
+        index=batch["index"], ctx=stablerl.Context(state={}),
+        **hyperparameters(ADVANTAGE_ESTIMATOR, name, "explicit"),
     )
     return adv * batch["response_mask"]
-
-
-# ----------------------------------------------------------------------------- comparing
-
-
-def relative_difference(value, reference) -> float:
-    """max |value - reference| / max(|reference|_max, 1e-30): one number per tensor (a gradient's tiny
-    entries are compared at the scale of its largest, so summation order does not count as a difference)."""
-    v = torch.as_tensor(value, dtype=torch.float64)
-    r = torch.as_tensor(reference, dtype=torch.float64)
-    if v.shape != r.shape:
-        return math.inf
-    if not (torch.isfinite(v).all() and torch.isfinite(r).all()):
-        return 0.0 if torch.equal(v.nan_to_num(), r.nan_to_num()) and torch.equal(v.isnan(), r.isnan()) else math.inf
-    scale = max(float(r.abs().max()) if r.numel() else 0.0, 1e-30)
-    return float((v - r).abs().max()) / scale if v.numel() else 0.0
 
 
 # ----------------------------------------------------------------------------- listed differences
@@ -232,24 +227,40 @@ class KnownDifference:
     to_fix: bool = False
 
 
-#: (framework, kind, name) -> why that framework's result differs from the direct core call.
+#: (framework, kind, name, setting) -> why that framework's result differs from the direct core call.
 #: A listed difference that no longer differs fails the framework's matrix test: remove it here.
-KNOWN_DIFFERENCES: dict[tuple[str, str, str], KnownDifference] = {
-    ("openrlhf", ADVANTAGE_ESTIMATOR, "krpo"): KnownDifference(
+_VERL_ACTOR_CLIP = (
+    "verl always passes its actor's clip_ratio_low / clip_ratio_high / clip_ratio_c (defaults 0.2 / 0.2 / 3.0) "
+    "to a stablerl loss, in place of the algorithm's defaults, without a warning (issue 14 item 2)"
+)
+KNOWN_DIFFERENCES: dict[tuple[str, str, str, str], KnownDifference] = {
+    ("openrlhf", ADVANTAGE_ESTIMATOR, "krpo", "explicit"): KnownDifference(
         "OpenRLHF clamps advantages to --reward.clip_range (default -10, 10) after the estimator, and the "
         "adapter keeps that step; KRPO's advantages exceed 10 on this batch"
     ),
-    ("openrlhf", POLICY_LOSS, "decoupled_ppo"): KnownDifference(
+    ("openrlhf", POLICY_LOSS, "decoupled_ppo", "explicit"): KnownDifference(
         "cannot run: OpenRLHF passes rollout log-probs only with --algo.advantage.is_correction_level "
         "token|seq, and then the adapter also passes OpenRLHF's IS weights, which decoupled_ppo refuses "
         "(it applies its own behaviour-policy weight)",
         to_fix=True,
     ),
 }
+for _name in ("cispo", "clip_cov", "gmpo", "gppo", "gspo", "rpg", "steer", "vanilla"):
+    KNOWN_DIFFERENCES[("verl", POLICY_LOSS, _name, "defaults")] = KnownDifference(_VERL_ACTOR_CLIP, to_fix=True)
+KNOWN_DIFFERENCES[("verl", POLICY_LOSS, "kl_cov", "defaults")] = KnownDifference(
+    "verl's own PolicyLossConfig fields kl_cov_ratio / ppo_kl_coef (verl's defaults 0.0002 / 0.1, for its "
+    "built-in kl_cov) reach stablerl's kl_cov in place of its defaults 0.002 / 1.0", to_fix=True)
+KNOWN_DIFFERENCES[("verl", ADVANTAGE_ESTIMATOR, "reinforce_ada", "defaults")] = KnownDifference(
+    "verl always passes algorithm.norm_adv_by_std_in_grpo (verl's default True); reinforce_ada's default is "
+    "False", to_fix=True)
+KNOWN_DIFFERENCES[("openrlhf", ADVANTAGE_ESTIMATOR, "krpo", "defaults")] = \
+    KNOWN_DIFFERENCES[("openrlhf", ADVANTAGE_ESTIMATOR, "krpo", "explicit")]
+KNOWN_DIFFERENCES[("openrlhf", POLICY_LOSS, "decoupled_ppo", "defaults")] = \
+    KNOWN_DIFFERENCES[("openrlhf", POLICY_LOSS, "decoupled_ppo", "explicit")]
 
 
-def known_difference(framework: str, kind: str, name: str) -> Optional[KnownDifference]:
-    return KNOWN_DIFFERENCES.get((framework, kind, name))
+def known_difference(framework: str, kind: str, name: str, setting: str) -> Optional[KnownDifference]:
+    return KNOWN_DIFFERENCES.get((framework, kind, name, setting))
 
 
 # ----------------------------------------------------------------------------- results files
@@ -271,25 +282,42 @@ class Results:
 
     def __init__(self, framework: str, version: str):
         self.framework = framework
-        self.data: dict[str, Any] = {"format": FORMAT, "framework": framework, "version": version,
-                                     "torch": torch.__version__, "rtol": RTOL, "loss_agg_mode": LOSS_AGG_MODE,
-                                     "algorithms": {},
-                                     "overrides": {Results.key(k, n): f"{params} ({why})"
-                                                   for (k, n), (params, why) in HYPERPARAMETER_OVERRIDES.items()}}
+        self.data: dict[str, Any] = {
+            "format": FORMAT, "framework": framework, "version": version, "torch": torch.__version__, "rtol": RTOL,
+            "loss_agg_modes": list(LOSS_AGG_MODES), "settings": list(SETTINGS), "algorithms": {},
+            "overrides": {f"{k}/{n}": f"{params} ({why})"
+                          for (k, n), (params, why) in HYPERPARAMETER_OVERRIDES.items()},
+        }
 
     @staticmethod
-    def key(kind: str, name: str) -> str:
-        return f"{kind}/{name}"
+    def key(kind: str, name: str, setting: str) -> str:
+        return f"{setting}/{kind}/{name}"
 
-    def record(self, kind: str, name: str, status: str, reason: str = "", to_fix: bool = False,
-               values: Optional[dict] = None, core: Optional[dict] = None, rel_diff: Optional[dict] = None) -> None:
-        self.data["algorithms"][self.key(kind, name)] = {
-            "kind": kind, "name": name, "status": status, "reason": reason, "to_fix": to_fix,
-            "hyperparameters": {k: v for k, v in hyperparameters(kind, name).items()},
+    def record(self, kind: str, name: str, setting: str, status: str, reason: str = "", to_fix: bool = False,
+               values: Optional[dict] = None, core: Optional[dict] = None, rel_diff: Optional[dict] = None,
+               error: str = "") -> None:
+        self.data["algorithms"][self.key(kind, name, setting)] = {
+            "kind": kind, "name": name, "setting": setting, "status": status, "reason": reason, "to_fix": to_fix,
+            "hyperparameters": hyperparameters(kind, name, setting),
             "values": {k: _values(v) for k, v in (values or {}).items()},
             "core": {k: _values(v) for k, v in (core or {}).items()},
-            "rel_diff": dict(rel_diff or {}),
+            "rel_diff": dict(rel_diff or {}), "error": error,
         }
+
+    @classmethod
+    def fixture(cls, framework: str):
+        """A module-scoped pytest fixture: this framework's results, written when the module's tests end."""
+        import importlib.metadata
+
+        import pytest
+
+        @pytest.fixture(scope="module")
+        def results():
+            res = cls(framework, importlib.metadata.version(framework))
+            yield res
+            res.write()
+
+        return results
 
     def write(self) -> Path:
         path = results_dir() / f"{self.framework}.json"
@@ -300,69 +328,87 @@ class Results:
         return path
 
 
-def check_and_record(results: Results, kind: str, name: str, values: dict, core: dict) -> None:
+def check_and_record(results: Results, kind: str, name: str, setting: str, values: dict, core: dict) -> None:
     """Compare a framework's ``values`` with the direct core call's ``core`` (same keys), record the
     outcome, and fail unless they agree (rel :data:`RTOL`) or the difference is listed (and real)."""
     diffs = {k: relative_difference(values[k], core[k]) for k in core}
     differs = [k for k, d in diffs.items() if not d <= RTOL]
-    listed = known_difference(results.framework, kind, name)
+    listed = known_difference(results.framework, kind, name, setting)
     if not differs:
-        results.record(kind, name, IDENTICAL, values=values, core=core, rel_diff=diffs)
+        results.record(kind, name, setting, IDENTICAL, values=values, core=core, rel_diff=diffs)
         assert listed is None, (
-            f"{results.framework} {kind} {name!r} now equals the core call: remove its entry from "
+            f"{results.framework} {kind} {name!r} ({setting}) now equals the core call: remove its entry from "
             "KNOWN_DIFFERENCES in integrations_tests/parity/parity_matrix.py"
         )
         return
     detail = ", ".join(f"{k} rel diff {diffs[k]:.3g}" for k in differs)
     if listed is not None:
-        results.record(kind, name, DIFFERS, listed.reason, listed.to_fix, values, core, diffs)
+        results.record(kind, name, setting, DIFFERS, listed.reason, listed.to_fix, values, core, diffs)
         return
-    results.record(kind, name, DIFFERS, f"UNLISTED: {detail}", True, values, core, diffs)
+    results.record(kind, name, setting, DIFFERS, f"UNLISTED: {detail}", True, values, core, diffs)
     raise AssertionError(
-        f"{results.framework} {kind} {name!r} differs from the core call ({detail}) and KNOWN_DIFFERENCES "
-        f"gives no reason; values {values} vs core {core}"
+        f"{results.framework} {kind} {name!r} ({setting}) differs from the core call ({detail}) and "
+        f"KNOWN_DIFFERENCES gives no reason; values {values} vs core {core}"
     )
 
 
-def run_call_site(results: Results, kind: str, name: str, call):
+def run_call_site(results: Results, kind: str, name: str, setting: str, call):
     """``call()``, the framework's call site; an error is recorded (and raised unless listed). Returns
     ``call()``'s value, or ``None`` after a listed error."""
     try:
         return call()
     except Exception as exc:  # noqa: BLE001 - recorded, re-raised unless listed
-        listed = known_difference(results.framework, kind, name)
+        listed = known_difference(results.framework, kind, name, setting)
         error = f"{type(exc).__name__}: {exc}"
         if listed is None:
-            results.record(kind, name, DIFFERS, f"UNLISTED error: {error}", True)
+            results.record(kind, name, setting, DIFFERS, f"UNLISTED error: {error}", True, error=error)
             raise
-        results.record(kind, name, DIFFERS, listed.reason, listed.to_fix)
-        results.data["algorithms"][results.key(kind, name)]["error"] = error
+        results.record(kind, name, setting, DIFFERS, listed.reason, listed.to_fix, error=error)
         return None
 
 
-def record_not_offered(results: Results, kind: str, name: str) -> None:
-    results.record(kind, name, NOT_OFFERED, not_offered_reason(stablerl.get_spec(kind, name), results.framework))
-
-
 def check_case(results: Results, kind: str, name: str, loss_call_site, advantage_call_site) -> None:
-    """One cell of a framework's column: ``loss_call_site(name, loss_batch()) -> (loss, grad)`` or
-    ``advantage_call_site(name, reward_batch()) -> advantages``, against the direct core call."""
-    if results.framework not in offered_frameworks(stablerl.get_spec(kind, name)):
-        record_not_offered(results, kind, name)
-        return
+    """One row of a framework's column, in every setting: ``loss_call_site(name, loss_batch(), loss_agg_mode,
+    params) -> (loss, grad)`` for each of :data:`LOSS_AGG_MODES` ("defaults": token-mean only), or
+    ``advantage_call_site(name, reward_batch(), params) -> advantages``, against the direct core call.
+    ``params``: the hyper-parameters to set in the framework's own keys (:func:`hyperparameters`)."""
+    spec = stablerl.get_spec(kind, name)
+    failures = []
+    for setting in SETTINGS:
+        if results.framework not in offered_frameworks(spec):
+            results.record(kind, name, setting, NOT_OFFERED, not_offered_reason(spec, results.framework))
+            continue
+        params = hyperparameters(kind, name, setting)
+        try:
+            _check_setting(results, kind, name, setting, params, loss_call_site, advantage_call_site)
+        except AssertionError as exc:  # the other setting still runs and is recorded
+            failures.append(str(exc))
+    assert not failures, "\n".join(failures)
+
+
+def _check_setting(results, kind, name, setting, params, loss_call_site, advantage_call_site) -> None:
     if kind == POLICY_LOSS:
         batch = loss_batch()
-        out = run_call_site(results, kind, name, lambda: loss_call_site(name, batch))
+        modes = LOSS_AGG_MODES if setting == "explicit" else LOSS_AGG_MODES[:1]
+
+        def every_mode():
+            return {mode: loss_call_site(name, batch, mode, params) for mode in modes}
+
+        out = run_call_site(results, kind, name, setting, every_mode)
         if out is None:
             return
-        ref_loss, ref_grad = core_loss(name, batch)
-        assert torch.isfinite(ref_loss) and ref_grad.abs().sum() > 0  # a non-trivial gradient is compared
-        check_and_record(results, kind, name, {"loss": out[0], "grad": out[1]}, {"loss": ref_loss, "grad": ref_grad})
+        values, core = {}, {}
+        for mode, (loss, grad) in out.items():
+            ref_loss, ref_grad = core_loss(name, batch, mode)
+            assert torch.isfinite(ref_loss) and ref_grad.abs().sum() > 0  # a non-trivial gradient is compared
+            values.update({f"loss[{mode}]": loss, f"grad[{mode}]": grad})
+            core.update({f"loss[{mode}]": ref_loss, f"grad[{mode}]": ref_grad})
+        check_and_record(results, kind, name, setting, values, core)
     else:
         batch = reward_batch()
-        adv = run_call_site(results, kind, name, lambda: advantage_call_site(name, batch))
+        adv = run_call_site(results, kind, name, setting, lambda: advantage_call_site(name, batch, params))
         if adv is None:
             return
         ref = core_advantages(name, batch)
         assert ref.abs().sum() > 0
-        check_and_record(results, kind, name, {"advantages": adv}, {"advantages": ref})
+        check_and_record(results, kind, name, setting, {"advantages": adv}, {"advantages": ref})

@@ -14,14 +14,16 @@ import parity_report as R  # noqa: E402
 
 def _cell(status="identical", values=None, reason="", to_fix=False):
     values = values if values is not None else {"loss": 0.5, "grad": [[0.1, -0.2], [0.0, 0.3]]}
-    return {"kind": "policy_loss", "name": "vanilla", "status": status, "reason": reason, "to_fix": to_fix,
+    return {"kind": "policy_loss", "name": "vanilla", "setting": "explicit", "status": status, "reason": reason,
+            "to_fix": to_fix,
             "hyperparameters": {"clip_ratio_low": 0.2}, "values": values,
             "core": {"loss": 0.5, "grad": [[0.1, -0.2], [0.0, 0.3]]} if values else {}, "rel_diff": {}}
 
 
 def _results(**cells):
-    return {fw: {"format": 1, "framework": fw, "version": "1", "torch": "2", "rtol": 1e-6, "loss_agg_mode": "token-mean",
-                 "overrides": {}, "algorithms": {"policy_loss/vanilla": cells.get(fw, _cell())}}
+    return {fw: {"format": 1, "framework": fw, "version": "1", "torch": "2", "rtol": 1e-6, "overrides": {},
+                 "loss_agg_modes": ["token-mean"], "settings": ["explicit"],
+                 "algorithms": {"explicit/policy_loss/vanilla": cells.get(fw, _cell())}}
             for fw in R.FRAMEWORKS}
 
 

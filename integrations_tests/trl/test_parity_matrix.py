@@ -33,18 +33,10 @@ from stablerl.adapters.config_keys import trl_name  # noqa: E402
 
 FRAMEWORK = "trl"
 ALGORITHMS = M.matrix_algorithms()
+results = M.Results.fixture(FRAMEWORK)
 
 
-@pytest.fixture(scope="module")
-def results():
-    import trl
-
-    res = M.Results(FRAMEWORK, trl.__version__)
-    yield res
-    res.write()
-
-
-def _trainer(loss=None, estimator=None, *, rollout=False):
+def _trainer(loss=None, estimator=None, params=None, *, rollout=False, mode="token-mean"):
     """A stablerl ``GRPOTrainer`` without ``__init__``: the attributes ``_compute_loss`` (TRL's and the
     adapter's) and ``_stablerl_advantages`` read, for one process and GA = 1."""
     from trl import GRPOConfig as TRLConfig
@@ -54,11 +46,11 @@ def _trainer(loss=None, estimator=None, *, rollout=False):
 
     defaults = {f.name: f.default for f in dataclasses.fields(TRLConfig) if f.default is not dataclasses.MISSING}
     ours = {f.name: f.default for f in dataclasses.fields(GRPOConfig) if f.default is not dataclasses.MISSING}
-    loss_params = M.hyperparameters(M.POLICY_LOSS, loss) if loss else {}
-    adv_params = M.hyperparameters(M.ADVANTAGE_ESTIMATOR, estimator) if estimator else {}
+    loss_params = dict(params or {}) if loss else {}
+    adv_params = dict(params or {}) if estimator else {}
     args = {**defaults, **ours, "steps_per_generation": 1, "gradient_accumulation_steps": 1, "beta": 0.0,
             "stablerl_loss_params": loss_params, "stablerl_advantage_params": adv_params,
-            "stablerl_loss_agg_mode": M.LOSS_AGG_MODE}
+            "stablerl_loss_agg_mode": mode}
     t = GRPOTrainer.__new__(GRPOTrainer)
     t.args = SimpleNamespace(**args)
     t.loss_type = trl_name(stablerl.get_spec(M.POLICY_LOSS, loss)) if loss else "dapo"
@@ -86,19 +78,19 @@ def _trainer(loss=None, estimator=None, *, rollout=False):
     t._stablerl_estimator = estimator
     t._stablerl_loss_params = loss_params
     t._stablerl_adv_params = adv_params
-    t._stablerl_agg_mode = M.LOSS_AGG_MODE
+    t._stablerl_agg_mode = mode
     t._stablerl_state = {}
     t._stablerl_capture = None
     t._rr_router_lp = False
     return t
 
 
-def _through_compute_loss(monkeypatch, name, b):
+def _through_compute_loss(monkeypatch, name, b, mode, params):
     import trl
 
     spec = stablerl.get_spec(M.POLICY_LOSS, name)
     rollout = "rollout_log_prob" in spec.requires
-    t = _trainer(loss=name, rollout=rollout)
+    t = _trainer(loss=name, params=params, rollout=rollout, mode=mode)
     mask = b["response_mask"]
     B, T = mask.shape
     t.max_completion_length = T
@@ -126,8 +118,8 @@ def _through_compute_loss(monkeypatch, name, b):
     return loss.detach(), grad
 
 
-def _through_advantage_step(name, b):
-    t = _trainer(estimator=name)
+def _through_advantage_step(name, b, params):
+    t = _trainer(estimator=name, params=params)
     mask = b["response_mask"]
     n = mask.shape[0]
     out = {"completion_mask": mask.to(torch.int32)}
@@ -139,4 +131,4 @@ def _through_advantage_step(name, b):
 
 @pytest.mark.parametrize("kind, name", ALGORITHMS, ids=[f"{k}:{n}" for k, n in ALGORITHMS])
 def test_parity_matrix(monkeypatch, results, kind, name):
-    M.check_case(results, kind, name, lambda n, b: _through_compute_loss(monkeypatch, n, b), _through_advantage_step)
+    M.check_case(results, kind, name, lambda *a: _through_compute_loss(monkeypatch, *a), _through_advantage_step)

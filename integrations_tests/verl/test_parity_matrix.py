@@ -30,15 +30,7 @@ from stablerl.adapters.config_keys import VERL_ACTOR_KEYS, verl_names  # noqa: E
 
 FRAMEWORK = "verl"
 ALGORITHMS = M.matrix_algorithms()
-
-
-@pytest.fixture(scope="module")
-def results():
-    import verl
-
-    res = M.Results(FRAMEWORK, verl.__version__)
-    yield res
-    res.write()
+results = M.Results.fixture(FRAMEWORK)
 
 
 def _nt(rows):
@@ -85,39 +77,39 @@ def _padded_grad(grads, b):
     return out
 
 
-def _actor_config(adapter, name):
+def _actor_config(adapter, name, mode, params):
     from verl.workers.config import FSDPActorConfig
 
-    params = M.hyperparameters(M.POLICY_LOSS, name)
+    params = dict(params)
     actor = {k: params.pop(k) for k in VERL_ACTOR_KEYS if k in params}
     return FSDPActorConfig(
         strategy="fsdp", rollout_n=1, ppo_micro_batch_size_per_gpu=2, calculate_entropy=True,
-        loss_agg_mode=M.LOSS_AGG_MODE, entropy_coeff=0.0, use_kl_loss=False, **actor,
+        loss_agg_mode=mode, entropy_coeff=0.0, use_kl_loss=False, **actor,
         policy_loss=adapter.StablePolicyLossConfig(loss_mode=verl_names(stablerl.get_spec(M.POLICY_LOSS, name))[0],
                                                    **params),
     )
 
 
-def _through_ppo_loss(adapter, name, b):
+def _through_ppo_loss(adapter, name, b, mode, params):
     from stablerl.adapters.verl import _inputs
     from verl.workers.utils.losses import ppo_loss
 
     _inputs.patch()  # the adapter's wrapper of verl's loss call site (idempotent)
     _inputs.STATE.clear()  # fresh controller state, as the core call has
     data, model_output, leaves = _worker_batch(b)
-    loss, _ = ppo_loss(_actor_config(adapter, name), model_output, data)
+    loss, _ = ppo_loss(_actor_config(adapter, name, mode, params), model_output, data)
     grads = torch.autograd.grad(loss, leaves, allow_unused=True)
     grads = [torch.zeros_like(leaf) if g is None else g for g, leaf in zip(grads, leaves)]
     return loss.detach(), _padded_grad(grads, b)
 
 
-def _through_compute_advantage(name, b):
+def _through_compute_advantage(name, b, params):
     from omegaconf import OmegaConf, open_dict
     from verl import DataProto
     from verl.trainer.ppo.ray_trainer import compute_advantage
 
-    params = M.hyperparameters(M.ADVANTAGE_ESTIMATOR, name)
-    norm = params.pop("norm_adv_by_std_in_grpo", True)
+    params = dict(params)
+    norm = params.pop("norm_adv_by_std_in_grpo", True)  # verl's AlgoConfig default when not set
     algorithm = OmegaConf.create({"_target_": "verl.trainer.config.AlgoConfig", "gamma": 1.0, "lam": 1.0,
                                   "adv_estimator": name, "norm_adv_by_std_in_grpo": norm, "use_kl_in_reward": False})
     OmegaConf.set_struct(algorithm, True)
@@ -135,4 +127,4 @@ def _through_compute_advantage(name, b):
 
 @pytest.mark.parametrize("kind, name", ALGORITHMS, ids=[f"{k}:{n}" for k, n in ALGORITHMS])
 def test_parity_matrix(adapter, results, kind, name):
-    M.check_case(results, kind, name, lambda n, b: _through_ppo_loss(adapter, n, b), _through_compute_advantage)
+    M.check_case(results, kind, name, lambda *a: _through_ppo_loss(adapter, *a), _through_compute_advantage)
