@@ -5,10 +5,10 @@ The shared batch goes through the OpenRLHF adapter's real code: the policy loss 
 ``ActorPPOTrainer`` uses; declared inputs OpenRLHF's loss call lacks are handed over with ``feed``,
 as its ``training_step`` patch does) and the patched
 ``RemoteExperienceMaker.compute_advantages_and_returns`` (rollouts as two experiences of different
-padded widths, no KL). Every hyper-parameter is set explicitly: OpenRLHF's clip flags
+padded widths, no KL). Hyper-parameters go where an OpenRLHF user sets them: the clip flags
 (``--actor.eps_clip_low_high``, ``--actor.dual_clip``, as if given on the command line) and
-``--actor.stablerl_params`` / ``--algo.advantage.stablerl_params`` for the rest, all to the
-algorithm's own defaults. ``--reward.clip_range`` keeps OpenRLHF's default (-10, 10).
+``--actor.stablerl_params`` / ``--algo.advantage.stablerl_params`` for the rest
+(``parity_matrix.SETTINGS``: all of them, or none). ``--reward.clip_range`` keeps OpenRLHF's default (-10, 10).
 """
 
 from __future__ import annotations
@@ -29,7 +29,6 @@ from orlhf_helpers import make_args, make_maker  # noqa: E402
 
 import stablerl  # noqa: E402
 import stablerl.adapters.openrlhf as adapter  # noqa: E402
-from stablerl.adapters.config_keys import openrlhf_name  # noqa: E402
 from stablerl.adapters.openrlhf import Selection  # noqa: E402
 
 FRAMEWORK = "openrlhf"
@@ -46,7 +45,7 @@ def _loss_fn(name, mode, params):
     clip = {k: params.pop(k) for k in CLIP_FLAGS if k in params}
     rollout = "rollout_log_prob" in spec.requires
     args = make_args(
-        policy_loss_type=openrlhf_name(spec),
+        policy_loss_type=M.selection_name(FRAMEWORK, spec),
         eps=(clip.get("clip_ratio_low", 0.2), clip.get("clip_ratio_high", 0.2)),
         dual_clip=clip.get("clip_ratio_c"),
         loss_agg_mode=mode,
@@ -89,11 +88,14 @@ def _through_experience_maker(name, b, params):
     from openrlhf.trainer.ppo_utils.experience_maker import RemoteExperienceMaker
 
     adapter.apply()
-    flag = openrlhf_name(stablerl.get_spec(M.ADVANTAGE_ESTIMATOR, name))  # --algo.advantage.estimator
+    params = dict(params)
+    no_std_norm = params.pop(M.NO_STD_KNOB, False)  # --algo.advantage.no_std_norm
+    flag = M.selection_name(FRAMEWORK, stablerl.get_spec(M.ADVANTAGE_ESTIMATOR, name))  # --algo.advantage.estimator
     selection = Selection(advantage_estimator=adapter.resolve(stablerl.ADVANTAGE_ESTIMATOR, flag),
                           advantage_params=params).validate()
     assert selection.advantage_estimator == name
     args = make_args(estimator=flag, n_samples=b["group_size"], stablerl=selection)
+    args.algo.advantage.no_std_norm = no_std_norm
     experiences = RemoteExperienceMaker.compute_advantages_and_returns(
         make_maker(args, flag, kl_coef=0.0), _experiences(b, split=5))
     T = b["response_mask"].shape[1]

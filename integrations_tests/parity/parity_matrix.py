@@ -7,37 +7,33 @@ call (:func:`core_loss` / :func:`core_advantages`, rel 1e-6) and records it with
 (``integrations_tests/parity/parity_report.py``, torch only) compares the three files with each other
 and writes ``docs/parity-matrix.md``.
 
-Everything is fp32 and every hyper-parameter is set explicitly, to the same value, in every
-framework (:func:`hyperparameters`), so no framework default can make a difference.
-A framework whose documented behaviour must differ is listed in :data:`KNOWN_DIFFERENCES`, with why.
-This module imports stablerl and torch only (no framework).
+Everything is fp32. Each algorithm runs in the :data:`SETTINGS`: every hyper-parameter set explicitly, to
+the same value, in every framework (so no framework default can make a difference), and nothing set (what
+a user gets). A difference from the core call fails the test unless :data:`KNOWN_DIFFERENCES` lists it,
+with why. This module imports stablerl and torch only (no framework).
 """
 
 from __future__ import annotations
 
 import json
-import math
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
 import torch
 
-from parity_report import relative_difference  # noqa: F401  (one definition, shared with the parity session)
+# one definition of each, shared with the torch-only parity session
+from parity_report import DIFFERS, IDENTICAL, NOT_OFFERED, relative_difference, results_dir
 
 import stablerl
 from stablerl.contracts import ADVANTAGE_ESTIMATOR, POLICY_LOSS, UNAVAILABLE
 
-FRAMEWORKS = ("verl", "trl", "openrlhf")
 KINDS = (POLICY_LOSS, ADVANTAGE_ESTIMATOR)
 RTOL = 1e-6
 # the aggregations all three frameworks offer (OpenRLHF: token-mean or seq-mean-token-mean)
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean")
-REPO = Path(__file__).resolve().parents[2]
 FORMAT = 1  # of the results files
 
-IDENTICAL, DIFFERS, NOT_OFFERED = "identical", "differs", "not offered"
 
 
 # ----------------------------------------------------------------------------- which algorithms
@@ -49,6 +45,16 @@ def offered_frameworks(spec) -> list[str]:
     from stablerl.adapters.config_keys import frameworks_for
 
     return list(frameworks_for(spec))
+
+
+def selection_name(framework: str, spec) -> str:
+    """The name that selects ``spec`` in ``framework``'s config (``stablerl_<name>`` where the framework
+    owns the bare name): the one place that asks, like :func:`offered_frameworks`."""
+    from stablerl.adapters import config_keys
+
+    if framework == "verl":
+        return config_keys.verl_names(spec)[0]
+    return config_keys.trl_name(spec) if framework == "trl" else config_keys.openrlhf_name(spec)
 
 
 # Why a framework cannot feed an input, until the framework declarations (stablerl.frameworks
@@ -104,16 +110,29 @@ HYPERPARAMETER_OVERRIDES: dict[tuple[str, str], tuple[dict[str, Any], str]] = {
 }
 
 
-#: The two settings each framework runs every algorithm under:
+#: The settings each framework runs an algorithm under:
 #: "explicit": every hyper-parameter set, to the algorithm's (paper) defaults, in each framework's own keys;
-#: "defaults": none set (only HYPERPARAMETER_OVERRIDES), as a user who selects the algorithm by name gets it.
-SETTINGS = ("explicit", "defaults")
+#: "defaults": none set (only HYPERPARAMETER_OVERRIDES), as a user who selects the algorithm by name gets it;
+#: "no_std_knob": estimators with a norm_adv_by_std_in_grpo hyper-parameter only: nothing set but the
+#: framework's own "do not divide advantages by the group std" knob (verl algorithm.norm_adv_by_std_in_grpo=False,
+#: TRL scale_rewards="none", OpenRLHF --algo.advantage.no_std_norm), which the estimator should honour.
+SETTINGS = ("explicit", "defaults", "no_std_knob")
+NO_STD_KNOB = "<framework knob: no std normalisation>"  # a pseudo-key each call site maps to its framework's knob
+
+
+def applies(kind: str, name: str, setting: str) -> bool:
+    if setting != "no_std_knob":
+        return True
+    return kind == ADVANTAGE_ESTIMATOR and "norm_adv_by_std_in_grpo" in stablerl.get_spec(kind, name).defaults()
 
 
 def hyperparameters(kind: str, name: str, setting: str = "explicit") -> dict[str, Any]:
     """What the framework is told, in the given setting: every hyper-parameter at the algorithm's
-    default ("explicit"), or nothing ("defaults"); the :data:`HYPERPARAMETER_OVERRIDES` in both."""
+    default ("explicit"), nothing ("defaults"), or only :data:`NO_STD_KNOB` ("no_std_knob"); the
+    :data:`HYPERPARAMETER_OVERRIDES` in all."""
     params = dict(stablerl.get_spec(kind, name).defaults()) if setting == "explicit" else {}
+    if setting == "no_std_knob":
+        params[NO_STD_KNOB] = True
     params.update(HYPERPARAMETER_OVERRIDES.get((kind, name), ({}, ""))[0])
     return params
 
@@ -205,12 +224,15 @@ def core_loss(name: str, batch: dict, loss_agg_mode: str) -> tuple[torch.Tensor,
     return loss.detach(), grad
 
 
-def core_advantages(name: str, batch: dict) -> torch.Tensor:
-    """``stablerl.compute_advantage`` called directly: the advantages [N, T] (zero on padding)."""
+def core_advantages(name: str, batch: dict, setting: str = "explicit") -> torch.Tensor:
+    """``stablerl.compute_advantage`` called directly: the advantages [N, T] (zero on padding). The
+    "no_std_knob" setting expects the estimator with ``norm_adv_by_std_in_grpo=False``."""
+    params = hyperparameters(ADVANTAGE_ESTIMATOR, name, "explicit")
+    if setting == "no_std_knob":
+        params["norm_adv_by_std_in_grpo"] = False
     adv, _ = stablerl.compute_advantage(
         name, token_level_rewards=batch["token_level_rewards"], response_mask=batch["response_mask"],
-        index=batch["index"], ctx=stablerl.Context(state={}),
-        **hyperparameters(ADVANTAGE_ESTIMATOR, name, "explicit"),
+        index=batch["index"], ctx=stablerl.Context(state={}), **params,
     )
     return adv * batch["response_mask"]
 
@@ -230,8 +252,8 @@ class KnownDifference:
 #: (framework, kind, name, setting) -> why that framework's result differs from the direct core call.
 #: A listed difference that no longer differs fails the framework's matrix test: remove it here.
 _VERL_ACTOR_CLIP = (
-    "verl always passes its actor's clip_ratio_low / clip_ratio_high / clip_ratio_c (defaults 0.2 / 0.2 / 3.0) "
-    "to a stablerl loss, in place of the algorithm's defaults, without a warning (issue 14 item 2)"
+    "verl's actor clip_ratio_low / clip_ratio_high / clip_ratio_c (always set, defaults 0.2 / 0.2 / 3.0) "
+    "replace the algorithm's defaults, without a warning"
 )
 KNOWN_DIFFERENCES: dict[tuple[str, str, str, str], KnownDifference] = {
     ("openrlhf", ADVANTAGE_ESTIMATOR, "krpo", "explicit"): KnownDifference(
@@ -239,9 +261,9 @@ KNOWN_DIFFERENCES: dict[tuple[str, str, str, str], KnownDifference] = {
         "adapter keeps that step; KRPO's advantages exceed 10 on this batch"
     ),
     ("openrlhf", POLICY_LOSS, "decoupled_ppo", "explicit"): KnownDifference(
-        "cannot run: OpenRLHF passes rollout log-probs only with --algo.advantage.is_correction_level "
+        "it cannot run: OpenRLHF passes rollout log-probs only with --algo.advantage.is_correction_level "
         "token|seq, and then the adapter also passes OpenRLHF's IS weights, which decoupled_ppo refuses "
-        "(it applies its own behaviour-policy weight)",
+        "(StableRLError: it applies its own behaviour-policy weight)",
         to_fix=True,
     ),
 }
@@ -253,6 +275,11 @@ KNOWN_DIFFERENCES[("verl", POLICY_LOSS, "kl_cov", "defaults")] = KnownDifference
 KNOWN_DIFFERENCES[("verl", ADVANTAGE_ESTIMATOR, "reinforce_ada", "defaults")] = KnownDifference(
     "verl always passes algorithm.norm_adv_by_std_in_grpo (verl's default True); reinforce_ada's default is "
     "False", to_fix=True)
+for _name in ("grpo", "grpo_passk", "qae", "riskpo"):  # reinforce_ada: its default is already False
+    KNOWN_DIFFERENCES[("trl", ADVANTAGE_ESTIMATOR, _name, "no_std_knob")] = KnownDifference(
+        "the TRL adapter ignores scale_rewards for a stablerl advantage_estimator", to_fix=True)
+    KNOWN_DIFFERENCES[("openrlhf", ADVANTAGE_ESTIMATOR, _name, "no_std_knob")] = KnownDifference(
+        "the OpenRLHF adapter ignores --algo.advantage.no_std_norm for a stablerl estimator", to_fix=True)
 KNOWN_DIFFERENCES[("openrlhf", ADVANTAGE_ESTIMATOR, "krpo", "defaults")] = \
     KNOWN_DIFFERENCES[("openrlhf", ADVANTAGE_ESTIMATOR, "krpo", "explicit")]
 KNOWN_DIFFERENCES[("openrlhf", POLICY_LOSS, "decoupled_ppo", "defaults")] = \
@@ -264,11 +291,6 @@ def known_difference(framework: str, kind: str, name: str, setting: str) -> Opti
 
 
 # ----------------------------------------------------------------------------- results files
-
-
-def results_dir() -> Path:
-    """``$STABLERL_PARITY_DIR``, default ``build/parity/`` in the repository (git-ignored)."""
-    return Path(os.environ.get("STABLERL_PARITY_DIR") or REPO / "build" / "parity")
 
 
 def _values(x) -> Any:
@@ -375,6 +397,8 @@ def check_case(results: Results, kind: str, name: str, loss_call_site, advantage
     spec = stablerl.get_spec(kind, name)
     failures = []
     for setting in SETTINGS:
+        if not applies(kind, name, setting):
+            continue
         if results.framework not in offered_frameworks(spec):
             results.record(kind, name, setting, NOT_OFFERED, not_offered_reason(spec, results.framework))
             continue
@@ -409,6 +433,6 @@ def _check_setting(results, kind, name, setting, params, loss_call_site, advanta
         adv = run_call_site(results, kind, name, setting, lambda: advantage_call_site(name, batch, params))
         if adv is None:
             return
-        ref = core_advantages(name, batch)
+        ref = core_advantages(name, batch, setting)
         assert ref.abs().sum() > 0
         check_and_record(results, kind, name, setting, {"advantages": adv}, {"advantages": ref})

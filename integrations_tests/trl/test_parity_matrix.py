@@ -7,7 +7,7 @@ the attributes those methods read, one process, no gradient accumulation. The mo
 only thing replaced: TRL's ``_get_per_token_logps_and_entropies`` returns the batch's log-probs and
 entropies (the adapter's override of it still runs). Every TRL knob that touches the loss is set
 explicitly (beta 0, no entropy or off-policy mask, no entropy bonus); the stablerl hyper-parameters
-go in ``stablerl_loss_params`` / ``stablerl_advantage_params``, all of them.
+go in ``stablerl_loss_params`` / ``stablerl_advantage_params`` (``parity_matrix.SETTINGS``: all, or none).
 """
 
 from __future__ import annotations
@@ -29,7 +29,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "parity"))
 import parity_matrix as M  # noqa: E402
 
 import stablerl  # noqa: E402
-from stablerl.adapters.config_keys import trl_name  # noqa: E402
 
 FRAMEWORK = "trl"
 ALGORITHMS = M.matrix_algorithms()
@@ -42,18 +41,19 @@ def _trainer(loss=None, estimator=None, params=None, *, rollout=False, mode="tok
     from trl import GRPOConfig as TRLConfig
 
     from stablerl.adapters.trl import GRPOConfig, GRPOTrainer
-    from stablerl.adapters.trl.trainer import resolve_loss_type  # noqa: F401  (the adapter's name rule is trl_name)
 
     defaults = {f.name: f.default for f in dataclasses.fields(TRLConfig) if f.default is not dataclasses.MISSING}
     ours = {f.name: f.default for f in dataclasses.fields(GRPOConfig) if f.default is not dataclasses.MISSING}
-    loss_params = dict(params or {}) if loss else {}
-    adv_params = dict(params or {}) if estimator else {}
+    params = dict(params or {})
+    scale_rewards = "none" if params.pop(M.NO_STD_KNOB, False) else defaults["scale_rewards"]
+    loss_params = params if loss else {}
+    adv_params = params if estimator else {}
     args = {**defaults, **ours, "steps_per_generation": 1, "gradient_accumulation_steps": 1, "beta": 0.0,
             "stablerl_loss_params": loss_params, "stablerl_advantage_params": adv_params,
-            "stablerl_loss_agg_mode": mode}
+            "stablerl_loss_agg_mode": mode, "scale_rewards": scale_rewards}
     t = GRPOTrainer.__new__(GRPOTrainer)
     t.args = SimpleNamespace(**args)
-    t.loss_type = trl_name(stablerl.get_spec(M.POLICY_LOSS, loss)) if loss else "dapo"
+    t.loss_type = M.selection_name(FRAMEWORK, stablerl.get_spec(M.POLICY_LOSS, loss)) if loss else "dapo"
     t.epsilon_low, t.epsilon_high = 0.2, 0.28  # TRL's own clip: it only clips the zero-advantage host loss
     t.importance_sampling_level = "token"
     t.beta = 0.0

@@ -4,8 +4,8 @@ The shared batch goes through verl 0.9.1's real call sites: the worker-side loss
 ``verl.workers.utils.losses.ppo_loss`` (jagged log-probs over prompt + response, as an engine worker
 hands them; declared inputs gathered by the adapter's wrapper from ``model_output`` and the batch)
 and the trainer-side ``verl.trainer.ppo.ray_trainer.compute_advantage`` (a DataProto with uids).
-Every hyper-parameter is set explicitly: verl's actor keys (clip_ratio_low/high/c, tau_pos/neg)
-and ``+policy_loss`` / ``+algorithm`` keys, all to the algorithm's own defaults.
+Hyper-parameters go where a verl user sets them: the actor keys (clip_ratio_low/high/c, tau_pos/neg)
+and ``+policy_loss`` / ``+algorithm`` keys; ``parity_matrix.SETTINGS``: all of them, or none.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "parity"))
 import parity_matrix as M  # noqa: E402
 
 import stablerl  # noqa: E402
-from stablerl.adapters.config_keys import VERL_ACTOR_KEYS, verl_names  # noqa: E402
+from stablerl.adapters.config_keys import VERL_ACTOR_KEYS  # noqa: E402
 
 FRAMEWORK = "verl"
 ALGORITHMS = M.matrix_algorithms()
@@ -81,12 +81,12 @@ def _actor_config(adapter, name, mode, params):
     from verl.workers.config import FSDPActorConfig
 
     params = dict(params)
-    actor = {k: params.pop(k) for k in VERL_ACTOR_KEYS if k in params}
+    actor = {k: params.pop(k) for k in VERL_ACTOR_KEYS if k in params}  # actor_rollout_ref.actor.<key>
+    loss_mode = M.selection_name(FRAMEWORK, stablerl.get_spec(M.POLICY_LOSS, name))
     return FSDPActorConfig(
         strategy="fsdp", rollout_n=1, ppo_micro_batch_size_per_gpu=2, calculate_entropy=True,
         loss_agg_mode=mode, entropy_coeff=0.0, use_kl_loss=False, **actor,
-        policy_loss=adapter.StablePolicyLossConfig(loss_mode=verl_names(stablerl.get_spec(M.POLICY_LOSS, name))[0],
-                                                   **params),
+        policy_loss=adapter.StablePolicyLossConfig(loss_mode=loss_mode, **params),  # +...policy_loss.<key>
     )
 
 
@@ -110,6 +110,8 @@ def _through_compute_advantage(name, b, params):
 
     params = dict(params)
     norm = params.pop("norm_adv_by_std_in_grpo", True)  # verl's AlgoConfig default when not set
+    if params.pop(M.NO_STD_KNOB, False):  # verl's knob is the same key
+        norm = False
     algorithm = OmegaConf.create({"_target_": "verl.trainer.config.AlgoConfig", "gamma": 1.0, "lam": 1.0,
                                   "adv_estimator": name, "norm_adv_by_std_in_grpo": norm, "use_kl_in_reward": False})
     OmegaConf.set_struct(algorithm, True)
@@ -120,7 +122,7 @@ def _through_compute_advantage(name, b, params):
         tensors={"token_level_rewards": b["token_level_rewards"], "response_mask": b["response_mask"]},
         non_tensors={"uid": np.array([f"g{int(i)}" for i in b["index"]], dtype=object)},
     )
-    verl_name = verl_names(stablerl.get_spec(M.ADVANTAGE_ESTIMATOR, name))[0]
+    verl_name = M.selection_name(FRAMEWORK, stablerl.get_spec(M.ADVANTAGE_ESTIMATOR, name))
     out = compute_advantage(data, verl_name, gamma=1.0, lam=1.0, norm_adv_by_std_in_grpo=norm, config=algorithm)
     return out.batch["advantages"] * b["response_mask"]
 
