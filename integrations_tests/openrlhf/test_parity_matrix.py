@@ -39,10 +39,16 @@ results = M.Results.fixture(FRAMEWORK)
 
 def _loss_fn(name, mode, params):
     from stablerl.adapters.openrlhf._loss import build_policy_loss
+    from stablerl.adapters.openrlhf.train_ppo_ray import explicit_clip_flags
 
     spec = stablerl.get_spec(M.POLICY_LOSS, name)
     params = dict(params)
     clip = {k: params.pop(k) for k in CLIP_FLAGS if k in params}
+    argv = []  # the clip flags given on the command line
+    if "clip_ratio_low" in clip or "clip_ratio_high" in clip:
+        argv.append("--actor.eps_clip_low_high")
+    if clip.get("clip_ratio_c") is not None:
+        argv.append("--actor.dual_clip")
     rollout = "rollout_log_prob" in spec.requires
     args = make_args(
         policy_loss_type=M.selection_name(FRAMEWORK, spec),
@@ -52,7 +58,8 @@ def _loss_fn(name, mode, params):
         # OpenRLHF passes rollout (vLLM) log-probs only with its IS correction on
         is_level="token" if rollout else "off",
     )
-    selection = Selection(policy_loss=name, policy_loss_params=params, openrlhf_clip=clip).validate()
+    selection = Selection(policy_loss=name, policy_loss_params=params,
+                          openrlhf_clip=explicit_clip_flags(args, argv)).validate()  # as the wrapper CLI reads them
     return build_policy_loss(args, selection), rollout
 
 
@@ -87,15 +94,20 @@ def _experiences(b, split):
 def _through_experience_maker(name, b, params):
     from openrlhf.trainer.ppo_utils.experience_maker import RemoteExperienceMaker
 
+    from stablerl.adapters.openrlhf.train_ppo_ray import explicit_advantage_flags
+
     adapter.apply()
     params = dict(params)
-    no_std_norm = params.pop(M.NO_STD_KNOB, False)  # --algo.advantage.no_std_norm
+    argv = ["--algo.advantage.no_std_norm"] if params.pop(M.NO_STD_KNOB, False) else []
     flag = M.selection_name(FRAMEWORK, stablerl.get_spec(M.ADVANTAGE_ESTIMATOR, name))  # --algo.advantage.estimator
     selection = Selection(advantage_estimator=adapter.resolve(stablerl.ADVANTAGE_ESTIMATOR, flag),
-                          advantage_params=params).validate()
+                          advantage_params=params)
     assert selection.advantage_estimator == name
     args = make_args(estimator=flag, n_samples=b["group_size"], stablerl=selection)
-    args.algo.advantage.no_std_norm = no_std_norm
+    args.algo.advantage.no_std_norm = bool(argv)
+    # the advantage flags the user gave, as the wrapper CLI reads them (--reward.clip_range: not given)
+    selection.openrlhf_advantage, selection.reward_clip_range = explicit_advantage_flags(args, argv)
+    selection.validate()
     experiences = RemoteExperienceMaker.compute_advantages_and_returns(
         make_maker(args, flag, kl_coef=0.0), _experiences(b, split=5))
     T = b["response_mask"].shape[1]

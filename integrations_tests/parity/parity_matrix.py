@@ -40,45 +40,29 @@ FORMAT = 1  # of the results files
 
 
 def offered_frameworks(spec) -> list[str]:
-    """The frameworks whose adapter can run ``spec``: the one place that asks (re-point it when the
-    framework declarations move into core)."""
-    from stablerl.adapters.config_keys import frameworks_for
+    """The frameworks whose users can select ``spec`` (the framework declarations in core)."""
+    from stablerl.frameworks import selectable_in
 
-    return list(frameworks_for(spec))
+    return list(selectable_in(spec))
 
 
 def selection_name(framework: str, spec) -> str:
     """The name that selects ``spec`` in ``framework``'s config (``stablerl_<name>`` where the framework
-    owns the bare name): the one place that asks, like :func:`offered_frameworks`."""
-    from stablerl.adapters import config_keys
+    owns the bare name)."""
+    from stablerl.frameworks import framework_names, get_framework
 
-    if framework == "verl":
-        return config_keys.verl_names(spec)[0]
-    return config_keys.trl_name(spec) if framework == "trl" else config_keys.openrlhf_name(spec)
-
-
-# Why a framework cannot feed an input, until the framework declarations (stablerl.frameworks
-# FrameworkSpec.why_not) say it; a declared reason wins.
-_WHY_NOT_FEEDABLE = {
-    ("openrlhf", "index"): "OpenRLHF's replay buffer drops Experience.index and shuffles rows, so a loss call "
-                           "never sees whole prompt groups",
-}
+    return framework_names(get_framework(framework), spec)[0]
 
 
 def not_offered_reason(spec, framework: str) -> str:
-    """Why ``framework`` cannot run ``spec``: the declared inputs its adapter cannot feed, and why not."""
-    from stablerl.frameworks import get_framework
+    """Why ``framework`` cannot run ``spec``, from its declaration: the inputs it cannot feed, and why not."""
+    from stablerl.frameworks import get_framework, missing_inputs, why_missing
 
     declaration = get_framework(framework)
-    declared = dict(declaration.why_not)
-    feedable = declaration.feedable.get(spec.kind, frozenset())
-    missing = sorted(set(spec.requires) - set(feedable))
+    missing = missing_inputs(declaration, spec)
     if not missing:
         return f"{framework} has no call site for it"
-    why = [declared.get(m) or _WHY_NOT_FEEDABLE.get((framework, m)) for m in missing]
-    text = f"{framework} cannot feed {', '.join(missing)}"
-    reasons = [w for w in why if w]
-    return text + (": " + "; ".join(reasons) if reasons else "")
+    return f"{framework} cannot feed {why_missing(declaration, spec, missing)}"
 
 
 def matrix_algorithms() -> list[tuple[str, str]]:
@@ -251,39 +235,15 @@ class KnownDifference:
 
 #: (framework, kind, name, setting) -> why that framework's result differs from the direct core call.
 #: A listed difference that no longer differs fails the framework's matrix test: remove it here.
-_VERL_ACTOR_CLIP = (
-    "verl's actor clip_ratio_low / clip_ratio_high / clip_ratio_c (always set, defaults 0.2 / 0.2 / 3.0) "
-    "replace the algorithm's defaults, without a warning"
-)
 KNOWN_DIFFERENCES: dict[tuple[str, str, str, str], KnownDifference] = {
-    ("openrlhf", ADVANTAGE_ESTIMATOR, "krpo", "explicit"): KnownDifference(
-        "OpenRLHF clamps advantages to --reward.clip_range (default -10, 10) after the estimator, and the "
-        "adapter keeps that step; KRPO's advantages exceed 10 on this batch"
-    ),
-    ("openrlhf", POLICY_LOSS, "decoupled_ppo", "explicit"): KnownDifference(
+    ("openrlhf", POLICY_LOSS, "decoupled_ppo", setting): KnownDifference(
         "it cannot run: OpenRLHF passes rollout log-probs only with --algo.advantage.is_correction_level "
         "token|seq, and then the adapter also passes OpenRLHF's IS weights, which decoupled_ppo refuses "
         "(StableRLError: it applies its own behaviour-policy weight)",
         to_fix=True,
-    ),
+    )
+    for setting in ("explicit", "defaults")
 }
-for _name in ("cispo", "clip_cov", "gmpo", "gppo", "gspo", "rpg", "steer", "vanilla"):
-    KNOWN_DIFFERENCES[("verl", POLICY_LOSS, _name, "defaults")] = KnownDifference(_VERL_ACTOR_CLIP, to_fix=True)
-KNOWN_DIFFERENCES[("verl", POLICY_LOSS, "kl_cov", "defaults")] = KnownDifference(
-    "verl's own PolicyLossConfig fields kl_cov_ratio / ppo_kl_coef (verl's defaults 0.0002 / 0.1, for its "
-    "built-in kl_cov) reach stablerl's kl_cov in place of its defaults 0.002 / 1.0", to_fix=True)
-KNOWN_DIFFERENCES[("verl", ADVANTAGE_ESTIMATOR, "reinforce_ada", "defaults")] = KnownDifference(
-    "verl always passes algorithm.norm_adv_by_std_in_grpo (verl's default True); reinforce_ada's default is "
-    "False", to_fix=True)
-for _name in ("grpo", "grpo_passk", "qae", "riskpo"):  # reinforce_ada: its default is already False
-    KNOWN_DIFFERENCES[("trl", ADVANTAGE_ESTIMATOR, _name, "no_std_knob")] = KnownDifference(
-        "the TRL adapter ignores scale_rewards for a stablerl advantage_estimator", to_fix=True)
-    KNOWN_DIFFERENCES[("openrlhf", ADVANTAGE_ESTIMATOR, _name, "no_std_knob")] = KnownDifference(
-        "the OpenRLHF adapter ignores --algo.advantage.no_std_norm for a stablerl estimator", to_fix=True)
-KNOWN_DIFFERENCES[("openrlhf", ADVANTAGE_ESTIMATOR, "krpo", "defaults")] = \
-    KNOWN_DIFFERENCES[("openrlhf", ADVANTAGE_ESTIMATOR, "krpo", "explicit")]
-KNOWN_DIFFERENCES[("openrlhf", POLICY_LOSS, "decoupled_ppo", "defaults")] = \
-    KNOWN_DIFFERENCES[("openrlhf", POLICY_LOSS, "decoupled_ppo", "explicit")]
 
 
 def known_difference(framework: str, kind: str, name: str, setting: str) -> Optional[KnownDifference]:

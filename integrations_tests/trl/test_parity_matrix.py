@@ -41,20 +41,28 @@ def _trainer(loss=None, estimator=None, params=None, *, rollout=False, mode="tok
     from trl import GRPOConfig as TRLConfig
 
     from stablerl.adapters.trl import GRPOConfig, GRPOTrainer
+    from stablerl.adapters.trl.trainer import advantage_settings, loss_settings
+    from stablerl.frameworks import as_params, get_framework
 
     defaults = {f.name: f.default for f in dataclasses.fields(TRLConfig) if f.default is not dataclasses.MISSING}
     ours = {f.name: f.default for f in dataclasses.fields(GRPOConfig) if f.default is not dataclasses.MISSING}
-    params = dict(params or {})
-    scale_rewards = "none" if params.pop(M.NO_STD_KNOB, False) else defaults["scale_rewards"]
-    loss_params = params if loss else {}
-    adv_params = params if estimator else {}
     args = {**defaults, **ours, "steps_per_generation": 1, "gradient_accumulation_steps": 1, "beta": 0.0,
-            "stablerl_loss_params": loss_params, "stablerl_advantage_params": adv_params,
-            "stablerl_loss_agg_mode": mode, "scale_rewards": scale_rewards}
+            "stablerl_loss_agg_mode": mode}
+    params = dict(params or {})
+    if params.pop(M.NO_STD_KNOB, False):
+        args["scale_rewards"] = "none"
+    if loss:  # TRL's own keys where TRL has one (epsilon / epsilon_high), stablerl_loss_params for the rest
+        for name, key in get_framework(FRAMEWORK).hyperparameter_keys[M.POLICY_LOSS].items():
+            if name in params:
+                args[key.key] = params.pop(name)
+        args["stablerl_loss_params"] = params
+    else:
+        args["stablerl_advantage_params"] = params
     t = GRPOTrainer.__new__(GRPOTrainer)
     t.args = SimpleNamespace(**args)
     t.loss_type = M.selection_name(FRAMEWORK, stablerl.get_spec(M.POLICY_LOSS, loss)) if loss else "dapo"
-    t.epsilon_low, t.epsilon_high = 0.2, 0.28  # TRL's own clip: it only clips the zero-advantage host loss
+    t.epsilon_low = args["epsilon"]  # TRL's own clip: it only clips the zero-advantage host loss here
+    t.epsilon_high = args["epsilon_high"] if args["epsilon_high"] is not None else args["epsilon"]
     t.importance_sampling_level = "token"
     t.beta = 0.0
     t.top_entropy_quantile = 1.0
@@ -76,8 +84,9 @@ def _trainer(loss=None, estimator=None, params=None, *, rollout=False, mode="tok
     t._stablerl_loss = loss
     t._stablerl_spec = stablerl.get_spec(M.POLICY_LOSS, loss) if loss else None
     t._stablerl_estimator = estimator
-    t._stablerl_loss_params = loss_params
-    t._stablerl_adv_params = adv_params
+    # the effective hyper-parameters, as the adapter's __init__ resolves them (one precedence rule)
+    t._stablerl_loss_params = as_params(loss_settings(t.args, loss)) if loss else {}
+    t._stablerl_adv_params = as_params(advantage_settings(t.args, estimator)) if estimator else {}
     t._stablerl_agg_mode = mode
     t._stablerl_state = {}
     t._stablerl_capture = None

@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "parity"))
 import parity_matrix as M  # noqa: E402
 
 import stablerl  # noqa: E402
-from stablerl.adapters.config_keys import VERL_ACTOR_KEYS  # noqa: E402
+from stablerl.frameworks import get_framework  # noqa: E402
 
 FRAMEWORK = "verl"
 ALGORITHMS = M.matrix_algorithms()
@@ -80,13 +80,23 @@ def _padded_grad(grads, b):
 def _actor_config(adapter, name, mode, params):
     from verl.workers.config import FSDPActorConfig
 
-    params = dict(params)
-    actor = {k: params.pop(k) for k in VERL_ACTOR_KEYS if k in params}  # actor_rollout_ref.actor.<key>
+    verl_keys = get_framework(FRAMEWORK).hyperparameter_keys[M.POLICY_LOSS]
+    actor, verl_fields, own = {}, {}, {}
+    for key, value in params.items():
+        declared = verl_keys.get(key)
+        if declared is None:
+            own[key] = value  # +actor_rollout_ref.actor.policy_loss.<key>
+        elif ".policy_loss." in declared.key:
+            verl_fields[key] = value  # a verl PolicyLossConfig field's name: +...policy_loss.stablerl_params={key: v}
+        else:
+            actor[key] = value  # actor_rollout_ref.actor.<key>
+    if verl_fields:
+        own["stablerl_params"] = verl_fields
     loss_mode = M.selection_name(FRAMEWORK, stablerl.get_spec(M.POLICY_LOSS, name))
     return FSDPActorConfig(
         strategy="fsdp", rollout_n=1, ppo_micro_batch_size_per_gpu=2, calculate_entropy=True,
         loss_agg_mode=mode, entropy_coeff=0.0, use_kl_loss=False, **actor,
-        policy_loss=adapter.StablePolicyLossConfig(loss_mode=loss_mode, **params),  # +...policy_loss.<key>
+        policy_loss=adapter.StablePolicyLossConfig(loss_mode=loss_mode, **own),
     )
 
 
