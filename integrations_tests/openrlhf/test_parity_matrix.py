@@ -96,7 +96,7 @@ def _through_experience_maker(name, b, params):
 
     from stablerl.adapters.openrlhf.train_ppo_ray import explicit_advantage_flags
 
-    adapter.apply()
+    adapter.instrument(now=True)  # patches OpenRLHF now (the setup hook does it in workers)
     params = dict(params)
     argv = ["--algo.advantage.no_std_norm"] if params.pop(M.NO_STD_KNOB, False) else []
     flag = M.selection_name(FRAMEWORK, stablerl.get_spec(M.ADVANTAGE_ESTIMATOR, name))  # --algo.advantage.estimator

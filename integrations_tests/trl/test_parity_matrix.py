@@ -43,6 +43,7 @@ def _trainer(loss=None, estimator=None, params=None, *, rollout=False, mode="tok
     from stablerl.adapters.trl import GRPOConfig, GRPOTrainer
     from stablerl.adapters.trl.trainer import advantage_settings, loss_settings
     from stablerl.frameworks import as_params, get_framework
+    from stablerl.state import StateStore
 
     defaults = {f.name: f.default for f in dataclasses.fields(TRLConfig) if f.default is not dataclasses.MISSING}
     ours = {f.name: f.default for f in dataclasses.fields(GRPOConfig) if f.default is not dataclasses.MISSING}
@@ -88,7 +89,7 @@ def _trainer(loss=None, estimator=None, params=None, *, rollout=False, mode="tok
     t._stablerl_loss_params = as_params(loss_settings(t.args, loss)) if loss else {}
     t._stablerl_adv_params = as_params(advantage_settings(t.args, estimator)) if estimator else {}
     t._stablerl_agg_mode = mode
-    t._stablerl_state = {}
+    t._stablerl_store = StateStore(holds="trainer")  # fresh algorithm state, as the core call has
     t._stablerl_capture = None
     t._rr_router_lp = False
     return t

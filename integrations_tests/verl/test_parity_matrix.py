@@ -104,7 +104,7 @@ def _through_ppo_loss(adapter, name, b, mode, params):
     from stablerl.adapters.verl import _inputs
     from verl.workers.utils.losses import ppo_loss
 
-    _inputs.patch()  # the adapter's wrapper of verl's loss call site (idempotent)
+    adapter.instrument()  # registers the names and wraps verl's call sites (idempotent; the entry point does it)
     _inputs.STATE.clear()  # fresh controller state, as the core call has
     data, model_output, leaves = _worker_batch(b)
     loss, _ = ppo_loss(_actor_config(adapter, name, mode, params), model_output, data)
