@@ -68,6 +68,6 @@ def parity(session):
     """The cross-framework parity matrix: compares the verl / TRL / OpenRLHF sessions' results
     (build/parity/, or $STABLERL_PARITY_DIR) and writes docs/parity-matrix.md (`-- --check`: fail if
     the committed page differs instead of writing it)."""
-    session.install(TORCH, "pytest")
+    session.install(TORCH, "numpy", "pytest")  # numpy: torch warns without it
     session.run(*PYTEST, "integrations_tests/parity")  # the comparison's own tests (seconds)
     session.run("python", "integrations_tests/parity/parity_report.py", *session.posargs)
