@@ -5,11 +5,12 @@
     nox -s verl         # integration tests against the real verl 0.9.1
     nox -s trl          # TRL 1.16 adapter, real CPU training, demo smoke test, MoE routing replay
     nox -s openrlhf     # OpenRLHF 0.11.2 adapter: parity with its real PolicyLoss / estimators, CLI, a Ray worker
+    nox -s parity       # the cross-framework parity matrix from the three sessions' results -> docs/parity-matrix.md
 """
 
 import nox
 
-nox.options.sessions = ["unit", "verl", "trl", "openrlhf"]
+nox.options.sessions = ["unit", "verl", "trl", "openrlhf", "parity"]  # parity last: it reads the others' results
 nox.options.reuse_existing_virtualenvs = True
 
 TORCH = "torch==2.13.0"  # the CPU build; frameworks' extras would pull CUDA builds
@@ -60,3 +61,13 @@ def openrlhf(session):
         *PYTEST, "integrations_tests/openrlhf", *session.posargs,
         env={"DS_ACCELERATOR": "cpu", "RAY_USAGE_STATS_ENABLED": "0", "TOKENIZERS_PARALLELISM": "false"},
     )
+
+
+@nox.session
+def parity(session):
+    """The cross-framework parity matrix: compares the verl / TRL / OpenRLHF sessions' results
+    (build/parity/, or $STABLERL_PARITY_DIR) and writes docs/parity-matrix.md (`-- --check`: fail if
+    the committed page differs instead of writing it)."""
+    session.install(TORCH, "numpy", "pytest")  # numpy: torch warns without it
+    session.run(*PYTEST, "integrations_tests/parity")  # the comparison's own tests (seconds)
+    session.run("python", "integrations_tests/parity/parity_report.py", *session.posargs)

@@ -1,0 +1,144 @@
+"""TRL's column of the cross-framework parity matrix (see integrations_tests/parity/parity_matrix.py).
+
+The shared batch goes through the stablerl TRL adapter's real code: ``GRPOTrainer._compute_loss``
+(which runs TRL 1.16's own ``_compute_loss`` around the stablerl loss) and the adapter's advantage
+step ``GRPOTrainer._stablerl_advantages``, on a trainer object built without ``__init__`` that holds
+the attributes those methods read, one process, no gradient accumulation. The model forward is the
+only thing replaced: TRL's ``_get_per_token_logps_and_entropies`` returns the batch's log-probs and
+entropies (the adapter's override of it still runs). Every TRL knob that touches the loss is set
+explicitly (beta 0, no entropy or off-policy mask, no entropy bonus); the stablerl hyper-parameters
+go in ``stablerl_loss_params`` / ``stablerl_advantage_params`` (``parity_matrix.SETTINGS``: all, or none).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from collections import defaultdict
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+pytest.importorskip("trl")
+
+import torch  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "parity"))
+
+import parity_matrix as M  # noqa: E402
+
+import stablerl  # noqa: E402
+
+FRAMEWORK = "trl"
+ALGORITHMS = M.matrix_algorithms()
+results = M.Results.fixture(FRAMEWORK)
+
+
+def _trainer(loss=None, estimator=None, params=None, *, rollout=False, mode="token-mean"):
+    """A stablerl ``GRPOTrainer`` without ``__init__``: the attributes ``_compute_loss`` (TRL's and the
+    adapter's) and ``_stablerl_advantages`` read, for one process and GA = 1."""
+    from trl import GRPOConfig as TRLConfig
+
+    from stablerl.adapters.trl import GRPOConfig, GRPOTrainer
+    from stablerl.adapters.trl.trainer import advantage_settings, loss_settings
+    from stablerl.frameworks import as_params, get_framework
+    from stablerl.state import StateStore
+
+    defaults = {f.name: f.default for f in dataclasses.fields(TRLConfig) if f.default is not dataclasses.MISSING}
+    ours = {f.name: f.default for f in dataclasses.fields(GRPOConfig) if f.default is not dataclasses.MISSING}
+    args = {**defaults, **ours, "steps_per_generation": 1, "gradient_accumulation_steps": 1, "beta": 0.0,
+            "stablerl_loss_agg_mode": mode}
+    params = dict(params or {})
+    if params.pop(M.NO_STD_KNOB, False):
+        args["scale_rewards"] = "none"
+    if loss:  # TRL's own keys where TRL has one (epsilon / epsilon_high), stablerl_loss_params for the rest
+        for name, key in get_framework(FRAMEWORK).hyperparameter_keys[M.POLICY_LOSS].items():
+            if name in params:
+                args[key.key] = params.pop(name)
+        args["stablerl_loss_params"] = params
+    else:
+        args["stablerl_advantage_params"] = params
+    t = GRPOTrainer.__new__(GRPOTrainer)
+    t.args = SimpleNamespace(**args)
+    t.loss_type = M.selection_name(FRAMEWORK, stablerl.get_spec(M.POLICY_LOSS, loss)) if loss else "dapo"
+    t.epsilon_low = args["epsilon"]  # TRL's own clip: it only clips the zero-advantage host loss here
+    t.epsilon_high = args["epsilon_high"] if args["epsilon_high"] is not None else args["epsilon"]
+    t.importance_sampling_level = "token"
+    t.beta = 0.0
+    t.top_entropy_quantile = 1.0
+    t.off_policy_mask_threshold = None
+    t.use_vllm = rollout  # TRL passes rollout (vLLM) log-probs only with vLLM and its IS correction on
+    t.vllm_importance_sampling_correction = rollout
+    t.aux_loss_enabled = False
+    t._entropy_bonus_enabled = False
+    t.max_completion_length = None
+    t.current_gradient_accumulation_steps = 1
+    t.model = SimpleNamespace(training=True)
+    t.state = SimpleNamespace(global_step=0, max_steps=1)
+    t.accelerator = SimpleNamespace(
+        num_processes=1, process_index=0, device=torch.device("cpu"),
+        gather=lambda x: x, gather_for_metrics=lambda x: x, reduce=lambda x, reduction="sum": x,
+        pad_across_processes=lambda x, dim=0, pad_index=0: x,
+    )
+    t._metrics = {"train": defaultdict(list), "eval": defaultdict(list)}
+    t._stablerl_loss = loss
+    t._stablerl_spec = stablerl.get_spec(M.POLICY_LOSS, loss) if loss else None
+    t._stablerl_estimator = estimator
+    # the effective hyper-parameters, as the adapter's __init__ resolves them (one precedence rule)
+    t._stablerl_loss_params = as_params(loss_settings(t.args, loss)) if loss else {}
+    t._stablerl_adv_params = as_params(advantage_settings(t.args, estimator)) if estimator else {}
+    t._stablerl_agg_mode = mode
+    t._stablerl_store = StateStore(holds="trainer")  # fresh algorithm state, as the core call has
+    t._stablerl_capture = None
+    t._rr_router_lp = False
+    return t
+
+
+def _through_compute_loss(monkeypatch, name, b, mode, params):
+    import trl
+
+    spec = stablerl.get_spec(M.POLICY_LOSS, name)
+    rollout = "rollout_log_prob" in spec.requires
+    t = _trainer(loss=name, params=params, rollout=rollout, mode=mode)
+    mask = b["response_mask"]
+    B, T = mask.shape
+    t.max_completion_length = T
+    leaf = b["log_prob"].clone().requires_grad_(True)
+    # the model forward: TRL's method, under the adapter's override, returns the batch's tensors
+    monkeypatch.setattr(trl.GRPOTrainer, "_get_per_token_logps_and_entropies",
+                        lambda self, *a, **k: (leaf, b["entropy"], None))
+    inputs = {
+        "prompt_ids": torch.zeros(B, 0, dtype=torch.long),
+        "prompt_mask": torch.zeros(B, 0, dtype=torch.int32),
+        "completion_ids": b["token_ids"],
+        "completion_mask": mask.to(torch.int32),
+        "advantages": b["seq_advantages"],  # TRL's [B]: one advantage per completion
+        "old_per_token_logps": b["old_log_prob"],
+        "num_items_in_batch": mask.sum().to(torch.float32),
+        # extra per-row keys the adapter adds at its advantage step for losses that read groups / scores
+        "stablerl_index": b["index"],
+        "stablerl_scores": b["scores"],
+    }
+    if rollout:
+        inputs["sampling_per_token_logps"] = b["rollout_log_prob"]
+        inputs["importance_sampling_ratio"] = torch.ones(B, T)  # TRL's own ratio: not applied to such a loss
+    loss = t._compute_loss(None, inputs)
+    (grad,) = torch.autograd.grad(loss, leaf)
+    return loss.detach(), grad
+
+
+def _through_advantage_step(name, b, params):
+    t = _trainer(estimator=name, params=params)
+    mask = b["response_mask"]
+    n = mask.shape[0]
+    out = {"completion_mask": mask.to(torch.int32)}
+    group = torch.arange(n) // b["group_size"]  # TRL's RepeatSampler: contiguous groups
+    assert torch.equal(group, b["index"])
+    adv = t._stablerl_advantages(out, b["scores"], torch.zeros(n, dtype=torch.bool), group, slice(0, n), "train")
+    return adv * mask
+
+
+@pytest.mark.parametrize("kind, name", ALGORITHMS, ids=[f"{k}:{n}" for k, n in ALGORITHMS])
+def test_parity_matrix(monkeypatch, results, kind, name):
+    M.check_case(results, kind, name, lambda *a: _through_compute_loss(monkeypatch, *a), _through_advantage_step)
