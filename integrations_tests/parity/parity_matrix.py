@@ -236,13 +236,9 @@ class KnownDifference:
 #: (framework, kind, name, setting) -> why that framework's result differs from the direct core call.
 #: A listed difference that no longer differs fails the framework's matrix test: remove it here.
 KNOWN_DIFFERENCES: dict[tuple[str, str, str, str], KnownDifference] = {
-    ("openrlhf", POLICY_LOSS, "decoupled_ppo", setting): KnownDifference(
-        "it cannot run: OpenRLHF passes rollout log-probs only with --algo.advantage.is_correction_level "
-        "token|seq, and then the adapter also passes OpenRLHF's IS weights, which decoupled_ppo refuses "
-        "(StableRLError: it applies its own behaviour-policy weight)",
-        to_fix=True,
-    )
-    for setting in ("explicit", "defaults")
+    # (framework, kind, algorithm, setting) -> why the framework's result must differ from the core call.
+    # Empty: every algorithm gives the core call's numbers in every framework that offers it. (OpenRLHF's
+    # decoupled_ppo, listed here until the adapter stopped putting OpenRLHF's IS weights on top, now runs.)
 }
 
 
@@ -259,6 +255,12 @@ def _values(x) -> Any:
     return x
 
 
+def _algorithm_notes(framework: str) -> dict:
+    from stablerl.frameworks import get_framework
+
+    return dict(get_framework(framework).algorithm_notes)
+
+
 class Results:
     """One framework's matrix results, written to ``results_dir()/<framework>.json``."""
 
@@ -269,6 +271,8 @@ class Results:
             "loss_agg_modes": list(LOSS_AGG_MODES), "settings": list(SETTINGS), "algorithms": {},
             "overrides": {f"{k}/{n}": f"{params} ({why})"
                           for (k, n), (params, why) in HYPERPARAMETER_OVERRIDES.items()},
+            # what differs by the framework's design, not in the numbers for the same inputs (the declaration's)
+            "by_design": dict(_algorithm_notes(framework)),
         }
 
     @staticmethod

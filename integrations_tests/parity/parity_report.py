@@ -151,6 +151,12 @@ def render(results: dict[str, dict]) -> str:
                 name = first["algorithms"][key]["name"]
                 cells = [_cell(results[fw]["algorithms"][key]).replace("|", "\\|") for fw in FRAMEWORKS]
                 lines.append(f"| `{name}` | " + " | ".join(cells) + " |")
+    by_design = {(name, fw): note for fw, r in results.items() for name, note in (r.get("by_design") or {}).items()}
+    if by_design:
+        lines += ["", "## Differences by each framework's design (same numbers for the same inputs)", "",
+                  "What a framework hands an algorithm can mean something else there; each framework's "
+                  "declaration says so (`stablerl describe NAME` shows it too).", ""]
+        lines += [f"* `{name}` in {TITLES[fw]}: {note}" for (name, fw), note in sorted(by_design.items())]
     overrides = first.get("overrides") or {}
     if overrides:
         lines += ["", "## Hyper-parameters other than the defaults", ""]
