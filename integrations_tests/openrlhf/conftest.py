@@ -17,6 +17,9 @@ STUBS = str(HERE / "stubs")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
+# OpenRLHF torch.compile's its entropy; Inductor's CPU kernel depends on the vector ISA (wrong under
+# ATEN_CPU_CAPABILITY=avx2 on an AVX-512 CPU): the same as noxfile's openrlhf session, for direct runs
+os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
 if STUBS not in sys.path:
     sys.path.append(STUBS)
 _pp = os.environ.get("PYTHONPATH", "")
