@@ -152,3 +152,26 @@ def test_bf16_inputs_close_to_fp32():
     full = fn(b.new, b.old, b.adv, action_mask=b.mask)[0]
     half = fn(b.new.bfloat16(), b.old.bfloat16(), b.adv.bfloat16(), action_mask=b.mask)[0]
     assert torch.isfinite(half) and abs(float(half) - float(full)) < 5e-2
+
+
+def test_the_actor_prints_the_effective_settings_when_it_builds_the_loss(capsys):
+    """One precedence rule, printed at start-up: a clip flag given on the command line applies, the
+    stablerl key wins over it, the rest are the paper's defaults."""
+    from orlhf_helpers import make_args
+    from stablerl import frameworks
+    from stablerl.adapters.openrlhf import Selection
+    from stablerl.adapters.openrlhf._loss import build_policy_loss
+
+    frameworks._LOGGED.clear()
+    sel = Selection(policy_loss="vanilla", policy_loss_params={"clip_ratio_c": 5.0},
+                    openrlhf_clip={"clip_ratio_low": 0.1, "clip_ratio_high": 0.1})
+    fn = build_policy_loss(make_args(policy_loss_type="vanilla", eps=(0.1, 0.1)), sel)
+    assert fn.stablerl_params == {"clip_ratio_low": 0.1, "clip_ratio_high": 0.1, "clip_ratio_c": 5.0}
+    err = capsys.readouterr().err
+    assert "stablerl/openrlhf: policy loss 'vanilla' runs with:" in err
+    assert "clip_ratio_low  = 0.1  (framework key: --actor.eps_clip_low_high[0] / --actor.eps_clip=0.1)" in err
+    assert "clip_ratio_c    = 5.0  (stablerl key: --actor.stablerl_params clip_ratio_c=5.0)" in err
+    # flags left at OpenRLHF's defaults leave the paper's: DAPO's clip-higher 0.28
+    frameworks._LOGGED.clear()
+    fn = build_policy_loss(make_args(policy_loss_type="vanilla"), Selection(policy_loss="vanilla"))
+    assert fn.stablerl_params == {} and "clip_ratio_high = 0.28  (paper default" in capsys.readouterr().err
