@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import typing
 from typing import Any, Iterable, Mapping
 
 from .contracts import AlgorithmSpec, Params
@@ -45,10 +46,17 @@ def build_params(spec: AlgorithmSpec, overrides: Mapping[str, Any] | None = None
                 unknown_name_message(f"hyper-parameter for {spec.name!r}", key, valid)
             )
     params = spec.params(**overrides)
+    hints = _type_hints(spec.params)
     for f in dataclasses.fields(params):
         value = getattr(params, f.name)
         if isinstance(value, float) and value != value:
             raise StableRLError(f"{spec.name}: hyper-parameter {f.name} is NaN")
+        problem = _type_problem(value, hints.get(f.name))
+        if problem:
+            raise StableRLError(f"{spec.name}: hyper-parameter {f.name} must be {problem}, got {value!r} "
+                                f"({type(value).__name__})")
+        if hints.get(f.name) in (int, typing.Optional[int]) and value is not None and not isinstance(value, int):
+            object.__setattr__(params, f.name, int(value))  # an integral 2.0 (from JSON or YAML) is the int 2
     try:
         params.validate()
     except StableRLError:
@@ -56,6 +64,45 @@ def build_params(spec: AlgorithmSpec, overrides: Mapping[str, Any] | None = None
     except (ValueError, AssertionError) as e:  # plugin validate() may raise plain errors
         raise StableRLError(f"{spec.name}: {e}") from e
     return params
+
+
+def _type_hints(params_cls: type) -> dict:
+    import typing
+
+    try:
+        return typing.get_type_hints(params_cls)
+    except Exception:  # noqa: BLE001 - an unresolvable annotation: no type check for that class
+        return {}
+
+
+def _type_problem(value: Any, hint: Any) -> str:
+    """What ``value`` must be to match the field's annotation (``float``, ``int``, ``bool``, ``str``, or
+    ``Optional`` of one), or ``""`` when it matches. A float must be finite; an int must be integral; a bool
+    must be a bool (the string ``"False"`` is truthy); a number is never a bool."""
+    import math
+    import numbers
+    import typing
+
+    optional = False
+    if typing.get_origin(hint) is typing.Union:
+        args = [a for a in typing.get_args(hint) if a is not type(None)]
+        optional = len(args) < len(typing.get_args(hint))
+        hint = args[0] if len(args) == 1 else None
+    if value is None:
+        return "" if optional or hint not in (float, int, bool, str) else f"a {hint.__name__}, not None"
+    if hint is bool:
+        return "" if isinstance(value, bool) or type(value).__name__ == "bool_" else "true or false"
+    if hint is float:
+        if isinstance(value, bool) or not isinstance(value, numbers.Real):
+            return "a finite number"
+        return "" if math.isfinite(float(value)) else "a finite number"
+    if hint is int:
+        if isinstance(value, bool) or not isinstance(value, numbers.Real):
+            return "an integer"
+        return "" if math.isfinite(float(value)) and float(value) == int(value) else "an integer"
+    if hint is str:
+        return "" if isinstance(value, str) else "a string"
+    return ""
 
 
 def check(condition: bool, message: str) -> None:

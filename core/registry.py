@@ -101,10 +101,11 @@ def _allowed_entry_points() -> Optional[set[str]]:
     return {p.strip() for p in policy.split(",") if p.strip()}
 
 
-def _report(failures: list[PluginFailure], plugin: str, error: str, exc: Optional[BaseException] = None) -> None:
+def _report(failures: list[PluginFailure], plugin: str, error: str, exc: Optional[BaseException] = None,
+            what: str = "skipped") -> None:
     detail = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)) if exc else ""
     failures.append(PluginFailure(plugin, error, detail))
-    message = f"stablerl: plugin {plugin!r} skipped: {error}"
+    message = f"stablerl: plugin {plugin!r} {what}: {error}"
     logger.warning(message)
     warnings.warn(message, RuntimeWarning, stacklevel=3)
 
@@ -124,7 +125,7 @@ def build_registry() -> Registry:
             label = f"{ep.name} ({ep.value})"
             try:
                 third_party.append((label, ep.load()))
-            except Exception as e:  # noqa: BLE001 - a broken plugin must not break the others
+            except (Exception, SystemExit) as e:  # noqa: BLE001 - a broken plugin must not break the others
                 _report(registry.failures, label, f"import failed: {type(e).__name__}: {e}", e)
 
     for label, module in builtin + third_party:
@@ -148,7 +149,7 @@ def build_registry() -> Registry:
                     impl.function(register=_make_register(kind, label, staged))
             for impl in _impls_of(pm, FRAMEWORK_HOOK, module):
                 impl.function(register=_make_framework_register(label, frameworks))
-        except Exception as e:  # noqa: BLE001
+        except (Exception, SystemExit) as e:  # noqa: BLE001 - sys.exit() in a hook must not exit the host
             if is_builtin:
                 raise
             _report(registry.failures, label, f"registration failed: {type(e).__name__}: {e}", e)
@@ -167,7 +168,8 @@ def build_registry() -> Registry:
                 error = f"{spec.kind} {spec.name!r} is already registered by {owner!r}"
                 if is_builtin:
                     raise RuntimeError(error)
-                _report(registry.failures, label, f"name clash: {error}")
+                _report(registry.failures, label, f"name clash: {error}",
+                        what=f"{spec.kind} {spec.name!r} not registered (its other names are)")
                 continue
             registry.specs[key] = spec
     return registry

@@ -118,8 +118,9 @@ def test_a_name_clash_with_a_builtin_keeps_the_builtin(install):
             register(name="clash_estimator", fn=lambda b, p, c: (b.token_level_rewards, b.token_level_rewards),
                      formula="A = r")
     '''))
-    registry, _ = _reload(match="plugin 'clash (sr_clash)' skipped: name clash: policy_loss 'vanilla' is already "
-                                "registered by 'stablerl.plugins.ppo'")
+    # the warning says what happened: that name is not registered, the plugin's others are
+    registry, _ = _reload(match="plugin 'clash (sr_clash)' policy_loss 'vanilla' not registered (its other names "
+                                "are): name clash: policy_loss 'vanilla' is already registered by 'stablerl.plugins.ppo'")
     kept = registry.get(POLICY_LOSS, "vanilla")
     assert kept.plugin == "stablerl.plugins.ppo" and kept.fn is builtin.fn
     assert [f.error.split(":")[0] for f in registry.failures] == ["name clash"]
@@ -136,6 +137,25 @@ def test_two_third_party_plugins_with_one_name_first_wins(install):
     loser = "bbb (sr_bbb)" if owner.startswith("aaa") else "aaa (sr_aaa)"
     assert [f.plugin for f in registry.failures] == [loser]
     assert any("name clash" in m and loser in m for m in messages)
+
+
+@pytest.mark.parametrize("where", ["import", "hook"])
+def test_a_plugin_calling_sys_exit_is_isolated(install, where):
+    """SystemExit is not an Exception: a plugin that exits at import or in its hook must not end every
+    registry access (and `stablerl list` / `doctor`) with no message."""
+    body = "import sys\nsys.exit(3)\n" if where == "import" else '''
+        import sys
+        from stablerl import hookimpl
+
+        @hookimpl
+        def register_policy_losses(register):
+            sys.exit(3)
+    '''
+    install("quitter", "sr_quitter", body)
+    install("good", "sr_good", good("good_loss"))
+    what = "import failed" if where == "import" else "registration failed"
+    registry, _ = _reload(match=f"plugin 'quitter (sr_quitter)' skipped: {what}: SystemExit: 3")
+    assert "good_loss" in registry.names(POLICY_LOSS) and "vanilla" in registry.names(POLICY_LOSS)
 
 
 def test_a_plugin_raising_inside_its_hook_registers_nothing(install):
