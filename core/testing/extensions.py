@@ -156,6 +156,31 @@ def _with_undeclared(spec, data: dict, inputs: Optional[Mapping[str, Any]]) -> t
     return full, sorted(set(full["extras"]) - set(data["extras"]))
 
 
+def _row_properties(spec, data: dict, inputs: Optional[Mapping[str, Any]], run: Callable[[dict], tuple],
+                    what: str) -> list:
+    """The properties every per-response algorithm shares (a reward shaper, a batch filter), as
+    ``_run_checks`` entries: ``run(data)`` returns its output tensors; ``what`` names them in messages."""
+
+    def same(a: tuple, b: tuple) -> bool:
+        return all(_same(x, y) for x, y in zip(a, b))
+
+    def deterministic():
+        if not same(run(data), run(data)):
+            _fail(spec, "deterministic", "two calls with the same inputs and generator seed differ")
+
+    def inputs_unchanged():
+        before = _snapshot(data)
+        run(data)
+        _unchanged(spec, before, data)
+
+    def undeclared():
+        full, added = _with_undeclared(spec, data, inputs)
+        if not same(run(data), run(full)):
+            _fail(spec, "undeclared_inputs", f"giving inputs it does not declare ({added}) changed its {what}")
+
+    return [("deterministic", deterministic), ("inputs_unchanged", inputs_unchanged), ("undeclared_inputs", undeclared)]
+
+
 def _permute(data: dict, perm: torch.Tensor) -> dict:
     out = {k: (v[perm] if isinstance(v, torch.Tensor) else v) for k, v in data.items() if k != "extras"}
     out["extras"] = {k: (v[perm] if isinstance(v, torch.Tensor) and v.dim() >= 1 and v.shape[0] == B_EXT else v)
@@ -179,21 +204,6 @@ def check_reward_shaper(name: str, *, inputs: Optional[Mapping[str, Any]] = None
             _fail(spec, "output", f"rewards of dtype {shaped.dtype}, expected floating")
         _finite_metrics(spec, "output", metrics)
 
-    def deterministic():
-        (a, _), (b, _) = _run_shaper(spec, data, params), _run_shaper(spec, data, params)
-        if not _same(a, b):
-            _fail(spec, "deterministic", "two calls with the same inputs and generator seed differ")
-
-    def inputs_unchanged():
-        before = _snapshot(data)
-        _run_shaper(spec, data, params)
-        _unchanged(spec, before, data)
-
-    def undeclared():
-        full, added = _with_undeclared(spec, data, inputs)
-        if not _same(_run_shaper(spec, data, params)[0], _run_shaper(spec, full, params)[0]):
-            _fail(spec, "undeclared_inputs", f"giving inputs it does not declare ({added}) changed its rewards")
-
     def permutation():  # responses within a group are exchangeable; groups keep their order
         g = torch.Generator().manual_seed(5)
         perm = torch.cat([i + torch.randperm(GROUP_EXT, generator=g) for i in range(0, B_EXT, GROUP_EXT)])
@@ -204,9 +214,7 @@ def check_reward_shaper(name: str, *, inputs: Optional[Mapping[str, Any]] = None
     _run_checks(spec, [
         ("spec", lambda: _check_spec(spec)),
         ("output", output),
-        ("deterministic", deterministic),
-        ("inputs_unchanged", inputs_unchanged),
-        ("undeclared_inputs", undeclared),
+        *_row_properties(spec, data, inputs, lambda d: (_run_shaper(spec, d, params)[0],), "rewards"),
         ("permutation", permutation),
     ], skip)
 
@@ -264,30 +272,12 @@ def check_batch_filter(name: str, *, inputs: Optional[Mapping[str, Any]] = None,
             _assert_close(spec, "masked_content", "valid advantages with garbage padding", b.advantages[keep],
                           a.advantages[keep])
 
-    def deterministic():
-        a, b = _run_filter(spec, data, params), _run_filter(spec, data, params)
-        if not all(_same(x, y) for x, y in zip(_result_tuple(a), _result_tuple(b))):
-            _fail(spec, "deterministic", "two calls with the same inputs and generator seed differ")
-
-    def inputs_unchanged():
-        before = _snapshot(data)
-        _run_filter(spec, data, params)
-        _unchanged(spec, before, data)
-
-    def undeclared():
-        full, added = _with_undeclared(spec, data, inputs)
-        ref, got = _run_filter(spec, data, params), _run_filter(spec, full, params)
-        if not all(_same(x, y) for x, y in zip(_result_tuple(ref), _result_tuple(got))):
-            _fail(spec, "undeclared_inputs", f"giving inputs it does not declare ({added}) changed its result")
-
     _run_checks(spec, [
         ("spec", lambda: _check_spec(spec)),
         ("output", output),
         ("masks_respected", masks_respected),
         ("masked_content", masked_content),
-        ("deterministic", deterministic),
-        ("inputs_unchanged", inputs_unchanged),
-        ("undeclared_inputs", undeclared),
+        *_row_properties(spec, data, inputs, lambda d: _result_tuple(_run_filter(spec, d, params)), "result"),
     ], skip)
 
 
