@@ -153,8 +153,22 @@ def selectable_names(framework: FrameworkSpec, kind: str, extra_inputs: Any = ()
     return out
 
 
+def check_inputs(framework: FrameworkSpec | str, spec: AlgorithmSpec, selected_as: Optional[str] = None,
+                 extra_inputs: Any = (), feedable: Any = None) -> None:
+    """Raise :class:`MissingInputError`, saying why in the framework's words, if ``framework`` cannot feed
+    an input ``spec`` requires (``feedable`` / ``extra_inputs``: see :func:`missing_inputs`)."""
+    fw = get_framework(framework) if isinstance(framework, str) else framework
+    missing = missing_inputs(fw, spec, extra_inputs, feedable)
+    if missing:
+        key = fw.selection_keys.get(spec.kind, spec.kind.replace("_", " "))
+        raise MissingInputError(
+            f"{spec.kind.replace('_', ' ')} {spec.name!r} ({key}={selected_as or spec.name}) needs input(s) "
+            f"{fw.name} cannot provide ({why_missing(fw, spec, missing)})"
+        )
+
+
 def resolve(framework: FrameworkSpec | str, kind: str, name: Optional[str], extra_inputs: Any = (),
-            feedable: Any = None) -> Optional[str]:
+            feedable: Any = None, inputs: bool = True) -> Optional[str]:
     """The stablerl algorithm that ``name`` selects in ``framework``, or ``None`` for the framework's
     own algorithm of that name (or no name).
 
@@ -162,7 +176,8 @@ def resolve(framework: FrameworkSpec | str, kind: str, name: Optional[str], extr
     ``prefix + name`` always selects stablerl's; a bare stablerl name selects it where the framework
     has no built-in of that name. Unknown names raise :class:`UnknownNameError` with the nearest
     valid one; an unavailable algorithm raises with its reason; an algorithm whose inputs the
-    framework cannot feed raises :class:`MissingInputError` saying why.
+    framework cannot feed raises :class:`MissingInputError` saying why (``inputs=False``: left to a
+    later :func:`check_inputs`, where what the framework feeds depends on the run's settings).
     """
     from .api import get_spec
     from .registry import get_registry
@@ -182,12 +197,8 @@ def resolve(framework: FrameworkSpec | str, kind: str, name: Optional[str], extr
             + f"any stablerl {kind.replace('_', ' ')} also as '{fw.prefix}<name>')"
         )
     spec = get_spec(kind, bare)  # raises for 'unavailable' entries, with the reason
-    missing = missing_inputs(fw, spec, extra_inputs, feedable)
-    if missing:
-        raise MissingInputError(
-            f"{kind.replace('_', ' ')} {bare!r} ({key}={name}) needs input(s) {fw.name} cannot provide "
-            f"({why_missing(fw, spec, missing)})"
-        )
+    if inputs:
+        check_inputs(fw, spec, name, extra_inputs, feedable)
     return bare
 
 
@@ -344,7 +355,7 @@ _LOGGED: set = set()
 
 
 def log_effective_settings(framework: FrameworkSpec | str, spec: AlgorithmSpec, settings: list[Setting],
-                           logger: Any = None) -> str:
+                           logger: Any = None) -> None:
     """Print the effective-settings table to stderr once per process and selection (Ray forwards a
     worker's stderr to the driver's console, and no logging set-up can hide it), and log each note (a
     framework default that differs from the paper's and was not applied) as a WARNING."""
@@ -352,16 +363,15 @@ def log_effective_settings(framework: FrameworkSpec | str, spec: AlgorithmSpec, 
     import sys
 
     fw = get_framework(framework) if isinstance(framework, str) else framework
-    logger = logger or logging.getLogger(f"stablerl.adapters.{fw.name}")
-    table = format_settings(fw, spec, settings)
-    key = (fw.name, spec.kind, spec.name, table)
+    # verl calls this at every loss call: the table is formatted only for settings not printed yet
+    key = (fw.name, spec.kind, spec.name, tuple((s.name, repr(s.value), s.source, s.key) for s in settings))
     if key not in _LOGGED:
         _LOGGED.add(key)
-        print(table, file=sys.stderr, flush=True)
+        logger = logger or logging.getLogger(f"stablerl.adapters.{fw.name}")
+        print(format_settings(fw, spec, settings), file=sys.stderr, flush=True)
         for s in settings:
             if s.note:
                 logger.warning("stablerl/%s: %s %s = %r (paper default): %s", fw.name, spec.name, s.name, s.value, s.note)
-    return table
 
 
 def switch_names(switch: str) -> str:

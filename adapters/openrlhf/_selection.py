@@ -91,19 +91,22 @@ class Selection:
     batch_filter_params: dict = field(default_factory=dict)
 
     def validate(self) -> "Selection":
-        """Build the Params now so a bad key or value fails in the driver, not in a worker."""
+        """Build the Params the workers will build (the effective ones: stablerl keys and the OpenRLHF flags
+        given, under the one precedence rule) now, so a bad key or value fails in the driver, not in a worker."""
         import stablerl
+        from stablerl.frameworks import as_params
         from stablerl.params import build_params
 
+        from ._names import advantage_settings, loss_settings
+
         if self.policy_loss is not None:
-            build_params(stablerl.get_spec(stablerl.POLICY_LOSS, self.policy_loss), self.policy_loss_params)
+            build_params(stablerl.get_spec(stablerl.POLICY_LOSS, self.policy_loss), as_params(loss_settings(self)))
         elif self.policy_loss_params:
             raise stablerl.StableRLError("stablerl loss hyper-parameters given, but --actor.policy_loss_type is an OpenRLHF built-in")
         if self.advantage_estimator is not None:
-            from ._names import advantage_settings
-
-            build_params(stablerl.get_spec(stablerl.ADVANTAGE_ESTIMATOR, self.advantage_estimator), self.advantage_params)
-            advantage_settings(self)  # a framework knob the estimator cannot honour is refused here, in the driver
+            # a framework knob the estimator cannot honour is refused here too, in the driver
+            build_params(stablerl.get_spec(stablerl.ADVANTAGE_ESTIMATOR, self.advantage_estimator),
+                         as_params(advantage_settings(self)))
         elif self.advantage_params:
             raise stablerl.StableRLError(
                 "stablerl advantage hyper-parameters given, but --algo.advantage.estimator is an OpenRLHF built-in"

@@ -240,13 +240,7 @@ def selection_from_cli(args) -> Selection:
     sel.openrlhf_clip = explicit_clip_flags(args, sys.argv[1:])
     sel.openrlhf_advantage, sel.reward_clip_range = explicit_advantage_flags(args, sys.argv[1:])
     sel.routing_replay = _routing_replay.check_mode(getattr(args.actor, "stablerl_routing_replay", None), args)
-    sel.validate()
-    if loss is not None:
-        from stablerl.params import build_params
-
-        spec = stablerl.get_spec(stablerl.POLICY_LOSS, loss)
-        fields = spec.params.field_names()
-        build_params(spec, {**{k: v for k, v in sel.openrlhf_clip.items() if k in fields}, **sel.policy_loss_params})
+    sel.validate()  # the effective hyper-parameters, clip flags included
     if loss is not None:
         spec = stablerl.get_spec(stablerl.POLICY_LOSS, loss)
         if "rollout_log_prob" in spec.requires and args.algo.advantage.is_correction_level == "off":

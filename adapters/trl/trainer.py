@@ -53,7 +53,7 @@ from stablerl import routing_replay as rr
 from stablerl.contracts import (ADVANTAGE_ESTIMATOR, BATCH_FILTER, CONTROLLER, OPTIONAL_INPUTS, POLICY_LOSS,
                                 REWARD_SHAPER)
 from stablerl.frameworks import (UnsupportedVersionError, apply_filter_result, as_params, check_framework_keys_used,
-                                 check_version, effective_hyperparameters, get_framework, log_effective_settings,
+                                 check_inputs, check_version, effective_hyperparameters, get_framework, log_effective_settings,
                                  resolve, version_in_range)
 from stablerl.ops import AGG_MODES, last_valid_index, scores_on_last_token
 from stablerl.params import StableRLError, UnknownNameError, build_params, unknown_name_message
@@ -173,7 +173,7 @@ def resolve_loss_type(loss_type: str) -> Optional[str]:
     rule for every framework, :func:`stablerl.frameworks.resolve`; the inputs are checked per run by
     :func:`check_loss_inputs`). Unknown names raise :class:`stablerl.UnknownNameError` naming the
     nearest valid one."""
-    return resolve(TRL, POLICY_LOSS, loss_type, feedable=TRL.feedable[POLICY_LOSS] | set(OPTIONAL_INPUTS))
+    return resolve(TRL, POLICY_LOSS, loss_type, inputs=False)
 
 
 def _as_dict(value: Any, key: str) -> dict:
@@ -210,8 +210,8 @@ def check_extra_loss_inputs(names) -> tuple[str, ...]:
 def check_loss_inputs(name: str, use_vllm_is: bool, routing_replay: bool = False, extra=()) -> None:
     """Raise :class:`stablerl.MissingInputError` if the loss declares inputs TRL cannot feed in this run
     (``extra``: the ones a trainer subclass declared it supplies, ``stablerl_extra_loss_inputs``)."""
-    resolve(TRL, POLICY_LOSS, PREFIX + name, extra_inputs=extra,
-            feedable=loss_inputs_trl_can_feed(use_vllm_is, routing_replay))
+    check_inputs(TRL, stablerl.get_spec(POLICY_LOSS, name), extra_inputs=extra,
+                 feedable=loss_inputs_trl_can_feed(use_vllm_is, routing_replay))
 
 
 def check_advantage_inputs(name: str) -> None:
@@ -337,7 +337,7 @@ def validate_stablerl_args(args, warn: bool = True) -> tuple[Optional[str], Opti
                 "if a stablerl loss of that name is meant"
             )
     else:
-        build_params(stablerl.get_spec(POLICY_LOSS, loss), loss_params)  # unknown key / bad value -> clear error
+        # the effective hyper-parameters (stablerl keys, TRL's epsilons when set): unknown key / bad value -> clear error
         build_params(stablerl.get_spec(POLICY_LOSS, loss), as_params(loss_settings(args, loss)))
         if agg not in AGG_MODES:
             raise UnknownNameError(unknown_name_message("stablerl_loss_agg_mode", agg, AGG_MODES))
@@ -354,8 +354,8 @@ def validate_stablerl_args(args, warn: bool = True) -> tuple[Optional[str], Opti
     estimator = getattr(args, "advantage_estimator", None)
     if estimator:
         check_advantage_inputs(estimator)
-        build_params(stablerl.get_spec(ADVANTAGE_ESTIMATOR, estimator), adv_params)
-        advantage_settings(args, estimator)  # TRL's scale_rewards: honoured or refused, never ignored
+        # TRL's scale_rewards: honoured or refused, never ignored; then the effective values are built
+        build_params(stablerl.get_spec(ADVANTAGE_ESTIMATOR, estimator), as_params(advantage_settings(args, estimator)))
         if args.multi_objective_aggregation != "sum_then_normalize":
             raise StableRLError(
                 "advantage_estimator works on the weighted sum of the reward functions "
