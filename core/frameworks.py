@@ -99,6 +99,10 @@ def get_framework(name: str) -> FrameworkSpec:
         raise UnknownNameError(unknown_name_message("framework", name, frameworks)) from None
 
 
+def _declared(framework: FrameworkSpec | str) -> FrameworkSpec:
+    return get_framework(framework) if isinstance(framework, str) else framework
+
+
 def load_adapter(name: str) -> ModuleType:
     """Import and return the adapter module of framework ``name`` (this imports the framework)."""
     return importlib.import_module(get_framework(name).adapter)
@@ -157,7 +161,7 @@ def check_inputs(framework: FrameworkSpec | str, spec: AlgorithmSpec, selected_a
                  extra_inputs: Any = (), feedable: Any = None) -> None:
     """Raise :class:`MissingInputError`, saying why in the framework's words, if ``framework`` cannot feed
     an input ``spec`` requires (``feedable`` / ``extra_inputs``: see :func:`missing_inputs`)."""
-    fw = get_framework(framework) if isinstance(framework, str) else framework
+    fw = _declared(framework)
     missing = missing_inputs(fw, spec, extra_inputs, feedable)
     if missing:
         key = fw.selection_keys.get(spec.kind, spec.kind.replace("_", " "))
@@ -182,7 +186,7 @@ def resolve(framework: FrameworkSpec | str, kind: str, name: Optional[str], extr
     from .api import get_spec
     from .registry import get_registry
 
-    fw = get_framework(framework) if isinstance(framework, str) else framework
+    fw = _declared(framework)
     if name is None or name == "":
         return None
     if name in fw.builtin_names.get(kind, ()):
@@ -268,7 +272,7 @@ def effective_hyperparameters(
     the framework can tell (OpenRLHF's command line); otherwise a framework value counts as set when
     it differs from the framework's declared default.
     """
-    fw = get_framework(framework) if isinstance(framework, str) else framework
+    fw = _declared(framework)
     stablerl_params = dict(stablerl_params or {})
     framework_values = dict(framework_values or {})
     keys = fw.hyperparameter_keys.get(spec.kind, {})
@@ -307,7 +311,7 @@ def check_framework_keys_used(
 ) -> None:
     """Refuse a framework knob the user set that ``spec`` has no hyper-parameter for, where ignoring it
     would silently change the run (``FrameworkKey.refuse_if_unused``: knobs that change advantages)."""
-    fw = get_framework(framework) if isinstance(framework, str) else framework
+    fw = _declared(framework)
     fields = set(spec.defaults())
     for name, fk in fw.hyperparameter_keys.get(spec.kind, {}).items():
         value = (framework_values or {}).get(name)
@@ -337,7 +341,7 @@ def as_params(settings: list[Setting]) -> dict[str, Any]:
 
 def format_settings(framework: FrameworkSpec | str, spec: AlgorithmSpec, settings: list[Setting]) -> str:
     """The effective-settings table printed at start-up and by ``stablerl describe --framework``."""
-    fw = get_framework(framework) if isinstance(framework, str) else framework
+    fw = _declared(framework)
     head = f"stablerl/{fw.name}: {spec.kind.replace('_', ' ')} {spec.name!r} runs with"
     if not settings:
         return head + " no hyper-parameters"
@@ -362,7 +366,7 @@ def log_effective_settings(framework: FrameworkSpec | str, spec: AlgorithmSpec, 
     import logging
     import sys
 
-    fw = get_framework(framework) if isinstance(framework, str) else framework
+    fw = _declared(framework)
     # verl calls this at every loss call: the table is formatted only for settings not printed yet
     key = (fw.name, spec.kind, spec.name, tuple((s.name, repr(s.value), s.source, s.key) for s in settings))
     if key not in _LOGGED:
