@@ -63,7 +63,7 @@ def launch_gloo(target: Union[Callable, str], world_size: int = 2, args: Sequenc
         base = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(p for p in sys.path if p),
                     WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1",
                     MASTER_PORT=str(port), GROUP_RANK="0", **dict(env or {}))
-        code = "import sys; from stablerl.testing.distributed import _gloo_rank; _gloo_rank(int(sys.argv[1]), sys.argv[2])"
+        code = "import sys; from stablerl.testing.distributed import _gloo_rank_process; _gloo_rank_process(int(sys.argv[1]), sys.argv[2])"
         procs, logs = [], []
         for r in range(world_size):
             log = open(os.path.join(tmp, f"rank{r}.log"), "w+")
@@ -92,6 +92,20 @@ def launch_gloo(target: Union[Callable, str], world_size: int = 2, args: Sequenc
                     p.wait()
             for log in logs:
                 log.close()
+
+
+def _gloo_rank_process(rank: int, job_file: str) -> None:
+    """The whole life of one rank's interpreter: run :func:`_gloo_rank`, then leave at once.
+
+    Once the result is saved and the process group is gone, the rank skips the interpreter's
+    teardown (``os._exit``): a framework's C++ threads that are still joinable there (DDP's reducer,
+    gloo's workers) otherwise abort the process now and then ("terminate called without an active
+    exception", exit -6) after a run that succeeded. An exception still exits through Python.
+    """
+    _gloo_rank(rank, job_file)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _gloo_rank(rank: int, job_file: str) -> None:
@@ -123,10 +137,12 @@ def _gloo_rank(rank: int, job_file: str) -> None:
     try:
         result = target(rank, world, *job["args"])
         torch.save(result, os.path.join(job["out"], f"rank{rank}.pt"))
-        if job["init"]:
+        if dist.is_available() and dist.is_initialized():
             dist.barrier()  # no rank leaves while another is still in a collective
     finally:
-        if job["init"]:
+        # The group is left explicitly, also when the target's framework (Accelerate) created it:
+        # a group destroyed by the interpreter's teardown can abort a finished rank.
+        if dist.is_available() and dist.is_initialized():
             dist.destroy_process_group()
 
 
