@@ -24,6 +24,16 @@ from .contracts import (
     AlgorithmSpec,
     PolicyLossBatch,
 )
+from .checks import (
+    check_advantages_shape,
+    check_aggregation_request,
+    check_log_probabilities,
+    check_mask,
+    check_per_response,
+    check_token_leading,
+    require_float,
+    require_tensor,
+)
 from .ops import aggregate, as_floats, ensure_same_shape, group_ids, is_functorch_wrapped, masked_tangent
 from .params import MissingInputError, StableRLError, UnknownNameError, build_params, unknown_name_message
 from .registry import get_registry
@@ -214,14 +224,19 @@ def compute_policy_loss(
     elif rollout_correction_params:
         raise StableRLError("rollout_correction_params given without rollout_correction")
     ctx = ctx or Context()
+    check_aggregation_request(spec, params, loss_agg_mode, loss_agg_params)
 
-    if not isinstance(log_prob, torch.Tensor) or log_prob.dim() != 2:
-        raise StableRLError(f"log_prob must be a [B, T] tensor, got {getattr(log_prob, 'shape', type(log_prob))}")
+    require_tensor("log_prob", log_prob, "[B, T]")
+    if log_prob.dim() != 2:
+        raise StableRLError(f"log_prob must be a [B, T] tensor, got shape {tuple(log_prob.shape)}")
     if log_prob.dtype not in _FLOAT_TYPES:
         raise StableRLError(f"log_prob must be a floating tensor, got {log_prob.dtype}")
     shape = log_prob.shape
+    check_advantages_shape(advantages, shape)
     if advantages.dim() == 1:
         advantages = advantages.unsqueeze(-1).expand(shape)
+    if not advantages.is_floating_point():  # integer / bool advantages: computed in log_prob's precision
+        advantages = advantages.to(_as_compute_dtype(log_prob[:0]).dtype)
     ensure_same_shape(
         ("old_log_prob", "advantages", "response_mask", "rollout_log_prob", "entropy"),
         (old_log_prob, advantages, response_mask, rollout_log_prob, entropy),
@@ -229,6 +244,14 @@ def compute_policy_loss(
     )
     for k in ("old_entropy", "token_ids", "turn_ids", "versions", "is_weights"):
         ensure_same_shape((k,), (inputs.get(k),), shape)
+    for k, t in (("old_log_prob", old_log_prob), ("rollout_log_prob", rollout_log_prob)):
+        if t is not None:
+            require_float(k, t)
+    check_mask(response_mask)
+    if inputs.get("scores") is not None:
+        scores = check_per_response("scores", inputs["scores"], shape[0])
+        if not bool(torch.isfinite(scores).all()):
+            raise StableRLError("scores has non-finite values (NaN or inf)")
     if response_mask.dtype == torch.bool:
         # bool -> float through a uint8 view: same 0/1 values, and a vectorised cast (the direct
         # bool -> float cast is several times slower on CPU)
@@ -240,6 +263,16 @@ def compute_policy_loss(
     index = inputs.get("index")
     if index is not None:
         index = group_ids(index, n=shape[0], device=log_prob.device)
+    # MoE router log-probs [B, T, layers, k]: zeroed on padding, finite and <= 0 on valid tokens
+    router_log_prob, old_router_log_prob = (
+        check_token_leading(k, inputs.get(k), shape, valid) for k in ("router_log_prob", "old_router_log_prob")
+    )
+    check_log_probabilities("router_log_prob", router_log_prob)
+    check_log_probabilities("old_router_log_prob", old_router_log_prob)
+    if inputs.get("hidden_states") is not None:
+        hidden = require_tensor("hidden_states", inputs["hidden_states"], "[B, T, H]")
+        if hidden.dim() != 3 or tuple(hidden.shape[:2]) != tuple(shape):
+            raise StableRLError(f"hidden_states must have shape [B, T, H] with [B, T] = {tuple(shape)}, got {tuple(hidden.shape)}")
 
     bit_masks: dict[torch.dtype, torch.Tensor] = {}  # per integer width: -1 (all ones) on valid tokens, 0 on padding
 
@@ -286,14 +319,15 @@ def compute_policy_loss(
         versions=inputs.get("versions"),
         policy_version=inputs.get("policy_version"),
         scores=_detached(inputs.get("scores")),
-        router_log_prob=_detached(inputs.get("router_log_prob")),
-        old_router_log_prob=_detached(inputs.get("old_router_log_prob")),
+        router_log_prob=router_log_prob,
+        old_router_log_prob=old_router_log_prob,
         hidden_states=_detached(inputs.get("hidden_states")),
         lm_head_weight=_detached(inputs.get("lm_head_weight")),
         lm_head_exp_avg=_detached(inputs.get("lm_head_exp_avg")),
         lm_head_exp_avg_sq=_detached(inputs.get("lm_head_exp_avg_sq")),
         is_weights=None if inputs.get("is_weights") is None else _as_compute_dtype(inputs["is_weights"].detach()),
         loss_agg_mode=loss_agg_mode,
+        loss_agg_params=loss_agg_params,
         seq_advantages=seq_advantages,
         valid_tokens=valid,
     )
@@ -347,6 +381,7 @@ def compute_advantage(
             f"token_level_rewards must be a [B, T] tensor, got {getattr(token_level_rewards, 'shape', type(token_level_rewards))}"
         )
     ensure_same_shape(("response_mask",), (response_mask,), token_level_rewards.shape)
+    check_mask(response_mask)
     mask = response_mask.to(torch.float32)
     rewards = token_level_rewards.float() if token_level_rewards.dtype != torch.float64 else token_level_rewards
     _check_finite(("token_level_rewards",), (rewards,), mask)
@@ -437,6 +472,13 @@ def filter_batch(
     spec = get_spec(BATCH_FILTER, name)
     extras = _split_extras(spec, kwargs)
     params = build_params(spec, kwargs)
+    require_tensor("response_mask", response_mask, "[B, T] of 0/1 (or bool)")
+    if response_mask.dim() != 2:
+        raise StableRLError(f"response_mask must have shape [B, T], got {tuple(response_mask.shape)}")
+    check_advantages_shape(advantages, response_mask.shape)
+    check_mask(response_mask)
+    if scores is not None:
+        check_per_response("scores", scores, response_mask.shape[0])
     advantages = _as_compute_dtype(advantages.detach())
     if advantages.dim() == 1:
         advantages = advantages.unsqueeze(-1) * response_mask.to(advantages.dtype)

@@ -124,7 +124,16 @@ class AlgorithmSpec:
     # and builds the per-token ``batch.advantages`` only if something reads it. Opt in only when the
     # loss gives bit for bit the result it gives from ``batch.advantages`` (see docs/plugin-anatomy.md).
     seq_advantages: bool = False
+    # scalar-output policy losses: "" when the loss aggregates with the caller's loss_agg_mode and
+    # loss_agg_params (read from the batch); else the mode it always uses (its paper's form), or a
+    # function of its hyper-parameters returning that mode ("" when they make it follow the caller).
+    # Core then refuses loss_agg_params and warns once when another loss_agg_mode is asked for.
+    aggregation: Any = ""
     plugin: str = ""  # filled by the registry: which plugin registered it
+
+    def fixed_aggregation(self, params: Any = None) -> str:
+        """The aggregation this loss always uses with ``params`` ("" when it follows loss_agg_mode)."""
+        return self.aggregation(params) if callable(self.aggregation) else self.aggregation
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -185,6 +194,9 @@ class PolicyLossBatch:
     # framework-computed rollout-correction weights (verl rollout_is_weights), detached
     is_weights: Optional[torch.Tensor] = None
     loss_agg_mode: str = "token-mean"
+    # hyper-parameters of a registered aggregation named by loss_agg_mode (e.g. delta_l); a
+    # scalar-output loss that follows loss_agg_mode passes both to stablerl.ops.aggregate
+    loss_agg_params: Optional[dict[str, Any]] = None
     extras: dict[str, Any] = field(default_factory=dict)
     # [B, 1], only for losses registered with seq_advantages=True and only when the caller's
     # advantages are one per sequence ([B], or a [B, T] view expanded along T): the row's advantage,

@@ -273,8 +273,14 @@ def group_stats(scores: torch.Tensor, gid: torch.Tensor, ctx: Optional[Context] 
     n_groups = int(gid.max().item()) + 1 if gid.numel() else 0
     s = scores.to(torch.float64) if scores.dtype == torch.float64 else scores.float()
     count = torch.zeros(n_groups, dtype=s.dtype, device=s.device).index_add_(0, gid, torch.ones_like(s))
-    total = torch.zeros_like(count).index_add_(0, gid, s)
-    mean = total / count.clamp(min=1)
+    # the mean is taken of the deviations from one member of the group (the first): a group of equal
+    # scores then has mean == that score and std == 0 exactly, so its advantages are exactly 0 at any
+    # group size (a plain fp32 sum of 4096 x 0.7 is off by ulps that std + eps turned into |A| ~ 1)
+    first = torch.full((n_groups,), s.shape[0], dtype=torch.long, device=s.device).scatter_reduce_(
+        0, gid, torch.arange(s.shape[0], device=s.device), "amin")
+    pivot = s[first.clamp(max=max(s.shape[0] - 1, 0))] if n_groups else s[:0]
+    shifted = s - pivot[gid]
+    mean = pivot + torch.zeros_like(count).index_add_(0, gid, shifted) / count.clamp(min=1)
     sq = torch.zeros_like(count).index_add_(0, gid, (s - mean[gid]) ** 2)
     std = torch.sqrt(sq / (count - 1).clamp(min=1))
     return mean[gid], std[gid], count[gid]
@@ -317,5 +323,7 @@ def as_floats(metrics: dict[str, Any]) -> dict[str, float]:
 
 def ensure_same_shape(names: Sequence[str], tensors: Sequence[Optional[torch.Tensor]], shape) -> None:
     for name, t in zip(names, tensors):
+        if t is not None and not isinstance(t, torch.Tensor):
+            raise StableRLError(f"{name} must be a torch.Tensor of shape {tuple(shape)}, got a {type(t).__name__}")
         if t is not None and tuple(t.shape) != tuple(shape):
             raise StableRLError(f"{name} has shape {tuple(t.shape)} but log_prob has shape {tuple(shape)}")

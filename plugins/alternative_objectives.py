@@ -66,8 +66,8 @@ def rpg_loss(b, p: RPGParams, ctx):
     if b.is_weights is not None:
         pg_losses = pg_losses * b.is_weights
     term = rpg_divergence_term(log_ratio, p.divergence)
-    kl_loss = aggregate(term, mask, b.loss_agg_mode, ctx)
-    loss = aggregate(pg_losses, mask, b.loss_agg_mode, ctx) + p.kl_loss_coef * kl_loss
+    kl_loss = aggregate(term, mask, b.loss_agg_mode, ctx, params=b.loss_agg_params)
+    loss = aggregate(pg_losses, mask, b.loss_agg_mode, ctx, params=b.loss_agg_params) + p.kl_loss_coef * kl_loss
     metrics["ppo_kl"] = masked_mean(-log_ratio.detach(), mask)
     metrics["kl_loss"] = masked_mean(term.detach(), mask)
     return loss, metrics
@@ -257,6 +257,7 @@ def register_policy_losses(register):
     )
     register(
         name="pacs",
+        aggregation="sequence mean (seq-mean-token-sum of the per-sequence loss)",
         fn=pacs_loss,
         params=PACSParams,
         output="scalar",
@@ -276,6 +277,8 @@ def register_policy_losses(register):
     )
     register(
         name="gvpo",
+        aggregation=lambda p: "sequence sum (reduction='sum')" if p is None or p.reduction == "sum"
+        else "sequence mean (seq-mean-token-sum of the per-sequence loss)",
         fn=gvpo_loss,
         params=GVPOParams,
         output="scalar",

@@ -404,7 +404,7 @@ def capo_loss(b, p: CapoParams, ctx):
     # the number of sequences is the original one (a fully masked response still counts, as in the reference)
     if ctx.seq_count is None and ctx.dp_size == 1:
         ctx = dataclasses.replace(ctx, seq_count=(valid.sum(-1) > 0).sum())
-    loss = aggregate(pg_losses, keep.detach(), b.loss_agg_mode, ctx)
+    loss = aggregate(pg_losses, keep.detach(), b.loss_agg_mode, ctx, params=b.loss_agg_params)
     # per call, like pg_clipfrac (the reference gathers over processes for logging only)
     n = valid.sum().clamp(min=1).to(torch.float64)
     metrics.update(

@@ -54,7 +54,8 @@ def cpgd_loss(b, p: CPGDParams, ctx):
     drift = drift_weight * lp
 
     mode = b.loss_agg_mode
-    loss = aggregate(pg_losses, mask, mode, ctx) + p.policy_drift_coef * aggregate(drift, mask, mode, ctx)
+    agg = b.loss_agg_params
+    loss = aggregate(pg_losses, mask, mode, ctx, params=agg) + p.policy_drift_coef * aggregate(drift, mask, mode, ctx, params=agg)
 
     d = (lp.detach() - b.old_log_prob)
     clip_high = (adv > 0) & (lp.detach() > upper)

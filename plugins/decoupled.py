@@ -44,6 +44,11 @@ class DecoupledParams(Params):
         check(self.clip_ratio_low >= 0 and self.clip_ratio_high >= 0, "clip_ratio_low/high must be >= 0")
         check(self.clip_ratio_c is None or self.clip_ratio_c > 1, f"clip_ratio_c must be > 1 or None, got {self.clip_ratio_c}")
         check(self.behave_imp_weight_cap is None or self.behave_imp_weight_cap > 0, "behave_imp_weight_cap must be > 0 or None")
+        check(self.behave_imp_weight_floor is None or self.behave_imp_weight_floor >= 0,
+              f"behave_imp_weight_floor must be >= 0 (an importance-weight bound) or None, got {self.behave_imp_weight_floor}")
+        check(self.behave_imp_weight_floor is None or self.behave_imp_weight_cap is None
+              or self.behave_imp_weight_floor < self.behave_imp_weight_cap,
+              "behave_imp_weight_floor must be below behave_imp_weight_cap")
         check(self.behave_imp_weight_mode in ("mask", "clamp"), f"behave_imp_weight_mode must be mask or clamp, got {self.behave_imp_weight_mode!r}")
         check(self.behave_imp_weight_level in ("token", "sequence"), "behave_imp_weight_level must be token or sequence")
 

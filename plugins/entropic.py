@@ -140,7 +140,7 @@ def entropic_loss(b, p: EntroPICParams, ctx):
     pg_losses, metrics = ppo_clip_terms(ratio, adv, mask, p.clip_ratio_low, p.clip_ratio_high, p.clip_ratio_c)
     if b.is_weights is not None:
         pg_losses = pg_losses * b.is_weights
-    loss = aggregate(pg_losses, mask, b.loss_agg_mode, ctx)
+    loss = aggregate(pg_losses, mask, b.loss_agg_mode, ctx, params=b.loss_agg_params)
 
     adjust = -ratio * adv.abs()
     hp_ctx = ctx
@@ -148,7 +148,7 @@ def entropic_loss(b, p: EntroPICParams, ctx):
         # token-mean over the high-prob tokens of the whole mini-batch: the global valid-token count
         # times the (all-reduced) high-prob fraction of this micro-batch
         hp_ctx = dataclasses.replace(ctx, token_count=float(ctx.token_count) * n_hp / max(n_tok, 1.0))
-    loss = loss + alpha * aggregate(adjust, hp, b.loss_agg_mode, hp_ctx)
+    loss = loss + alpha * aggregate(adjust, hp, b.loss_agg_mode, hp_ctx, params=b.loss_agg_params)
 
     metrics["ppo_kl"] = masked_mean(-log_ratio.detach(), mask)
     scalar = lambda v: torch.tensor(float(v), dtype=torch.float32, device=mask.device)  # noqa: E731

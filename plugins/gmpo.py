@@ -86,6 +86,7 @@ def gmpo_loss(b, p: GMPOParams, ctx):
 def register_policy_losses(register):
     register(
         name="gmpo",
+        aggregation="sequence mean (seq-mean-token-sum of the per-sequence loss)",
         fn=gmpo_loss,
         params=GMPOParams,
         paper="2507.20673",

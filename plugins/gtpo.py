@@ -196,8 +196,10 @@ def gtpo_loss(b, p: GTPOParams, ctx):
     per_token = -(ratio * adv_mod.unsqueeze(-1) * delta) / n_conflict.unsqueeze(-1)
     if b.is_weights is not None:
         per_token = per_token * b.is_weights
-    mode = "seq-mean-token-mean" if p.per_completion_norm else b.loss_agg_mode
-    loss = aggregate(per_token, mask, mode, ctx)
+    if p.per_completion_norm:
+        loss = aggregate(per_token, mask, "seq-mean-token-mean", ctx)
+    else:
+        loss = aggregate(per_token, mask, b.loss_agg_mode, ctx, params=b.loss_agg_params)
     dt = mask.dtype
     metrics = {
         "gtpo/conflict_tokens": (conflict & b.bool_mask).sum().to(dt),
@@ -213,6 +215,7 @@ def gtpo_loss(b, p: GTPOParams, ctx):
 def register_policy_losses(register):
     register(
         name="gtpo",
+        aggregation=lambda p: "seq-mean-token-mean" if p is None or p.per_completion_norm else "",
         fn=gtpo_loss,
         params=GTPOParams,
         paper="2508.03772",

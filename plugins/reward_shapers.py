@@ -31,7 +31,7 @@ from stablerl.params import StableRLError, check, nearest
 # ----------------------------------------------------------------------------- shared helpers
 
 
-def per_response(extras: dict, name: str, n: int, device, kind: str = "float") -> torch.Tensor:
+def per_response(extras: dict, name: str, n: int, device, kind: str = "float", nonnegative: bool = False) -> torch.Tensor:
     """The per-response extra ``name`` as a ``[n]`` tensor (bool for ``kind="bool"``, float64 otherwise).
 
     Accepts tensors, numpy arrays and lists; raises a :class:`StableRLError` naming the input on a
@@ -58,6 +58,8 @@ def per_response(extras: dict, name: str, n: int, device, kind: str = "float") -
     value = value.to(torch.float64)
     if not bool(torch.isfinite(value).all()):
         raise StableRLError(f"{name} has non-finite values (NaN or inf)")
+    if nonnegative and n and float(value.min()) < 0:
+        raise StableRLError(f"{name} must be >= 0 per response (a count), got {float(value.min()):g}")
     return value
 
 
@@ -140,7 +142,7 @@ def grpo_lambda(b, p: GRPOLambdaParams, ctx):
     refuse_param_typos(b.extras, GRPOLambdaParams, "grpo_lambda")
     n, device, dt = b.scores.shape[0], b.scores.device, b.scores.dtype
     correct = per_response(b.extras, "correct", n, device, kind="bool")
-    lengths = per_response(b.extras, "lengths", n, device)
+    lengths = per_response(b.extras, "lengths", n, device, nonnegative=True)
     gid = b.index
     n_groups = int(gid.max().item()) + 1 if n else 0
     ratio, _, _ = group_stats(correct.to(torch.float64), gid)  # c_g per response

@@ -73,7 +73,7 @@ def rspo_loss(b, p: RSPOParams, ctx):
     if p.base == "vanilla":  # a per-token base: weight and aggregate it here (gmpo already did)
         if b.is_weights is not None:
             out = out * b.is_weights
-        out = aggregate(out, mask, b.loss_agg_mode, ctx)
+        out = aggregate(out, mask, b.loss_agg_mode, ctx, params=b.loss_agg_params)
     metrics["ppo_kl"] = masked_mean(-clamped_log_ratio(b.log_prob, b.old_log_prob).detach(), mask)  # raw ratio
     metrics["rspo/gamma_mean"] = masked_mean(gamma.to(mask.dtype), mask)
     metrics["rspo/floor_fraction"] = masked_mean((gamma < p.gamma_min).to(mask.dtype), mask)
@@ -84,6 +84,7 @@ def rspo_loss(b, p: RSPOParams, ctx):
 def register_policy_losses(register):
     register(
         name="rspo",
+        aggregation=lambda p: "sequence mean (the gmpo base's)" if p is None or p.base == "gmpo" else "",
         fn=rspo_loss,
         params=RSPOParams,
         output="scalar",

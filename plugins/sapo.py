@@ -108,6 +108,7 @@ def sapo_loss(b, p: SAPOParams, ctx):
 def register_policy_losses(register):
     register(
         name="sapo",
+        aggregation=SAPO_AGG_MODE,
         kind=POLICY_LOSS,
         fn=sapo_loss,
         params=SAPOParams,

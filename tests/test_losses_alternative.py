@@ -164,7 +164,7 @@ def test_degenerate_and_bf16(name):
 def test_rspo_reweights_ratio_before_clip():
     b = make_batch(B=3, T=4, seed=29, dtype=torch.float64, spread=0.3)
     g = torch.Generator().manual_seed(0)
-    old_router = -torch.rand(3, 4, 2, 2, generator=g, dtype=torch.float64)
+    old_router = -1.05 - torch.rand(3, 4, 2, 2, generator=g, dtype=torch.float64)  # + 1.0 below stays a log-prob
     same, m_same = stablerl.compute_policy_loss(
         "rspo", router_log_prob=old_router, old_router_log_prob=old_router, base="vanilla", **b
     )

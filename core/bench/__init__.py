@@ -95,7 +95,7 @@ def make_inputs(B: int, T: int, dtype: torch.dtype, device: str = "cpu", seed: i
     old_entropy = entropy + 0.1 * torch.randn(B, T, generator=g)
     n_layers, k = 2, 2
     router_old = -torch.rand(B, T, n_layers, k, generator=g) * 2
-    router = router_old + 0.1 * torch.randn(B, T, n_layers, k, generator=g)
+    router = (router_old + 0.1 * torch.randn(B, T, n_layers, k, generator=g)).clamp(max=0)  # log-probs: <= 0
     f = lambda t: t.to(device=device, dtype=dtype)  # noqa: E731
     return {
         "log_prob": f(lp),
