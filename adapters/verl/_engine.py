@@ -26,6 +26,10 @@ logger = logging.getLogger("stablerl.adapters.verl")
 
 ENGINE_MODULE = "verl.workers.engine.fsdp.transformer_impl"
 FSDP_BACKENDS = routing.FSDP_BACKENDS
+# verl 0.9.1's fsdp_turbo engine (a subclass of the FSDP engine, cuda/npu only): re-pointed too, so the
+# losses' state rides in its checkpoints as well (routing replay stays fsdp/fsdp2 only, and says so)
+TURBO_MODULE = "verl.workers.engine.fsdp.fsdp_turbo_impl"
+TURBO_BACKENDS = ("fsdp_turbo",)
 _KEY = "engine"  # ledger keys of the registry entries re-pointed to the subclass, and of the hook
 _STATE = routing.ENGINE_STATE  # the worker switch reads it (it never imports this module)
 
@@ -79,34 +83,51 @@ def engine_class(base):
     return StableRLFSDPEngineWithLMHead
 
 
-def _patch_engine_module(module) -> None:
+def _repoint(base, cls, backends) -> None:
     from verl.workers.engine.base import EngineRegistry
 
-    base = module.FSDPEngineWithLMHead
-    cls = _STATE["engine_class"] or engine_class(base)
-    _STATE["engine_class"] = cls
     registry = EngineRegistry._engines.get("language_model", {})
-    for backend in FSDP_BACKENDS:
+    for backend in backends:
         for key, engine in list(registry.get(backend, {}).items()):
             if engine is base:
                 LEDGER.set_item(f"{_KEY}:{backend}:{key}", registry[backend], key, cls)
 
 
-def _apply(module) -> None:
-    # a failed patch must not break verl's own import: log it loudly; routing replay then refuses to
-    # start (the worker switch checks status()) and the losses' state is not checkpointed
-    try:
-        _patch_engine_module(module)
-    except Exception as e:  # noqa: BLE001
-        _STATE["error"] = f"{type(e).__name__}: {e}"
-        logger.error("stablerl: the verl engine patch of %s failed (no routing replay, no loss state in "
-                     "checkpoints): %s", ENGINE_MODULE, _STATE["error"])
+def _patch_engine_module(module) -> None:
+    base = module.FSDPEngineWithLMHead
+    cls = _STATE["engine_class"] or engine_class(base)
+    _STATE["engine_class"] = cls
+    _repoint(base, cls, FSDP_BACKENDS)
+
+
+def _patch_turbo_module(module) -> None:
+    base = module.FSDPTurboEngineWithLMHead
+    cls = _STATE.get("turbo_engine_class") or engine_class(base)
+    _STATE["turbo_engine_class"] = cls
+    _repoint(base, cls, TURBO_BACKENDS)
+
+
+def _guarded(patch, module_name):
+    def apply(module) -> None:
+        # a failed patch must not break verl's own import: log it loudly; routing replay then refuses to
+        # start (the worker switch checks status()) and the losses' state is not checkpointed
+        try:
+            patch(module)
+        except Exception as e:  # noqa: BLE001
+            _STATE["error"] = f"{type(e).__name__}: {e}"
+            logger.error("stablerl: the verl engine patch of %s failed (no routing replay, no loss state in "
+                         "checkpoints): %s", module_name, _STATE["error"])
+    return apply
+
+
+_apply = _guarded(_patch_engine_module, ENGINE_MODULE)
 
 
 def instrument() -> None:
-    """Re-point verl's FSDP engine entries (now if the module is imported, else on import). Idempotent; the
-    adapter's ``uninstrument()`` gives them back to verl's class."""
-    LEDGER.on_import(f"{_KEY}:on_import", {ENGINE_MODULE: _apply})
+    """Re-point verl's FSDP (and fsdp_turbo) engine entries (now if the modules are imported, else on
+    import). Idempotent; the adapter's ``uninstrument()`` gives them back to verl's classes."""
+    LEDGER.on_import(f"{_KEY}:on_import", {ENGINE_MODULE: _apply,
+                                            TURBO_MODULE: _guarded(_patch_turbo_module, TURBO_MODULE)})
 
 
 def status() -> dict[str, Any]:

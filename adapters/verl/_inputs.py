@@ -254,6 +254,18 @@ def dp_group_for(name: str):
     return got.get(_DP_GROUP) if got is not None else None
 
 
+# verl's distillation policy-gradient path (verl.trainer.distillation.losses.distillation_loss with
+# distillation_loss.use_policy_gradient=True) calls the policy loss directly, not through ppo_loss
+OUTSIDE_PPO_LOSS = ("this call did not come through verl.workers.utils.losses.ppo_loss (verl's distillation "
+                    "policy-gradient path, distillation_loss.use_policy_gradient=True, calls the loss directly; "
+                    "or the patch is off: stablerl.adapters.verl.instrument())")
+
+
+def through_ppo_loss(name: str) -> bool:
+    """True inside a call of loss ``name`` that came through the wrapped ``ppo_loss``."""
+    return pending_loss_inputs(name) is not None
+
+
 def inputs_for(name: str, requires, optional=()) -> dict[str, Any]:
     """The declared inputs for a call of stablerl loss ``name`` (from the active wrapper call): the required
     ones and those optional ones the wrapper found in verl's batch.
@@ -266,8 +278,7 @@ def inputs_for(name: str, requires, optional=()) -> dict[str, Any]:
             return {}
         raise VerlInputError(
             f"stablerl loss {name!r} needs {', '.join(requires)}, which stablerl gathers at verl's "
-            "verl.workers.utils.losses.ppo_loss; this call did not come through it (or the patch is off: "
-            "stablerl.adapters.verl.instrument())"
+            f"verl.workers.utils.losses.ppo_loss; {OUTSIDE_PPO_LOSS}. Choose a loss that needs no extra input there"
         )
     return {k: got[k] for k in (*requires, *optional) if k in got}
 

@@ -179,6 +179,13 @@ def make_policy_loss_fn(name: str):
     ) -> tuple[torch.Tensor, dict[str, float]]:
         spec = get_spec(POLICY_LOSS, name)
         ctx, mode = verl_context(config, response_mask, loss_agg_mode, _declared.dp_group_for(name))
+        if spec.batch_statistics and ctx.dp_size > 1 and not _declared.through_ppo_loss(name):
+            # without ppo_loss's DP group its batch statistics would silently be per rank
+            raise _declared.VerlInputError(
+                f"stablerl loss {name!r} takes statistics over the whole batch, which stablerl reduces over the "
+                f"data-parallel ranks with the group verl hands to ppo_loss; {_declared.OUTSIDE_PPO_LOSS}. Use a "
+                "loss without batch statistics there (stablerl describe <name> says which have them), or one rank"
+            )
         ctx.state = _declared.state_for(name)  # per-process, persists across steps (saved with the actor's checkpoint)
         # declared inputs (entropy, token ids, uids...), gathered by the ppo_loss wrapper
         extra = _declared.inputs_for(name, spec.requires, spec.optional_inputs)

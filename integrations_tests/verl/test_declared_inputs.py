@@ -422,3 +422,23 @@ def test_legacy_dense_layout(adapter, declared, name, inputs, params, opts):
     torch.testing.assert_close(loss, ref_loss, rtol=1e-9, atol=1e-12)
     torch.testing.assert_close(grad, ref_grad, rtol=1e-9, atol=1e-12)
     assert grad.abs().sum() > 0
+
+
+def test_distillation_path_refuses_per_rank_batch_statistics(adapter, declared, core_algos):
+    """verl's distillation policy-gradient path calls the loss directly (no ppo_loss, no DP group): a loss
+    with batch statistics is refused there with more than one rank, instead of reducing per rank."""
+    import verl.trainer.distillation.losses as distill
+
+    assert distill.get_policy_loss_fn is core_algos.get_policy_loss_fn  # what distillation_loss calls
+    _, _, _, p = _batch(seed=8)
+    fn = core_algos.get_policy_loss_fn("m2po")
+    args = dict(old_log_prob=p["old_log_prob"], log_prob=p["log_prob"], advantages=p["advantages"],
+                response_mask=p["response_mask"])
+    cfg = _config(adapter, "m2po")
+    cfg.global_batch_info.update(dp_size=2, batch_num_tokens=int(p["response_mask"].sum()) * 2,
+                                 global_batch_size=2 * p["response_mask"].shape[0])
+    with pytest.raises(stablerl.StableRLError, match=r"statistics over the whole batch.*distillation"):
+        fn(config=cfg, **args)
+    cfg.global_batch_info.update(dp_size=1, batch_num_tokens=None, global_batch_size=None)
+    loss, _ = fn(config=cfg, **args)  # one rank: the batch is the whole batch
+    assert torch.isfinite(loss)

@@ -102,3 +102,22 @@ def test_version_policy_reads_the_declared_range(monkeypatch):
     monkeypatch.setenv("STABLERL_ALLOW_UNSUPPORTED", "1")
     with pytest.warns(RuntimeWarning, match="found verl 0.10.1"):
         assert check_version("verl", "0.10.1") == "0.10.1"
+
+
+def test_fsdp_turbo_engine_carries_the_losses_state(adapter):
+    """verl 0.9.1's fsdp_turbo engine is re-pointed like fsdp/fsdp2, so the losses' state (EntroPIC, CAPO)
+    rides in its checkpoints too; uninstrument gives verl's class back."""
+    import verl.workers.engine.fsdp.fsdp_turbo_impl as turbo
+    from verl.workers.engine.base import EngineRegistry
+
+    entries = EngineRegistry._engines["language_model"]["fsdp_turbo"]
+    assert entries, "verl registers the fsdp_turbo engine"
+    for cls in entries.values():
+        assert issubclass(cls, turbo.FSDPTurboEngineWithLMHead) and cls is not turbo.FSDPTurboEngineWithLMHead
+        assert cls.save_checkpoint.__qualname__.startswith("engine_class.<locals>.StableRLFSDPEngineWithLMHead")
+    adapter.uninstrument()
+    try:
+        assert all(c is turbo.FSDPTurboEngineWithLMHead for c in entries.values())
+    finally:
+        adapter.instrument()
+    assert all(c is not turbo.FSDPTurboEngineWithLMHead for c in entries.values())
