@@ -325,7 +325,7 @@ def compute_policy_loss(
         lm_head_weight=_detached(inputs.get("lm_head_weight")),
         lm_head_exp_avg=_detached(inputs.get("lm_head_exp_avg")),
         lm_head_exp_avg_sq=_detached(inputs.get("lm_head_exp_avg_sq")),
-        is_weights=None if inputs.get("is_weights") is None else _as_compute_dtype(inputs["is_weights"].detach()),
+        is_weights=clean(inputs.get("is_weights")),  # zero on padding: garbage there reaches nothing
         loss_agg_mode=loss_agg_mode,
         loss_agg_params=loss_agg_params,
         seq_advantages=seq_advantages,
@@ -333,10 +333,13 @@ def compute_policy_loss(
     )
     if check_finite:
         # seq_advantages is non-finite exactly where the cleaned [B, T] advantages would be
+        reads = set(spec.requires) | set(spec.optional_inputs)
         _check_finite_cleaned(
-            ("log_prob", "old_log_prob", "advantages", "rollout_log_prob"),
+            ("log_prob", "old_log_prob", "advantages", "rollout_log_prob", "entropy", "old_entropy", "is_weights"),
             (batch.log_prob.detach(), batch.old_log_prob,
-             batch.advantages if seq_advantages is None else seq_advantages, batch.rollout_log_prob),
+             batch.advantages if seq_advantages is None else seq_advantages, batch.rollout_log_prob,
+             batch.entropy if "entropy" in reads else None, batch.old_entropy if "old_entropy" in reads else None,
+             batch.is_weights),
         )
     _check_missing(spec, {**inputs, "rollout_log_prob": rollout_log_prob, "entropy": entropy, "index": index})
     correction_metrics: dict[str, Any] = {}
