@@ -86,11 +86,14 @@ def opo_advantage(b, p, ctx):
     gid = b.index
     n_groups = int(gid.max().item()) + 1 if gid.numel() else 0
     zeros = torch.zeros(n_groups, dtype=scores.dtype, device=scores.device)
-    weighted = zeros.index_add(0, gid, lengths * scores)
+    mean, _, count = group_stats(scores, gid)
+    # the weighted mean of the deviations from the group mean, added back: equal scores give a
+    # baseline equal to the score exactly (a plain weighted sum rounds, leaving |A| ~ 1e-7)
+    weighted = zeros.index_add(0, gid, lengths * (scores - mean))
     total_len = zeros.index_add(0, gid, lengths)
-    baseline = (weighted / total_len.clamp(min=1))[gid]  # a group with no valid token: baseline 0
-    _, _, count = group_stats(scores, gid)
-    baseline = torch.where(count > 1, baseline, torch.zeros_like(baseline))
+    baseline = mean + (weighted / total_len.clamp(min=1))[gid]
+    # a group of one, or with no valid token: baseline 0
+    baseline = torch.where((count > 1) & (total_len[gid] > 0), baseline, torch.zeros_like(baseline))
     return _out(scores - baseline, b.response_mask)
 
 

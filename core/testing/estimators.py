@@ -17,7 +17,7 @@ from .shared import _check_batch_statistics, _declared_inputs
 
 ADVANTAGE_ESTIMATOR_PROPERTIES = (
     "spec", "shapes", "masked", "finite", "masked_content", "padding_length", "group_of_one",
-    "equal_rewards", "permutation", "bf16", "declared_inputs", "batch_statistics",
+    "equal_rewards", "permutation", "bf16", "declared_inputs", "batch_statistics", "refusals",
 )
 
 
@@ -46,11 +46,12 @@ def check_advantage_estimator(name: str, *, inputs: Optional[Mapping[str, Any]] 
         ("masked_content", lambda: _adv_masked_content(spec, data, params, reference())),
         ("padding_length", lambda: _adv_padding_length(spec, data, params, reference())),
         ("group_of_one", lambda: _adv_group_of_one(spec, data, params)),
-        ("equal_rewards", lambda: _adv_equal_rewards(spec, data, params)),
+        ("equal_rewards", lambda: _adv_equal_rewards(spec, data, params, inputs)),
         ("permutation", lambda: _adv_permutation(spec, data, params, reference())),
         ("bf16", lambda: _adv_bf16(spec, data, params)),
         ("declared_inputs", lambda: _declared_inputs(spec, data, params)),
         ("batch_statistics", lambda: _check_batch_statistics(spec, params, inputs)),
+        ("refusals", lambda: _adv_refusals(spec, data, params, reference())),
     ]
     _run_checks(spec, checks, skip)
 
@@ -110,16 +111,65 @@ def _adv_group_of_one(spec, data, params) -> None:
         _fail(spec, "group_of_one", "groups of one response give non-finite advantages/returns")
 
 
-def _adv_equal_rewards(spec, data, params) -> None:
+def _adv_equal_rewards(spec, data, params, inputs=None) -> None:
+    """Equal rewards give finite results; an estimator that gives exactly zero advantages to groups of
+    equal 0/1 rewards does so for any equal value and any group size (no rounding turned into signal)."""
     mask = data["response_mask"].bool()
     B, T = mask.shape
     last = mask.long().sum(-1) - 1
+    zero = True
     for value in (0.0, 1.0):
         rewards = torch.zeros(B, T)
         rewards[torch.arange(B), last] = value
         a, r = _run_adv(spec, dict(data, token_level_rewards=rewards), params)
         if not (bool(torch.isfinite(a).all()) and bool(torch.isfinite(r).all())):
             _fail(spec, "equal_rewards", f"all rewards equal to {value} give non-finite advantages/returns")
+        zero = zero and not bool((a != 0).any())
+    if not zero:
+        return
+    big = advantage_batch(spec, seed=5, B=128, group=64, inputs=inputs)
+    big_mask = big["response_mask"].bool()
+    big_last = big_mask.long().sum(-1) - 1
+    for value in (0.7, 0.3, -3.1, 1e3 / 7):
+        rewards = torch.zeros(big_mask.shape)
+        rewards[torch.arange(big_mask.shape[0]), big_last] = value
+        try:
+            a, _ = _run_adv(spec, dict(big, token_level_rewards=rewards), params)
+        except StableRLError:
+            if 0 <= value <= 1:
+                raise
+            continue  # an estimator defined for rewards in [0, 1] may refuse others (bnpo)
+        if bool((a != 0).any()):
+            _fail(spec, "equal_rewards", f"groups of 64 equal rewards {value} give advantages up to "
+                  f"{float(a.abs().max()):.3e}, where equal 0/1 rewards give exactly 0")
+
+
+def _adv_refusals(spec, data, params, out) -> None:
+    """A fractional mask and a NaN reward on a valid token are refused by name; NaN/inf on padding is ignored."""
+    def raises(what, name, **change):
+        try:
+            _run_adv(spec, dict(data, **change), params)
+        except StableRLError as e:
+            if name not in str(e):
+                _fail(spec, "refusals", f"{what} raised an error that does not name {name!r}: {e}")
+            return
+        except Exception as e:  # noqa: BLE001
+            _fail(spec, "refusals", f"{what} raised {type(e).__name__}, not a StableRLError naming {name!r}: {e}")
+        _fail(spec, "refusals", f"{what} was accepted (expected a StableRLError naming {name!r})")
+
+    mask = data["response_mask"]
+    half = mask.float().clone()
+    half[0, 0] = 0.5
+    raises("a 0.5 in response_mask", "response_mask", response_mask=half)
+    rewards = data["token_level_rewards"]
+    bad = rewards.clone()
+    bad[0, 0] = float("nan")
+    raises("a NaN reward on a valid token", "token_level_rewards", token_level_rewards=bad)
+    for value in (float("nan"), float("inf")):
+        dirty = torch.where(mask.bool(), rewards, torch.full((), value, dtype=rewards.dtype))
+        a, r = _run_adv(spec, dict(data, token_level_rewards=dirty), params)
+        _assert_close(spec, "refusals", f"advantages with {value} rewards on padding", a, out[0])
+        _assert_close(spec, "refusals", f"returns with {value} rewards on padding", r, out[1])
 
 
 def _adv_permutation(spec, data, params, out) -> None:

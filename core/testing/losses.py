@@ -37,6 +37,7 @@ from .shared import _check_batch_statistics, _declared_inputs, _declares_batch_s
 POLICY_LOSS_PROPERTIES = (
     "spec", "output", "masked_tokens", "detached_inputs", "is_weights", "bf16", "padding_length",
     "micro_batch", "batch_statistics", "degenerate", "declared_inputs", "undeclared_inputs", "metrics",
+    "non_finite", "refusals",
 )
 
 
@@ -67,6 +68,8 @@ def check_policy_loss(name: str, *, inputs: Optional[Mapping[str, Any]] = None, 
         ("declared_inputs", lambda: _declared_inputs(spec, data, params)),
         ("undeclared_inputs", lambda: _loss_undeclared_inputs(spec, data, params)),
         ("metrics", lambda: _loss_metrics(spec, data, params, inputs)),
+        ("non_finite", lambda: _loss_non_finite(spec, data, mask, params)),
+        ("refusals", lambda: _loss_refusals(spec, data, params)),
     ]
     _run_checks(spec, checks, skip)
 
@@ -290,3 +293,71 @@ def _loss_metrics(spec, data, params, inputs) -> None:
     undeclared = [k for k in m1 if k not in spec.metrics]
     if undeclared:
         _fail(spec, prop, f"emits metrics {undeclared} that spec.metrics does not list (lists {list(spec.metrics)})")
+
+
+def _token_float_inputs(data: dict) -> list[str]:
+    """The floating inputs laid out per token ([B, T] or [B, T, ...]): where padding garbage can hide."""
+    shape = data["response_mask"].shape
+    return [k for k, v in data.items() if k != "response_mask" and isinstance(v, torch.Tensor)
+            and v.is_floating_point() and v.dim() >= 2 and tuple(v.shape[:2]) == tuple(shape)]
+
+
+def _raises_naming(spec, prop, what: str, name: str, call) -> None:
+    try:
+        call()
+    except StableRLError as e:
+        if name not in str(e):
+            _fail(spec, prop, f"{what} raised an error that does not name {name!r}: {e}")
+        return
+    except Exception as e:  # noqa: BLE001
+        _fail(spec, prop, f"{what} raised {type(e).__name__} instead of a StableRLError naming {name!r}: {e}")
+    _fail(spec, prop, f"{what} was accepted (expected a StableRLError naming {name!r})")
+
+
+def _loss_non_finite(spec, data, mask, params) -> None:
+    """NaN / +-inf on padding in any per-token input change nothing (and the padding gets no gradient);
+    a NaN on a valid token of any input the loss reads is refused by the input's name."""
+    prop = "non_finite"
+    loss, _, lp = _run_loss(spec, data, params)
+    grad = _grad(spec, prop, loss, lp)
+    pad = ~mask
+    names = _token_float_inputs(data)
+    for value in (float("nan"), float("inf"), float("-inf")):
+        dirty = dict(data)
+        for k in names:
+            p = pad.reshape(pad.shape + (1,) * (data[k].dim() - 2))
+            dirty[k] = torch.where(p, torch.full((), value, dtype=data[k].dtype), data[k])
+        loss_d, _, lp_d = _run_loss(spec, dirty, params)
+        grad_d = _grad(spec, prop, loss_d, lp_d)
+        _assert_close(spec, prop, f"loss with {value} on padding vs clean padding", loss_d, loss)
+        if not bool(torch.isfinite(grad_d).all()) or bool((grad_d[pad] != 0).any()):
+            _fail(spec, prop, f"{value} on padding reaches the gradient (non-finite or non-zero on masked tokens)")
+        _assert_close(spec, prop, f"valid-token gradient with {value} on padding", grad_d[mask], grad[mask])
+    row, col = 0, 0  # row 0 is full length: (0, 0) is a valid token
+    for k in names + (["scores"] if isinstance(data.get("scores"), torch.Tensor) else []):
+        bad = data[k].clone()
+        if k == "scores":
+            bad[row] = float("nan")
+        else:
+            bad[row, col] = float("nan")
+        _raises_naming(spec, prop, f"a NaN in {k} on a valid token", k, lambda: _run_loss(spec, dict(data, **{k: bad}), params))
+
+
+def _loss_refusals(spec, data, params) -> None:
+    """Inputs that cannot be meant are refused by name: a fractional mask, a list or numpy array for a tensor,
+    advantages of shape [1], an unknown loss_agg_mode."""
+    prop = "refusals"
+    mask = data["response_mask"]
+    half = mask.to(data["log_prob"].dtype).clone()
+    half[0, 0] = 0.5
+    _raises_naming(spec, prop, "a 0.5 in response_mask", "response_mask",
+                   lambda: _run_loss(spec, dict(data, response_mask=half), params))
+    _raises_naming(spec, prop, "old_log_prob given as a list", "old_log_prob",
+                   lambda: _run_loss(spec, dict(data, old_log_prob=data["old_log_prob"].tolist()), params))
+    _raises_naming(spec, prop, "response_mask given as a numpy array", "response_mask",
+                   lambda: _run_loss(spec, dict(data, response_mask=mask.numpy()), params))
+    if mask.shape[0] != 1:
+        _raises_naming(spec, prop, "advantages of shape [1]", "advantages",
+                       lambda: _run_loss(spec, dict(data, advantages=data["advantages"][:1, 0]), params))
+    _raises_naming(spec, prop, "loss_agg_mode='token-means'", "loss_agg_mode",
+                   lambda: _run_loss(spec, data, params, loss_agg_mode="token-means"))
