@@ -32,8 +32,10 @@ _FLOAT_INPUTS = ("log_prob", "old_log_prob", "advantages", "rollout_log_prob", "
 
 def _lengths(B: int, T: int, g: torch.Generator) -> torch.Tensor:
     lengths = torch.randint(1, T + 1, (B,), generator=g)
-    lengths[0] = T
-    lengths[1] = 1  # a row with a single valid token
+    if B > 0:
+        lengths[0] = T
+    if B > 1:
+        lengths[1] = 1  # a row with a single valid token
     return lengths
 
 
@@ -109,7 +111,8 @@ def advantage_batch(spec: AlgorithmSpec, seed: int = 0, B: int = B_ADV, T: int =
     lengths = _lengths(B, T, g)
     mask = torch.arange(T).unsqueeze(0) < lengths.unsqueeze(1)
     scores = torch.randint(0, 2, (B,), generator=g).double()
-    scores[group: 2 * group] = torch.rand(group, generator=g, dtype=torch.float64) * 2 - 0.5  # continuous group
+    continuous = torch.rand(group, generator=g, dtype=torch.float64) * 2 - 0.5
+    scores[group: 2 * group] = continuous[: max(0, min(group, B - group))]  # the second group: continuous scores
     rewards = torch.zeros(B, T, dtype=torch.float64)
     rewards[torch.arange(B), lengths - 1] = scores
     uid = np.array([f"prompt-{i // group}" for i in range(B)], dtype=object)
