@@ -74,6 +74,9 @@ def describe_text(spec: AlgorithmSpec) -> str:
         lines.append("requires:  " + ", ".join(spec.requires))
     if spec.optional_inputs:
         lines.append("reads if given: " + ", ".join(spec.optional_inputs))
+    fixed = spec.fixed_aggregation(spec.params()) if spec.kind == "policy_loss" and spec.output == "scalar" else ""
+    if fixed:
+        lines.append(f"aggregation: always {fixed} (loss_agg_mode is ignored; loss_agg_params refused)")
     if spec.metrics:
         lines.append("metrics:   " + ", ".join(spec.metrics))
     if spec.reference:
