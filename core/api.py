@@ -132,6 +132,24 @@ def _check_missing(spec: AlgorithmSpec, available: dict[str, Any]) -> None:
             )
 
 
+def is_binary_mask(response_mask: torch.Tensor, as_float: torch.Tensor) -> bool:
+    """True when every mask value is exactly 0 or 1 (then a product with it is a select). A bool mask
+    is; an integer one when its min and max are in [0, 1] (one read pass); a float one when
+    ``m - m * m`` is 0 everywhere (one fused pass and a min/max)."""
+    if response_mask.dtype == torch.bool or response_mask.numel() == 0:
+        return True
+    if is_functorch_wrapped(response_mask):
+        return False
+    if not response_mask.dtype.is_floating_point and not response_mask.dtype.is_complex:
+        low, high = torch.aminmax(response_mask)
+        return bool(low >= 0) and bool(high <= 1)
+    if response_mask.dtype.is_complex:
+        return False
+    # m - m*m is 0 exactly for m in {0, -0, 1} (below 1 it is positive, above 1 negative, NaN NaN)
+    low, high = torch.aminmax(torch.addcmul(as_float, as_float, as_float, value=-1))
+    return bool(low == 0) and bool(high == 0)
+
+
 def _check_finite(names, tensors, mask: torch.Tensor) -> None:
     # isfinite(t) | padding over the whole tensor (no boolean-index gather of the valid tokens,
     # which dominated the loss's cost on CPU), and one host sync for all tensors together
@@ -347,13 +365,15 @@ def compute_advantage(
             f"token_level_rewards must be a [B, T] tensor, got {getattr(token_level_rewards, 'shape', type(token_level_rewards))}"
         )
     ensure_same_shape(("response_mask",), (response_mask,), token_level_rewards.shape)
-    mask = response_mask.to(torch.float32)
     rewards = token_level_rewards.float() if token_level_rewards.dtype != torch.float64 else token_level_rewards
-    _check_finite(("token_level_rewards",), (rewards,), mask)
+    # = .to(float32).to(rewards.dtype) (0/1 are exact in both); a bool mask through its uint8 view
+    # (same values; the direct bool -> float cast is several times slower on CPU)
+    mask = (response_mask.view(torch.uint8) if response_mask.dtype == torch.bool else response_mask).to(rewards.dtype)
+    binary = is_binary_mask(response_mask, mask)
     gid = group_ids(index, n=rewards.shape[0], device=rewards.device)
     batch = AdvantageBatch(
         token_level_rewards=rewards,
-        response_mask=mask.to(rewards.dtype),
+        response_mask=mask,
         index=gid,
         entropy=inputs.get("entropy"),
         old_log_prob=inputs.get("old_log_prob"),
@@ -362,11 +382,27 @@ def compute_advantage(
             **{k: v for k, v in inputs.items() if k not in ("entropy", "old_log_prob", "extras")},
         },
     )
+    batch.mask_is_binary = binary
+    # finite on every valid token <=> every score (the masked row sum the estimators read) is finite,
+    # except when finite rewards overflow a sum: then the full check (which passes) decides, as before
+    if not bool(torch.isfinite(batch.scores).all()):
+        _check_finite(("token_level_rewards",), (rewards,), mask)
     _check_missing(spec, {**batch.extras, **inputs, "index": gid})
     advantages, returns = spec.fn(batch, params, ctx)
     m = batch.response_mask
-    advantages, returns = advantages * m, returns * m
-    if not bool(torch.isfinite(advantages).all()):
+    # built by batch.on_response_tokens with a 0/1 mask: masking it again is the identity
+    masked, per_response = batch._masked_output or (None, None)
+    same = returns is advantages  # most estimators return one tensor twice: mask it once
+    prebuilt = masked is not None and advantages is masked
+    advantages = advantages if prebuilt else advantages * m
+    returns = advantages if same else (returns if masked is not None and returns is masked else returns * m)
+    if advantages.numel() == 0:
+        finite = True
+    elif prebuilt:  # x * m (m 0/1, every row non-empty) is finite everywhere exactly where x is
+        finite = bool(torch.isfinite(per_response).all())
+    else:  # min and max propagate NaN and +-inf: one vectorised read pass instead of isfinite's
+        finite = bool(torch.isfinite(torch.stack(torch.aminmax(advantages))).all())
+    if not finite:
         raise StableRLError(f"advantage estimator {name!r} produced non-finite advantages")
     return advantages, returns
 
