@@ -140,11 +140,13 @@ def is_binary_mask(response_mask: torch.Tensor, as_float: torch.Tensor) -> bool:
         return True
     if is_functorch_wrapped(response_mask):
         return False
-    if not response_mask.dtype.is_floating_point and not response_mask.dtype.is_complex:
-        low, high = torch.aminmax(response_mask)
-        return bool(low >= 0) and bool(high <= 1)
     if response_mask.dtype.is_complex:
         return False
+    if not response_mask.dtype.is_floating_point:
+        # integers: 0/1 iff min and max lie in [0, 1]; read on the float copy (half the bytes of an
+        # int64 mask), which keeps 0 and 1 and turns no other integer into either
+        low, high = torch.aminmax(as_float)
+        return bool(low >= 0) and bool(high <= 1)
     # m - m*m is 0 exactly for m in {0, -0, 1} (below 1 it is positive, above 1 negative, NaN NaN)
     low, high = torch.aminmax(torch.addcmul(as_float, as_float, as_float, value=-1))
     return bool(low == 0) and bool(high == 0)
