@@ -153,3 +153,69 @@ def test_scores_follow_a_reassigned_field():
     assert b.scores is first  # computed once
     b.token_level_rewards = rewards * 2
     assert torch.equal(b.scores, first * 2)
+
+
+# ----------------------------------------------------------------------------- half precision: recompute
+
+
+# every loss recomputed by default: no batch statistics
+RECOMPUTED = [s.name for s in stablerl.list_algorithms("policy_loss")
+              if s.status != "unavailable" and s.fn is not None and not s.batch_statistics]
+
+
+def _half_inputs(dtype, B=6, T=40):
+    from stablerl import bench
+
+    return bench.make_inputs(B, T, dtype, vocab=64)
+
+
+def _loss_and_grad(name, inp, **kw):
+    from stablerl import bench
+
+    spec = stablerl.get_spec("policy_loss", name)
+    lp = inp["log_prob"].detach().clone().requires_grad_(True)
+
+    def call(x):
+        return stablerl.compute_policy_loss(name, log_prob=x, old_log_prob=inp["old_log_prob"],
+                                            advantages=inp["advantages"], response_mask=inp["response_mask"],
+                                            **{k: inp[k] for k in spec.requires}, **kw)
+
+    loss, metrics = call(lp)
+    (grad,) = torch.autograd.grad(loss, lp)
+    return loss.detach(), grad, metrics, bench.saved_bytes(call, inp)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("name", RECOMPUTED)
+def test_half_precision_recompute_is_bit_identical_and_keeps_nothing(name, dtype):
+    inp = _half_inputs(dtype)
+    kept_loss, kept_grad, kept_metrics, kept_bytes = _loss_and_grad(name, inp, recompute_half=False)
+    loss, grad, metrics, saved = _loss_and_grad(name, inp)  # default: recomputed
+    assert loss.dtype == kept_loss.dtype == torch.float32 and grad.dtype == dtype
+    assert torch.equal(loss.view(torch.int32), kept_loss.view(torch.int32))
+    assert torch.equal(grad.view(torch.int16), kept_grad.view(torch.int16))
+    assert metrics == kept_metrics
+    assert saved == 4 < kept_bytes  # only the scalar loss; the inputs are the caller's
+
+
+def test_recompute_only_where_a_second_forward_is_the_same():
+    inp = _half_inputs(torch.bfloat16)
+    # batch statistics (clip_cov's random selection may draw from ctx.generator): kept, not recomputed
+    *_, saved = _loss_and_grad("clip_cov", inp)
+    assert saved > 4
+    *_, saved = _loss_and_grad("vanilla", inp, recompute_half=False)
+    assert saved > 4
+    # a collective in the context: kept
+    ctx = stablerl.Context(all_reduce_fn=lambda t, op: t)
+    *_, saved = _loss_and_grad("vanilla", inp, ctx=ctx)
+    assert saved > 4
+    # fp32 inputs: nothing to recompute
+    *_, saved = _loss_and_grad("vanilla", _half_inputs(torch.float32))
+    assert saved > 4
+
+
+def test_recompute_still_raises_on_non_finite_input():
+    inp = _half_inputs(torch.bfloat16)
+    inp["old_log_prob"][0, 0] = float("nan")
+    with pytest.raises(StableRLError, match="old_log_prob has non-finite values"):
+        _loss_and_grad("vanilla", inp)
