@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from typing import Any, Optional
 
 import torch
@@ -214,11 +215,11 @@ def compute_policy_loss(
     hyper-parameters are ``loss_agg_params`` (per-token losses only). Returns the
     scalar loss and a dict of plain-float metrics.
 
-    Half-precision ``log_prob`` (bf16/fp16) is computed in fp32. With ``recompute_half`` (default:
-    on wherever it is safe, see :func:`_recomputes`) autograd keeps only the inputs in their own
-    dtype, and backward recomputes the fp32 forward (``torch.utils.checkpoint``): the loss and the
-    gradient are bit for bit those of the fp32 computation, at about verl's bf16 memory, for one
-    more forward in backward.
+    Half-precision ``log_prob`` (bf16/fp16) is computed in fp32. With ``recompute_half=True`` (or
+    ``STABLERL_RECOMPUTE_HALF=1``; only where it is safe, see :func:`_recomputes`) autograd keeps
+    only the inputs in their own dtype, and backward recomputes the fp32 forward
+    (``torch.utils.checkpoint``): the loss and the gradient are bit for bit those of the fp32
+    computation, with nothing but the scalar loss held for backward, for one more forward.
     """
     spec = get_spec(POLICY_LOSS, name)
     inputs = {k: kwargs.pop(k) for k in list(kwargs) if k in _LOSS_INPUTS}
@@ -368,11 +369,15 @@ def _recomputes(recompute_half: Optional[bool], log_prob: torch.Tensor, spec: Al
     of kept. Only where a second forward is the same pure function of the inputs: reverse-mode
     autograd on a plain tensor (no ``torch.func`` transform), a loss without batch statistics
     (which may reduce over ranks or keep state), no collective in ``ctx``, no rollout correction,
-    a built-in aggregation. ``recompute_half=False`` turns it off; ``True`` asks for it (still only
-    where safe)."""
+    a built-in aggregation. Off by default: the second forward costs time (measured 1.2-3.5x verl's
+    bf16 step on CPU, docs/benchmarks.md); ``recompute_half=True`` or the environment variable
+    ``STABLERL_RECOMPUTE_HALF=1`` (for the framework adapters, which do not pass the keyword) turn
+    it on, still only where safe."""
     from .ops import AGG_MODES
 
-    if recompute_half is False or log_prob.dtype not in (torch.float16, torch.bfloat16):
+    if recompute_half is None:
+        recompute_half = os.environ.get("STABLERL_RECOMPUTE_HALF", "0") not in ("", "0", "false", "False")
+    if not recompute_half or log_prob.dtype not in (torch.float16, torch.bfloat16):
         return False
     return (
         log_prob.requires_grad

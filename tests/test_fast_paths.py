@@ -190,7 +190,7 @@ def _loss_and_grad(name, inp, **kw):
 def test_half_precision_recompute_is_bit_identical_and_keeps_nothing(name, dtype):
     inp = _half_inputs(dtype)
     kept_loss, kept_grad, kept_metrics, kept_bytes = _loss_and_grad(name, inp, recompute_half=False)
-    loss, grad, metrics, saved = _loss_and_grad(name, inp)  # default: recomputed
+    loss, grad, metrics, saved = _loss_and_grad(name, inp, recompute_half=True)
     assert loss.dtype == kept_loss.dtype == torch.float32 and grad.dtype == dtype
     assert torch.equal(loss.view(torch.int32), kept_loss.view(torch.int32))
     assert torch.equal(grad.view(torch.int16), kept_grad.view(torch.int16))
@@ -201,16 +201,25 @@ def test_half_precision_recompute_is_bit_identical_and_keeps_nothing(name, dtype
 def test_recompute_only_where_a_second_forward_is_the_same():
     inp = _half_inputs(torch.bfloat16)
     # batch statistics (clip_cov's random selection may draw from ctx.generator): kept, not recomputed
-    *_, saved = _loss_and_grad("clip_cov", inp)
+    *_, saved = _loss_and_grad("clip_cov", inp, recompute_half=True)
     assert saved > 4
-    *_, saved = _loss_and_grad("vanilla", inp, recompute_half=False)
+    *_, saved = _loss_and_grad("vanilla", inp)  # off by default
     assert saved > 4
     # a collective in the context: kept
     ctx = stablerl.Context(all_reduce_fn=lambda t, op: t)
-    *_, saved = _loss_and_grad("vanilla", inp, ctx=ctx)
+    *_, saved = _loss_and_grad("vanilla", inp, ctx=ctx, recompute_half=True)
     assert saved > 4
     # fp32 inputs: nothing to recompute
-    *_, saved = _loss_and_grad("vanilla", _half_inputs(torch.float32))
+    *_, saved = _loss_and_grad("vanilla", _half_inputs(torch.float32), recompute_half=True)
+    assert saved > 4
+
+
+def test_recompute_switch_from_the_environment(monkeypatch):
+    inp = _half_inputs(torch.bfloat16)
+    monkeypatch.setenv("STABLERL_RECOMPUTE_HALF", "1")
+    *_, saved = _loss_and_grad("vanilla", inp)
+    assert saved == 4
+    *_, saved = _loss_and_grad("vanilla", inp, recompute_half=False)
     assert saved > 4
 
 
@@ -218,4 +227,4 @@ def test_recompute_still_raises_on_non_finite_input():
     inp = _half_inputs(torch.bfloat16)
     inp["old_log_prob"][0, 0] = float("nan")
     with pytest.raises(StableRLError, match="old_log_prob has non-finite values"):
-        _loss_and_grad("vanilla", inp)
+        _loss_and_grad("vanilla", inp, recompute_half=True)
