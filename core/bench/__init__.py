@@ -220,6 +220,24 @@ def _verl_call(fn: Callable, inputs: dict, cfg, loss_agg_mode: str) -> Callable:
     return call
 
 
+def with_recompute(call: Callable) -> Callable:
+    """``call`` with ``STABLERL_RECOMPUTE_HALF=1`` during its forward (the adapters do not pass
+    ``recompute_half``; the choice is made in forward, backward then recomputes)."""
+
+    def wrapped(lp: torch.Tensor):
+        before = os.environ.get("STABLERL_RECOMPUTE_HALF")
+        os.environ["STABLERL_RECOMPUTE_HALF"] = "1"
+        try:
+            return call(lp)
+        finally:
+            if before is None:
+                del os.environ["STABLERL_RECOMPUTE_HALF"]
+            else:
+                os.environ["STABLERL_RECOMPUTE_HALF"] = before
+
+    return wrapped
+
+
 # ----------------------------------------------------------------------------- measurement
 
 
@@ -501,6 +519,8 @@ def run(
         result["trl"] = {"version": bench_trl.trl_version(), "losses": {k: bench_trl.describe(k) for k in trl_pairs}}
     if core_algos is None and use_verl:
         result["note"] = "verl is not installed: only the relative-to-vanilla table (pip install 'stablerl[verl]')"
+    recompute_on = os.environ.get("STABLERL_RECOMPUTE_HALF", "0") not in ("", "0", "false", "False")
+    result["config"]["recompute_half"] = recompute_on
     torch.manual_seed(0)
     for label, B, T in shapes:
         for dname in dtypes:
@@ -516,6 +536,11 @@ def run(
                         entry["baseline"] = f"verl:{VERL_TWINS[name]}"
                         row = compare(ours, base, inputs, device, repeats, max_s=max_s)
                         row.update(agreement(ours, base, inputs))
+                        if DTYPES[dname] in (torch.bfloat16, torch.float16) and not recompute_on:
+                            # the same adapter call with the fp32 forward recomputed in backward
+                            again = compare(with_recompute(ours), base, inputs, device, repeats, max_s=max_s)
+                            row["recompute_half"] = {k: again[k] for k in (
+                                "time_ratio", "time_ratio_min", "mem_ratio", "ours_ms_min", "ours_mem_mb")}
                     else:
                         ours = ours_fn(name, inputs)
                         entry["baseline"] = "stablerl:vanilla"
@@ -579,8 +604,8 @@ def markdown(result: dict) -> str:
         head = "| loss | baseline | case | time ratio median [min] | best/best | ours ms best (median) | base ms best (median) | mem ratio | ours MiB | base MiB |"
         sep = "|---|---|---|---|---|---|---|---|---|---|"
         if agree:
-            head += " loss diff | grad rel diff |"
-            sep += "---|---|"
+            head += " loss diff | grad rel diff | recompute_half: time / mem ratio |"
+            sep += "---|---|---|"
         lines.extend([head, sep])
         for name, e in entries.items():
             for case, c in e["cases"].items():
@@ -594,6 +619,8 @@ def markdown(result: dict) -> str:
                 )
                 if agree:
                     row += f" {c['loss_abs_diff']:.1e} | {c['grad_max_rel_diff']:.1e} |"
+                    rc = c.get("recompute_half")
+                    row += f" {rc['time_ratio']:.2f} / {rc['mem_ratio']:.2f} |" if rc else " - |"
                 lines.append(row)
         lines.append("")
 
