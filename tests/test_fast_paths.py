@@ -228,3 +228,31 @@ def test_recompute_still_raises_on_non_finite_input():
     inp["old_log_prob"][0, 0] = float("nan")
     with pytest.raises(StableRLError, match="old_log_prob has non-finite values"):
         _loss_and_grad("vanilla", inp, recompute_half=True)
+
+
+# ----------------------------------------------------------------------------- bapo's bound search
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_bapo_search_from_signed_advantages_is_bit_identical(seed, monkeypatch):
+    from stablerl.plugins import bapo
+
+    g = torch.Generator().manual_seed(seed)
+    B, T = 8, 300
+    mask = (torch.arange(T)[None] < torch.randint(1, T + 1, (B, 1), generator=g)).float()
+    adv = torch.randn(B, 1, generator=g).expand(B, T) * mask
+    adv[0, :5] = torch.tensor([0.0, -0.0, 1e-30, -1e-30, 3.0])
+    ratio = torch.exp(0.4 * torch.randn(B, T, generator=g)) * mask + (1 - mask)
+    p = bapo.BAPOParams()
+    assert bapo._statistics_by_signed_advantages(ratio, adv, mask)
+    assert not bapo._statistics_by_signed_advantages(ratio, adv + (1 - mask), mask)  # A nonzero on padding
+    assert not bapo._statistics_by_signed_advantages(-ratio, adv, mask)
+    # the statistics themselves (through the all-reduce), not only the chosen bounds
+    seen = []
+    ctx = stablerl.Context(all_reduce_fn=lambda t, op: seen.append(t.clone()) or t)
+    fast = bapo.bapo_bounds(ratio, adv, mask, p, ctx)
+    monkeypatch.setattr(bapo, "_statistics_by_signed_advantages", lambda *a: False)
+    general = bapo.bapo_bounds(ratio, adv, mask, p, ctx)
+    assert torch.equal(seen[0].view(torch.int32), seen[1].view(torch.int32))
+    for a, b in zip(fast, general):
+        assert torch.equal(a.view(torch.int32), b.view(torch.int32))
