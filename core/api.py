@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from typing import Any, Optional
 
 import torch
@@ -142,6 +143,26 @@ def _check_missing(spec: AlgorithmSpec, available: dict[str, Any]) -> None:
             )
 
 
+def is_binary_mask(response_mask: torch.Tensor, as_float: torch.Tensor) -> bool:
+    """True when every mask value is exactly 0 or 1 (then a product with it is a select). A bool mask
+    is; an integer one when its min and max are in [0, 1] (one read pass); a float one when
+    ``m - m * m`` is 0 everywhere (one fused pass and a min/max)."""
+    if response_mask.dtype == torch.bool or response_mask.numel() == 0:
+        return True
+    if is_functorch_wrapped(response_mask):
+        return False
+    if response_mask.dtype.is_complex:
+        return False
+    if not response_mask.dtype.is_floating_point:
+        # integers: 0/1 iff min and max lie in [0, 1]; read on the float copy (half the bytes of an
+        # int64 mask), which keeps 0 and 1 and turns no other integer into either
+        low, high = torch.aminmax(as_float)
+        return bool(low >= 0) and bool(high <= 1)
+    # m - m*m is 0 exactly for m in {0, -0, 1} (below 1 it is positive, above 1 negative, NaN NaN)
+    low, high = torch.aminmax(torch.addcmul(as_float, as_float, as_float, value=-1))
+    return bool(low == 0) and bool(high == 0)
+
+
 def _check_finite(names, tensors, mask: torch.Tensor) -> None:
     # isfinite(t) | padding over the whole tensor (no boolean-index gather of the valid tokens,
     # which dominated the loss's cost on CPU), and one host sync for all tensors together
@@ -189,6 +210,7 @@ def compute_policy_loss(
     rollout_correction: Optional[str] = None,
     rollout_correction_params: Optional[dict[str, Any]] = None,
     check_finite: bool = True,
+    recompute_half: Optional[bool] = None,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Compute the registered policy loss ``name``.
@@ -202,6 +224,12 @@ def compute_policy_loss(
     ``loss_agg_mode`` may also name a registered aggregation (``delta_l``), whose
     hyper-parameters are ``loss_agg_params`` (per-token losses only). Returns the
     scalar loss and a dict of plain-float metrics.
+
+    Half-precision ``log_prob`` (bf16/fp16) is computed in fp32. With ``recompute_half=True`` (or
+    ``STABLERL_RECOMPUTE_HALF=1``; only where it is safe, see :func:`_recomputes`) autograd keeps
+    only the inputs in their own dtype, and backward recomputes the fp32 forward
+    (``torch.utils.checkpoint``): the loss and the gradient are bit for bit those of the fp32
+    computation, with nothing but the scalar loss held for backward, for one more forward.
     """
     spec = get_spec(POLICY_LOSS, name)
     inputs = {k: kwargs.pop(k) for k in list(kwargs) if k in _LOSS_INPUTS}
@@ -252,20 +280,12 @@ def compute_policy_loss(
         scores = check_per_response("scores", inputs["scores"], shape[0])
         if not bool(torch.isfinite(scores).all()):
             raise StableRLError("scores has non-finite values (NaN or inf)")
-    if response_mask.dtype == torch.bool:
-        # bool -> float through a uint8 view: same 0/1 values, and a vectorised cast (the direct
-        # bool -> float cast is several times slower on CPU)
-        valid = response_mask
-        mask = response_mask.view(torch.uint8).to(torch.float32)
-    else:
-        mask = response_mask.to(torch.float32)
-        valid = mask.bool()
     index = inputs.get("index")
     if index is not None:
         index = group_ids(index, n=shape[0], device=log_prob.device)
     # MoE router log-probs [B, T, layers, k]: zeroed on padding, finite and <= 0 on valid tokens
     router_log_prob, old_router_log_prob = (
-        check_token_leading(k, inputs.get(k), shape, valid) for k in ("router_log_prob", "old_router_log_prob")
+        check_token_leading(k, inputs.get(k), shape, response_mask) for k in ("router_log_prob", "old_router_log_prob")
     )
     check_log_probabilities("router_log_prob", router_log_prob)
     check_log_probabilities("old_router_log_prob", old_router_log_prob)
@@ -274,89 +294,139 @@ def compute_policy_loss(
         if hidden.dim() != 3 or tuple(hidden.shape[:2]) != tuple(shape):
             raise StableRLError(f"hidden_states must have shape [B, T, H] with [B, T] = {tuple(shape)}, got {tuple(hidden.shape)}")
 
-    bit_masks: dict[torch.dtype, torch.Tensor] = {}  # per integer width: -1 (all ones) on valid tokens, 0 on padding
+    def loss_of(lp: torch.Tensor):
+        # everything from the inputs to the loss: on the recompute path this runs again in backward,
+        # so the fp32 copies of half-precision inputs are rebuilt there, not held until then
+        if response_mask.dtype == torch.bool:
+            # bool -> float through a uint8 view: same 0/1 values, and a vectorised cast (the direct
+            # bool -> float cast is several times slower on CPU)
+            valid = response_mask
+            mask = response_mask.view(torch.uint8).to(torch.float32)
+        else:
+            mask = response_mask.to(torch.float32)
+            valid = mask.bool()
 
-    def clean(t: Optional[torch.Tensor], detach: bool = True) -> Optional[torch.Tensor]:
-        # padding may hold garbage (NaN/inf) in framework tensors: zero it before any arithmetic,
-        # so neither the loss nor its gradient can pick up a NaN from a masked position
-        if t is None:
-            return None
-        t = _as_compute_dtype(t.detach() if detach else t)
-        int_type = _SAME_WIDTH_INT.get(t.dtype)
-        if int_type is None or t.numel() < _BIT_PATH_MIN_NUMEL or t.device.type != "cpu":  # e.g. integer advantages
-            return torch.where(valid, t, torch.zeros((), dtype=t.dtype, device=t.device))
-        bits = bit_masks.get(int_type)
-        if bits is None:
-            bits = bit_masks[int_type] = valid.view(torch.uint8).to(int_type).neg_()
-        if not detach:  # log_prob: may carry a gradient, a forward-mode tangent or a torch.func wrapper
-            return _ZeroPadding.apply(t, valid, bits)
-        return _zero_padding_bits(t, bits)
+        bit_masks: dict[torch.dtype, torch.Tensor] = {}  # per integer width: -1 (all ones) on valid tokens, 0 on padding
 
-    # sequence-level advantages ([B], or [B, T] expanded along T) for a loss that opted in: a cleaned
-    # [B, 1] tensor (+0.0 on a row without a valid token, so garbage there reaches nothing) and the
-    # [B, T] copy only if something reads batch.advantages; every other loss gets today's batch.
-    # Only with check_finite: the losses' products with A on padding are then finite, so the mask
-    # product zeroes them (a non-finite A on a valid token, let through by check_finite=False,
-    # would turn padding into NaN where today's zeroed advantages give +-inf)
-    seq_advantages = None
-    if spec.seq_advantages and check_finite and shape[1] > 0 and advantages.stride(1) == 0:
-        # = valid.any(-1, keepdim=True); a max over the uint8 view is vectorised (any over bool is not)
-        row_valid = valid.view(torch.uint8).amax(-1, keepdim=True).bool()
-        per_row = _as_compute_dtype(advantages[:, :1].detach())
-        seq_advantages = torch.where(row_valid, per_row, torch.zeros((), dtype=per_row.dtype, device=per_row.device))
-    batch_type = PolicyLossBatch if seq_advantages is None else _LazyAdvantagesBatch
-    batch = batch_type(
-        log_prob=clean(log_prob, detach=False),
-        old_log_prob=clean(old_log_prob),
-        advantages=clean(advantages) if seq_advantages is None else (lambda: clean(advantages)),
-        response_mask=mask,
-        rollout_log_prob=clean(rollout_log_prob),
-        entropy=clean(entropy),
-        old_entropy=clean(inputs.get("old_entropy")),
-        token_ids=inputs.get("token_ids"),
-        index=index,
-        turn_ids=inputs.get("turn_ids"),
-        versions=inputs.get("versions"),
-        policy_version=inputs.get("policy_version"),
-        scores=_detached(inputs.get("scores")),
-        router_log_prob=router_log_prob,
-        old_router_log_prob=old_router_log_prob,
-        hidden_states=_detached(inputs.get("hidden_states")),
-        lm_head_weight=_detached(inputs.get("lm_head_weight")),
-        lm_head_exp_avg=_detached(inputs.get("lm_head_exp_avg")),
-        lm_head_exp_avg_sq=_detached(inputs.get("lm_head_exp_avg_sq")),
-        is_weights=clean(inputs.get("is_weights")),  # zero on padding: garbage there reaches nothing
-        loss_agg_mode=loss_agg_mode,
-        loss_agg_params=loss_agg_params,
-        seq_advantages=seq_advantages,
-        valid_tokens=valid,
-    )
-    if check_finite:
-        # seq_advantages is non-finite exactly where the cleaned [B, T] advantages would be
-        reads = set(spec.requires) | set(spec.optional_inputs)
-        _check_finite_cleaned(
-            ("log_prob", "old_log_prob", "advantages", "rollout_log_prob", "entropy", "old_entropy", "is_weights"),
-            (batch.log_prob.detach(), batch.old_log_prob,
-             batch.advantages if seq_advantages is None else seq_advantages, batch.rollout_log_prob,
-             batch.entropy if "entropy" in reads else None, batch.old_entropy if "old_entropy" in reads else None,
-             batch.is_weights),
+        def clean(t: Optional[torch.Tensor], detach: bool = True) -> Optional[torch.Tensor]:
+            # padding may hold garbage (NaN/inf) in framework tensors: zero it before any arithmetic,
+            # so neither the loss nor its gradient can pick up a NaN from a masked position
+            if t is None:
+                return None
+            t = _as_compute_dtype(t.detach() if detach else t)
+            int_type = _SAME_WIDTH_INT.get(t.dtype)
+            if int_type is None or t.numel() < _BIT_PATH_MIN_NUMEL or t.device.type != "cpu":  # e.g. integer advantages
+                return torch.where(valid, t, torch.zeros((), dtype=t.dtype, device=t.device))
+            bits = bit_masks.get(int_type)
+            if bits is None:
+                bits = bit_masks[int_type] = valid.view(torch.uint8).to(int_type).neg_()
+            if not detach:  # log_prob: may carry a gradient, a forward-mode tangent or a torch.func wrapper
+                return _ZeroPadding.apply(t, valid, bits)
+            return _zero_padding_bits(t, bits)
+
+        # sequence-level advantages ([B], or [B, T] expanded along T) for a loss that opted in: a cleaned
+        # [B, 1] tensor (+0.0 on a row without a valid token, so garbage there reaches nothing) and the
+        # [B, T] copy only if something reads batch.advantages; every other loss gets today's batch.
+        # Only with check_finite: the losses' products with A on padding are then finite, so the mask
+        # product zeroes them (a non-finite A on a valid token, let through by check_finite=False,
+        # would turn padding into NaN where today's zeroed advantages give +-inf)
+        seq_advantages = None
+        if spec.seq_advantages and check_finite and shape[1] > 0 and advantages.stride(1) == 0:
+            # = valid.any(-1, keepdim=True); a max over the uint8 view is vectorised (any over bool is not)
+            row_valid = valid.view(torch.uint8).amax(-1, keepdim=True).bool()
+            per_row = _as_compute_dtype(advantages[:, :1].detach())
+            seq_advantages = torch.where(row_valid, per_row, torch.zeros((), dtype=per_row.dtype, device=per_row.device))
+        batch_type = PolicyLossBatch if seq_advantages is None else _LazyAdvantagesBatch
+        batch = batch_type(
+            log_prob=clean(lp, detach=False),
+            old_log_prob=clean(old_log_prob),
+            advantages=clean(advantages) if seq_advantages is None else (lambda: clean(advantages)),
+            response_mask=mask,
+            rollout_log_prob=clean(rollout_log_prob),
+            entropy=clean(entropy),
+            old_entropy=clean(inputs.get("old_entropy")),
+            token_ids=inputs.get("token_ids"),
+            index=index,
+            turn_ids=inputs.get("turn_ids"),
+            versions=inputs.get("versions"),
+            policy_version=inputs.get("policy_version"),
+            scores=_detached(inputs.get("scores")),
+            router_log_prob=router_log_prob,
+            old_router_log_prob=old_router_log_prob,
+            hidden_states=_detached(inputs.get("hidden_states")),
+            lm_head_weight=_detached(inputs.get("lm_head_weight")),
+            lm_head_exp_avg=_detached(inputs.get("lm_head_exp_avg")),
+            lm_head_exp_avg_sq=_detached(inputs.get("lm_head_exp_avg_sq")),
+            is_weights=clean(inputs.get("is_weights")),  # zero on padding: garbage there reaches nothing
+            loss_agg_mode=loss_agg_mode,
+            loss_agg_params=loss_agg_params,
+            seq_advantages=seq_advantages,
+            valid_tokens=valid,
         )
-    _check_missing(spec, {**inputs, "rollout_log_prob": rollout_log_prob, "entropy": entropy, "index": index})
-    correction_metrics: dict[str, Any] = {}
-    if correction is not None:
-        weights, correction_metrics = correction.fn(batch, correction_params, ctx)
-        batch.is_weights = weights.detach()
-    out, metrics = spec.fn(batch, params, ctx)
-    metrics = {**metrics, **correction_metrics}
-    if spec.output == "per_token":
-        if batch.is_weights is not None:
-            out = out * batch.is_weights
-        loss = aggregate(out, valid, loss_agg_mode, ctx, params=loss_agg_params)
+        if check_finite:
+            # seq_advantages is non-finite exactly where the cleaned [B, T] advantages would be
+            reads = set(spec.requires) | set(spec.optional_inputs)
+            _check_finite_cleaned(
+                ("log_prob", "old_log_prob", "advantages", "rollout_log_prob", "entropy", "old_entropy", "is_weights"),
+                (batch.log_prob.detach(), batch.old_log_prob,
+                 batch.advantages if seq_advantages is None else seq_advantages, batch.rollout_log_prob,
+                 batch.entropy if "entropy" in reads else None, batch.old_entropy if "old_entropy" in reads else None,
+                 batch.is_weights),
+            )
+        _check_missing(spec, {**inputs, "rollout_log_prob": rollout_log_prob, "entropy": entropy, "index": index})
+        correction_metrics: dict[str, Any] = {}
+        if correction is not None:
+            weights, correction_metrics = correction.fn(batch, correction_params, ctx)
+            batch.is_weights = weights.detach()
+        out, metrics = spec.fn(batch, params, ctx)
+        metrics = {**metrics, **correction_metrics}
+        if spec.output == "per_token":
+            if batch.is_weights is not None:
+                out = out * batch.is_weights
+            loss = aggregate(out, valid, loss_agg_mode, ctx, params=loss_agg_params)
+        else:
+            loss = out
+        bit_masks.clear()  # the pattern is rebuilt on a recompute, not held until backward
+        return loss, metrics
+
+    if _recomputes(recompute_half, log_prob, spec, ctx, correction, loss_agg_mode, loss_agg_params):
+        from torch.utils.checkpoint import checkpoint
+
+        loss, metrics = checkpoint(loss_of, log_prob, use_reentrant=False)
     else:
-        loss = out
+        loss, metrics = loss_of(log_prob)
     if loss.dim() != 0:
         raise StableRLError(f"policy loss {name!r} returned shape {tuple(loss.shape)}, expected a scalar")
     return loss, as_floats(metrics)
+
+
+def _recomputes(recompute_half: Optional[bool], log_prob: torch.Tensor, spec: AlgorithmSpec, ctx: Context,
+                correction, loss_agg_mode: str, loss_agg_params) -> bool:
+    """Whether the fp32 forward of a half-precision ``log_prob`` is recomputed in backward instead
+    of kept. Only where a second forward is the same pure function of the inputs: reverse-mode
+    autograd on a plain tensor (no ``torch.func`` transform), a loss without batch statistics
+    (which may reduce over ranks or keep state), no collective in ``ctx``, no rollout correction,
+    a built-in aggregation. Off by default: the second forward costs time (measured 1.2-3.5x verl's
+    bf16 step on CPU, docs/benchmarks.md); ``recompute_half=True`` or the environment variable
+    ``STABLERL_RECOMPUTE_HALF=1`` (for the framework adapters, which do not pass the keyword) turn
+    it on, still only where safe."""
+    from .ops import AGG_MODES
+
+    if recompute_half is None:
+        recompute_half = os.environ.get("STABLERL_RECOMPUTE_HALF", "0") not in ("", "0", "false", "False")
+    if not recompute_half or log_prob.dtype not in (torch.float16, torch.bfloat16):
+        return False
+    return (
+        log_prob.requires_grad
+        and torch.is_grad_enabled()
+        and not is_functorch_wrapped(log_prob)
+        and not spec.batch_statistics
+        and ctx.all_reduce_fn is None
+        and ctx.all_gather_fn is None
+        and correction is None
+        and loss_agg_mode in AGG_MODES
+        and not loss_agg_params
+    )
 
 
 def compute_advantage(
@@ -384,14 +454,17 @@ def compute_advantage(
             f"token_level_rewards must be a [B, T] tensor, got {getattr(token_level_rewards, 'shape', type(token_level_rewards))}"
         )
     ensure_same_shape(("response_mask",), (response_mask,), token_level_rewards.shape)
-    check_mask(response_mask)
-    mask = response_mask.to(torch.float32)
     rewards = token_level_rewards.float() if token_level_rewards.dtype != torch.float64 else token_level_rewards
-    _check_finite(("token_level_rewards",), (rewards,), mask)
+    # = .to(float32).to(rewards.dtype) (0/1 are exact in both); a bool mask through its uint8 view
+    # (same values; the direct bool -> float cast is several times slower on CPU)
+    mask = (response_mask.view(torch.uint8) if response_mask.dtype == torch.bool else response_mask).to(rewards.dtype)
+    binary = is_binary_mask(response_mask, mask)
+    if not binary and not is_functorch_wrapped(response_mask):
+        check_mask(response_mask)  # says which value is not 0/1
     gid = group_ids(index, n=rewards.shape[0], device=rewards.device)
     batch = AdvantageBatch(
         token_level_rewards=rewards,
-        response_mask=mask.to(rewards.dtype),
+        response_mask=mask,
         index=gid,
         entropy=inputs.get("entropy"),
         old_log_prob=inputs.get("old_log_prob"),
@@ -400,11 +473,27 @@ def compute_advantage(
             **{k: v for k, v in inputs.items() if k not in ("entropy", "old_log_prob", "extras")},
         },
     )
+    batch.mask_is_binary = binary
+    # finite on every valid token <=> every score (the masked row sum the estimators read) is finite,
+    # except when finite rewards overflow a sum: then the full check (which passes) decides, as before
+    if not bool(torch.isfinite(batch.scores).all()):
+        _check_finite(("token_level_rewards",), (rewards,), mask)
     _check_missing(spec, {**batch.extras, **inputs, "index": gid})
     advantages, returns = spec.fn(batch, params, ctx)
     m = batch.response_mask
-    advantages, returns = advantages * m, returns * m
-    if not bool(torch.isfinite(advantages).all()):
+    # built by batch.on_response_tokens with a 0/1 mask: masking it again is the identity
+    masked, per_response = batch._masked_output or (None, None)
+    same = returns is advantages  # most estimators return one tensor twice: mask it once
+    prebuilt = masked is not None and advantages is masked
+    advantages = advantages if prebuilt else advantages * m
+    returns = advantages if same else (returns if masked is not None and returns is masked else returns * m)
+    if advantages.numel() == 0:
+        finite = True
+    elif prebuilt:  # x * m (m 0/1, every row non-empty) is finite everywhere exactly where x is
+        finite = bool(torch.isfinite(per_response).all())
+    else:  # min and max propagate NaN and +-inf: one vectorised read pass instead of isfinite's
+        finite = bool(torch.isfinite(torch.stack(torch.aminmax(advantages))).all())
+    if not finite:
         raise StableRLError(f"advantage estimator {name!r} produced non-finite advantages")
     return advantages, returns
 

@@ -48,13 +48,17 @@ def check_mask(mask: Any, name: str = "response_mask") -> torch.Tensor:
     require_tensor(name, mask, "[B, T] of 0/1 (or bool)")
     if mask.dtype == torch.bool or mask.numel() == 0:
         return mask
-    if mask.is_floating_point() or mask.is_complex():
-        bad = (mask != 0) & (mask != 1)  # NaN counts as bad
-    else:  # integers in [0, 1] are 0 or 1: min and max in one pass
+    if mask.is_floating_point():
+        # m - m*m is 0 exactly for m in {0, 1} (positive below 1, negative above, NaN for NaN): one
+        # fused pass and a min/max
+        lo, hi = torch.aminmax(torch.addcmul(mask, mask, mask, value=-1))
+        if bool(lo == 0) and bool(hi == 0):
+            return mask
+    elif not mask.is_complex():  # integers in [0, 1] are 0 or 1: min and max in one pass
         lo, hi = torch.aminmax(mask)
         if int(lo) >= 0 and int(hi) <= 1:
             return mask
-        bad = (mask != 0) & (mask != 1)
+    bad = (mask != 0) & (mask != 1)  # NaN counts as bad
     if bool(bad.any()):
         example = mask[bad].reshape(-1)[0].item()
         raise StableRLError(

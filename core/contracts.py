@@ -233,12 +233,45 @@ class AdvantageBatch:
     old_log_prob: Optional[torch.Tensor] = None
     extras: dict[str, Any] = field(default_factory=dict)
 
+    # set by core when every response_mask value is exactly 0 or 1 (checked once per batch)
+    mask_is_binary: bool = field(default=False, init=False, repr=False, compare=False)
+    # (token_level_rewards, response_mask, scores) of the last read: the [B, T] pass is paid once
+    # per batch (core reads the scores first, for its finiteness check); a reassigned field recomputes
+    _scores_cache: Optional[tuple] = field(default=None, init=False, repr=False, compare=False)
+    # (out, per_response) of the last :meth:`on_response_tokens` with a 0/1 mask: core need not mask
+    # ``out`` again, and ``out`` is finite exactly where ``per_response`` is (every row has T > 0 entries)
+    _masked_output: Optional[tuple] = field(default=None, init=False, repr=False, compare=False)
+
     @property
     def scores(self) -> torch.Tensor:
         """Outcome score per response: the sum of its token-level rewards (verl's convention)."""
-        # where, not a product: a non-finite reward on padding must not leak into the score
-        valid = self.response_mask.bool()
-        return torch.where(valid, self.token_level_rewards, torch.zeros_like(self.token_level_rewards)).sum(-1)
+        rewards, mask = self.token_level_rewards, self.response_mask
+        cached = self._scores_cache
+        if cached is not None and cached[0] is rewards and cached[1] is mask:
+            return cached[2]
+        scores = None
+        if self.mask_is_binary:
+            # a product with a 0/1 mask differs from the masked select below only by the sign of zeros
+            # on padding, which no sum sees (sums start from +0); exact when no product is NaN, i.e.
+            # when the sums are finite (one vectorised pass instead of a bool cast and a select)
+            scores = (rewards * mask).sum(-1)
+            if not bool(torch.isfinite(scores).all()):
+                scores = None
+        if scores is None:
+            # where, not a product: a non-finite reward on padding must not leak into the score
+            zero = torch.zeros((), dtype=rewards.dtype, device=rewards.device)
+            scores = torch.where(mask.bool(), rewards, zero).sum(-1)
+        self._scores_cache = (rewards, mask, scores)
+        return scores
+
+    def on_response_tokens(self, per_response: torch.Tensor) -> torch.Tensor:
+        """``[B] -> [B, T]``: each response's value on its tokens, zero on padding. Core masks an
+        estimator's outputs with ``response_mask``; with a 0/1 mask that is the identity on this
+        tensor (``x * m * m == x * m`` bit for bit), so core skips that pass for it, and checks the
+        ``[B]`` values for finiteness instead of the ``[B, T]`` tensor."""
+        out = per_response.unsqueeze(-1) * self.response_mask
+        self._masked_output = (out, per_response) if self.mask_is_binary else None
+        return out
 
 
 @dataclass

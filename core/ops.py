@@ -243,11 +243,20 @@ def group_ids(index: Any, n: Optional[int] = None, device: Optional[torch.device
     """Normalise group ids to an int64 tensor of ``0..n_groups-1`` (first-appearance order).
 
     Accepts a numpy (object) array of ids such as verl's ``uid``, a list, or an integer tensor.
+    Ids are equal when Python's ``==``/``hash`` say so (a dict's rule); the mapping is one hashing
+    pass at C speed (``dict.fromkeys`` keeps first appearances in order) and one C-level lookup
+    per id, or ``torch.unique`` for an integer tensor.
     """
     if isinstance(index, torch.Tensor):
         if index.dtype.is_floating_point or index.dtype == torch.bool:
             raise StableRLError(f"index must hold integer group ids, got dtype {index.dtype}")
-        values = index.detach().cpu().reshape(-1).tolist()
+        if index.dtype.is_complex:
+            values = index.detach().cpu().reshape(-1).tolist()
+        else:
+            flat = index.detach().reshape(-1)
+            if n is not None and flat.numel() != n:
+                raise StableRLError(f"index has {flat.numel()} entries but the batch has {n} responses")
+            return _first_appearance_ids(flat).to(device or "cpu")
     elif isinstance(index, np.ndarray):
         values = index.reshape(-1).tolist()
     elif isinstance(index, (list, tuple)):
@@ -258,9 +267,24 @@ def group_ids(index: Any, n: Optional[int] = None, device: Optional[torch.device
         )
     if n is not None and len(values) != n:
         raise StableRLError(f"index has {len(values)} entries but the batch has {n} responses")
-    mapping: dict[Any, int] = {}
-    ids = [mapping.setdefault(v, len(mapping)) for v in values]
-    return torch.tensor(ids, dtype=torch.long, device=device)
+    firsts = dict.fromkeys(values)  # unique ids in first-appearance order
+    for i, key in enumerate(firsts):
+        firsts[key] = i
+    ids = np.fromiter(map(firsts.__getitem__, values), dtype=np.int64, count=len(values))
+    return torch.from_numpy(ids).to(device)
+
+
+def _first_appearance_ids(flat: torch.Tensor) -> torch.Tensor:
+    """Integer ids -> ``0..n_groups-1`` numbered in order of first appearance (vectorised)."""
+    if flat.numel() == 0:
+        return torch.zeros(0, dtype=torch.long, device=flat.device)
+    uniq, inverse = torch.unique(flat, return_inverse=True)
+    positions = torch.arange(flat.numel(), device=flat.device)
+    first = torch.full((uniq.numel(),), flat.numel(), dtype=torch.long, device=flat.device)
+    first.scatter_reduce_(0, inverse, positions, reduce="amin")
+    rank = torch.empty_like(first)
+    rank[torch.argsort(first)] = torch.arange(uniq.numel(), device=flat.device)
+    return rank[inverse]
 
 
 def group_stats(scores: torch.Tensor, gid: torch.Tensor, ctx: Optional[Context] = None):

@@ -21,7 +21,6 @@ from dataclasses import dataclass
 import torch
 
 from stablerl import STABLE, Params, hookimpl
-from stablerl.ops import broadcast_to_tokens
 from stablerl.params import StableRLError, check
 
 # variance of the per-prompt success rates below which the Beta fit is degenerate (all p equal)
@@ -145,7 +144,7 @@ def bnpo_advantage(b, p: BNPOParams, ctx):
     scores = _component_scores(b, p).to(torch.float64)
     s = (scores - p.min_value) / (p.max_value - p.min_value)
     adv = bnpo_components(s, b.index, p, ctx).mean(-1)
-    adv = broadcast_to_tokens(adv.to(b.token_level_rewards.dtype), b.response_mask)
+    adv = b.on_response_tokens(adv.to(b.token_level_rewards.dtype))
     return adv, adv
 
 

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from stablerl import STABLE, NoParams, Params, hookimpl
-from stablerl.ops import broadcast_to_tokens, group_stats
+from stablerl.ops import group_stats
 from stablerl.params import check
 
 
@@ -43,33 +43,33 @@ def singleton_convention(mean: torch.Tensor, std: torch.Tensor, count: torch.Ten
     return torch.where(single, torch.zeros_like(mean), mean), torch.where(single, torch.ones_like(std), std)
 
 
-def _out(per_seq: torch.Tensor, mask: torch.Tensor):
-    adv = broadcast_to_tokens(per_seq, mask)
+def _out(per_seq: torch.Tensor, b):
+    adv = b.on_response_tokens(per_seq)
     return adv, adv
 
 
-def baseline_std_advantage(scores, baseline, std, p, mask: torch.Tensor):
+def baseline_std_advantage(scores, baseline, std, p, b):
     """GRPO's normalisation (arXiv 2402.03300), shared by the estimators that only change its baseline or
     std (QAE, Reinforce-Ada): ``(S - b) / (std + epsilon)``, or ``S - b`` without ``norm_adv_by_std_in_grpo``
-    (``p`` holds those two); on every response token."""
+    (``p`` holds those two); on every response token of the batch ``b``."""
     adv = scores - baseline
     if p.norm_adv_by_std_in_grpo:
         adv = adv / (std + p.epsilon)
-    return _out(adv, mask)
+    return _out(adv, b)
 
 
 def grpo_advantage(b, p: GRPOParams, ctx):
     scores = b.scores
     mean, std, count = group_stats(scores, b.index)
     mean, std = singleton_convention(mean, std, count)
-    return baseline_std_advantage(scores, mean, std, p, b.response_mask)
+    return baseline_std_advantage(scores, mean, std, p, b)
 
 
 def dr_grpo_advantage(b, p, ctx):
     scores = b.scores
     mean, std, count = group_stats(scores, b.index)
     mean, _ = singleton_convention(mean, std, count)
-    return _out(scores - mean, b.response_mask)
+    return _out(scores - mean, b)
 
 
 def rloo_advantage(b, p, ctx):
@@ -77,7 +77,7 @@ def rloo_advantage(b, p, ctx):
     mean, _, count = group_stats(scores, b.index)
     # leave-one-out: S_i - (sum_g - S_i)/(G-1) = G (S_i - mean_g) / (G-1); G = 1 keeps S_i
     loo = (count * scores - count * mean) / (count - 1).clamp(min=1)
-    return _out(torch.where(count > 1, loo, scores), b.response_mask)
+    return _out(torch.where(count > 1, loo, scores), b)
 
 
 def opo_advantage(b, p, ctx):
@@ -94,7 +94,7 @@ def opo_advantage(b, p, ctx):
     baseline = mean + (weighted / total_len.clamp(min=1))[gid]
     # a group of one, or with no valid token: baseline 0
     baseline = torch.where((count > 1) & (total_len[gid] > 0), baseline, torch.zeros_like(baseline))
-    return _out(scores - baseline, b.response_mask)
+    return _out(scores - baseline, b)
 
 
 _VERL_CONVENTIONS = (

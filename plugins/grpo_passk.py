@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from stablerl import STABLE, hookimpl
-from stablerl.ops import broadcast_to_tokens, group_stats
+from stablerl.ops import group_stats
 from stablerl.params import StableRLError
 
 from .group_baselines import GRPOParams
@@ -45,7 +45,7 @@ def grpo_passk_advantage(b, p: GRPOParams, ctx):
         if p.norm_adv_by_std_in_grpo:
             gap = gap / (std[best] + p.epsilon)
         adv[best] = gap
-    adv = broadcast_to_tokens(adv, b.response_mask)
+    adv = b.on_response_tokens(adv)
     return adv, adv
 
 

@@ -19,7 +19,6 @@ from dataclasses import dataclass
 import torch
 
 from stablerl import STABLE, Params, hookimpl
-from stablerl.ops import broadcast_to_tokens
 from stablerl.params import check
 
 
@@ -65,7 +64,7 @@ def krpo_advantage(b, p: KRPOParams, ctx):
             x[g] = x[g] + gain * (s64[rows] - x[g])
             var = (1 - gain) * var_pred
             adv[rows] = ((s64[rows] - x[g]) / (var ** 0.5 + p.epsilon)).to(scores.dtype)
-    adv = broadcast_to_tokens(adv, b.response_mask)
+    adv = b.on_response_tokens(adv)
     return adv, adv
 
 

@@ -63,7 +63,7 @@ def qae_advantage(b, p: QAEParams, ctx):
     _, std, count = group_stats(scores, b.index)
     baseline = group_quantile(scores, b.index, p.quantile_k)
     baseline, std = singleton_convention(baseline, std, count)
-    return baseline_std_advantage(scores, baseline, std, p, b.response_mask)
+    return baseline_std_advantage(scores, baseline, std, p, b)
 
 
 @hookimpl

@@ -86,7 +86,7 @@ def reinforce_ada_advantage(b, p: ReinforceAdaParams, ctx):
     else:
         mean, std, count = group_stats(scores, b.index)
         mean, std = singleton_convention(mean, std, count)
-    return baseline_std_advantage(scores, mean, std, p, b.response_mask)
+    return baseline_std_advantage(scores, mean, std, p, b)
 
 
 @hookimpl

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from stablerl import EXPERIMENTAL, Params, hookimpl
-from stablerl.ops import broadcast_to_tokens, group_ids
+from stablerl.ops import group_ids
 from stablerl.params import StableRLError, check
 
 from .krpo import position_in_group
@@ -135,7 +135,7 @@ def riskpo_advantage(b, p: RiskPOParams, ctx):
                 safe = total.abs() > _SUM_FLOOR
                 adv[rows] = torch.where(safe, A * ratio / torch.where(safe, total, torch.ones_like(total)), share)
         out = adv.to(scores.dtype)
-    out = broadcast_to_tokens(out, b.response_mask)
+    out = b.on_response_tokens(out)
     return out, out
 
 

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from stablerl import STABLE, Params, hookimpl
-from stablerl.ops import broadcast_to_tokens, group_stats
+from stablerl.ops import group_stats
 from stablerl.params import check
 
 from .group_baselines import singleton_convention
@@ -62,7 +62,7 @@ def s_grpo_advantage(b, p: SGRPOParams, ctx):
     k = torch.zeros(n_groups, dtype=scores.dtype, device=scores.device).index_add_(0, gid, (scores > 0).to(scores.dtype))
     w = noise_weight(count, k[gid], p.drgrpo_p).to(scores.dtype)
     adv = w * (scores - mean) / (std + p.epsilon)
-    adv = broadcast_to_tokens(adv, b.response_mask)
+    adv = b.on_response_tokens(adv)
     return adv, adv
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import time
 
 import torch
 
@@ -74,3 +75,24 @@ def test_trl_section_says_why_it_is_skipped():
     if bench.bench_trl.trl_version() is None:  # the unit environment has no TRL
         result = bench.run(shapes=[("B4xT16", 4, 16)], repeats=1, dtypes=("fp32",), use_verl=False, losses=["vanilla"])
         assert result["trl"]["skipped"].startswith("TRL is not installed")
+
+
+def test_cli_bench_writes_no_file_without_out_and_no_paths(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    rc = cli.main(["bench", "--no-verl", "--no-routing", "--no-trl", "--json", "--losses", "vanilla",
+                   "--shape", "4x16", "--repeats", "1", "--dtypes", "fp32"])
+    assert rc == 0
+    assert list(tmp_path.iterdir()) == []  # stablerl-bench.md is no longer written by default
+    out = capsys.readouterr().out
+    data = json.loads(out)
+    assert "markdown" not in data and str(tmp_path) not in out
+    assert data["config"]["clock"] == "thread"  # CPU, one torch thread (the bench default)
+    if bench._verl_core_algos() is None:
+        assert data["estimators"]["skipped"].startswith("verl is not installed")
+
+
+def test_pick_clock():
+    assert bench.pick_clock("wall", "cpu")[0] == "wall"
+    assert bench.pick_clock("auto", "cuda")[0] == "wall"
+    name, clock = bench.pick_clock("thread", "cpu")
+    assert name == "thread" and clock is time.thread_time

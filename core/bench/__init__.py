@@ -26,7 +26,10 @@ temporaries freed inside the forward are not counted (they are on CUDA).
 
 Usage::
 
-    stablerl bench [--quick] [--json] [--out stablerl-bench.md] [--device cpu|cuda] [--dtypes fp32,bf16] [--no-trl]
+    stablerl bench [--quick] [--json] [--out FILE.md] [--device cpu|cuda] [--dtypes fp32,bf16] [--no-trl]
+                   [--no-estimators] [--clock auto|thread|wall]
+
+Nothing is written unless ``--out`` is given.
 
 ``--json`` prints one JSON object: ``losses.<name>`` has ``baseline`` (``verl:<name>`` or
 ``stablerl:vanilla``), ``time_ratio`` and ``mem_ratio`` (worst case over shapes/dtypes of the
@@ -34,7 +37,14 @@ median per-repeat ratio), and the per-case details; ``trl.losses.<label>`` the s
 (``baseline`` ``trl:<loss_type>``, ``ours`` ``stablerl:<name>``; ``trl`` is ``{"skipped": reason}``
 without TRL); ``routing_replay`` has the forward-time ratio
 replay on / off on a tiny Qwen3-MoE and the bytes per token of the stored routes (when
-transformers is installed; ``--no-routing`` skips it).
+transformers is installed; ``--no-routing`` skips it); ``estimators.<name>`` the time ratio of
+:func:`stablerl.compute_advantage` against verl's vectorized estimator (and its loop version) at
+B=4096, T=512, groups of 8, string uids (:mod:`stablerl.bench.estimators`; ``--no-estimators``
+skips it).
+
+Clock: on CPU with one torch thread the default is the calling thread's CPU time
+(``--clock thread``), which other processes on a shared machine do not inflate; ``--clock wall``
+times wall-clock.
 """
 
 from __future__ import annotations
@@ -54,6 +64,7 @@ import stablerl
 from stablerl import POLICY_LOSS
 from stablerl.frameworks import get_framework, load_adapter
 
+from . import estimators as bench_estimators
 from . import trl as bench_trl
 
 #: stablerl name -> verl 0.9.1 built-in name
@@ -209,7 +220,42 @@ def _verl_call(fn: Callable, inputs: dict, cfg, loss_agg_mode: str) -> Callable:
     return call
 
 
+def with_recompute(call: Callable) -> Callable:
+    """``call`` with ``STABLERL_RECOMPUTE_HALF=1`` during its forward (the adapters do not pass
+    ``recompute_half``; the choice is made in forward, backward then recomputes)."""
+
+    def wrapped(lp: torch.Tensor):
+        before = os.environ.get("STABLERL_RECOMPUTE_HALF")
+        os.environ["STABLERL_RECOMPUTE_HALF"] = "1"
+        try:
+            return call(lp)
+        finally:
+            if before is None:
+                del os.environ["STABLERL_RECOMPUTE_HALF"]
+            else:
+                os.environ["STABLERL_RECOMPUTE_HALF"] = before
+
+    return wrapped
+
+
 # ----------------------------------------------------------------------------- measurement
+
+
+#: the clock every timing reads; :func:`run` sets it (see :func:`pick_clock`)
+_clock: Callable[[], float] = time.perf_counter
+
+
+def pick_clock(name: str, device: str) -> tuple[str, Callable[[], float]]:
+    """``thread``: CPU time of the calling thread (``time.thread_time``). With one torch thread on CPU
+    all the work runs on that thread, and the time other processes hold the cores is not counted,
+    which on a shared machine is most of the noise in a wall-clock ratio. ``wall``:
+    ``time.perf_counter`` (always on CUDA, where the work is on the device). ``auto``: ``thread``
+    on CPU with one torch thread, else ``wall``."""
+    if name == "auto":
+        name = "thread" if not device.startswith("cuda") and torch.get_num_threads() == 1 else "wall"
+    if name == "thread" and device.startswith("cuda"):
+        raise ValueError("--clock thread measures CPU time; on CUDA use wall")
+    return name, (time.thread_time if name == "thread" else time.perf_counter)
 
 
 def _sync(device: str) -> None:
@@ -225,11 +271,11 @@ def time_step(call: Callable, inputs: dict, device: str) -> float:
     """Seconds for one forward (incl. metrics) + backward."""
     lp = _leaf(inputs)
     _sync(device)
-    t0 = time.perf_counter()
+    t0 = _clock()
     loss = call(lp)[0]
     loss.backward()
     _sync(device)
-    return time.perf_counter() - t0
+    return _clock() - t0
 
 
 def saved_bytes(call: Callable, inputs: dict) -> int:
@@ -435,9 +481,13 @@ def run(
     use_verl: bool = True,
     routing: bool = False,
     use_trl: bool = True,
+    estimators: bool = True,
+    clock: str = "auto",
     log: Callable[[str], None] = lambda s: None,
 ) -> dict:
-    """Measure every policy loss; returns the JSON-able result object."""
+    """Measure every policy loss (and every advantage estimator); returns the JSON-able result object."""
+    global _clock
+    clock, _clock = pick_clock(clock, device)
     shapes = shapes or (QUICK_SHAPES if quick else FULL_SHAPES)
     repeats = repeats or (7 if quick else 15)
     max_s = 4.0 if quick else 30.0  # per loss and case; only expensive losses get fewer repeats
@@ -455,6 +505,7 @@ def run(
             "loss_agg_mode": "token-mean",
             "max_s_per_case": max_s,
             "memory_method": "cuda_peak_allocated" if device.startswith("cuda") else "autograd_saved_tensor_bytes",
+            "clock": clock,
             "native": "verl" if core_algos is not None else None,
         },
         "losses": {},
@@ -468,6 +519,8 @@ def run(
         result["trl"] = {"version": bench_trl.trl_version(), "losses": {k: bench_trl.describe(k) for k in trl_pairs}}
     if core_algos is None and use_verl:
         result["note"] = "verl is not installed: only the relative-to-vanilla table (pip install 'stablerl[verl]')"
+    recompute_on = os.environ.get("STABLERL_RECOMPUTE_HALF", "0") not in ("", "0", "false", "False")
+    result["config"]["recompute_half"] = recompute_on
     torch.manual_seed(0)
     for label, B, T in shapes:
         for dname in dtypes:
@@ -483,6 +536,11 @@ def run(
                         entry["baseline"] = f"verl:{VERL_TWINS[name]}"
                         row = compare(ours, base, inputs, device, repeats, max_s=max_s)
                         row.update(agreement(ours, base, inputs))
+                        if DTYPES[dname] in (torch.bfloat16, torch.float16) and not recompute_on:
+                            # the same adapter call with the fp32 forward recomputed in backward
+                            again = compare(with_recompute(ours), base, inputs, device, repeats, max_s=max_s)
+                            row["recompute_half"] = {k: again[k] for k in (
+                                "time_ratio", "time_ratio_min", "mem_ratio", "ours_ms_min", "ours_mem_mb")}
                     else:
                         ours = ours_fn(name, inputs)
                         entry["baseline"] = "stablerl:vanilla"
@@ -504,13 +562,16 @@ def run(
                     f"time x{row['time_ratio']:.2f} (best/best x{row['time_ratio_best']:.2f})  mem x{row['mem_ratio']:.2f}  "
                     f"{entry['ours']} vs {entry['baseline']}" if "error" not in row else row["error"]))
             del inputs
+    if estimators:
+        result["estimators"] = bench_estimators.run(
+            core_algos, repeats=max(repeats, 11), clock=_clock, device=device, log=log)
     if routing:
         try:
             result["routing_replay"] = routing_replay_cost(device, repeats=repeats)
         except Exception as e:  # noqa: BLE001
             result["routing_replay"] = {"error": f"{type(e).__name__}: {e}"}
         log(f"routing replay: {result['routing_replay']}")
-    for entry in [*result["losses"].values(), *result["trl"].get("losses", {}).values()]:
+    for entry in [*result["losses"].values(), *result["trl"].get("losses", {}).values()]:  # estimators: their own
         ok = [c for c in entry["cases"].values() if "error" not in c]
         entry["time_ratio"] = max((c["time_ratio"] for c in ok), default=None)
         entry["mem_ratio"] = max((c["mem_ratio"] for c in ok), default=None)
@@ -525,7 +586,7 @@ def markdown(result: dict) -> str:
         f"Machine: {m.get('cpu')} ({m.get('cores')} cores, {m.get('torch_threads')} torch threads"
         + (f", load {m['load_avg_1m']:.1f}" if "load_avg_1m" in m else "")
         + f"), device {m['device']}" + (f" ({m['gpu']})" if m.get("gpu") else "")
-        + f", torch {m['torch']}, verl {m.get('verl')}, trl {m.get('trl')}.",
+        + f", torch {m['torch']}, verl {m.get('verl')}, trl {m.get('trl')}; clock {cfg.get('clock', 'wall')}.",
         f"Repeats: {cfg['repeats']} interleaved pairs per case (order alternating; fewer, at least 3, for a loss "
         f"whose pairs would exceed {cfg.get('max_s_per_case')} s). Time ratio = ours / baseline within "
         f"one repeat, median [min] over repeats; best/best = best ours / best baseline. "
@@ -543,8 +604,8 @@ def markdown(result: dict) -> str:
         head = "| loss | baseline | case | time ratio median [min] | best/best | ours ms best (median) | base ms best (median) | mem ratio | ours MiB | base MiB |"
         sep = "|---|---|---|---|---|---|---|---|---|---|"
         if agree:
-            head += " loss diff | grad rel diff |"
-            sep += "---|---|"
+            head += " loss diff | grad rel diff | recompute_half: time / mem ratio |"
+            sep += "---|---|---|"
         lines.extend([head, sep])
         for name, e in entries.items():
             for case, c in e["cases"].items():
@@ -558,6 +619,8 @@ def markdown(result: dict) -> str:
                 )
                 if agree:
                     row += f" {c['loss_abs_diff']:.1e} | {c['grad_max_rel_diff']:.1e} |"
+                    rc = c.get("recompute_half")
+                    row += f" {rc['time_ratio']:.2f} / {rc['mem_ratio']:.2f} |" if rc else " - |"
                 lines.append(row)
         lines.append("")
 
@@ -594,6 +657,7 @@ def markdown(result: dict) -> str:
         lines.append("")
     elif result.get("trl", {}).get("skipped"):
         lines += [f"TRL comparison not run: {result['trl']['skipped']}.", ""]
+    lines += bench_estimators.markdown(result.get("estimators") or {})
     table(rel, "Relative to stablerl's vanilla (no native twin" + ("" if twins else ", or verl not installed") + ")", False)
     return "\n".join(lines)
 
@@ -607,7 +671,7 @@ def build_parser() -> argparse.ArgumentParser:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quick", action="store_true", help="B=32 T=2048, 7 repeats (about 2 minutes on 2 cores)")
     p.add_argument("--json", action="store_true", help="print the result as one JSON object")
-    p.add_argument("--out", default="stablerl-bench.md", help="markdown table to write ('-' for none)")
+    p.add_argument("--out", default=None, help="also write the markdown tables to this file (default: no file)")
     p.add_argument("--device", default="cpu", help="cpu or cuda")
     p.add_argument("--dtypes", default="fp32,bf16", help="comma-separated subset of fp32,bf16")
     p.add_argument("--losses", default=None, help="comma-separated loss names (default: all)")
@@ -616,6 +680,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-verl", action="store_true", help="skip the native comparison even if verl is installed")
     p.add_argument("--no-routing", action="store_true", help="skip the routing-replay measurement (needs transformers)")
     p.add_argument("--no-trl", action="store_true", help="skip the comparison with TRL's built-in loss types")
+    p.add_argument("--no-estimators", action="store_true", help="skip the advantage estimators against verl's")
+    p.add_argument("--clock", default="auto", choices=("auto", "thread", "wall"),
+                   help="thread: CPU time of the calling thread (not inflated by other processes; CPU, 1 thread); "
+                   "wall: perf_counter; auto (default): thread on CPU with 1 torch thread, else wall")
     p.add_argument("--threads", type=int, default=1,
                    help="torch CPU threads (default 1: on a shared machine, multi-threaded elementwise ops "
                    "wait for descheduled threads and time noise swamps the ratios; 0 keeps torch's default)")
@@ -648,6 +716,8 @@ def main(argv: Optional[list[str]] = None, args: Optional[argparse.Namespace] = 
         use_verl=not args.no_verl,
         routing=not args.no_routing,
         use_trl=not args.no_trl,
+        estimators=not args.no_estimators,
+        clock=args.clock,
         log=log,
     )
     failed = [f"{label} {case}: {c['error']}" for label, e in result["trl"].get("losses", {}).items()
@@ -655,10 +725,9 @@ def main(argv: Optional[list[str]] = None, args: Optional[argparse.Namespace] = 
     for line in failed:
         print(f"stablerl bench: TRL comparison failed for {line}", file=sys.stderr)
     md = markdown(result)
-    if args.out and args.out != "-":
+    if args.out and args.out != "-":  # no path in the result: it would name this machine's directories
         with open(args.out, "w") as f:
             f.write(md + "\n")
-        result["markdown"] = os.path.abspath(args.out)
     if args.json:
         print(json.dumps(result, indent=2, default=str))
     else:
