@@ -81,6 +81,14 @@ VERL = FrameworkSpec(
             "token_ids": "v1's _compute_advantage does not fetch 'responses'",
         },
     },
+    conditions={
+        POLICY_LOSS: {
+            "entropy": "actor_rollout_ref.actor.calculate_entropy=True (verl computes the update's entropy only then, "
+            "or with entropy_coeff != 0)",
+            "old_entropy": "the v1 trainer (trainer.use_v1=true, verl's default; the legacy trainer drops the "
+            "old-log-prob pass's entropy before the update)",
+        },
+    },
     selection_keys={
         POLICY_LOSS: _POLICY_LOSS + "loss_mode",
         ADVANTAGE_ESTIMATOR: "algorithm.adv_estimator",
@@ -155,6 +163,13 @@ TRL = FrameworkSpec(
             "old_log_prob": "TRL computes advantages before (and independently of) old log-probs",
         },
     },
+    conditions={
+        POLICY_LOSS: {
+            "rollout_log_prob": "use_vllm=True and vllm_importance_sampling_correction=True",
+            "router_log_prob": "routing_replay='R2' or 'R3' on an MoE model",
+            "old_router_log_prob": "routing_replay='R2' or 'R3' on an MoE model",
+        },
+    },
     selection_keys={
         POLICY_LOSS: "loss_type",
         ADVANTAGE_ESTIMATOR: "advantage_estimator",
@@ -209,8 +224,10 @@ OPENRLHF = FrameworkSpec(
     # the loss call passes rollout_log_probs only with --algo.advantage.is_correction_level token|seq; the
     # adapter's training_step / Actor.forward patches feed entropy, token_ids and scores. Its advantage
     # step groups responses by prompt (index); shapers and filters run there on the whole rollout batch.
+    # index (prompt groups) at the loss: the adapter carries the groups through the replay buffer in
+    # Experience.info and its DataLoader keeps them whole per micro-batch (adapters/openrlhf/_groups.py).
     feedable={
-        POLICY_LOSS: frozenset({"rollout_log_prob", "entropy", "token_ids", "scores"}),
+        POLICY_LOSS: frozenset({"rollout_log_prob", "entropy", "token_ids", "scores", "index"}),
         ADVANTAGE_ESTIMATOR: frozenset({"index"}),
         REWARD_SHAPER: _EXTENSION_INPUTS,
         BATCH_FILTER: _EXTENSION_INPUTS,
@@ -220,14 +237,17 @@ OPENRLHF = FrameworkSpec(
             "rollout_log_prob": "set --algo.advantage.is_correction_level token|seq (OpenRLHF requests vLLM "
             "log-probs only then)",
             "old_entropy": _ORLHF_OLD_ENTROPY,
-            "index": "OpenRLHF keeps no prompt groups at the loss: its replay buffer drops Experience.index "
-            "(split_experience_batch sets it to None) and its DataLoader shuffles rows across micro-batches (unless "
-            "ring attention, tensor parallelism or dynamic batching, which reorder them too), so a loss call sees "
-            "partial groups while the losses that take index need whole groups within the call",
             "turn_ids": "OpenRLHF's experiences carry no per-token turn ids",
         },
         REWARD_SHAPER: {"entropy": _ORLHF_OLD_ENTROPY + ", at compute_advantages_and_returns"},
         BATCH_FILTER: {"entropy": _ORLHF_OLD_ENTROPY + ", at compute_advantages_and_returns"},
+    },
+    conditions={
+        "*": {"rollout_log_prob": "--algo.advantage.is_correction_level token|seq"},
+        POLICY_LOSS: {
+            "index": "--train.micro_batch_size and --rollout.micro_batch_size multiples of "
+            "--rollout.n_samples_per_prompt, no --train.dynamic_batch_enable (whole prompt groups per micro-batch)",
+        },
     },
     selection_keys={
         POLICY_LOSS: "--actor.policy_loss_type",
@@ -337,6 +357,8 @@ def _openrlhf_lines(spec: AlgorithmSpec) -> list[str]:
         lines.append("  --algo.advantage.is_correction_level token   # OpenRLHF passes vLLM log-probs only then")
     if loss and "entropy" in spec.requires:
         lines.append("  (entropy: the adapter has OpenRLHF's training forward return it; no flag needed)")
+    if loss and "index" in spec.requires:
+        lines.append("  (index: the adapter carries prompt groups through the replay buffer and shuffles whole groups)")
     return lines
 
 

@@ -50,6 +50,9 @@ class FrameworkSpec:
     feedable: Mapping[str, frozenset] = field(default_factory=dict)
     # kind (or "*" for every kind) -> input -> why the framework cannot feed it (shown on refusal)
     why_not: Mapping[str, Mapping[str, str]] = field(default_factory=dict)
+    # kind (or "*") -> input -> what the user must set for the framework to feed it (a feedable input that
+    # exists only under a setting: an algorithm requiring it is "partial", not plain "selectable")
+    conditions: Mapping[str, Mapping[str, str]] = field(default_factory=dict)
     # kind -> the config key / flag that selects an algorithm of that kind
     selection_keys: Mapping[str, str] = field(default_factory=dict)
     # kind -> stablerl hyper-parameter name -> the framework key that also sets it, with the
@@ -69,6 +72,10 @@ class FrameworkSpec:
     # algorithm name -> what differs in this framework by the framework's own design (shown with its
     # config lines: `stablerl describe`, the generated docs, the parity matrix)
     algorithm_notes: Mapping[str, str] = field(default_factory=dict)
+
+    def condition(self, kind: str, input_name: str) -> Optional[str]:
+        """What the user must set for this framework to feed ``input_name`` to ``kind`` (None: always fed)."""
+        return self.conditions.get(kind, {}).get(input_name) or self.conditions.get("*", {}).get(input_name)
 
     def with_config_lines(self, fn: Callable[[AlgorithmSpec], list]) -> "FrameworkSpec":
         from dataclasses import replace
@@ -133,16 +140,64 @@ def why_missing(framework: FrameworkSpec, spec: AlgorithmSpec, missing: list[str
     return "; ".join(f"{m}: {framework.why(spec.kind, m)}" for m in missing)
 
 
+#: the three answers of :func:`reach`
+SELECTABLE, PARTIAL, REFUSED = "selectable", "partial", "refused"
+
+
+def reach_conditions(framework: FrameworkSpec, spec: AlgorithmSpec) -> list[str]:
+    """``"<input>: <what the user must set>"`` for each input ``spec`` requires that ``framework`` feeds
+    only under a setting (``FrameworkSpec.conditions``)."""
+    out = []
+    for name in spec.requires:
+        condition = framework.condition(spec.kind, name)
+        if condition:
+            out.append(f"{name}: {condition}")
+    return out
+
+
 def reach(framework: FrameworkSpec, spec: AlgorithmSpec) -> tuple[str, str]:
-    """``("selectable", name)`` or ``("refused", reason)``: can a user of ``framework`` select ``spec``."""
+    """Can a user of ``framework`` select ``spec``: ``("selectable", name)``; ``("partial", name)`` when it
+    runs only with a setting the user must supply (:func:`reach_conditions` says which); or
+    ``("refused", reason)``, the reason in the framework's words."""
     if spec.status == UNAVAILABLE:
-        return "refused", f"unavailable: {spec.notes}"
+        return REFUSED, f"unavailable: {spec.notes}"
     if spec.kind not in framework.selection_keys:
-        return "refused", f"{framework.name} has no config key for a {spec.kind.replace('_', ' ')}"
+        return REFUSED, f"{framework.name} has no config key for a {spec.kind.replace('_', ' ')}"
     missing = missing_inputs(framework, spec)
     if missing:
-        return "refused", f"needs {', '.join(missing)} ({why_missing(framework, spec, missing)})"
-    return "selectable", framework_names(framework, spec)[0]
+        return REFUSED, f"needs {', '.join(missing)} ({why_missing(framework, spec, missing)})"
+    return (PARTIAL if reach_conditions(framework, spec) else SELECTABLE), framework_names(framework, spec)[0]
+
+
+def reach_table(specs: Any = None) -> list[dict]:
+    """Per algorithm and framework: ``{"status", "name"}`` (selectable), plus ``"needs"`` (partial: what
+    the user must set), or ``{"status", "why"}`` (refused). One source for ``stablerl list``, its ``--json``,
+    README's algorithm table and the docs pages."""
+    from .api import list_algorithms
+
+    rows = []
+    for spec in (list_algorithms() if specs is None else specs):
+        per: dict = {}
+        for fw in list_frameworks():
+            status, detail = reach(fw, spec)
+            if status == REFUSED:
+                per[fw.name] = {"status": status, "why": detail}
+            else:
+                per[fw.name] = {"status": status, "name": detail}
+                if status == PARTIAL:
+                    per[fw.name]["needs"] = reach_conditions(fw, spec)
+        rows.append({"name": spec.name, "kind": spec.kind, "status": spec.status, "reach": per})
+    return rows
+
+
+def reach_counts(rows: Optional[list] = None) -> dict[str, dict[str, int]]:
+    """framework -> {"selectable": n, "partial": n, "refused": n} over ``rows`` (:func:`reach_table`)."""
+    rows = reach_table() if rows is None else rows
+    out: dict[str, dict[str, int]] = {fw.name: {SELECTABLE: 0, PARTIAL: 0, REFUSED: 0} for fw in list_frameworks()}
+    for row in rows:
+        for name, entry in row["reach"].items():
+            out[name][entry["status"]] += 1
+    return out
 
 
 def selectable_names(framework: FrameworkSpec, kind: str, extra_inputs: Any = ()) -> list[str]:
@@ -208,7 +263,7 @@ def resolve(framework: FrameworkSpec | str, kind: str, name: Optional[str], extr
 
 def selectable_in(spec: AlgorithmSpec) -> list[str]:
     """The frameworks (declaration order) whose users can select ``spec`` by a config key."""
-    return [fw.name for fw in list_frameworks() if reach(fw, spec)[0] == "selectable"]
+    return [fw.name for fw in list_frameworks() if reach(fw, spec)[0] != REFUSED]
 
 
 def config_lines(spec: AlgorithmSpec) -> dict[str, list[str]]:
@@ -216,8 +271,9 @@ def config_lines(spec: AlgorithmSpec) -> dict[str, list[str]]:
     hyper-parameters (``stablerl describe`` and the generated docs)."""
     out: dict[str, list[str]] = {}
     for fw in list_frameworks():
-        if fw.config_lines is not None and reach(fw, spec)[0] == "selectable":
+        if fw.config_lines is not None and reach(fw, spec)[0] != REFUSED:
             out[fw.name] = list(fw.config_lines(spec))
+            out[fw.name] += [f"(needs {c})" for c in reach_conditions(fw, spec)]
             if spec.name in fw.algorithm_notes:
                 out[fw.name].append(f"(in {fw.name}: {fw.algorithm_notes[spec.name]})")
     return out

@@ -42,12 +42,32 @@ def test_one_name_rule_in_every_framework():
 
 
 def test_refusals_say_why_in_the_frameworks_words():
-    with pytest.raises(stablerl.MissingInputError, match="index: OpenRLHF keeps no prompt groups at the loss"):
-        F.resolve("openrlhf", POLICY_LOSS, "pacs")
+    with pytest.raises(stablerl.MissingInputError, match=r"old_entropy: OpenRLHF's old-log-prob pass .* returns "
+                                                          r"log-probs only"):
+        F.resolve("openrlhf", POLICY_LOSS, "erc")
     status, why = F.reach(F.get_framework("trl"), stablerl.get_spec(POLICY_LOSS, "erc"))
     assert status == "refused" and "old_entropy: TRL computes no entropies in its old-log-prob pass" in why
     assert F.selectable_in(stablerl.get_spec(POLICY_LOSS, "erc")) == ["verl"]
     assert F.selectable_in(stablerl.get_spec(POLICY_LOSS, "m2po")) == ["verl", "trl", "openrlhf"]
+
+
+def test_partial_reach_says_what_the_user_must_set():
+    """An input fed only under a setting makes the algorithm 'partial': still selectable (config lines, name
+    resolution), with the setting named in the reach table and the config lines."""
+    pacs = stablerl.get_spec(POLICY_LOSS, "pacs")
+    orlhf = F.get_framework("openrlhf")
+    assert F.reach(orlhf, pacs) == ("partial", "pacs")
+    assert F.reach_conditions(orlhf, pacs) == [f"index: {orlhf.conditions[POLICY_LOSS]['index']}"]
+    assert F.resolve("openrlhf", POLICY_LOSS, "pacs") == "pacs" and "openrlhf" in F.selectable_in(pacs)
+    assert any("--rollout.n_samples_per_prompt" in line for line in F.config_lines(pacs)["openrlhf"])
+    assert F.reach(F.get_framework("verl"), pacs) == ("selectable", "pacs")
+    row = next(r for r in F.reach_table([pacs]))
+    assert row["reach"]["openrlhf"]["status"] == "partial" and "needs" in row["reach"]["openrlhf"]
+    assert row["reach"]["verl"] == {"status": "selectable", "name": "pacs"}
+    erc = next(r for r in F.reach_table([stablerl.get_spec(POLICY_LOSS, "erc")]))
+    assert erc["reach"]["trl"]["status"] == "refused" and "old_entropy" in erc["reach"]["trl"]["why"]
+    counts = F.reach_counts(F.reach_table([pacs]))
+    assert counts["openrlhf"] == {"selectable": 0, "partial": 1, "refused": 0}
 
 
 def _values(settings):
@@ -134,8 +154,8 @@ def test_describe_framework_prints_the_effective_settings(capsys):
     out = capsys.readouterr().out
     assert "verl: select with actor_rollout_ref.actor.policy_loss.loss_mode=stablerl_gspo" in out
     assert "clip_ratio_low  = 0.0003" in out and "One precedence rule in every framework" in out
-    assert main(["describe", "pacs", "--framework", "openrlhf"]) == 0
-    assert "openrlhf: 'pacs' cannot be selected: needs index" in capsys.readouterr().out
+    assert main(["describe", "erc", "--framework", "openrlhf"]) == 0
+    assert "openrlhf: 'erc' cannot be selected: needs old_entropy" in capsys.readouterr().out
     assert main(["describe", "gspo", "--framework", "jax"]) == 2
     assert "unknown framework 'jax'" in capsys.readouterr().err
 

@@ -210,9 +210,11 @@ def test_what_openrlhf_can_and_cannot_feed():
         assert name in adapter.openrlhf_choices(kind)
         lines = frameworks.config_lines(stablerl.get_spec(kind, name))["openrlhf"]
         assert f"  --actor.policy_loss_type {name}" in lines
-    assert frameworks.get_framework("openrlhf").feedable[kind] == {"rollout_log_prob", "entropy", "token_ids", "scores"}
-    for name, reason in (("pacs", "partial groups"), ("gvpo", "split_experience_batch sets it to None"),
-                         ("gtpo", "shuffles rows across micro-batches"), ("erc", "returns log-probs only")):
+    assert frameworks.get_framework("openrlhf").feedable[kind] == {"rollout_log_prob", "entropy", "token_ids", "scores",
+                                                                   "index"}
+    for name in ("pacs", "gvpo", "gtpo"):  # prompt groups through the replay buffer (test_openrlhf_group_losses)
+        assert adapter.resolve(kind, name) == name and name in adapter.openrlhf_choices(kind)
+    for name, reason in (("erc", "returns log-probs only"), ("turn_ppo", "no per-token turn ids")):
         with pytest.raises(stablerl.MissingInputError, match=reason):
             adapter.resolve(kind, name)
         assert name not in adapter.openrlhf_choices(kind)
