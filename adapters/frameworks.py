@@ -47,6 +47,11 @@ def _verl_loss_key(name: str, value) -> str:
         return f"+{_POLICY_LOSS}stablerl_params={{{name}:{value}}}"
     return f"+{_POLICY_LOSS}{name}={value}"
 
+_VERL_NO_ENTROPY_AT_ADVANTAGE = (
+    "the adapter's advantage step gathers only the fields both verl trainers have at compute_advantage, and the "
+    "legacy trainer keeps no per-token entropy there"
+)
+
 VERL = FrameworkSpec(
     name="verl",
     distribution="verl",
@@ -73,6 +78,8 @@ VERL = FrameworkSpec(
             "pos_count": "no verl trainer counts samples per prompt over sampling rounds",
             "neg_count": "no verl trainer counts samples per prompt over sampling rounds",
         },
+        REWARD_SHAPER: {"entropy": _VERL_NO_ENTROPY_AT_ADVANTAGE},
+        BATCH_FILTER: {"entropy": _VERL_NO_ENTROPY_AT_ADVANTAGE},
         ADVANTAGE_ESTIMATOR: {
             "entropy": "no stock verl trainer keeps per-token entropy in the batch at compute_advantage "
             "(opt in with +algorithm.stablerl_batch_field_estimators=true if your pipeline writes it)",

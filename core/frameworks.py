@@ -162,7 +162,8 @@ def reach(framework: FrameworkSpec, spec: AlgorithmSpec) -> tuple[str, str]:
     if spec.status == UNAVAILABLE:
         return REFUSED, f"unavailable: {spec.notes}"
     if spec.kind not in framework.selection_keys:
-        return REFUSED, f"{framework.name} has no config key for a {spec.kind.replace('_', ' ')}"
+        kind = spec.kind.replace("_", " ")
+        return REFUSED, f"{framework.name} has no config key for {'an' if kind[0] in 'aeiou' else 'a'} {kind}"
     missing = missing_inputs(framework, spec)
     if missing:
         return REFUSED, f"needs {', '.join(missing)} ({why_missing(framework, spec, missing)})"
