@@ -11,7 +11,7 @@ written once, here, and `stablerl describe`, the generated docs and the adapters
 from __future__ import annotations
 
 from stablerl.contracts import ADVANTAGE_ESTIMATOR, BATCH_FILTER, POLICY_LOSS, REWARD_SHAPER, AlgorithmSpec
-from stablerl.frameworks import FrameworkKey, FrameworkSpec
+from stablerl.frameworks import CALL_OPTIONS, FrameworkKey, FrameworkSpec
 from stablerl.hookspecs import hookimpl
 
 # Per-response values a user's reward function provides to reward shapers and batch filters (verl: its
@@ -43,9 +43,28 @@ VERL_POLICY_LOSS_FIELDS = frozenset(
 
 
 def _verl_loss_key(name: str, value) -> str:
-    if name in VERL_POLICY_LOSS_FIELDS:
-        return f"+{_POLICY_LOSS}stablerl_params={{{name}:{value}}}"
+    # verl's own PolicyLossConfig fields and the compute_policy_loss options (CALL_OPTIONS: loss_agg_mode,
+    # rollout_correction, their params) go in the StablePolicyLossConfig dict field stablerl_params
+    if name in VERL_POLICY_LOSS_FIELDS or name in CALL_OPTIONS:
+        return f"+{_POLICY_LOSS}stablerl_params={{{name}:{str(value).replace(chr(34), '')}}}"
     return f"+{_POLICY_LOSS}{name}={value}"
+
+
+def _json_value(value) -> str:
+    """A value as a JSON literal in a TRL / OpenRLHF params line (placeholders and JSON objects as written)."""
+    import json
+
+    text = str(value)
+    return text if not isinstance(value, str) or text.startswith(("<", "{")) else json.dumps(value)
+
+
+def _trl_loss_key(name: str, value) -> str:
+    return f'stablerl_loss_params={{"{name}": {_json_value(value)}}}'
+
+
+def _openrlhf_loss_key(name: str, value) -> str:
+    text = f"{name}={value}"
+    return f"--actor.stablerl_params '{text}'" if any(c in text for c in ' "{') else f"--actor.stablerl_params {text}"
 
 _VERL_NO_ENTROPY_AT_ADVANTAGE = (
     "the adapter's advantage step gathers only the fields both verl trainers have at compute_advantage, and the "
@@ -197,7 +216,7 @@ TRL = FrameworkSpec(
         },
     },
     params_keys={
-        POLICY_LOSS: 'stablerl_loss_params={{"{name}": {value}}}',
+        POLICY_LOSS: _trl_loss_key,
         ADVANTAGE_ESTIMATOR: 'stablerl_advantage_params={{"{name}": {value}}}',
         REWARD_SHAPER: 'stablerl_reward_shaper_params={{"{name}": {value}}}',
         BATCH_FILTER: 'stablerl_batch_filter_params={{"{name}": {value}}}',
@@ -276,7 +295,7 @@ OPENRLHF = FrameworkSpec(
         },
     },
     params_keys={
-        POLICY_LOSS: "--actor.stablerl_params {name}={value}",
+        POLICY_LOSS: _openrlhf_loss_key,
         ADVANTAGE_ESTIMATOR: "--algo.advantage.stablerl_params {name}={value}",
         REWARD_SHAPER: "--algo.advantage.stablerl_reward_shaper_params {name}={value}",
         BATCH_FILTER: "--algo.advantage.stablerl_batch_filter_params {name}={value}",

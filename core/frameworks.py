@@ -144,14 +144,22 @@ def why_missing(framework: FrameworkSpec, spec: AlgorithmSpec, missing: list[str
 SELECTABLE, PARTIAL, REFUSED = "selectable", "partial", "refused"
 
 
+POLICY_LOSS_KIND = "policy_loss"
+
+
 def reach_conditions(framework: FrameworkSpec, spec: AlgorithmSpec) -> list[str]:
     """``"<input>: <what the user must set>"`` for each input ``spec`` requires that ``framework`` feeds
-    only under a setting (``FrameworkSpec.conditions``)."""
+    only under a setting (``FrameworkSpec.conditions``); for an aggregation or rollout correction (set
+    through the loss's params), also that the policy loss must be a stablerl one."""
+    on_loss = spec.kind in CALL_OPTION_OF_KIND
+    kind = POLICY_LOSS_KIND if on_loss else spec.kind
     out = []
     for name in spec.requires:
-        condition = framework.condition(spec.kind, name)
+        condition = framework.condition(kind, name)
         if condition:
             out.append(f"{name}: {condition}")
+    if on_loss:
+        out.append(f"a stablerl policy loss ({framework.name}'s own losses do not call stablerl)")
     return out
 
 
@@ -161,6 +169,12 @@ def reach(framework: FrameworkSpec, spec: AlgorithmSpec) -> tuple[str, str]:
     ``("refused", reason)``, the reason in the framework's words."""
     if spec.status == UNAVAILABLE:
         return REFUSED, f"unavailable: {spec.notes}"
+    if spec.kind in CALL_OPTION_OF_KIND and POLICY_LOSS_KIND in framework.params_keys:
+        # selected through the stablerl policy loss's params channel; a correction needs the loss's rollout log-probs
+        missing = missing_inputs(framework, spec, feedable=framework.feedable.get(POLICY_LOSS_KIND, ()))
+        if missing:
+            return REFUSED, f"needs {', '.join(missing)} ({why_missing(framework, spec, missing)})"
+        return PARTIAL, stablerl_key(framework, POLICY_LOSS_KIND, CALL_OPTION_OF_KIND[spec.kind], spec.name)
     if spec.kind not in framework.selection_keys:
         kind = spec.kind.replace("_", " ")
         return REFUSED, f"{framework.name} has no config key for {'an' if kind[0] in 'aeiou' else 'a'} {kind}"
@@ -262,6 +276,17 @@ def resolve(framework: FrameworkSpec | str, kind: str, name: Optional[str], extr
     return bare
 
 
+def _option_lines(fw: FrameworkSpec, spec: AlgorithmSpec) -> list[str]:
+    """An aggregation / rollout correction: set in the stablerl policy loss's params (:data:`CALL_OPTIONS`)."""
+    option = CALL_OPTION_OF_KIND[spec.kind]
+    lines = [stablerl_key(fw, POLICY_LOSS_KIND, option, spec.name)]
+    fields = list(spec.defaults())
+    if fields:
+        lines.append(stablerl_key(fw, POLICY_LOSS_KIND, option.replace("_mode", "") + "_params",
+                                  "{" + ", ".join(f'"{f}": <value>' for f in fields) + "}"))
+    return lines
+
+
 def selectable_in(spec: AlgorithmSpec) -> list[str]:
     """The frameworks (declaration order) whose users can select ``spec`` by a config key."""
     return [fw.name for fw in list_frameworks() if reach(fw, spec)[0] != REFUSED]
@@ -273,7 +298,7 @@ def config_lines(spec: AlgorithmSpec) -> dict[str, list[str]]:
     out: dict[str, list[str]] = {}
     for fw in list_frameworks():
         if fw.config_lines is not None and reach(fw, spec)[0] != REFUSED:
-            out[fw.name] = list(fw.config_lines(spec))
+            out[fw.name] = _option_lines(fw, spec) if spec.kind in CALL_OPTION_OF_KIND else list(fw.config_lines(spec))
             out[fw.name] += [f"(needs {c})" for c in reach_conditions(fw, spec)]
             if spec.name in fw.algorithm_notes:
                 out[fw.name].append(f"(in {fw.name}: {fw.algorithm_notes[spec.name]})")
@@ -294,6 +319,67 @@ PRECEDENCE = (
     "flags given on the command line) > (3) the paper's default. A framework key left at the framework's "
     "own default never replaces a paper default; where the two differ, start-up says so and names the key."
 )
+
+
+#: compute_policy_loss options a user sets through a framework's stablerl loss-params channel, next to the
+#: loss's hyper-parameters (so every framework reaches them by config key): a registered aggregation such as
+#: ``delta_l`` (``loss_agg_mode`` replaces the framework's own mode) and a stablerl rollout correction, each
+#: with its own hyper-parameters. They act only on a stablerl policy loss (the framework's own loss never
+#: calls compute_policy_loss).
+CALL_OPTIONS = ("loss_agg_mode", "loss_agg_params", "rollout_correction", "rollout_correction_params")
+#: the call option that selects an algorithm of each of these kinds
+CALL_OPTION_OF_KIND = {"aggregation": "loss_agg_mode", "rollout_correction": "rollout_correction"}
+
+
+def split_call_options(params: Mapping[str, Any]) -> tuple[dict, dict]:
+    """``(hyper-parameters, call options)`` of a stablerl loss's params (:data:`CALL_OPTIONS`)."""
+    hyper = {k: v for k, v in params.items() if k not in CALL_OPTIONS}
+    return hyper, {k: v for k, v in params.items() if k in CALL_OPTIONS}
+
+
+def check_call_options(framework: FrameworkSpec | str, spec: AlgorithmSpec, options: Mapping[str, Any],
+                       hyper: Optional[Mapping[str, Any]] = None, feedable: Any = None) -> None:
+    """Refuse, before the first step, call options ``spec`` in ``framework`` cannot run: an unknown
+    aggregation or correction (nearest names), bad hyper-parameters of either, parameters without the
+    option they belong to, a rollout correction where the framework feeds no rollout log-probs (why)."""
+    from .checks import check_aggregation_request
+    from .contracts import ROLLOUT_CORRECTION
+    from .params import build_params
+
+    fw = _declared(framework)
+    if not options:
+        return
+    if spec.kind != "policy_loss":
+        raise StableRLError(f"{', '.join(sorted(options))}: options of a stablerl policy loss, not of {spec.kind}")
+    mode = options.get("loss_agg_mode")
+    agg_params = options.get("loss_agg_params")
+    if agg_params is not None and not isinstance(agg_params, Mapping):
+        raise StableRLError(f"loss_agg_params must be a mapping of the aggregation's hyper-parameters, got {agg_params!r}")
+    if mode is not None:
+        from .api import get_spec
+        from .registry import get_registry
+
+        check_aggregation_request(spec, build_params(spec, dict(hyper or {})), mode, agg_params)
+        if mode in get_registry().names("aggregation"):
+            build_params(get_spec("aggregation", mode), dict(agg_params or {}))
+    elif agg_params:
+        raise StableRLError("loss_agg_params given without loss_agg_mode (a registered aggregation, e.g. delta_l)")
+    correction = options.get("rollout_correction")
+    correction_params = options.get("rollout_correction_params")
+    if correction is not None:
+        from .api import get_spec
+
+        correction_spec = get_spec(ROLLOUT_CORRECTION, correction)
+        build_params(correction_spec, dict(correction_params or {}))
+        missing = missing_inputs(fw, correction_spec, feedable=feedable if feedable is not None
+                                 else fw.feedable.get("policy_loss", ()))
+        if missing:
+            raise MissingInputError(
+                f"rollout_correction={correction!r} needs input(s) {fw.name} cannot provide to a policy loss "
+                f"({'; '.join(f'{m}: {fw.why(spec.kind, m)}' for m in missing)})"
+            )
+    elif correction_params:
+        raise StableRLError("rollout_correction_params given without rollout_correction")
 
 
 @dataclass(frozen=True)
@@ -334,9 +420,13 @@ def effective_hyperparameters(
     framework_values = dict(framework_values or {})
     keys = fw.hyperparameter_keys.get(spec.kind, {})
     defaults = spec.defaults()
+    options = {}
+    if spec.kind == "policy_loss":  # aggregation / rollout correction through the same channel (CALL_OPTIONS)
+        stablerl_params, options = split_call_options(stablerl_params)
     for name in stablerl_params:  # a typo is an error naming the valid keys, never a silently dropped value
         if name not in defaults:
-            raise UnknownNameError(unknown_name_message(f"hyper-parameter for {spec.name!r}", name, defaults))
+            valid = list(defaults) + (list(CALL_OPTIONS) if spec.kind == "policy_loss" else [])
+            raise UnknownNameError(unknown_name_message(f"hyper-parameter for {spec.name!r}", name, valid))
     out: list[Setting] = []
     for name, default in defaults.items():
         own_key = stablerl_key(fw, spec.kind, name)
@@ -359,6 +449,8 @@ def effective_hyperparameters(
                 ))
                 continue
         out.append(Setting(name, default, FROM_PAPER_DEFAULT, own_key))
+    for name, value in options.items():
+        out.append(Setting(name, value, FROM_STABLERL_KEY, stablerl_key(fw, spec.kind, name, value)))
     return out
 
 

@@ -213,3 +213,30 @@ def test_a_framework_difference_by_design_is_shown_with_the_config_lines():
     assert lines["verl"][-1].startswith("(in verl: old_log_prob is the actor's recomputed log-prob")
     assert "detached current policy" in lines["trl"][-1]
     assert "no way to give the behaviour (vLLM) policy" in lines["openrlhf"][-1]
+
+
+def test_aggregations_and_rollout_corrections_by_the_loss_params_key():
+    """delta_l and stablerl's rollout corrections are set through each framework's stablerl loss-params key
+    (CALL_OPTIONS): partial everywhere (they act on a stablerl loss), checked up front, shown as settings."""
+    tis = stablerl.get_spec("rollout_correction", "tis")
+    delta_l = stablerl.get_spec("aggregation", "delta_l")
+    vanilla = stablerl.get_spec(POLICY_LOSS, "vanilla")
+    for fw in F.list_frameworks():
+        assert F.reach(fw, delta_l)[0] == "partial" and F.reach(fw, tis)[0] == "partial"
+    assert F.reach(F.get_framework("openrlhf"), delta_l)[1] == "--actor.stablerl_params loss_agg_mode=delta_l"
+    assert F.reach(F.get_framework("verl"), tis)[1] == \
+        "+actor_rollout_ref.actor.policy_loss.stablerl_params={rollout_correction:tis}"
+    assert "rollout_log_prob: use_vllm=True and vllm_importance_sampling_correction=True" in \
+        F.reach_conditions(F.get_framework("trl"), tis)
+    settings = F.effective_hyperparameters("openrlhf", vanilla, {"loss_agg_mode": "delta_l", "clip_ratio_c": 3.0})
+    hyper, options = F.split_call_options(F.as_params(settings))
+    assert options == {"loss_agg_mode": "delta_l"} and hyper == {"clip_ratio_c": 3.0}
+    F.check_call_options("verl", vanilla, {"loss_agg_mode": "delta_l", "loss_agg_params": {"alpha": 0.5}})
+    with pytest.raises(stablerl.StableRLError, match=r"alpha"):
+        F.check_call_options("verl", vanilla, {"loss_agg_mode": "delta_l", "loss_agg_params": {"alpha": "x"}})
+    with pytest.raises(stablerl.StableRLError, match="rollout_correction_params given without rollout_correction"):
+        F.check_call_options("verl", vanilla, {"rollout_correction_params": {"threshold": 2.0}})
+    with pytest.raises(stablerl.MissingInputError, match=r"rollout_correction='tis' needs .*rollout_log_prob"):
+        F.check_call_options("trl", vanilla, {"rollout_correction": "tis"}, feedable={"entropy"})
+    with pytest.raises(stablerl.UnknownNameError, match=r"'loss_agg_mod'.*loss_agg_mode"):
+        F.effective_hyperparameters("trl", vanilla, {"loss_agg_mod": "delta_l"})

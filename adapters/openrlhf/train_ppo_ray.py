@@ -243,10 +243,12 @@ def selection_from_cli(args) -> Selection:
     sel.validate()  # the effective hyper-parameters, clip flags included
     if loss is not None:
         spec = stablerl.get_spec(stablerl.POLICY_LOSS, loss)
-        if "rollout_log_prob" in spec.requires and args.algo.advantage.is_correction_level == "off":
+        correction = sel.policy_loss_params.get("rollout_correction")
+        if ("rollout_log_prob" in spec.requires or correction) and args.algo.advantage.is_correction_level == "off":
+            what = f"rollout_correction={correction!r}" if correction else f"policy loss {loss!r}"
             raise StableRLError(
-                f"policy loss {loss!r} needs rollout log-probs: add --algo.advantage.is_correction_level token "
-                "(or seq); OpenRLHF requests vLLM log-probs only then"
+                f"{what} needs rollout log-probs: add --algo.advantage.is_correction_level token "
+                "(or seq); OpenRLHF requests vLLM log-probs only then (its own weights are then not applied)"
             )
         if "index" in spec.requires:
             check_group_batching(loss, args)
