@@ -147,7 +147,8 @@ VERL = FrameworkSpec(
         BATCH_FILTER: "+algorithm.stablerl_batch_filter_params.{name}={value}",
     },
     usage='pip install "stablerl[verl]"; select with verl\'s own config keys (entry point verl.plugins)',
-    switches={"rollout_correction": "algorithm.rollout_correction.rollout_is"},
+    switches={"rollout_correction": "algorithm.rollout_correction.rollout_is",
+              "routing_replay": "+actor_rollout_ref.actor.fsdp_config.router_replay.mode=R2  # or R3 (FSDP engine)"},
     algorithm_notes={
         "m2po": "old_log_prob is the actor's recomputed log-prob at the start of the update (the proximal "
         "policy); the rollout engine's (behaviour) policy is used only in verl's bypass mode",
@@ -222,7 +223,8 @@ TRL = FrameworkSpec(
         BATCH_FILTER: 'stablerl_batch_filter_params={{"{name}": {value}}}',
     },
     usage="from stablerl.adapters.trl import GRPOTrainer, GRPOConfig  (instead of trl's)",
-    switches={"rollout_correction": "vllm_importance_sampling_correction"},
+    switches={"rollout_correction": "vllm_importance_sampling_correction",
+              "routing_replay": 'GRPOConfig(routing_replay="R2", ...)  # or "R3" (with vLLM)'},
     algorithm_notes={
         "m2po": "old_log_prob is TRL's old_per_token_logps (recomputed when num_iterations > 1 or "
         "steps_per_generation > gradient_accumulation_steps), else the detached current policy (ratio 1); a "
@@ -301,7 +303,8 @@ OPENRLHF = FrameworkSpec(
         BATCH_FILTER: "--algo.advantage.stablerl_batch_filter_params {name}={value}",
     },
     usage=OPENRLHF_COMMAND,
-    switches={"rollout_correction": "--algo.advantage.is_correction_level"},
+    switches={"rollout_correction": "--algo.advantage.is_correction_level",
+              "routing_replay": "--actor.stablerl_routing_replay R2  # or R3 (vLLM >= 0.14)"},
     algorithm_notes={
         "m2po": "old_log_prob is the actor's recomputed old-log-prob pass; OpenRLHF offers no way to give the "
         "behaviour (vLLM) policy as the old policy",

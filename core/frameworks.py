@@ -169,6 +169,9 @@ def reach(framework: FrameworkSpec, spec: AlgorithmSpec) -> tuple[str, str]:
     ``("refused", reason)``, the reason in the framework's words."""
     if spec.status == UNAVAILABLE:
         return REFUSED, f"unavailable: {spec.notes}"
+    if spec.kind == "router_family" and "routing_replay" in framework.switches:
+        # no key names a family: routing replay detects it per router module of the model
+        return SELECTABLE, framework.switches["routing_replay"]
     if spec.kind in CALL_OPTION_OF_KIND and POLICY_LOSS_KIND in framework.params_keys:
         # selected through the stablerl policy loss's params channel; a correction needs the loss's rollout log-probs
         missing = missing_inputs(framework, spec, feedable=framework.feedable.get(POLICY_LOSS_KIND, ()))
@@ -298,7 +301,12 @@ def config_lines(spec: AlgorithmSpec) -> dict[str, list[str]]:
     out: dict[str, list[str]] = {}
     for fw in list_frameworks():
         if fw.config_lines is not None and reach(fw, spec)[0] != REFUSED:
-            out[fw.name] = _option_lines(fw, spec) if spec.kind in CALL_OPTION_OF_KIND else list(fw.config_lines(spec))
+            if spec.kind == "router_family":
+                out[fw.name] = [fw.switches["routing_replay"], "(routing replay detects the router family per module)"]
+            elif spec.kind in CALL_OPTION_OF_KIND:
+                out[fw.name] = _option_lines(fw, spec)
+            else:
+                out[fw.name] = list(fw.config_lines(spec))
             out[fw.name] += [f"(needs {c})" for c in reach_conditions(fw, spec)]
             if spec.name in fw.algorithm_notes:
                 out[fw.name].append(f"(in {fw.name}: {fw.algorithm_notes[spec.name]})")

@@ -240,3 +240,12 @@ def test_aggregations_and_rollout_corrections_by_the_loss_params_key():
         F.check_call_options("trl", vanilla, {"rollout_correction": "tis"}, feedable={"entropy"})
     with pytest.raises(stablerl.UnknownNameError, match=r"'loss_agg_mod'.*loss_agg_mode"):
         F.effective_hyperparameters("trl", vanilla, {"loss_agg_mod": "delta_l"})
+
+
+def test_router_families_are_reached_through_routing_replay():
+    """No key names a router family: each framework's routing-replay switch uses the detected one."""
+    qwen3 = stablerl.get_spec("router_family", "qwen3_moe")
+    for fw in F.list_frameworks():
+        status, how = F.reach(fw, qwen3)
+        assert status == "selectable" and how == fw.switches["routing_replay"] and "R2" in how
+    assert F.config_lines(qwen3)["openrlhf"][0].startswith("--actor.stablerl_routing_replay R2")
