@@ -10,7 +10,8 @@ written once, here, and `stablerl describe`, the generated docs and the adapters
 
 from __future__ import annotations
 
-from stablerl.contracts import ADVANTAGE_ESTIMATOR, BATCH_FILTER, POLICY_LOSS, REWARD_SHAPER, AlgorithmSpec
+from stablerl.contracts import (ADVANTAGE_ESTIMATOR, BATCH_FILTER, CONTROLLER, POLICY_LOSS, REWARD_SHAPER,
+                                AlgorithmSpec)
 from stablerl.frameworks import CALL_OPTIONS, FrameworkKey, FrameworkSpec
 from stablerl.hookspecs import hookimpl
 
@@ -96,6 +97,8 @@ VERL = FrameworkSpec(
             "old_router_log_prob": "verl's loss gets no router log-probs",
             "pos_count": "no verl trainer counts samples per prompt over sampling rounds",
             "neg_count": "no verl trainer counts samples per prompt over sampling rounds",
+            "hidden_states": "verl's model output at ppo_loss carries log-probs (and entropy), not the last hidden states",
+            "lm_head_weight": "verl's ppo_loss gets no handle on the model (its LM-head weight)",
         },
         REWARD_SHAPER: {"entropy": _VERL_NO_ENTROPY_AT_ADVANTAGE},
         BATCH_FILTER: {"entropy": _VERL_NO_ENTROPY_AT_ADVANTAGE},
@@ -114,6 +117,11 @@ VERL = FrameworkSpec(
             "old_entropy": "the v1 trainer (trainer.use_v1=true, verl's default; the legacy trainer drops the "
             "old-log-prob pass's entropy before the update)",
         },
+    },
+    why_no_key={
+        CONTROLLER: "an entropy controller must change the rollout temperature or add a loss term every step and be "
+        "checkpointed with the trainer, and verl 0.9.1 has no hook for either (+algorithm.stablerl_entropy_controller "
+        "is refused saying so; the TRL adapter runs them)",
     },
     selection_keys={
         POLICY_LOSS: _POLICY_LOSS + "loss_mode",
@@ -188,6 +196,8 @@ TRL = FrameworkSpec(
             "rollout_log_prob": "needs use_vllm=True and vllm_importance_sampling_correction=True",
             "entropy": "TRL computes entropies only inside _compute_loss, after advantages",
             "old_log_prob": "TRL computes advantages before (and independently of) old log-probs",
+            "hidden_states": "TRL's forward in _compute_loss returns log-probs and entropies, not the last hidden states",
+            "lm_head_weight": "TRL's loss computation does not expose the LM-head weight to the loss",
         },
     },
     conditions={
@@ -202,6 +212,7 @@ TRL = FrameworkSpec(
         ADVANTAGE_ESTIMATOR: "advantage_estimator",
         REWARD_SHAPER: "reward_shaper",
         BATCH_FILTER: "batch_filter",
+        CONTROLLER: "entropy_controller",
     },
     hyperparameter_keys={
         POLICY_LOSS: {
@@ -221,6 +232,7 @@ TRL = FrameworkSpec(
         ADVANTAGE_ESTIMATOR: 'stablerl_advantage_params={{"{name}": {value}}}',
         REWARD_SHAPER: 'stablerl_reward_shaper_params={{"{name}": {value}}}',
         BATCH_FILTER: 'stablerl_batch_filter_params={{"{name}": {value}}}',
+        CONTROLLER: 'stablerl_entropy_controller_params={{"{name}": {value}}}',
     },
     usage="from stablerl.adapters.trl import GRPOTrainer, GRPOConfig  (instead of trl's)",
     switches={"rollout_correction": "vllm_importance_sampling_correction",
@@ -266,7 +278,15 @@ OPENRLHF = FrameworkSpec(
             "log-probs only then)",
             "old_entropy": _ORLHF_OLD_ENTROPY,
             "turn_ids": "OpenRLHF's experiences carry no per-token turn ids",
+            "versions": "OpenRLHF's experiences carry no per-token policy versions (its async mode keeps none per token)",
+            "policy_version": "OpenRLHF's loss call does not know the current policy version",
+            "router_log_prob": "OpenRLHF's loss call gets no router log-probs (stablerl's R2/R3 replay there replays "
+            "experts, it records no router log-probs)",
+            "old_router_log_prob": "OpenRLHF's old-log-prob pass returns no router log-probs",
+            "hidden_states": "OpenRLHF's Actor.forward returns log-probs (and entropy), not the last hidden states",
+            "lm_head_weight": "OpenRLHF's loss call gets no handle on the model (its LM-head weight)",
         },
+        ADVANTAGE_ESTIMATOR: {"entropy": _ORLHF_OLD_ENTROPY + ", at compute_advantages_and_returns"},
         REWARD_SHAPER: {"entropy": _ORLHF_OLD_ENTROPY + ", at compute_advantages_and_returns"},
         BATCH_FILTER: {"entropy": _ORLHF_OLD_ENTROPY + ", at compute_advantages_and_returns"},
     },
@@ -276,6 +296,11 @@ OPENRLHF = FrameworkSpec(
             "index": "--train.micro_batch_size and --rollout.micro_batch_size multiples of "
             "--rollout.n_samples_per_prompt, no --train.dynamic_batch_enable (whole prompt groups per micro-batch)",
         },
+    },
+    why_no_key={
+        CONTROLLER: "an entropy controller must change the rollout temperature or add a loss term every step and be "
+        "checkpointed with the trainer; the OpenRLHF adapter does not wire one into its trainer loop (the TRL "
+        "adapter runs them)",
     },
     selection_keys={
         POLICY_LOSS: "--actor.policy_loss_type",
@@ -341,8 +366,8 @@ def _verl_lines(spec: AlgorithmSpec) -> list[str]:
 
 def _trl_lines(spec: AlgorithmSpec) -> list[str]:
     fields = list(spec.defaults())
-    if spec.kind in (REWARD_SHAPER, BATCH_FILTER):
-        key = "reward_shaper" if spec.kind == REWARD_SHAPER else "batch_filter"
+    if spec.kind in (REWARD_SHAPER, BATCH_FILTER, CONTROLLER):
+        key = {REWARD_SHAPER: "reward_shaper", BATCH_FILTER: "batch_filter", CONTROLLER: "entropy_controller"}[spec.kind]
         lines = ["from stablerl.adapters.trl import GRPOTrainer, GRPOConfig", f'GRPOConfig({key}="{spec.name}", ...)']
         if fields:
             example = ", ".join(f'"{f}": <value>' for f in fields)

@@ -53,6 +53,8 @@ class FrameworkSpec:
     # kind (or "*") -> input -> what the user must set for the framework to feed it (a feedable input that
     # exists only under a setting: an algorithm requiring it is "partial", not plain "selectable")
     conditions: Mapping[str, Mapping[str, str]] = field(default_factory=dict)
+    # kind -> why the framework has no config key for that kind (shown instead of a bare "no config key")
+    why_no_key: Mapping[str, str] = field(default_factory=dict)
     # kind -> the config key / flag that selects an algorithm of that kind
     selection_keys: Mapping[str, str] = field(default_factory=dict)
     # kind -> stablerl hyper-parameter name -> the framework key that also sets it, with the
@@ -180,7 +182,9 @@ def reach(framework: FrameworkSpec, spec: AlgorithmSpec) -> tuple[str, str]:
         return PARTIAL, stablerl_key(framework, POLICY_LOSS_KIND, CALL_OPTION_OF_KIND[spec.kind], spec.name)
     if spec.kind not in framework.selection_keys:
         kind = spec.kind.replace("_", " ")
-        return REFUSED, f"{framework.name} has no config key for {'an' if kind[0] in 'aeiou' else 'a'} {kind}"
+        why = framework.why_no_key.get(spec.kind)
+        return REFUSED, (f"{framework.name} has no config key for {'an' if kind[0] in 'aeiou' else 'a'} {kind}"
+                         + (f": {why}" if why else ""))
     missing = missing_inputs(framework, spec)
     if missing:
         return REFUSED, f"needs {', '.join(missing)} ({why_missing(framework, spec, missing)})"
