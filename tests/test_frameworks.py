@@ -249,3 +249,15 @@ def test_router_families_are_reached_through_routing_replay():
         status, how = F.reach(fw, qwen3)
         assert status == "selectable" and how == fw.switches["routing_replay"] and "R2" in how
     assert F.config_lines(qwen3)["openrlhf"][0].startswith("--actor.stablerl_routing_replay R2")
+
+
+def test_controllers_reach_trl_and_the_others_say_why():
+    aepo = stablerl.get_spec("controller", "aepo")
+    assert F.reach(F.get_framework("trl"), aepo) == ("selectable", "aepo")
+    assert 'GRPOConfig(entropy_controller="aepo", ...)' in F.config_lines(aepo)["trl"]
+    status, why = F.reach(F.get_framework("verl"), aepo)
+    assert status == "refused" and "verl 0.9.1 has no hook for either" in why
+    capo = stablerl.get_spec(POLICY_LOSS, "capo")
+    for fw in F.list_frameworks():  # every refusal in the framework's own words, not the input's description
+        status, why = F.reach(fw, capo)
+        assert status == "refused" and "hidden_states: " + fw.why_not["*"]["hidden_states"] in why
