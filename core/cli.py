@@ -130,7 +130,8 @@ def framework_settings_text(spec: AlgorithmSpec, framework: str) -> str:
         return f"{fw.name}: {spec.name!r} cannot be selected: {detail}"
     defaults = {name: key.default for name, key in fw.hyperparameter_keys.get(spec.kind, {}).items()}
     settings = effective_hyperparameters(fw, spec, {}, defaults)
-    return "\n".join([f"{fw.name}: select with {fw.selection_keys[spec.kind]}={detail}",
+    key = fw.selection_keys.get(spec.kind)  # none for an aggregation / correction / router family: detail says how
+    return "\n".join([f"{fw.name}: select with {key}={detail}" if key else f"{fw.name}: select with {detail}",
                       format_settings(fw, spec, settings), PRECEDENCE])
 
 

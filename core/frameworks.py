@@ -406,6 +406,9 @@ class Setting:
 
 
 def stablerl_key(framework: FrameworkSpec, kind: str, name: str, value: Any = "<value>") -> str:
+    if kind in CALL_OPTION_OF_KIND:  # an aggregation's / correction's parameters: inside the loss's params key
+        option = CALL_OPTION_OF_KIND[kind].replace("_mode", "") + "_params"
+        return stablerl_key(framework, POLICY_LOSS_KIND, option, f'{{"{name}": {value}}}')
     template = framework.params_keys.get(kind)
     if callable(template):
         return template(name, value)

@@ -141,3 +141,12 @@ def test_doctor_runs_conformance_on_third_party_plugins(capsys):
     assert "conformance of third-party algorithms (1)" in out and "doctor_probe (probe (x)): " in out
     assert report[0]["ok"] is False and "expected a scalar" in report[0]["error"]
     assert "doctor_probe (probe (x)): FAILS" in out and code == 1
+
+
+def test_describe_framework_for_options_and_router_families(capsys):
+    """Kinds without a selection key of their own say how they are set (no KeyError)."""
+    code, out, _ = run_cli(capsys, "describe", "delta_l", "--framework", "trl")
+    assert code == 0 and 'trl: select with stablerl_loss_params={"loss_agg_mode": "delta_l"}' in out
+    assert 'alpha = 1.0  (paper default: stablerl_loss_params={"loss_agg_params": {"alpha": <value>}})' in out
+    code, out, _ = run_cli(capsys, "describe", "qwen3_moe", "--framework", "openrlhf")
+    assert code == 0 and "openrlhf: select with --actor.stablerl_routing_replay R2" in out
