@@ -10,8 +10,9 @@ written once, here, and `stablerl describe`, the generated docs and the adapters
 
 from __future__ import annotations
 
-from stablerl.contracts import ADVANTAGE_ESTIMATOR, BATCH_FILTER, POLICY_LOSS, REWARD_SHAPER, AlgorithmSpec
-from stablerl.frameworks import FrameworkKey, FrameworkSpec
+from stablerl.contracts import (ADVANTAGE_ESTIMATOR, BATCH_FILTER, CONTROLLER, POLICY_LOSS, REWARD_SHAPER,
+                                AlgorithmSpec)
+from stablerl.frameworks import CALL_OPTIONS, FrameworkKey, FrameworkSpec
 from stablerl.hookspecs import hookimpl
 
 # Per-response values a user's reward function provides to reward shapers and batch filters (verl: its
@@ -43,9 +44,33 @@ VERL_POLICY_LOSS_FIELDS = frozenset(
 
 
 def _verl_loss_key(name: str, value) -> str:
-    if name in VERL_POLICY_LOSS_FIELDS:
-        return f"+{_POLICY_LOSS}stablerl_params={{{name}:{value}}}"
+    # verl's own PolicyLossConfig fields and the compute_policy_loss options (CALL_OPTIONS: loss_agg_mode,
+    # rollout_correction, their params) go in the StablePolicyLossConfig dict field stablerl_params
+    if name in VERL_POLICY_LOSS_FIELDS or name in CALL_OPTIONS:
+        return f"+{_POLICY_LOSS}stablerl_params={{{name}:{str(value).replace(chr(34), '')}}}"
     return f"+{_POLICY_LOSS}{name}={value}"
+
+
+def _json_value(value) -> str:
+    """A value as a JSON literal in a TRL / OpenRLHF params line (placeholders and JSON objects as written)."""
+    import json
+
+    text = str(value)
+    return text if not isinstance(value, str) or text.startswith(("<", "{")) else json.dumps(value)
+
+
+def _trl_loss_key(name: str, value) -> str:
+    return f'stablerl_loss_params={{"{name}": {_json_value(value)}}}'
+
+
+def _openrlhf_loss_key(name: str, value) -> str:
+    text = f"{name}={value}"
+    return f"--actor.stablerl_params '{text}'" if any(c in text for c in ' "{') else f"--actor.stablerl_params {text}"
+
+_VERL_NO_ENTROPY_AT_ADVANTAGE = (
+    "the adapter's advantage step gathers only the fields both verl trainers have at compute_advantage, and the "
+    "legacy trainer keeps no per-token entropy there"
+)
 
 VERL = FrameworkSpec(
     name="verl",
@@ -72,7 +97,11 @@ VERL = FrameworkSpec(
             "old_router_log_prob": "verl's loss gets no router log-probs",
             "pos_count": "no verl trainer counts samples per prompt over sampling rounds",
             "neg_count": "no verl trainer counts samples per prompt over sampling rounds",
+            "hidden_states": "verl's model output at ppo_loss carries log-probs (and entropy), not the last hidden states",
+            "lm_head_weight": "verl's ppo_loss gets no handle on the model (its LM-head weight)",
         },
+        REWARD_SHAPER: {"entropy": _VERL_NO_ENTROPY_AT_ADVANTAGE},
+        BATCH_FILTER: {"entropy": _VERL_NO_ENTROPY_AT_ADVANTAGE},
         ADVANTAGE_ESTIMATOR: {
             "entropy": "no stock verl trainer keeps per-token entropy in the batch at compute_advantage "
             "(opt in with +algorithm.stablerl_batch_field_estimators=true if your pipeline writes it)",
@@ -80,6 +109,19 @@ VERL = FrameworkSpec(
             "+algorithm.stablerl_batch_field_estimators=true if your agent loop writes 'turn_ids')",
             "token_ids": "v1's _compute_advantage does not fetch 'responses'",
         },
+    },
+    conditions={
+        POLICY_LOSS: {
+            "entropy": "actor_rollout_ref.actor.calculate_entropy=True (verl computes the update's entropy only then, "
+            "or with entropy_coeff != 0)",
+            "old_entropy": "the v1 trainer (trainer.use_v1=true, verl's default; the legacy trainer drops the "
+            "old-log-prob pass's entropy before the update)",
+        },
+    },
+    why_no_key={
+        CONTROLLER: "an entropy controller must change the rollout temperature or add a loss term every step and be "
+        "checkpointed with the trainer, and verl 0.9.1 has no hook for either (+algorithm.stablerl_entropy_controller "
+        "is refused saying so; the TRL adapter runs them)",
     },
     selection_keys={
         POLICY_LOSS: _POLICY_LOSS + "loss_mode",
@@ -113,7 +155,8 @@ VERL = FrameworkSpec(
         BATCH_FILTER: "+algorithm.stablerl_batch_filter_params.{name}={value}",
     },
     usage='pip install "stablerl[verl]"; select with verl\'s own config keys (entry point verl.plugins)',
-    switches={"rollout_correction": "algorithm.rollout_correction.rollout_is"},
+    switches={"rollout_correction": "algorithm.rollout_correction.rollout_is",
+              "routing_replay": "+actor_rollout_ref.actor.fsdp_config.router_replay.mode=R2  # or R3 (FSDP engine)"},
     algorithm_notes={
         "m2po": "old_log_prob is the actor's recomputed log-prob at the start of the update (the proximal "
         "policy); the rollout engine's (behaviour) policy is used only in verl's bypass mode",
@@ -153,6 +196,15 @@ TRL = FrameworkSpec(
             "rollout_log_prob": "needs use_vllm=True and vllm_importance_sampling_correction=True",
             "entropy": "TRL computes entropies only inside _compute_loss, after advantages",
             "old_log_prob": "TRL computes advantages before (and independently of) old log-probs",
+            "hidden_states": "TRL's forward in _compute_loss returns log-probs and entropies, not the last hidden states",
+            "lm_head_weight": "TRL's loss computation does not expose the LM-head weight to the loss",
+        },
+    },
+    conditions={
+        POLICY_LOSS: {
+            "rollout_log_prob": "use_vllm=True and vllm_importance_sampling_correction=True",
+            "router_log_prob": "routing_replay='R2' or 'R3' on an MoE model",
+            "old_router_log_prob": "routing_replay='R2' or 'R3' on an MoE model",
         },
     },
     selection_keys={
@@ -160,6 +212,7 @@ TRL = FrameworkSpec(
         ADVANTAGE_ESTIMATOR: "advantage_estimator",
         REWARD_SHAPER: "reward_shaper",
         BATCH_FILTER: "batch_filter",
+        CONTROLLER: "entropy_controller",
     },
     hyperparameter_keys={
         POLICY_LOSS: {
@@ -175,13 +228,15 @@ TRL = FrameworkSpec(
         },
     },
     params_keys={
-        POLICY_LOSS: 'stablerl_loss_params={{"{name}": {value}}}',
+        POLICY_LOSS: _trl_loss_key,
         ADVANTAGE_ESTIMATOR: 'stablerl_advantage_params={{"{name}": {value}}}',
         REWARD_SHAPER: 'stablerl_reward_shaper_params={{"{name}": {value}}}',
         BATCH_FILTER: 'stablerl_batch_filter_params={{"{name}": {value}}}',
+        CONTROLLER: 'stablerl_entropy_controller_params={{"{name}": {value}}}',
     },
     usage="from stablerl.adapters.trl import GRPOTrainer, GRPOConfig  (instead of trl's)",
-    switches={"rollout_correction": "vllm_importance_sampling_correction"},
+    switches={"rollout_correction": "vllm_importance_sampling_correction",
+              "routing_replay": 'GRPOConfig(routing_replay="R2", ...)  # or "R3" (with vLLM)'},
     algorithm_notes={
         "m2po": "old_log_prob is TRL's old_per_token_logps (recomputed when num_iterations > 1 or "
         "steps_per_generation > gradient_accumulation_steps), else the detached current policy (ratio 1); a "
@@ -209,8 +264,10 @@ OPENRLHF = FrameworkSpec(
     # the loss call passes rollout_log_probs only with --algo.advantage.is_correction_level token|seq; the
     # adapter's training_step / Actor.forward patches feed entropy, token_ids and scores. Its advantage
     # step groups responses by prompt (index); shapers and filters run there on the whole rollout batch.
+    # index (prompt groups) at the loss: the adapter carries the groups through the replay buffer in
+    # Experience.info and its DataLoader keeps them whole per micro-batch (adapters/openrlhf/_groups.py).
     feedable={
-        POLICY_LOSS: frozenset({"rollout_log_prob", "entropy", "token_ids", "scores"}),
+        POLICY_LOSS: frozenset({"rollout_log_prob", "entropy", "token_ids", "scores", "index"}),
         ADVANTAGE_ESTIMATOR: frozenset({"index"}),
         REWARD_SHAPER: _EXTENSION_INPUTS,
         BATCH_FILTER: _EXTENSION_INPUTS,
@@ -220,14 +277,30 @@ OPENRLHF = FrameworkSpec(
             "rollout_log_prob": "set --algo.advantage.is_correction_level token|seq (OpenRLHF requests vLLM "
             "log-probs only then)",
             "old_entropy": _ORLHF_OLD_ENTROPY,
-            "index": "OpenRLHF keeps no prompt groups at the loss: its replay buffer drops Experience.index "
-            "(split_experience_batch sets it to None) and its DataLoader shuffles rows across micro-batches (unless "
-            "ring attention, tensor parallelism or dynamic batching, which reorder them too), so a loss call sees "
-            "partial groups while the losses that take index need whole groups within the call",
             "turn_ids": "OpenRLHF's experiences carry no per-token turn ids",
+            "versions": "OpenRLHF's experiences carry no per-token policy versions (its async mode keeps none per token)",
+            "policy_version": "OpenRLHF's loss call does not know the current policy version",
+            "router_log_prob": "OpenRLHF's loss call gets no router log-probs (stablerl's R2/R3 replay there replays "
+            "experts, it records no router log-probs)",
+            "old_router_log_prob": "OpenRLHF's old-log-prob pass returns no router log-probs",
+            "hidden_states": "OpenRLHF's Actor.forward returns log-probs (and entropy), not the last hidden states",
+            "lm_head_weight": "OpenRLHF's loss call gets no handle on the model (its LM-head weight)",
         },
+        ADVANTAGE_ESTIMATOR: {"entropy": _ORLHF_OLD_ENTROPY + ", at compute_advantages_and_returns"},
         REWARD_SHAPER: {"entropy": _ORLHF_OLD_ENTROPY + ", at compute_advantages_and_returns"},
         BATCH_FILTER: {"entropy": _ORLHF_OLD_ENTROPY + ", at compute_advantages_and_returns"},
+    },
+    conditions={
+        "*": {"rollout_log_prob": "--algo.advantage.is_correction_level token|seq"},
+        POLICY_LOSS: {
+            "index": "--train.micro_batch_size and --rollout.micro_batch_size multiples of "
+            "--rollout.n_samples_per_prompt, no --train.dynamic_batch_enable (whole prompt groups per micro-batch)",
+        },
+    },
+    why_no_key={
+        CONTROLLER: "an entropy controller must change the rollout temperature or add a loss term every step and be "
+        "checkpointed with the trainer; the OpenRLHF adapter does not wire one into its trainer loop (the TRL "
+        "adapter runs them)",
     },
     selection_keys={
         POLICY_LOSS: "--actor.policy_loss_type",
@@ -249,13 +322,14 @@ OPENRLHF = FrameworkSpec(
         },
     },
     params_keys={
-        POLICY_LOSS: "--actor.stablerl_params {name}={value}",
+        POLICY_LOSS: _openrlhf_loss_key,
         ADVANTAGE_ESTIMATOR: "--algo.advantage.stablerl_params {name}={value}",
         REWARD_SHAPER: "--algo.advantage.stablerl_reward_shaper_params {name}={value}",
         BATCH_FILTER: "--algo.advantage.stablerl_batch_filter_params {name}={value}",
     },
     usage=OPENRLHF_COMMAND,
-    switches={"rollout_correction": "--algo.advantage.is_correction_level"},
+    switches={"rollout_correction": "--algo.advantage.is_correction_level",
+              "routing_replay": "--actor.stablerl_routing_replay R2  # or R3 (vLLM >= 0.14)"},
     algorithm_notes={
         "m2po": "old_log_prob is the actor's recomputed old-log-prob pass; OpenRLHF offers no way to give the "
         "behaviour (vLLM) policy as the old policy",
@@ -292,8 +366,8 @@ def _verl_lines(spec: AlgorithmSpec) -> list[str]:
 
 def _trl_lines(spec: AlgorithmSpec) -> list[str]:
     fields = list(spec.defaults())
-    if spec.kind in (REWARD_SHAPER, BATCH_FILTER):
-        key = "reward_shaper" if spec.kind == REWARD_SHAPER else "batch_filter"
+    if spec.kind in (REWARD_SHAPER, BATCH_FILTER, CONTROLLER):
+        key = {REWARD_SHAPER: "reward_shaper", BATCH_FILTER: "batch_filter", CONTROLLER: "entropy_controller"}[spec.kind]
         lines = ["from stablerl.adapters.trl import GRPOTrainer, GRPOConfig", f'GRPOConfig({key}="{spec.name}", ...)']
         if fields:
             example = ", ".join(f'"{f}": <value>' for f in fields)
@@ -337,6 +411,8 @@ def _openrlhf_lines(spec: AlgorithmSpec) -> list[str]:
         lines.append("  --algo.advantage.is_correction_level token   # OpenRLHF passes vLLM log-probs only then")
     if loss and "entropy" in spec.requires:
         lines.append("  (entropy: the adapter has OpenRLHF's training forward return it; no flag needed)")
+    if loss and "index" in spec.requires:
+        lines.append("  (index: the adapter carries prompt groups through the replay buffer and shuffles whole groups)")
     return lines
 
 

@@ -18,6 +18,8 @@ from .frameworks import (
     list_frameworks,
     load_adapter,
     reach,
+    reach_counts,
+    reach_table,
     selectable_in,
 )
 from .params import StableRLError, UnknownNameError, unknown_name_message
@@ -37,7 +39,9 @@ def spec_summary(spec: AlgorithmSpec) -> dict:
         "status": spec.status,
         "paper": spec.paper,
         "title": spec.title,
-        "frameworks": _frameworks(spec),
+        "frameworks": _frameworks(spec),  # selectable or partial
+        # per framework: {"status": "selectable"|"partial", "name", "needs" (partial)} or {"status": "refused", "why"}
+        "reach": reach_table([spec])[0]["reach"],
         "requires": list(spec.requires),
         "optional_inputs": list(spec.optional_inputs),
         "defaults": spec.defaults(),
@@ -46,17 +50,41 @@ def spec_summary(spec: AlgorithmSpec) -> dict:
     }
 
 
+#: how `stablerl list` and the generated tables write a reach status
+REACH_MARK = {"selectable": "yes", "partial": "partial", "refused": "no"}
+
+
+def reach_summary(counts: dict) -> str:
+    """``"verl 34 selectable + 4 partial, 25 refused; ..."`` (``counts``: :func:`stablerl.frameworks.reach_counts`)."""
+    return "; ".join(f"{fw} {c['selectable']} selectable + {c['partial']} partial, {c['refused']} refused"
+                     for fw, c in counts.items())
+
+
 def cmd_list(args: argparse.Namespace) -> int:
     specs = get_registry().list(args.kind)
     if args.json:
         print(json.dumps([spec_summary(s) for s in specs], indent=2, default=str))
         return 0
-    rows = [(s.name, s.kind, s.status, s.paper or "-", ",".join(_frameworks(s)) or "-") for s in specs]
-    header = ("name", "kind", "status", "paper", "frameworks")
+    table = reach_table(specs)
+    names = [fw.name for fw in list_frameworks()]
+    rows = [(s.name, s.kind, s.status, s.paper or "-", *(REACH_MARK[r["reach"][fw]["status"]] for fw in names))
+            for s, r in zip(specs, table)]
+    header = ("name", "kind", "status", "paper", *names)
     widths = [max(len(str(r[i])) for r in rows + [header]) for i in range(len(header))]
     for row in [header] + rows:
         print("  ".join(str(c).ljust(w) for c, w in zip(row, widths)).rstrip())
-    print(f"\n{len(specs)} algorithms")
+    print(f"\n{len(specs)} algorithms; reach: {reach_summary(reach_counts(table))}")
+    for fw in names:
+        lines = []
+        for r in table:
+            entry = r["reach"][fw]
+            if entry["status"] == "partial":
+                lines.append(f"  partial  {r['name']}: needs " + "; ".join(entry["needs"]))
+            elif entry["status"] == "refused":
+                lines.append(f"  refused  {r['name']}: {entry['why']}")
+        if lines and not args.brief:
+            print(f"\n{fw}:")
+            print("\n".join(lines))
     return 0
 
 
@@ -90,6 +118,9 @@ def describe_text(spec: AlgorithmSpec) -> str:
         lines += [f"  {line}" for line in cfg]
     if not keys:
         lines.append("frameworks: none can run it yet (see notes / requires)")
+    for framework, entry in reach_table([spec])[0]["reach"].items():
+        if entry["status"] == "refused":  # every refusal says why, in the framework's words
+            lines.append(f"{framework}: refused: {entry['why']}")
     return "\n".join(lines)
 
 
@@ -98,11 +129,12 @@ def framework_settings_text(spec: AlgorithmSpec, framework: str) -> str:
     prints at start-up, with every framework key at the framework's own default."""
     fw = get_framework(framework)
     status, detail = reach(fw, spec)
-    if status != "selectable":
+    if status == "refused":
         return f"{fw.name}: {spec.name!r} cannot be selected: {detail}"
     defaults = {name: key.default for name, key in fw.hyperparameter_keys.get(spec.kind, {}).items()}
     settings = effective_hyperparameters(fw, spec, {}, defaults)
-    return "\n".join([f"{fw.name}: select with {fw.selection_keys[spec.kind]}={detail}",
+    key = fw.selection_keys.get(spec.kind)  # none for an aggregation / correction / router family: detail says how
+    return "\n".join([f"{fw.name}: select with {key}={detail}" if key else f"{fw.name}: select with {detail}",
                       format_settings(fw, spec, settings), PRECEDENCE])
 
 
@@ -230,7 +262,10 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("list", help="list registered algorithms")
     p.add_argument("--kind", choices=KINDS)
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--json", action="store_true",
+                   help="one object per algorithm, with 'reach': per framework selectable / partial (needs) / "
+                        "refused (why)")
+    p.add_argument("--brief", action="store_true", help="the table and the reach counts, without the reasons")
     p.set_defaults(func=cmd_list)
     p = sub.add_parser("describe", help="formula, defaults and config keys of one algorithm")
     p.add_argument("name")

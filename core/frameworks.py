@@ -50,6 +50,11 @@ class FrameworkSpec:
     feedable: Mapping[str, frozenset] = field(default_factory=dict)
     # kind (or "*" for every kind) -> input -> why the framework cannot feed it (shown on refusal)
     why_not: Mapping[str, Mapping[str, str]] = field(default_factory=dict)
+    # kind (or "*") -> input -> what the user must set for the framework to feed it (a feedable input that
+    # exists only under a setting: an algorithm requiring it is "partial", not plain "selectable")
+    conditions: Mapping[str, Mapping[str, str]] = field(default_factory=dict)
+    # kind -> why the framework has no config key for that kind (shown instead of a bare "no config key")
+    why_no_key: Mapping[str, str] = field(default_factory=dict)
     # kind -> the config key / flag that selects an algorithm of that kind
     selection_keys: Mapping[str, str] = field(default_factory=dict)
     # kind -> stablerl hyper-parameter name -> the framework key that also sets it, with the
@@ -69,6 +74,10 @@ class FrameworkSpec:
     # algorithm name -> what differs in this framework by the framework's own design (shown with its
     # config lines: `stablerl describe`, the generated docs, the parity matrix)
     algorithm_notes: Mapping[str, str] = field(default_factory=dict)
+
+    def condition(self, kind: str, input_name: str) -> Optional[str]:
+        """What the user must set for this framework to feed ``input_name`` to ``kind`` (None: always fed)."""
+        return self.conditions.get(kind, {}).get(input_name) or self.conditions.get("*", {}).get(input_name)
 
     def with_config_lines(self, fn: Callable[[AlgorithmSpec], list]) -> "FrameworkSpec":
         from dataclasses import replace
@@ -133,16 +142,84 @@ def why_missing(framework: FrameworkSpec, spec: AlgorithmSpec, missing: list[str
     return "; ".join(f"{m}: {framework.why(spec.kind, m)}" for m in missing)
 
 
+#: the three answers of :func:`reach`
+SELECTABLE, PARTIAL, REFUSED = "selectable", "partial", "refused"
+
+
+POLICY_LOSS_KIND = "policy_loss"
+
+
+def reach_conditions(framework: FrameworkSpec, spec: AlgorithmSpec) -> list[str]:
+    """``"<input>: <what the user must set>"`` for each input ``spec`` requires that ``framework`` feeds
+    only under a setting (``FrameworkSpec.conditions``); for an aggregation or rollout correction (set
+    through the loss's params), also that the policy loss must be a stablerl one."""
+    on_loss = spec.kind in CALL_OPTION_OF_KIND
+    kind = POLICY_LOSS_KIND if on_loss else spec.kind
+    out = []
+    for name in spec.requires:
+        condition = framework.condition(kind, name)
+        if condition:
+            out.append(f"{name}: {condition}")
+    if on_loss:
+        out.append(f"a stablerl policy loss ({framework.name}'s own losses do not call stablerl)")
+    return out
+
+
 def reach(framework: FrameworkSpec, spec: AlgorithmSpec) -> tuple[str, str]:
-    """``("selectable", name)`` or ``("refused", reason)``: can a user of ``framework`` select ``spec``."""
+    """Can a user of ``framework`` select ``spec``: ``("selectable", name)``; ``("partial", name)`` when it
+    runs only with a setting the user must supply (:func:`reach_conditions` says which); or
+    ``("refused", reason)``, the reason in the framework's words."""
     if spec.status == UNAVAILABLE:
-        return "refused", f"unavailable: {spec.notes}"
+        return REFUSED, f"unavailable: {spec.notes}"
+    if spec.kind == "router_family" and "routing_replay" in framework.switches:
+        # no key names a family: routing replay detects it per router module of the model
+        return SELECTABLE, framework.switches["routing_replay"]
+    if spec.kind in CALL_OPTION_OF_KIND and POLICY_LOSS_KIND in framework.params_keys:
+        # selected through the stablerl policy loss's params channel; a correction needs the loss's rollout log-probs
+        missing = missing_inputs(framework, spec, feedable=framework.feedable.get(POLICY_LOSS_KIND, ()))
+        if missing:
+            return REFUSED, f"needs {', '.join(missing)} ({why_missing(framework, spec, missing)})"
+        return PARTIAL, stablerl_key(framework, POLICY_LOSS_KIND, CALL_OPTION_OF_KIND[spec.kind], spec.name)
     if spec.kind not in framework.selection_keys:
-        return "refused", f"{framework.name} has no config key for a {spec.kind.replace('_', ' ')}"
+        kind = spec.kind.replace("_", " ")
+        why = framework.why_no_key.get(spec.kind)
+        return REFUSED, (f"{framework.name} has no config key for {'an' if kind[0] in 'aeiou' else 'a'} {kind}"
+                         + (f": {why}" if why else ""))
     missing = missing_inputs(framework, spec)
     if missing:
-        return "refused", f"needs {', '.join(missing)} ({why_missing(framework, spec, missing)})"
-    return "selectable", framework_names(framework, spec)[0]
+        return REFUSED, f"needs {', '.join(missing)} ({why_missing(framework, spec, missing)})"
+    return (PARTIAL if reach_conditions(framework, spec) else SELECTABLE), framework_names(framework, spec)[0]
+
+
+def reach_table(specs: Any = None) -> list[dict]:
+    """Per algorithm and framework: ``{"status", "name"}`` (selectable), plus ``"needs"`` (partial: what
+    the user must set), or ``{"status", "why"}`` (refused). One source for ``stablerl list``, its ``--json``,
+    README's algorithm table and the docs pages."""
+    from .api import list_algorithms
+
+    rows = []
+    for spec in (list_algorithms() if specs is None else specs):
+        per: dict = {}
+        for fw in list_frameworks():
+            status, detail = reach(fw, spec)
+            if status == REFUSED:
+                per[fw.name] = {"status": status, "why": detail}
+            else:
+                per[fw.name] = {"status": status, "name": detail}
+                if status == PARTIAL:
+                    per[fw.name]["needs"] = reach_conditions(fw, spec)
+        rows.append({"name": spec.name, "kind": spec.kind, "status": spec.status, "reach": per})
+    return rows
+
+
+def reach_counts(rows: Optional[list] = None) -> dict[str, dict[str, int]]:
+    """framework -> {"selectable": n, "partial": n, "refused": n} over ``rows`` (:func:`reach_table`)."""
+    rows = reach_table() if rows is None else rows
+    out: dict[str, dict[str, int]] = {fw.name: {SELECTABLE: 0, PARTIAL: 0, REFUSED: 0} for fw in list_frameworks()}
+    for row in rows:
+        for name, entry in row["reach"].items():
+            out[name][entry["status"]] += 1
+    return out
 
 
 def selectable_names(framework: FrameworkSpec, kind: str, extra_inputs: Any = ()) -> list[str]:
@@ -206,9 +283,20 @@ def resolve(framework: FrameworkSpec | str, kind: str, name: Optional[str], extr
     return bare
 
 
+def _option_lines(fw: FrameworkSpec, spec: AlgorithmSpec) -> list[str]:
+    """An aggregation / rollout correction: set in the stablerl policy loss's params (:data:`CALL_OPTIONS`)."""
+    option = CALL_OPTION_OF_KIND[spec.kind]
+    lines = [stablerl_key(fw, POLICY_LOSS_KIND, option, spec.name)]
+    fields = list(spec.defaults())
+    if fields:
+        lines.append(stablerl_key(fw, POLICY_LOSS_KIND, option.replace("_mode", "") + "_params",
+                                  "{" + ", ".join(f'"{f}": <value>' for f in fields) + "}"))
+    return lines
+
+
 def selectable_in(spec: AlgorithmSpec) -> list[str]:
     """The frameworks (declaration order) whose users can select ``spec`` by a config key."""
-    return [fw.name for fw in list_frameworks() if reach(fw, spec)[0] == "selectable"]
+    return [fw.name for fw in list_frameworks() if reach(fw, spec)[0] != REFUSED]
 
 
 def config_lines(spec: AlgorithmSpec) -> dict[str, list[str]]:
@@ -216,8 +304,14 @@ def config_lines(spec: AlgorithmSpec) -> dict[str, list[str]]:
     hyper-parameters (``stablerl describe`` and the generated docs)."""
     out: dict[str, list[str]] = {}
     for fw in list_frameworks():
-        if fw.config_lines is not None and reach(fw, spec)[0] == "selectable":
-            out[fw.name] = list(fw.config_lines(spec))
+        if fw.config_lines is not None and reach(fw, spec)[0] != REFUSED:
+            if spec.kind == "router_family":
+                out[fw.name] = [fw.switches["routing_replay"], "(routing replay detects the router family per module)"]
+            elif spec.kind in CALL_OPTION_OF_KIND:
+                out[fw.name] = _option_lines(fw, spec)
+            else:
+                out[fw.name] = list(fw.config_lines(spec))
+            out[fw.name] += [f"(needs {c})" for c in reach_conditions(fw, spec)]
             if spec.name in fw.algorithm_notes:
                 out[fw.name].append(f"(in {fw.name}: {fw.algorithm_notes[spec.name]})")
     return out
@@ -239,6 +333,67 @@ PRECEDENCE = (
 )
 
 
+#: compute_policy_loss options a user sets through a framework's stablerl loss-params channel, next to the
+#: loss's hyper-parameters (so every framework reaches them by config key): a registered aggregation such as
+#: ``delta_l`` (``loss_agg_mode`` replaces the framework's own mode) and a stablerl rollout correction, each
+#: with its own hyper-parameters. They act only on a stablerl policy loss (the framework's own loss never
+#: calls compute_policy_loss).
+CALL_OPTIONS = ("loss_agg_mode", "loss_agg_params", "rollout_correction", "rollout_correction_params")
+#: the call option that selects an algorithm of each of these kinds
+CALL_OPTION_OF_KIND = {"aggregation": "loss_agg_mode", "rollout_correction": "rollout_correction"}
+
+
+def split_call_options(params: Mapping[str, Any]) -> tuple[dict, dict]:
+    """``(hyper-parameters, call options)`` of a stablerl loss's params (:data:`CALL_OPTIONS`)."""
+    hyper = {k: v for k, v in params.items() if k not in CALL_OPTIONS}
+    return hyper, {k: v for k, v in params.items() if k in CALL_OPTIONS}
+
+
+def check_call_options(framework: FrameworkSpec | str, spec: AlgorithmSpec, options: Mapping[str, Any],
+                       hyper: Optional[Mapping[str, Any]] = None, feedable: Any = None) -> None:
+    """Refuse, before the first step, call options ``spec`` in ``framework`` cannot run: an unknown
+    aggregation or correction (nearest names), bad hyper-parameters of either, parameters without the
+    option they belong to, a rollout correction where the framework feeds no rollout log-probs (why)."""
+    from .checks import check_aggregation_request
+    from .contracts import ROLLOUT_CORRECTION
+    from .params import build_params
+
+    fw = _declared(framework)
+    if not options:
+        return
+    if spec.kind != "policy_loss":
+        raise StableRLError(f"{', '.join(sorted(options))}: options of a stablerl policy loss, not of {spec.kind}")
+    mode = options.get("loss_agg_mode")
+    agg_params = options.get("loss_agg_params")
+    if agg_params is not None and not isinstance(agg_params, Mapping):
+        raise StableRLError(f"loss_agg_params must be a mapping of the aggregation's hyper-parameters, got {agg_params!r}")
+    if mode is not None:
+        from .api import get_spec
+        from .registry import get_registry
+
+        check_aggregation_request(spec, build_params(spec, dict(hyper or {})), mode, agg_params)
+        if mode in get_registry().names("aggregation"):
+            build_params(get_spec("aggregation", mode), dict(agg_params or {}))
+    elif agg_params:
+        raise StableRLError("loss_agg_params given without loss_agg_mode (a registered aggregation, e.g. delta_l)")
+    correction = options.get("rollout_correction")
+    correction_params = options.get("rollout_correction_params")
+    if correction is not None:
+        from .api import get_spec
+
+        correction_spec = get_spec(ROLLOUT_CORRECTION, correction)
+        build_params(correction_spec, dict(correction_params or {}))
+        missing = missing_inputs(fw, correction_spec, feedable=feedable if feedable is not None
+                                 else fw.feedable.get("policy_loss", ()))
+        if missing:
+            raise MissingInputError(
+                f"rollout_correction={correction!r} needs input(s) {fw.name} cannot provide to a policy loss "
+                f"({'; '.join(f'{m}: {fw.why(spec.kind, m)}' for m in missing)})"
+            )
+    elif correction_params:
+        raise StableRLError("rollout_correction_params given without rollout_correction")
+
+
 @dataclass(frozen=True)
 class Setting:
     """One effective hyper-parameter: its value, where it came from, and the key that sets it."""
@@ -251,6 +406,9 @@ class Setting:
 
 
 def stablerl_key(framework: FrameworkSpec, kind: str, name: str, value: Any = "<value>") -> str:
+    if kind in CALL_OPTION_OF_KIND:  # an aggregation's / correction's parameters: inside the loss's params key
+        option = CALL_OPTION_OF_KIND[kind].replace("_mode", "") + "_params"
+        return stablerl_key(framework, POLICY_LOSS_KIND, option, f'{{"{name}": {value}}}')
     template = framework.params_keys.get(kind)
     if callable(template):
         return template(name, value)
@@ -277,9 +435,13 @@ def effective_hyperparameters(
     framework_values = dict(framework_values or {})
     keys = fw.hyperparameter_keys.get(spec.kind, {})
     defaults = spec.defaults()
+    options = {}
+    if spec.kind == "policy_loss":  # aggregation / rollout correction through the same channel (CALL_OPTIONS)
+        stablerl_params, options = split_call_options(stablerl_params)
     for name in stablerl_params:  # a typo is an error naming the valid keys, never a silently dropped value
         if name not in defaults:
-            raise UnknownNameError(unknown_name_message(f"hyper-parameter for {spec.name!r}", name, defaults))
+            valid = list(defaults) + (list(CALL_OPTIONS) if spec.kind == "policy_loss" else [])
+            raise UnknownNameError(unknown_name_message(f"hyper-parameter for {spec.name!r}", name, valid))
     out: list[Setting] = []
     for name, default in defaults.items():
         own_key = stablerl_key(fw, spec.kind, name)
@@ -302,6 +464,8 @@ def effective_hyperparameters(
                 ))
                 continue
         out.append(Setting(name, default, FROM_PAPER_DEFAULT, own_key))
+    for name, value in options.items():
+        out.append(Setting(name, value, FROM_STABLERL_KEY, stablerl_key(fw, spec.kind, name, value)))
     return out
 
 

@@ -41,8 +41,46 @@ def test_list_filters_by_kind(capsys):
 
 def test_list_table(capsys):
     code, out, _ = run_cli(capsys, "list")
-    assert code == 0 and out.splitlines()[0].split() == ["name", "kind", "status", "paper", "frameworks"]
-    assert f"{len(stablerl.list_algorithms())} algorithms" in out
+    assert code == 0 and out.splitlines()[0].split() == ["name", "kind", "status", "paper", "verl", "trl", "openrlhf"]
+    assert f"{len(stablerl.list_algorithms())} algorithms; reach: verl " in out
+    pacs = next(line.split() for line in out.splitlines() if line.startswith("pacs "))
+    assert pacs[-3:] == ["yes", "yes", "partial"]
+    erc = next(line.split() for line in out.splitlines() if line.startswith("erc "))
+    assert erc[-3:] == ["partial", "no", "no"]
+    # every partial says what to set, every refusal why, per framework
+    assert "  partial  pacs: needs index: --train.micro_batch_size" in out
+    assert "  refused  erc: needs old_entropy (old_entropy: TRL computes no entropies in its old-log-prob pass)" in out
+    code, brief, _ = run_cli(capsys, "list", "--brief")
+    assert "refused  erc" not in brief and "reach: verl" in brief
+
+
+def test_list_json_reach_per_framework(capsys):
+    from stablerl.frameworks import reach_counts, reach_table
+
+    code, out, _ = run_cli(capsys, "list", "--json")
+    rows = {r["name"]: r for r in json.loads(out)}
+    assert rows["pacs"]["reach"]["openrlhf"]["status"] == "partial"
+    assert "--rollout.n_samples_per_prompt" in rows["pacs"]["reach"]["openrlhf"]["needs"][0]
+    assert rows["turn_ppo"]["reach"]["verl"] == {
+        "status": "refused", "why": "needs turn_ids (turn_ids: verl's batch has no per-token turn ids (only the "
+        "per-sample num_turns))"}
+    assert rows["vanilla"]["reach"]["verl"] == {"status": "selectable", "name": "stablerl_vanilla"}
+    # the counts stablerl list and README print come from the same rows
+    counts = {fw: {s: 0 for s in ("selectable", "partial", "refused")} for fw in ("verl", "trl", "openrlhf")}
+    for r in rows.values():
+        for fw, entry in r["reach"].items():
+            counts[fw][entry["status"]] += 1
+    assert counts == reach_counts(reach_table())
+    assert counts["openrlhf"]["partial"] >= 3  # pacs, gvpo, gtpo: prompt groups through the replay buffer
+
+
+def test_readme_table_is_generated_from_the_reach_rows():
+    text = (ROOT / "README.md").read_text()
+    table = text[text.index(docs.README_BEGIN):text.index(docs.README_END)]
+    assert "| [`pacs`](docs/algorithms/policy_loss/pacs.md) | policy_loss | " in table
+    assert "| yes | yes | partial |" in table.split("`pacs`")[1].splitlines()[0]
+    page = docs.page(stablerl.get_spec("policy_loss", "erc"))
+    assert "| trl | refused | needs old_entropy (old_entropy: TRL computes no entropies" in page
 
 
 def test_describe_shows_formula_defaults_and_config_keys(capsys):
@@ -103,3 +141,12 @@ def test_doctor_runs_conformance_on_third_party_plugins(capsys):
     assert "conformance of third-party algorithms (1)" in out and "doctor_probe (probe (x)): " in out
     assert report[0]["ok"] is False and "expected a scalar" in report[0]["error"]
     assert "doctor_probe (probe (x)): FAILS" in out and code == 1
+
+
+def test_describe_framework_for_options_and_router_families(capsys):
+    """Kinds without a selection key of their own say how they are set (no KeyError)."""
+    code, out, _ = run_cli(capsys, "describe", "delta_l", "--framework", "trl")
+    assert code == 0 and 'trl: select with stablerl_loss_params={"loss_agg_mode": "delta_l"}' in out
+    assert 'alpha = 1.0  (paper default: stablerl_loss_params={"loss_agg_params": {"alpha": <value>}})' in out
+    code, out, _ = run_cli(capsys, "describe", "qwen3_moe", "--framework", "openrlhf")
+    assert code == 0 and "openrlhf: select with --actor.stablerl_routing_replay R2" in out

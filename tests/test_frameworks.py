@@ -42,12 +42,32 @@ def test_one_name_rule_in_every_framework():
 
 
 def test_refusals_say_why_in_the_frameworks_words():
-    with pytest.raises(stablerl.MissingInputError, match="index: OpenRLHF keeps no prompt groups at the loss"):
-        F.resolve("openrlhf", POLICY_LOSS, "pacs")
+    with pytest.raises(stablerl.MissingInputError, match=r"old_entropy: OpenRLHF's old-log-prob pass .* returns "
+                                                          r"log-probs only"):
+        F.resolve("openrlhf", POLICY_LOSS, "erc")
     status, why = F.reach(F.get_framework("trl"), stablerl.get_spec(POLICY_LOSS, "erc"))
     assert status == "refused" and "old_entropy: TRL computes no entropies in its old-log-prob pass" in why
     assert F.selectable_in(stablerl.get_spec(POLICY_LOSS, "erc")) == ["verl"]
     assert F.selectable_in(stablerl.get_spec(POLICY_LOSS, "m2po")) == ["verl", "trl", "openrlhf"]
+
+
+def test_partial_reach_says_what_the_user_must_set():
+    """An input fed only under a setting makes the algorithm 'partial': still selectable (config lines, name
+    resolution), with the setting named in the reach table and the config lines."""
+    pacs = stablerl.get_spec(POLICY_LOSS, "pacs")
+    orlhf = F.get_framework("openrlhf")
+    assert F.reach(orlhf, pacs) == ("partial", "pacs")
+    assert F.reach_conditions(orlhf, pacs) == [f"index: {orlhf.conditions[POLICY_LOSS]['index']}"]
+    assert F.resolve("openrlhf", POLICY_LOSS, "pacs") == "pacs" and "openrlhf" in F.selectable_in(pacs)
+    assert any("--rollout.n_samples_per_prompt" in line for line in F.config_lines(pacs)["openrlhf"])
+    assert F.reach(F.get_framework("verl"), pacs) == ("selectable", "pacs")
+    row = next(r for r in F.reach_table([pacs]))
+    assert row["reach"]["openrlhf"]["status"] == "partial" and "needs" in row["reach"]["openrlhf"]
+    assert row["reach"]["verl"] == {"status": "selectable", "name": "pacs"}
+    erc = next(r for r in F.reach_table([stablerl.get_spec(POLICY_LOSS, "erc")]))
+    assert erc["reach"]["trl"]["status"] == "refused" and "old_entropy" in erc["reach"]["trl"]["why"]
+    counts = F.reach_counts(F.reach_table([pacs]))
+    assert counts["openrlhf"] == {"selectable": 0, "partial": 1, "refused": 0}
 
 
 def _values(settings):
@@ -134,8 +154,8 @@ def test_describe_framework_prints_the_effective_settings(capsys):
     out = capsys.readouterr().out
     assert "verl: select with actor_rollout_ref.actor.policy_loss.loss_mode=stablerl_gspo" in out
     assert "clip_ratio_low  = 0.0003" in out and "One precedence rule in every framework" in out
-    assert main(["describe", "pacs", "--framework", "openrlhf"]) == 0
-    assert "openrlhf: 'pacs' cannot be selected: needs index" in capsys.readouterr().out
+    assert main(["describe", "erc", "--framework", "openrlhf"]) == 0
+    assert "openrlhf: 'erc' cannot be selected: needs old_entropy" in capsys.readouterr().out
     assert main(["describe", "gspo", "--framework", "jax"]) == 2
     assert "unknown framework 'jax'" in capsys.readouterr().err
 
@@ -193,3 +213,51 @@ def test_a_framework_difference_by_design_is_shown_with_the_config_lines():
     assert lines["verl"][-1].startswith("(in verl: old_log_prob is the actor's recomputed log-prob")
     assert "detached current policy" in lines["trl"][-1]
     assert "no way to give the behaviour (vLLM) policy" in lines["openrlhf"][-1]
+
+
+def test_aggregations_and_rollout_corrections_by_the_loss_params_key():
+    """delta_l and stablerl's rollout corrections are set through each framework's stablerl loss-params key
+    (CALL_OPTIONS): partial everywhere (they act on a stablerl loss), checked up front, shown as settings."""
+    tis = stablerl.get_spec("rollout_correction", "tis")
+    delta_l = stablerl.get_spec("aggregation", "delta_l")
+    vanilla = stablerl.get_spec(POLICY_LOSS, "vanilla")
+    for fw in F.list_frameworks():
+        assert F.reach(fw, delta_l)[0] == "partial" and F.reach(fw, tis)[0] == "partial"
+    assert F.reach(F.get_framework("openrlhf"), delta_l)[1] == "--actor.stablerl_params loss_agg_mode=delta_l"
+    assert F.reach(F.get_framework("verl"), tis)[1] == \
+        "+actor_rollout_ref.actor.policy_loss.stablerl_params={rollout_correction:tis}"
+    assert "rollout_log_prob: use_vllm=True and vllm_importance_sampling_correction=True" in \
+        F.reach_conditions(F.get_framework("trl"), tis)
+    settings = F.effective_hyperparameters("openrlhf", vanilla, {"loss_agg_mode": "delta_l", "clip_ratio_c": 3.0})
+    hyper, options = F.split_call_options(F.as_params(settings))
+    assert options == {"loss_agg_mode": "delta_l"} and hyper == {"clip_ratio_c": 3.0}
+    F.check_call_options("verl", vanilla, {"loss_agg_mode": "delta_l", "loss_agg_params": {"alpha": 0.5}})
+    with pytest.raises(stablerl.StableRLError, match=r"alpha"):
+        F.check_call_options("verl", vanilla, {"loss_agg_mode": "delta_l", "loss_agg_params": {"alpha": "x"}})
+    with pytest.raises(stablerl.StableRLError, match="rollout_correction_params given without rollout_correction"):
+        F.check_call_options("verl", vanilla, {"rollout_correction_params": {"threshold": 2.0}})
+    with pytest.raises(stablerl.MissingInputError, match=r"rollout_correction='tis' needs .*rollout_log_prob"):
+        F.check_call_options("trl", vanilla, {"rollout_correction": "tis"}, feedable={"entropy"})
+    with pytest.raises(stablerl.UnknownNameError, match=r"'loss_agg_mod'.*loss_agg_mode"):
+        F.effective_hyperparameters("trl", vanilla, {"loss_agg_mod": "delta_l"})
+
+
+def test_router_families_are_reached_through_routing_replay():
+    """No key names a router family: each framework's routing-replay switch uses the detected one."""
+    qwen3 = stablerl.get_spec("router_family", "qwen3_moe")
+    for fw in F.list_frameworks():
+        status, how = F.reach(fw, qwen3)
+        assert status == "selectable" and how == fw.switches["routing_replay"] and "R2" in how
+    assert F.config_lines(qwen3)["openrlhf"][0].startswith("--actor.stablerl_routing_replay R2")
+
+
+def test_controllers_reach_trl_and_the_others_say_why():
+    aepo = stablerl.get_spec("controller", "aepo")
+    assert F.reach(F.get_framework("trl"), aepo) == ("selectable", "aepo")
+    assert 'GRPOConfig(entropy_controller="aepo", ...)' in F.config_lines(aepo)["trl"]
+    status, why = F.reach(F.get_framework("verl"), aepo)
+    assert status == "refused" and "verl 0.9.1 has no hook for either" in why
+    capo = stablerl.get_spec(POLICY_LOSS, "capo")
+    for fw in F.list_frameworks():  # every refusal in the framework's own words, not the input's description
+        status, why = F.reach(fw, capo)
+        assert status == "refused" and "hidden_states: " + fw.why_not["*"]["hidden_states"] in why

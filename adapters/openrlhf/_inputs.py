@@ -17,7 +17,9 @@ same one verl's adapter uses); nothing is computed for a loss that does not decl
   the log-probs, gathered and re-padded like them under ``--ds.packing_samples``), sliced
   ``[:, -A:]`` as OpenRLHF slices it for ``--actor.entropy_coef``. Detached (the stablerl losses
   use it as a weight); when OpenRLHF did not ask for it itself, ``output.entropy`` is detached too,
-  so the softmax is not kept for backward.
+  so the softmax is not kept for backward;
+* ``index``: the rows' prompt groups, carried through the replay buffer in ``experience.info`` and kept
+  whole per micro-batch by the adapter's DataLoader (``._groups``).
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from typing import Iterator, Optional
 from stablerl.frameworks import loss_inputs, pending_loss_inputs
 
 #: Inputs this module feeds (with ``rollout_log_prob``, which OpenRLHF passes itself).
-FED_INPUTS = ("entropy", "token_ids", "scores")
+FED_INPUTS = ("entropy", "token_ids", "scores", "index")
 
 
 def wanted(loss_fn) -> frozenset:
@@ -39,7 +41,10 @@ def wanted(loss_fn) -> frozenset:
 @contextlib.contextmanager
 def step_inputs(trainer, experience) -> Iterator[Optional[dict]]:
     """Around ``training_step``: the micro-batch's inputs, handed to the loss (None: the loss declares none)."""
+    from ._groups import pop_index
+
     need = wanted(getattr(trainer, "actor_loss_fn", None))
+    index = pop_index(experience, "index" in need)  # the group keys never reach OpenRLHF's metrics
     if not need:
         yield None
         return
@@ -53,6 +58,8 @@ def step_inputs(trainer, experience) -> Iterator[Optional[dict]]:
         if experience.rewards is None:
             raise MissingInputError("the experience has no rewards (OpenRLHF's per-response reward) to pass as scores")
         inputs["scores"] = experience.rewards.reshape(-1)
+    if "index" in need:
+        inputs["index"] = index
     if "entropy" in need:
         inputs["entropy"] = None  # asked for: train_forward computes it in the training forward
     with loss_inputs(trainer.actor_loss_fn.stablerl_name, inputs):

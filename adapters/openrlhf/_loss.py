@@ -16,7 +16,7 @@ from stablerl.state import StateStore
 
 from ._names import resolve
 from ._selection import Selection
-from ._spec import OPENRLHF_POLICY_LOSSES, PREFIX, _check_policy_loss_api, check_openrlhf
+from ._spec import OPENRLHF, OPENRLHF_POLICY_LOSSES, PREFIX, _check_policy_loss_api, check_openrlhf
 from ._inputs import FED_INPUTS
 
 from openrlhf.models.loss import PolicyLoss  # noqa: E402
@@ -87,6 +87,8 @@ class StablePolicyLoss(PolicyLoss):
         #: by this loss object (one per actor worker); saved in OpenRLHF's DeepSpeed checkpoints (see _state)
         self.stablerl_state = StateStore(holds="loss")
         self._fed: Optional[dict] = None
+        #: compute_policy_loss options from --actor.stablerl_params (loss_agg_mode, rollout_correction, ...)
+        self.call_options: dict = {}
         if self.stablerl_name is None:
             if stablerl_params:
                 raise StableRLError(f"stablerl_params given for OpenRLHF's built-in policy_loss_type {policy_loss_type!r}")
@@ -104,17 +106,25 @@ class StablePolicyLoss(PolicyLoss):
                                ("clip_ratio_c", dual_clip)):
                 if key in fields:
                     params[key] = value
-        params.update(stablerl_params or {})
+        from stablerl.frameworks import check_call_options, split_call_options
         from stablerl.params import build_params
 
+        # a registered aggregation (delta_l) / a stablerl rollout correction come through the same params
+        hyper, self.call_options = split_call_options(stablerl_params or {})
+        params.update(hyper)
         build_params(spec, params)  # fail at construction, not at the first step
+        check_call_options(OPENRLHF, spec, self.call_options, params)
         self.stablerl_params = params
-        if "rollout_log_prob" in spec.requires and is_correction_level == "off":
+        correction = self.call_options.get("rollout_correction")
+        if ("rollout_log_prob" in spec.requires or correction) and is_correction_level == "off":
+            what = f"rollout_correction={correction!r}" if correction else f"policy loss {self.stablerl_name!r}"
             raise stablerl.MissingInputError(
-                f"policy loss {self.stablerl_name!r} needs rollout log-probs: set --algo.advantage.is_correction_level "
+                f"{what} needs rollout log-probs: set --algo.advantage.is_correction_level "
                 "token|seq (OpenRLHF requests vLLM log-probs only then)"
             )
-        self._corrects_itself = "rollout_log_prob" in spec.requires
+        # the loss corrects for the sampler itself, or stablerl's rollout correction does: OpenRLHF's own
+        # weights are not applied on top (core refuses both at once)
+        self._corrects_itself = "rollout_log_prob" in spec.requires or correction is not None
         # OpenRLHF's own IS-correction code, run on a ppo loss at ratio 1 (see _openrlhf_is_weights)
         self._is_probe = None
         if is_correction_level != "off":
@@ -223,8 +233,8 @@ class StablePolicyLoss(PolicyLoss):
             response_mask=mask,
             rollout_log_prob=rollout_log_probs,
             is_weights=is_weights,
-            loss_agg_mode="token-mean" if self.token_level_loss else "seq-mean-token-mean",
             ctx=self._context(dp_size, batch_num_tokens, global_batch_size),
+            **{"loss_agg_mode": "token-mean" if self.token_level_loss else "seq-mean-token-mean", **self.call_options},
             **fed,
             **self.stablerl_params,
         )

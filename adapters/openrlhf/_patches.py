@@ -67,6 +67,10 @@ def _patch_actor_module(module) -> None:
     from ._routing_replay import patch_actor_module
 
     patch_actor_module(module, _set_patch)  # training_step, Actor.forward (R2)
+    from ._groups import group_dataloader
+
+    # ppo_train's DataLoader keeps prompt groups whole when the buffer's rows carry them (._groups)
+    _set_patch("ppo_actor.DataLoader", module, "DataLoader", group_dataloader(module.DataLoader))
     _patch_loss_normalisers(module, "ppo_actor")
 
 
@@ -131,11 +135,17 @@ def _patch_maker_module(module) -> None:
             from ._advantage import stable_advantages_and_returns
 
             estimate = functools.partial(stable_advantages_and_returns, self, selection=sel)
-        if not sel.has_extensions:
-            return estimate(experiences)
-        from ._shape_filter import advantages_with_extensions
+        if sel.has_extensions:
+            from ._shape_filter import advantages_with_extensions
 
-        return advantages_with_extensions(self, experiences, sel, estimate)
+            experiences = advantages_with_extensions(self, experiences, sel, estimate)
+        else:
+            experiences = estimate(experiences)
+        from ._groups import tag_groups, wants_groups
+
+        if wants_groups(sel.policy_loss):  # the loss's prompt groups, through the replay buffer (._groups)
+            tag_groups(experiences, int(self.strategy.args.rollout.n_samples_per_prompt))
+        return experiences
 
     compute_advantages_and_returns.__wrapped__ = original
     compute_advantages_and_returns.__doc__ = original.__doc__

@@ -100,7 +100,14 @@ class Selection:
         from ._names import advantage_settings, loss_settings
 
         if self.policy_loss is not None:
-            build_params(stablerl.get_spec(stablerl.POLICY_LOSS, self.policy_loss), as_params(loss_settings(self)))
+            from stablerl.frameworks import check_call_options, split_call_options
+
+            from ._spec import OPENRLHF
+
+            spec = stablerl.get_spec(stablerl.POLICY_LOSS, self.policy_loss)
+            hyper, options = split_call_options(as_params(loss_settings(self)))
+            build_params(spec, hyper)
+            check_call_options(OPENRLHF, spec, options, hyper)
         elif self.policy_loss_params:
             raise stablerl.StableRLError("stablerl loss hyper-parameters given, but --actor.policy_loss_type is an OpenRLHF built-in")
         if self.advantage_estimator is not None:

@@ -243,12 +243,34 @@ def selection_from_cli(args) -> Selection:
     sel.validate()  # the effective hyper-parameters, clip flags included
     if loss is not None:
         spec = stablerl.get_spec(stablerl.POLICY_LOSS, loss)
-        if "rollout_log_prob" in spec.requires and args.algo.advantage.is_correction_level == "off":
+        correction = sel.policy_loss_params.get("rollout_correction")
+        if ("rollout_log_prob" in spec.requires or correction) and args.algo.advantage.is_correction_level == "off":
+            what = f"rollout_correction={correction!r}" if correction else f"policy loss {loss!r}"
             raise StableRLError(
-                f"policy loss {loss!r} needs rollout log-probs: add --algo.advantage.is_correction_level token "
-                "(or seq); OpenRLHF requests vLLM log-probs only then"
+                f"{what} needs rollout log-probs: add --algo.advantage.is_correction_level token "
+                "(or seq); OpenRLHF requests vLLM log-probs only then (its own weights are then not applied)"
             )
+        if "index" in spec.requires:
+            check_group_batching(loss, args)
     return sel
+
+
+def check_group_batching(loss: str, args) -> None:
+    """A loss that takes prompt groups needs whole groups per micro-batch (._groups): refuse, before Ray
+    starts, the OpenRLHF batching that cannot give them."""
+    n = int(args.rollout.n_samples_per_prompt)
+    problems = []
+    if getattr(args.train, "dynamic_batch_enable", False):
+        problems.append("--train.dynamic_batch_enable partitions rows by length, not by prompt group")
+    if n < 2:
+        problems.append(f"--rollout.n_samples_per_prompt={n}: a group needs at least 2 responses")
+    for flag, value in (("--train.micro_batch_size", getattr(args.train, "micro_batch_size", None)),
+                        ("--rollout.micro_batch_size", getattr(args.rollout, "micro_batch_size", None))):
+        if value is not None and n > 0 and int(value) % n:
+            problems.append(f"{flag}={value} is not a multiple of --rollout.n_samples_per_prompt={n}")
+    if problems:
+        raise StableRLError(f"policy loss {loss!r} takes prompt groups (index) and needs whole groups in every "
+                            "micro-batch: " + "; ".join(problems))
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:

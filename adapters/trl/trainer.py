@@ -52,7 +52,8 @@ import stablerl
 from stablerl import routing_replay as rr
 from stablerl.contracts import (ADVANTAGE_ESTIMATOR, BATCH_FILTER, CONTROLLER, OPTIONAL_INPUTS, POLICY_LOSS,
                                 REWARD_SHAPER)
-from stablerl.frameworks import (UnsupportedVersionError, apply_filter_result, as_params, check_framework_keys_used,
+from stablerl.frameworks import (UnsupportedVersionError, apply_filter_result, as_params, check_call_options,
+                                 check_framework_keys_used, split_call_options,
                                  check_inputs, check_version, effective_hyperparameters, get_framework, log_effective_settings,
                                  resolve, version_in_range)
 from stablerl.ops import AGG_MODES, last_valid_index, scores_on_last_token
@@ -338,7 +339,14 @@ def validate_stablerl_args(args, warn: bool = True) -> tuple[Optional[str], Opti
             )
     else:
         # the effective hyper-parameters (stablerl keys, TRL's epsilons when set): unknown key / bad value -> clear error
-        build_params(stablerl.get_spec(POLICY_LOSS, loss), as_params(loss_settings(args, loss)))
+        spec = stablerl.get_spec(POLICY_LOSS, loss)
+        # stablerl_loss_params may also carry compute_policy_loss options: loss_agg_mode (a registered
+        # aggregation such as delta_l) and rollout_correction (with vLLM's log-probs), with their params
+        hyper, options = split_call_options(as_params(loss_settings(args, loss)))
+        build_params(spec, hyper)
+        vllm_is = bool(args.use_vllm and args.vllm_importance_sampling_correction)
+        check_call_options(TRL, spec, options, hyper, feedable=TRL.feedable[POLICY_LOSS] - (
+            set() if vllm_is else _LOSS_INPUTS_VLLM_IS))
         if agg not in AGG_MODES:
             raise UnknownNameError(unknown_name_message("stablerl_loss_agg_mode", agg, AGG_MODES))
         check_loss_inputs(loss, bool(args.use_vllm and args.vllm_importance_sampling_correction),
@@ -597,10 +605,11 @@ class GRPOTrainer(_trl.GRPOTrainer):
         self._stablerl_loss, self._stablerl_estimator = validate_stablerl_args(cfg, warn=not isinstance(cfg, GRPOConfig))
         # the effective hyper-parameters (one precedence rule), printed once at start-up with their sources
         self._stablerl_loss_params, self._stablerl_adv_params = {}, {}
+        self._stablerl_call_options: dict = {}  # loss_agg_mode / rollout_correction from stablerl_loss_params
         if self._stablerl_loss:
             settings = loss_settings(cfg, self._stablerl_loss)
             log_effective_settings(TRL, stablerl.get_spec(POLICY_LOSS, self._stablerl_loss), settings)
-            self._stablerl_loss_params = as_params(settings)
+            self._stablerl_loss_params, self._stablerl_call_options = split_call_options(as_params(settings))
         if self._stablerl_estimator:
             settings = advantage_settings(cfg, self._stablerl_estimator)
             log_effective_settings(TRL, stablerl.get_spec(ADVANTAGE_ESTIMATOR, self._stablerl_estimator), settings)
@@ -1300,9 +1309,10 @@ class GRPOTrainer(_trl.GRPOTrainer):
             weights.append(self.get_high_entropy_mask(entropies, mask, 1 - self.top_entropy_quantile).to(logps.dtype))
         rollout_log_prob = None
         if use_vllm_is:
-            if "rollout_log_prob" in spec.requires:
-                # the algorithm corrects for the sampler itself (like TRL's vespo): give it the sampler's
-                # log-probs (NaN = unscored by vLLM -> no mismatch) and do not apply TRL's ratio on top
+            if "rollout_log_prob" in spec.requires or self._stablerl_call_options.get("rollout_correction"):
+                # the algorithm (or stablerl's rollout correction) corrects for the sampler itself (like TRL's
+                # vespo): give it the sampler's log-probs (NaN = unscored by vLLM -> no mismatch) and do not
+                # apply TRL's ratio on top
                 sampling = inputs["sampling_per_token_logps"]
                 rollout_log_prob = torch.where(torch.isnan(sampling), old, sampling)
             else:
@@ -1353,10 +1363,11 @@ class GRPOTrainer(_trl.GRPOTrainer):
             # only to a loss that reads it (undeclared inputs are never read: stablerl.testing checks it),
             # so the others skip core's clean-up pass over it
             entropy=entropies if "entropy" in spec.reads else None,
-            loss_agg_mode=self._stablerl_agg_mode,
             ctx=ctx,
             is_weights=is_weights,
             **extra,
+            # stablerl_loss_agg_mode, unless stablerl_loss_params names a registered aggregation (delta_l)
+            **{"loss_agg_mode": self._stablerl_agg_mode, **self._stablerl_call_options},
             **self._stablerl_loss_params,
         )
         self._stablerl_log(mode, metrics)

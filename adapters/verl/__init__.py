@@ -226,7 +226,12 @@ def _check_policy_loss_config(cfg: Any) -> None:
     own = set(spec.params.field_names())
     given = {k: getattr(cfg, k) for k in own if getattr(cfg, k, None) is not None}
     given.update(dict(getattr(cfg, "stablerl_params", None) or {}))
+    from stablerl.frameworks import check_call_options, get_framework, split_call_options
+
+    # stablerl_params may also carry compute_policy_loss options (loss_agg_mode=delta_l, rollout_correction=tis)
+    given, options = split_call_options(given)
     build_params(spec, given)  # raises StableRLError naming a bad value (or an unknown stablerl_params key)
+    check_call_options(get_framework("verl"), spec, options, given)
     unused = sorted(k for k in extra - own - {"stablerl_params"} if getattr(cfg, k, None) is not None)
     if unused:
         logger.warning(

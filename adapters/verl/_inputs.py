@@ -146,12 +146,13 @@ def _group_index(data) -> Any:
     return np.asarray(list(uid), dtype=object)
 
 
-def gather(name: str, loss_mode: str, model_output: Any, data: Any) -> dict[str, Any]:
+def gather(name: str, loss_mode: str, model_output: Any, data: Any, also: tuple = ()) -> dict[str, Any]:
     """Exactly the declared inputs of stablerl loss ``name`` from ``ppo_loss``'s arguments: every required one
-    (an error names what to set when verl's batch lacks it), and each optional one the batch has."""
+    (an error names what to set when verl's batch lacks it), and each optional one the batch has. ``also``:
+    inputs required beyond the loss's declaration (``rollout_log_prob`` for a stablerl rollout correction)."""
     spec = get_spec(POLICY_LOSS, name)
     out: dict[str, Any] = {}
-    need = list(spec.requires)
+    need = list(dict.fromkeys((*spec.requires, *also)))
     unknown = [r for r in need if r not in SOURCES]
     if unknown:
         raise VerlInputError(
@@ -219,7 +220,9 @@ def _wrap(original):
         name = _stablerl_name(loss_mode)
         if name is None:  # a verl loss (or not a policy-loss config): nothing to gather
             return original(config, model_output, data, dp_group)
-        with loss_inputs(name, {_DP_GROUP: dp_group, **gather(name, loss_mode, model_output, data)}):
+        pinned = (policy_loss.get("stablerl_params", None) if policy_loss is not None else None) or {}
+        also = ("rollout_log_prob",) if pinned.get("rollout_correction") else ()  # stablerl's correction needs them
+        with loss_inputs(name, {_DP_GROUP: dp_group, **gather(name, loss_mode, model_output, data, also)}):
             return original(config, model_output, data, dp_group)
 
     setattr(ppo_loss, _MARK, True)

@@ -23,7 +23,9 @@ from stablerl import get_spec
 logger = logging.getLogger("stablerl.adapters.verl")
 
 from stablerl.frameworks import (
+    CALL_OPTIONS,
     as_params,
+    split_call_options,
     check_framework_keys_used,
     effective_hyperparameters,
     get_framework,
@@ -135,6 +137,10 @@ def loss_settings(spec, config: Any):
     if config is not None:
         policy_loss = cfg_get(config, "policy_loss", None)
         pinned = cfg_get(policy_loss, "stablerl_params", None) or {}  # stablerl keys, also for verl's own names
+        for name in CALL_OPTIONS:  # loss_agg_mode=delta_l, rollout_correction=tis, ...: compute_policy_loss options
+            if name in pinned and pinned[name] is not None:
+                value = pinned[name]
+                stablerl_params[name] = dict(value) if hasattr(value, "items") else value
         for name in names:
             if name in pinned and pinned[name] is not None:
                 stablerl_params[name] = pinned[name]
@@ -191,17 +197,21 @@ def make_policy_loss_fn(name: str):
         extra = _declared.inputs_for(name, spec.requires, spec.optional_inputs)
         settings = loss_settings(spec, config)
         log_effective_settings(VERL, spec, settings, logger)  # once per worker process
+        params, options = split_call_options(as_params(settings))
+        options.setdefault("loss_agg_mode", mode)  # a registered aggregation (delta_l) replaces verl's mode
+        if options.get("rollout_correction") and "rollout_log_prob" not in extra:
+            extra.update(_declared.inputs_for(name, ("rollout_log_prob",)))  # gathered by the ppo_loss wrapper
         loss, metrics = _compute_policy_loss(
             name,
             log_prob=log_prob,
             old_log_prob=old_log_prob,
             advantages=advantages,
             response_mask=response_mask,
-            loss_agg_mode=mode,
             ctx=ctx,
             is_weights=rollout_is_weights,
             **extra,
-            **as_params(settings),
+            **options,
+            **params,
         )
         return loss, {f"actor/{k}": v for k, v in metrics.items()}
 

@@ -210,9 +210,49 @@ def test_what_openrlhf_can_and_cannot_feed():
         assert name in adapter.openrlhf_choices(kind)
         lines = frameworks.config_lines(stablerl.get_spec(kind, name))["openrlhf"]
         assert f"  --actor.policy_loss_type {name}" in lines
-    assert frameworks.get_framework("openrlhf").feedable[kind] == {"rollout_log_prob", "entropy", "token_ids", "scores"}
-    for name, reason in (("pacs", "partial groups"), ("gvpo", "split_experience_batch sets it to None"),
-                         ("gtpo", "shuffles rows across micro-batches"), ("erc", "returns log-probs only")):
+    assert frameworks.get_framework("openrlhf").feedable[kind] == {"rollout_log_prob", "entropy", "token_ids", "scores",
+                                                                   "index"}
+    for name in ("pacs", "gvpo", "gtpo"):  # prompt groups through the replay buffer (test_openrlhf_group_losses)
+        assert adapter.resolve(kind, name) == name and name in adapter.openrlhf_choices(kind)
+    for name, reason in (("erc", "returns log-probs only"), ("turn_ppo", "no per-token turn ids")):
         with pytest.raises(stablerl.MissingInputError, match=reason):
             adapter.resolve(kind, name)
         assert name not in adapter.openrlhf_choices(kind)
+
+
+def test_delta_l_and_rollout_corrections_by_stablerl_params():
+    """--actor.stablerl_params loss_agg_mode=delta_l / rollout_correction=tis reach compute_policy_loss; with a
+    stablerl correction OpenRLHF's own IS weights are not applied on top; without rollout log-probs: refused."""
+    from orlhf_helpers import loss_batch
+
+    from stablerl.adapters.openrlhf import StablePolicyLoss
+    from stablerl.api import compute_policy_loss
+
+    b = loss_batch()
+    common = dict(log_prob=b.new, old_log_prob=b.old, advantages=b.adv, response_mask=b.mask)
+    n_tokens = b.mask.sum().double()
+
+    def run(loss, **kw):
+        return loss(b.new, b.old, b.adv, action_mask=b.mask, dp_size=1, batch_num_tokens=n_tokens, **kw)[0]
+
+    loss = StablePolicyLoss(policy_loss_type="vanilla", clip_to_params=False,  # the paper's clip, as the wrapper
+                            stablerl_params={"loss_agg_mode": "delta_l", "loss_agg_params": {"alpha": 0.5}})
+    ref, _ = compute_policy_loss("vanilla", **common, loss_agg_mode="delta_l", loss_agg_params={"alpha": 0.5},
+                                 ctx=stablerl.Context(token_count=n_tokens))
+    token_mean, _ = compute_policy_loss("vanilla", **common, ctx=stablerl.Context(token_count=n_tokens))
+    torch.testing.assert_close(run(loss), ref, rtol=1e-6, atol=0)
+    assert abs(float(ref) - float(token_mean)) > 1e-4  # the aggregation matters
+
+    loss = StablePolicyLoss(policy_loss_type="vanilla", is_correction_level="token", clip_to_params=False,
+                            stablerl_params={"rollout_correction": "tis", "rollout_correction_params": {"threshold": 1.5}})
+    ref, _ = compute_policy_loss("vanilla", **common, rollout_log_prob=b.rollout, rollout_correction="tis",
+                                 rollout_correction_params={"threshold": 1.5}, ctx=stablerl.Context(token_count=n_tokens))
+    torch.testing.assert_close(run(loss, rollout_log_probs=b.rollout), ref, rtol=1e-6, atol=0)
+    with pytest.raises(stablerl.MissingInputError, match=r"rollout_correction='tis' needs rollout log-probs: set "
+                                                         r"--algo.advantage.is_correction_level"):
+        StablePolicyLoss(policy_loss_type="vanilla", stablerl_params={"rollout_correction": "tis"})
+    with pytest.raises(stablerl.UnknownNameError, match=r"'tiss'.*did you mean 'tis'"):
+        StablePolicyLoss(policy_loss_type="vanilla", is_correction_level="token",
+                         stablerl_params={"rollout_correction": "tiss"})
+    with pytest.raises(stablerl.StableRLError, match=r"loss_agg_mode.*'delta_ll'"):
+        Selection(policy_loss="vanilla", policy_loss_params={"loss_agg_mode": "delta_ll"}).validate()

@@ -42,7 +42,7 @@ def _trainer(loss=None, estimator=None, params=None, *, rollout=False, mode="tok
 
     from stablerl.adapters.trl import GRPOConfig, GRPOTrainer
     from stablerl.adapters.trl.trainer import advantage_settings, loss_settings
-    from stablerl.frameworks import as_params, get_framework
+    from stablerl.frameworks import as_params, get_framework, split_call_options
     from stablerl.state import StateStore
 
     defaults = {f.name: f.default for f in dataclasses.fields(TRLConfig) if f.default is not dataclasses.MISSING}
@@ -86,7 +86,8 @@ def _trainer(loss=None, estimator=None, params=None, *, rollout=False, mode="tok
     t._stablerl_spec = stablerl.get_spec(M.POLICY_LOSS, loss) if loss else None
     t._stablerl_estimator = estimator
     # the effective hyper-parameters, as the adapter's __init__ resolves them (one precedence rule)
-    t._stablerl_loss_params = as_params(loss_settings(t.args, loss)) if loss else {}
+    t._stablerl_loss_params, t._stablerl_call_options = (
+        split_call_options(as_params(loss_settings(t.args, loss))) if loss else ({}, {}))
     t._stablerl_adv_params = as_params(advantage_settings(t.args, estimator)) if estimator else {}
     t._stablerl_agg_mode = mode
     t._stablerl_store = StateStore(holds="trainer")  # fresh algorithm state, as the core call has
@@ -142,3 +143,52 @@ def _through_advantage_step(name, b, params):
 @pytest.mark.parametrize("kind, name", ALGORITHMS, ids=[f"{k}:{n}" for k, n in ALGORITHMS])
 def test_parity_matrix(monkeypatch, results, kind, name):
     M.check_case(results, kind, name, lambda *a: _through_compute_loss(monkeypatch, *a), _through_advantage_step)
+
+
+def test_delta_l_and_rollout_correction_by_stablerl_loss_params(monkeypatch):
+    """stablerl_loss_params={"loss_agg_mode": "delta_l"} / {"rollout_correction": "tis"} reach compute_policy_loss
+    through the adapter's real _compute_loss; with stablerl's correction TRL's own vLLM IS ratio is not applied."""
+    import trl
+
+    from stablerl.adapters.trl import GRPOConfig
+
+    b = M.loss_batch()
+    mask = b["response_mask"]
+    B, T = mask.shape
+
+    def run(params, rollout):
+        t = _trainer(loss="vanilla", params=params, rollout=rollout)
+        t.loss_type = "stablerl_vanilla"
+        t.max_completion_length = T
+        leaf = b["log_prob"].clone().requires_grad_(True)
+        monkeypatch.setattr(trl.GRPOTrainer, "_get_per_token_logps_and_entropies",
+                            lambda self, *a, **k: (leaf, b["entropy"], None))
+        inputs = {"prompt_ids": torch.zeros(B, 0, dtype=torch.long), "prompt_mask": torch.zeros(B, 0, dtype=torch.int32),
+                  "completion_ids": b["token_ids"], "completion_mask": mask.to(torch.int32),
+                  "advantages": b["seq_advantages"], "old_per_token_logps": b["old_log_prob"],
+                  "num_items_in_batch": mask.sum().to(torch.float32)}
+        if rollout:
+            inputs["sampling_per_token_logps"] = b["rollout_log_prob"]
+            inputs["importance_sampling_ratio"] = torch.full((B, T), 3.0)  # TRL's ratio: must not be applied
+        return t._compute_loss(None, inputs).detach()
+
+    common = {k: b[k] for k in ("log_prob", "old_log_prob", "response_mask")}
+    common["advantages"] = b["seq_advantages"].unsqueeze(-1).expand(B, T)
+    ctx = stablerl.Context(token_count=float(mask.sum()))
+    ref, _ = stablerl.compute_policy_loss("vanilla", **common, loss_agg_mode="delta_l", loss_agg_params={"alpha": 0.5},
+                                          ctx=ctx)
+    token_mean, _ = stablerl.compute_policy_loss("vanilla", **common, ctx=ctx)
+    got = run({"loss_agg_mode": "delta_l", "loss_agg_params": {"alpha": 0.5}}, rollout=False)
+    torch.testing.assert_close(got, ref.to(got.dtype), rtol=1e-6, atol=1e-7)
+    assert abs(float(ref) - float(token_mean)) > 1e-4
+    ref, _ = stablerl.compute_policy_loss("vanilla", **common, rollout_log_prob=b["rollout_log_prob"],
+                                          rollout_correction="tis", rollout_correction_params={"threshold": 1.5}, ctx=ctx)
+    got = run({"rollout_correction": "tis", "rollout_correction_params": {"threshold": 1.5}}, rollout=True)
+    torch.testing.assert_close(got, ref.to(got.dtype), rtol=1e-6, atol=1e-7)
+    # refused up front: no vLLM log-probs without TRL's IS correction; an unknown aggregation by name
+    cpu = dict(output_dir="/tmp/stablerl-trl-options", use_cpu=True, report_to="none")
+    with pytest.raises(stablerl.MissingInputError, match=r"rollout_correction='tis' needs input\(s\) trl cannot "
+                                                         r"provide.*vllm_importance_sampling_correction"):
+        GRPOConfig(loss_type="vanilla", stablerl_loss_params={"rollout_correction": "tis"}, **cpu)
+    with pytest.raises(stablerl.StableRLError, match=r"loss_agg_mode.*'delta_ll'"):
+        GRPOConfig(loss_type="vanilla", stablerl_loss_params={"loss_agg_mode": "delta_ll"}, **cpu)

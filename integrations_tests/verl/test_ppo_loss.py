@@ -240,3 +240,48 @@ def test_paper_defaults_win_over_verl_defaults_and_startup_says_so(adapter, acto
     forced = _gspo_loss(adapter, actor_config, data, leaves, clip_ratio_low=0.1,
                         policy_loss=PLC(loss_mode="stablerl_gspo", clip_ratio_low=0.2, clip_ratio_high=0.2))
     assert float(forced[0]) == pytest.approx(float(verl_bounds), rel=1e-6, abs=1e-7)
+
+
+def test_delta_l_and_rollout_correction_by_stablerl_params(adapter, actor_config, spy):
+    """+actor_rollout_ref.actor.policy_loss.stablerl_params={loss_agg_mode:delta_l} / {rollout_correction:tis}
+    reach compute_policy_loss through verl's real ppo_loss (verl's own loss_agg_mode list never sees delta_l);
+    verl's rollout_is weights and stablerl's correction together are refused, naming verl's switch."""
+    PLC = adapter.StablePolicyLossConfig
+    data, leaves = _worker_batch(seed=5)
+    from verl.utils import tensordict_utils as tu
+
+    g = torch.Generator().manual_seed(7)
+    R = [4, 3, 5, 2]
+    data["rollout_log_probs"] = _nt([torch.randn(n, generator=g) * 0.3 - 1 for n in R])
+    _run_ppo_loss(actor_config(policy_loss=PLC(loss_mode="_stablerl_test_spy")), data, leaves)
+    s = dict(spy)
+    rollout = tu.get(data, "rollout_log_probs").to_padded_tensor(0.0)[:, : s["log_prob"].shape[1]]
+    common = dict(log_prob=s["log_prob"].detach(), old_log_prob=s["old_log_prob"], advantages=s["advantages"],
+                  response_mask=s["response_mask"], ctx=stablerl.Context(token_count=14, seq_count=4, dp_size=1))
+
+    delta = _run_ppo_loss(actor_config(policy_loss=PLC(
+        loss_mode="stablerl_vanilla", stablerl_params={"loss_agg_mode": "delta_l", "loss_agg_params": {"alpha": 0.5}})),
+        data, leaves)
+    expected, _ = stablerl.compute_policy_loss("vanilla", loss_agg_mode="delta_l", loss_agg_params={"alpha": 0.5},
+                                               **common)
+    token_mean, _ = stablerl.compute_policy_loss("vanilla", **common)
+    assert float(delta[0]) == pytest.approx(float(expected), rel=1e-6, abs=1e-7)
+    assert abs(float(expected) - float(token_mean)) > 1e-4
+
+    tis = _run_ppo_loss(actor_config(policy_loss=PLC(
+        loss_mode="stablerl_vanilla", stablerl_params={"rollout_correction": "tis",
+                                                        "rollout_correction_params": {"threshold": 1.5}})),
+        data, leaves)
+    expected, _ = stablerl.compute_policy_loss("vanilla", rollout_log_prob=rollout, rollout_correction="tis",
+                                               rollout_correction_params={"threshold": 1.5}, **common)
+    assert float(tis[0]) == pytest.approx(float(expected), rel=1e-6, abs=1e-7)
+    assert abs(float(expected) - float(token_mean)) > 1e-5
+
+    with_weights, _ = _worker_batch(seed=5, is_weights=True)
+    with_weights["rollout_log_probs"] = data["rollout_log_probs"]
+    with pytest.raises(stablerl.StableRLError, match=r"applied on top of the framework's own.*"
+                                                     r"algorithm.rollout_correction.rollout_is"):
+        _run_ppo_loss(actor_config(policy_loss=PLC(loss_mode="stablerl_vanilla",
+                                                   stablerl_params={"rollout_correction": "tis"})), with_weights, leaves)
+    with pytest.raises(stablerl.StableRLError, match=r"loss_agg_mode.*'delta_ll'"):
+        PLC(loss_mode="stablerl_vanilla", stablerl_params={"loss_agg_mode": "delta_ll"})
