@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import time
 
+import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from stablerl import cli
 from stablerl import bench
@@ -96,3 +100,40 @@ def test_pick_clock():
     assert bench.pick_clock("auto", "cuda")[0] == "wall"
     name, clock = bench.pick_clock("thread", "cpu")
     assert name == "thread" and clock is time.thread_time
+
+
+@pytest.mark.parametrize("argv, names", [
+    (["--shape", "abc"], "--shape"), (["--shape", "0x4"], "--shape"), (["--shape", "4x"], "--shape"),
+    (["--dtypes", "fp8"], "--dtypes"), (["--dtypes", ""], "--dtypes"), (["--device", "bogus"], "--device"),
+    (["--repeats", "-1"], "--repeats"), (["--repeats", "0"], "--repeats"), (["--threads", "-2"], "--threads"),
+])
+def test_bench_refuses_bad_arguments_before_running(argv, names, capsys):
+    from stablerl.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["bench", *argv])
+    assert e.value.code == 2
+    assert names in capsys.readouterr().err
+
+
+@settings(max_examples=40, deadline=None)
+@given(text=st.text(alphabet="0123456789xX -.ab", max_size=8))
+def test_bench_shape_argument_accepts_only_positive_bxt(text):
+    from stablerl.bench import _shape_arg
+
+    parts = text.lower().split("x")
+    ok = len(parts) == 2 and all(p.strip().isdigit() and int(p) > 0 for p in parts)  # spaces around a number are fine
+    if ok:
+        assert _shape_arg(text)[1:] == (int(parts[0]), int(parts[1]))
+    else:
+        with pytest.raises(argparse.ArgumentTypeError, match="BxT"):
+            _shape_arg(text)
+
+
+def test_bench_unknown_loss_and_unwritable_out_fail_before_measuring(tmp_path, capsys):
+    from stablerl import bench
+
+    assert bench.main(["--losses", "bogus_loss", "--no-verl", "--no-trl", "--no-routing", "--no-estimators"]) == 2
+    assert "bogus_loss" in capsys.readouterr().err
+    assert bench.main(["--losses", "vanilla", "--out", str(tmp_path / "missing" / "x.md"), "--no-verl"]) == 2
+    assert "does not exist" in capsys.readouterr().err

@@ -668,15 +668,62 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _shape_arg(text: str) -> tuple[str, int, int]:
+    parts = text.lower().split("x")
+    if len(parts) != 2 or not all(p.strip().isdigit() and int(p) > 0 for p in parts):
+        raise argparse.ArgumentTypeError(f"must be BxT with positive integers, e.g. 64x4096; got {text!r}")
+    b, t = (int(p) for p in parts)
+    return (f"B{b}xT{t}", b, t)
+
+
+def _dtypes_arg(text: str) -> tuple[str, ...]:
+    names = tuple(d.strip() for d in text.split(",") if d.strip())
+    unknown = [d for d in names if d not in DTYPES]
+    if not names or unknown:
+        raise argparse.ArgumentTypeError(f"must be a comma-separated subset of {','.join(DTYPES)}; got {text!r}")
+    return names
+
+
+def _device_arg(text: str) -> str:
+    try:
+        device = torch.device(text)
+    except (RuntimeError, ValueError):
+        device = None
+    if device is None or device.type not in ("cpu", "cuda"):
+        raise argparse.ArgumentTypeError(f"must be cpu, cuda or cuda:N; got {text!r}")
+    return text
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer; got {text!r}")
+    return value
+
+
+def _non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 0; got {text!r}")
+    return value
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quick", action="store_true", help="B=32 T=2048, 7 repeats (about 2 minutes on 2 cores)")
     p.add_argument("--json", action="store_true", help="print the result as one JSON object")
     p.add_argument("--out", default=None, help="also write the markdown tables to this file (default: no file)")
-    p.add_argument("--device", default="cpu", help="cpu or cuda")
-    p.add_argument("--dtypes", default="fp32,bf16", help="comma-separated subset of fp32,bf16")
+    p.add_argument("--device", default="cpu", type=_device_arg, help="cpu or cuda")
+    p.add_argument("--dtypes", default=("fp32", "bf16"), type=_dtypes_arg, help="comma-separated subset of fp32,bf16")
     p.add_argument("--losses", default=None, help="comma-separated loss names (default: all)")
-    p.add_argument("--repeats", type=int, default=None)
-    p.add_argument("--shape", action="append", default=None, metavar="BxT", help="e.g. 64x4096 (repeatable)")
+    p.add_argument("--repeats", type=_positive_int, default=None)
+    p.add_argument("--shape", action="append", default=None, type=_shape_arg, metavar="BxT",
+                   help="e.g. 64x4096 (repeatable)")
     p.add_argument("--no-verl", action="store_true", help="skip the native comparison even if verl is installed")
     p.add_argument("--no-routing", action="store_true", help="skip the routing-replay measurement (needs transformers)")
     p.add_argument("--no-trl", action="store_true", help="skip the comparison with TRL's built-in loss types")
@@ -684,7 +731,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--clock", default="auto", choices=("auto", "thread", "wall"),
                    help="thread: CPU time of the calling thread (not inflated by other processes; CPU, 1 thread); "
                    "wall: perf_counter; auto (default): thread on CPU with 1 torch thread, else wall")
-    p.add_argument("--threads", type=int, default=1,
+    p.add_argument("--threads", type=_non_negative_int, default=1,
                    help="torch CPU threads (default 1: on a shared machine, multi-threaded elementwise ops "
                    "wait for descheduled threads and time noise swamps the ratios; 0 keeps torch's default)")
 
@@ -694,14 +741,26 @@ def main(argv: Optional[list[str]] = None, args: Optional[argparse.Namespace] = 
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         print("stablerl bench: CUDA is not available", file=sys.stderr)
         return 2
+    losses = [n.strip() for n in args.losses.split(",") if n.strip()] if args.losses else None
+    if args.losses is not None:
+        from ..contracts import POLICY_LOSS
+        from ..params import unknown_name_message
+        from ..registry import get_registry
+
+        known = get_registry().names(POLICY_LOSS)
+        unknown = [n for n in losses or [""] if n not in known]
+        if unknown:
+            print(f"stablerl bench: {unknown_name_message('--losses entry', unknown[0], known)}", file=sys.stderr)
+            return 2
+    if args.out and args.out != "-":  # checked before the run, not after minutes of measuring
+        folder = os.path.dirname(os.path.abspath(args.out))
+        if not os.path.isdir(folder) or not os.access(folder, os.W_OK):
+            print(f"stablerl bench: --out {args.out!r}: the folder {folder!r} does not exist or is not writable",
+                  file=sys.stderr)
+            return 2
     if args.threads > 0:
         torch.set_num_threads(args.threads)
-    shapes = None
-    if args.shape:
-        shapes = []
-        for s in args.shape:
-            b, t = (int(x) for x in s.lower().split("x"))
-            shapes.append((f"B{b}xT{t}", b, t))
+    shapes = list(args.shape) if args.shape else None
     if not args.no_verl and _verl_core_algos() is None:
         print("stablerl bench: verl is not installed, so there is no native twin to compare with; "
               "only the relative-to-vanilla table is produced (pip install 'stablerl[verl]')", file=sys.stderr)
@@ -709,10 +768,10 @@ def main(argv: Optional[list[str]] = None, args: Optional[argparse.Namespace] = 
     result = run(
         quick=args.quick,
         device=args.device,
-        dtypes=tuple(d.strip() for d in args.dtypes.split(",") if d.strip()),
+        dtypes=tuple(args.dtypes),
         shapes=shapes,
         repeats=args.repeats,
-        losses=args.losses.split(",") if args.losses else None,
+        losses=losses,
         use_verl=not args.no_verl,
         routing=not args.no_routing,
         use_trl=not args.no_trl,
