@@ -43,7 +43,12 @@ def train(arm: str, precision: str, *, steps: int, seed: int, lr: float, out_dir
     t0 = time.perf_counter()
     trainer.train()
     elapsed = time.perf_counter() - t0
-    return summarize(record, arm=arm, precision=precision, seed=seed, lr=lr, steps=steps, time_s=elapsed)
+    r = summarize(record, arm=arm, precision=precision, seed=seed, lr=lr, steps=steps, time_s=elapsed)
+    history = mismatch.rollout_of(trainer).history
+    r["rollout_mismatch"] = history
+    r["mismatch_kl"] = sum(h["kl"] for h in history) / max(1, len(history))
+    r["mismatch_out_of_2x"] = sum(h["ratio_out_of_2x"] for h in history) / max(1, len(history))
+    return r
 
 
 def summarize(record: dict, **fields) -> dict:
@@ -81,15 +86,14 @@ def write_table(runs: list[dict], config: dict, name: str) -> Path:
         settings.setdefault(setting_key(r), []).append(r)
     for (precision, lr, steps), group in settings.items():
         lines += [f"## rollout {precision}, lr {lr:g}, {steps} steps", "",
-                  "| arm | seeds | final reward per seed | best per seed | failed | final entropy | mismatch KL(roll‖train) | time/run |",
+                  "| arm | seeds | final reward per seed | best per seed | failed | final entropy | mismatch KL(roll‖train), run mean | time/run |",
                   "|---|---|---|---|---|---|---|---|"]
         arms: dict[str, list[dict]] = {}
         for r in group:
             arms.setdefault(r["arm"], []).append(r)
         for arm, rs in arms.items():
             rs = sorted(rs, key=lambda r: r["seed"])
-            kl = [r["metric_means"].get("sampling/sampling_logp_difference/mean") for r in rs]
-            kl = [k for k in kl if k is not None]
+            kl = [r["mismatch_kl"] for r in rs if r.get("mismatch_kl") is not None]
             lines.append(
                 f"| {arm} | {','.join(str(r['seed']) for r in rs)} | {', '.join(C.fmt(r['final_reward']) for r in rs)} | "
                 f"{', '.join(C.fmt(r['best_reward']) for r in rs)} | {sum(r['failed'] for r in rs)}/{len(rs)} | "

@@ -254,7 +254,16 @@ def run_one(loss: str, *, steps: int, seed: int, out_dir: Path, estimator: Optio
         "clip_mask_fraction": sum(fractions) / len(fractions) if fractions else None,
         "time_s": elapsed,
         "cpu_s": cpu,
+        **({"rollout_mismatch": _rollout_history(trainer)} if precision is not None else {}),
     }
+
+
+def _rollout_history(trainer) -> list[dict]:
+    """Per generation: the low-precision engine's mismatch to the trainer (kl, abs, ratio_out_of_2x)."""
+    from stablerl.demo import mismatch
+
+    engine = mismatch.rollout_of(trainer)
+    return list(engine.history) if engine is not None else []
 
 
 def print_table(results: dict[str, dict], label: str = "loss_type") -> None:

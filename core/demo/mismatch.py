@@ -18,7 +18,8 @@ same config runs with ``use_vllm=True`` and nothing of this module.
 Precisions: ``fp32`` (no mismatch: the control), ``bf16`` / ``fp16`` (weights and compute in that dtype),
 ``fp8`` (weights cast to float8 e4m3 and back, compute fp32), ``int8`` / ``int4`` / ``int3`` / ``int2``
 (symmetric per-output-row absmax quantization of the weights, compute fp32; ``-tensor``: one absmax scale
-per weight matrix, so one large weight coarsens the whole matrix). Where the toy exaggerates:
+per weight matrix, so one large weight coarsens the whole matrix), ``fp8-logits`` (fp32 weights, the
+logits rounded to float8 e4m3: an error that grows with the logits' magnitude, i.e. as entropy falls). Where the toy exaggerates:
 a 0.3M-parameter model at 4 bits or fewer has a far larger relative error than a 7B model at 8 bits
 (the per-row scale is set by few, large weights), so the mismatch per token is much larger than a real
 FP8 engine's; the mechanism (a sampler that is a rounded copy of the trained weights, its log-probs
@@ -34,7 +35,7 @@ import re
 from typing import Any, Optional
 
 PRECISIONS = ("fp32", "bf16", "fp16", "fp8", "int8", "int4", "int3", "int2",
-              "int8-tensor", "int4-tensor", "int3-tensor", "int2-tensor")
+              "int8-tensor", "int4-tensor", "int3-tensor", "int2-tensor", "fp8-logits")
 
 
 def check_precision(precision: str) -> str:
@@ -73,6 +74,8 @@ class LowPrecisionRollout:
         self.pad_token_id = processing_class.pad_token_id
         self.sampler = None
         self.syncs = 0
+        # per generate call: the mismatch on the sampled tokens, measured against the trainer's weights
+        self.history: list[dict[str, float]] = []
 
     def sync_weights(self) -> None:
         import torch
@@ -85,7 +88,7 @@ class LowPrecisionRollout:
         with torch.no_grad():
             if self.precision in ("bf16", "fp16"):
                 sampler.to(torch.bfloat16 if self.precision == "bf16" else torch.float16)
-            elif self.precision != "fp32":
+            elif self.precision not in ("fp32", "fp8-logits"):
                 for module in sampler.modules():
                     if isinstance(module, (torch.nn.Linear, torch.nn.Embedding)):
                         module.weight.copy_(round_weight(module.weight, self.precision))
@@ -109,7 +112,10 @@ class LowPrecisionRollout:
                 ids = torch.tensor([prompts[i] for i in rows], dtype=torch.long)
                 done = torch.zeros(len(rows), dtype=torch.bool)
                 for _ in range(self.max_completion_length):
-                    logits = self.sampler(input_ids=ids).logits[:, -1, :].float() / self.temperature
+                    logits = self.sampler(input_ids=ids).logits[:, -1, :].float()
+                    if self.precision == "fp8-logits":  # an fp8 output kernel: the logits rounded to e4m3
+                        logits = logits.to(torch.float8_e4m3fn).to(torch.float32)
+                    logits = logits / self.temperature
                     logp = torch.log_softmax(logits, dim=-1)
                     token = torch.multinomial(logp.exp(), 1).squeeze(1)
                     token_logp = logp.gather(1, token.unsqueeze(1)).squeeze(1)
@@ -121,7 +127,34 @@ class LowPrecisionRollout:
                     if bool(done.all()):
                         break
                     ids = torch.cat([ids, torch.where(done, self.pad_token_id, token).unsqueeze(1)], dim=1)
+            self.history.append(self._measure(prompts, completions, logprobs))
         return [list(p) for p in prompts], completions, logprobs, None
+
+    def _measure(self, prompts, completions, logprobs) -> dict[str, float]:
+        """log p_rollout - log p_train on the sampled tokens (the trainer's fp32 forward, same weights):
+        mean = the k1 estimate of KL(rollout || train); also the mean |difference| and the fraction of tokens
+        whose train/rollout probability ratio is outside [1/2, 2]."""
+        import torch
+
+        diffs = []
+        by_length: dict[int, list[int]] = {}
+        for i, p in enumerate(prompts):
+            if completions[i]:
+                by_length.setdefault(len(p), []).append(i)
+        with torch.no_grad():
+            for n, rows in by_length.items():
+                width = max(len(completions[i]) for i in rows)
+                # right-padded completions: causal attention, so the padding never reaches a scored position
+                ids = torch.tensor([list(prompts[i]) + completions[i] + [self.pad_token_id] * (width - len(completions[i]))
+                                    for i in rows], dtype=torch.long)
+                logits = self.model(input_ids=ids).logits[:, n - 1:n - 1 + width].float() / self.temperature
+                train = torch.log_softmax(logits, dim=-1).gather(2, ids[:, n:n + width].unsqueeze(2)).squeeze(2)
+                for j, i in enumerate(rows):
+                    k = len(completions[i])
+                    diffs.append(torch.tensor([lp[0] for lp in logprobs[i]]) - train[j, :k])
+        d = torch.cat(diffs) if diffs else torch.zeros(1)
+        return {"kl": float(d.mean()), "abs": float(d.abs().mean()),
+                "ratio_out_of_2x": float((d.abs() > 0.6931471805599453).float().mean())}
 
 
 @contextlib.contextmanager
