@@ -306,8 +306,8 @@ def plot(results: dict[str, dict], path: Path, title: str = "copy the digit") ->
 
 
 SCENARIOS = {
-    "mismatch": "training-inference mismatch: rollouts sampled by an INT4-quantized copy of the policy through "
-                "TRL's vLLM path, trained in fp32; no correction vs stablerl's rollout correction vs TRL's own",
+    "mismatch": "training-inference mismatch: rollouts sampled by a 2-bit-quantized copy of the policy through "
+                "TRL's vLLM path, trained in fp32; TRL's default correction vs stablerl's tis vs no correction",
     "basic": "three policy losses (dapo, m2po, gspo) on copy-the-digit, on-policy fp32; no stability claim",
 }
 DEFAULT_SCENARIO = "mismatch"

@@ -237,7 +237,7 @@ def make_trainer(args, precision: str, callbacks=None, seed: int = 0):
 # ----------------------------------------------------------------------------- the demo's setting
 
 # `stablerl demo` (scenario "mismatch") runs these; the multi-seed record is docs/stability/rollout_mismatch.md
-DEMO: dict[str, Any] = {"arms": ("none", "tis", "trl_is"), "precision": "int4", "lr": 1e-3, "steps": 150, "seed": 0}
+DEMO: dict[str, Any] = {"arms": ("trl_is", "tis", "none"), "precision": "int2", "lr": 1e-3, "steps": 150, "seed": 0}
 # what the other seeds of the same setting did (benchmarks/stability/rollout_mismatch.py, every seed in the docs)
 DEMO_EVIDENCE = "see docs/stability/rollout_mismatch.md for every seed of this setting"
 
