@@ -109,3 +109,21 @@ def test_demo_scenarios_list_and_misuse(capsys):
     assert demo.main(["--scenario", "basic", "--arms", "tis"]) == 2
     assert demo.main(["--arms", "tis,nope", "--steps", "1", "--out", "/tmp/stablerl-trl-mismatch-test"]) == 2
     assert "did you mean" in capsys.readouterr().err
+
+
+def test_benchmark_script_smoke(tmp_path):
+    """benchmarks/stability/rollout_mismatch.py end to end in 2 steps: JSON (every run), table, plot."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[2] / "benchmarks" / "stability" / "rollout_mismatch.py"
+    cmd = [sys.executable, str(script), "--precisions", "int2", "--seeds", "0", "--arms", "none,tis", "--steps", "2",
+           "--out", str(tmp_path)]
+    subprocess.run(cmd, check=True, capture_output=True, timeout=600)
+    data = json.loads((tmp_path / "rollout_mismatch.json").read_text())
+    assert [(r["arm"], r["precision"], r["seed"]) for r in data["runs"]] == [("none", "int2", 0), ("tis", "int2", 0)]
+    assert all(len(r["rollout_mismatch"]) == 2 and r["mismatch_kl"] != 0 for r in data["runs"])
+    table = (tmp_path / "rollout_mismatch.md").read_text()
+    assert "rollout int2, lr 0.001, 2 steps" in table and "| tis | 0 |" in table
+    assert (tmp_path / "rollout_mismatch.png").stat().st_size > 10_000
