@@ -169,6 +169,8 @@ def main() -> int:
                             continue
                         r = train(arm, precision, steps=a.steps, seed=seed, lr=lr, out_dir=tmp)
                         runs.append(r)
+                        # after every run: a crash or a cut budget keeps what was measured
+                        C.write_json(a.name, {"config": {"partial": True}, "runs": runs, "skipped": skipped})
                         C.log(f"{precision} lr {lr:g} seed {seed} {arm:>8}: final {r['final_reward']:.2f} "
                               f"best {r['best_reward']:.2f} {'FAILED' if r['failed'] else ''} ({r['time_s']:.0f}s)")
     config = {"task": "copy the digit", "steps": a.steps, "num_iterations": 1, "machine": C.machine(),

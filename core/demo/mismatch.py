@@ -192,7 +192,10 @@ ARMS: dict[str, tuple[str, dict]] = {
     "vanilla": ("stablerl_vanilla", dict(_STABLERL)),
     "m2po": ("stablerl_m2po", {"vllm_importance_sampling_correction": False}),
     **{name: ("stablerl_vanilla", dict(_STABLERL, stablerl_rollout_correction=name))
-       for name in ("tis", "icepop", "seq_mis", "geo_rs", "opsm")},
+       for name in ("tis", "icepop", "seq_mis", "geo_rs")},
+    # DeepSeek-V3.2 gives no default delta; 0.5 is the value of TRL's off_policy_mask_threshold example
+    "opsm": ("stablerl_vanilla", dict(_STABLERL, stablerl_rollout_correction="opsm",
+                                      stablerl_rollout_correction_params={"threshold": 0.5})),
 }
 ARM_HELP = {
     "none": "TRL grpo, no correction (vllm_importance_sampling_correction=False)",
@@ -204,7 +207,7 @@ ARM_HELP = {
     "icepop": "stablerl vanilla + 'icepop' (band 0.5..5, token)",
     "seq_mis": "stablerl vanilla + 'seq_mis' (sequence ratio, rejected above 2)",
     "geo_rs": "stablerl vanilla + 'geo_rs' (geometric-mean ratio band 0.999..1.001)",
-    "opsm": "stablerl vanilla + 'opsm' (DeepSeek-V3.2 off-policy sequence mask)",
+    "opsm": "stablerl vanilla + 'opsm' (DeepSeek-V3.2 off-policy sequence mask, delta 0.5: no paper default)",
 }
 
 
