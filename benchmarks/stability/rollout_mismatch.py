@@ -80,7 +80,9 @@ def setting_key(r: dict) -> tuple:
 def write_table(runs: list[dict], config: dict, name: str) -> Path:
     lines = [f"# Training-inference mismatch: quantized rollout, fp32 training ({name})", "",
              f"Machine: {config.get('machine', '-')}. Command(s): see docs/stability/README.md. Every run is listed; "
-             "'failed' = final reward < 0.5 or < half of the run's best (10%-window means).", ""]
+             "'failed' = final reward < 0.5 or < half of the run's best (10%-window means). '(search)': the first "
+             "seed-0 screen, run with an ad-hoc loop over the same config as arms none / trl_is (its int2 run "
+             "repeats the script's seed-0 `none` run exactly).", ""]
     settings: dict[tuple, list[dict]] = {}
     for r in runs:
         settings.setdefault(setting_key(r), []).append(r)
@@ -90,15 +92,21 @@ def write_table(runs: list[dict], config: dict, name: str) -> Path:
                   "|---|---|---|---|---|---|---|---|"]
         arms: dict[str, list[dict]] = {}
         for r in group:
-            arms.setdefault(r["arm"], []).append(r)
+            # runs of the first, seed-0 search (an ad-hoc loop with the same config as arms none / trl_is)
+            label = r["arm"] + (" (search)" if r.get("source") == "search" else "")
+            arms.setdefault(label, []).append(r)
         for arm, rs in arms.items():
             rs = sorted(rs, key=lambda r: r["seed"])
             kl = [r["mismatch_kl"] for r in rs if r.get("mismatch_kl") is not None]
+            trl_abs = [r["trl_abs_logp_difference"] for r in rs if r.get("trl_abs_logp_difference") is not None]
+            mismatch_cell = (C.fmt(sum(kl) / len(kl)) if kl else
+                             f"mean abs Δlog p {sum(trl_abs) / len(trl_abs):.3f}" if trl_abs else "-")
+            times = [r["time_s"] for r in rs if r.get("time_s") == r.get("time_s") and r.get("time_s") is not None]
             lines.append(
                 f"| {arm} | {','.join(str(r['seed']) for r in rs)} | {', '.join(C.fmt(r['final_reward']) for r in rs)} | "
                 f"{', '.join(C.fmt(r['best_reward']) for r in rs)} | {sum(r['failed'] for r in rs)}/{len(rs)} | "
-                f"{', '.join(C.fmt(r['final_entropy']) for r in rs)} | {C.fmt(sum(kl) / len(kl)) if kl else '-'} | "
-                f"{sum(r['time_s'] for r in rs) / len(rs):.0f}s |")
+                f"{', '.join(C.fmt(r['final_entropy']) for r in rs)} | {mismatch_cell} | "
+                f"{f'{sum(times) / len(times):.0f}s' if times else '-'} |")
         lines.append("")
     path = C.DOCS / f"{name}.md"
     path.write_text("\n".join(lines))
