@@ -61,11 +61,22 @@ def round_weight(weight, precision: str):
     return weight.to(torch.float32)
 
 
+# TRL sampling settings the stand-in does not implement, with the values that mean "off"
+_SAMPLING_DEFAULTS = {"top_p": (None, 1.0), "top_k": (None, 0, -1), "min_p": (None, 0.0),
+                      "repetition_penalty": (None, 1.0), "structured_outputs_regex": (None,)}
+
+
 class LowPrecisionRollout:
     """TRL ``VLLMGeneration`` stand-in that samples from a copy of the policy rounded to ``precision``."""
 
     def __init__(self, model, processing_class, *, precision: str = "int4", temperature: float = 1.0,
                  max_completion_length: int = 16, **_vllm_kwargs: Any):
+        unsupported = {k: v for k, v in _vllm_kwargs.items() if k in _SAMPLING_DEFAULTS and v not in _SAMPLING_DEFAULTS[k]}
+        if unsupported:
+            from stablerl.params import StableRLError
+
+            raise StableRLError(f"the low-precision rollout stand-in samples at temperature only; it does not "
+                                f"implement {unsupported} (leave them at TRL's defaults)")
         self.model = model  # the trainer's (weights are read at each sync_weights)
         self.precision = check_precision(precision)
         self.temperature = float(temperature or 1.0)

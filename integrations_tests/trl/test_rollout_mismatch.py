@@ -127,3 +127,9 @@ def test_benchmark_script_smoke(tmp_path):
     table = (tmp_path / "rollout_mismatch.md").read_text()
     assert "rollout int2, lr 0.001, 2 steps" in table and "| tis | 0 |" in table
     assert (tmp_path / "rollout_mismatch.png").stat().st_size > 10_000
+
+
+def test_engine_refuses_sampling_settings_it_does_not_implement():
+    args = mismatch.make_config("/tmp/stablerl-trl-mismatch-test", "none", steps=1, seed=0, lr=1e-3, top_p=0.9)
+    with pytest.raises(stablerl.StableRLError, match="top_p"):
+        mismatch.make_trainer(args, "int4")
