@@ -51,7 +51,7 @@ import torch
 import stablerl
 from stablerl import routing_replay as rr
 from stablerl.contracts import (ADVANTAGE_ESTIMATOR, BATCH_FILTER, CONTROLLER, OPTIONAL_INPUTS, POLICY_LOSS,
-                                REWARD_SHAPER)
+                                REWARD_SHAPER, ROLLOUT_CORRECTION)
 from stablerl.frameworks import (UnsupportedVersionError, apply_filter_result, as_params, check_call_options,
                                  check_framework_keys_used, split_call_options,
                                  check_inputs, check_version, effective_hyperparameters, get_framework, log_effective_settings,
@@ -297,12 +297,25 @@ class GRPOConfig(_trl.GRPOConfig):
     stablerl_entropy_controller_params: Optional[Union[dict, str]] = field(
         default=None, metadata={"help": "Hyper-parameters of the entropy controller, a dict or a JSON object string."},
     )
+    stablerl_rollout_correction: Optional[str] = field(
+        default=None,
+        metadata={"help": "stablerl training-inference mismatch correction of a stablerl loss ('tis', 'icepop', "
+                  "'seq_mis', 'geo_rs', 'opsm'), from the rollout engine's sampling log-probs (use_vllm=True or a "
+                  "rollout_func returning logprobs). Replaces TRL's own: needs "
+                  "vllm_importance_sampling_correction=False."},
+    )
+    stablerl_rollout_correction_params: Optional[Union[dict, str]] = field(
+        default=None, metadata={"help": "Hyper-parameters of the rollout correction, a dict or a JSON object string, "
+                                "e.g. '{\"threshold\": 2.0}'."},
+    )
 
     def __post_init__(self):
         super().__post_init__()
         # TRL validates loss_type only at the first loss call; stablerl names are validated now.
         self.stablerl_loss_params = _as_dict(self.stablerl_loss_params, "stablerl_loss_params")
         self.stablerl_advantage_params = _as_dict(self.stablerl_advantage_params, "stablerl_advantage_params")
+        self.stablerl_rollout_correction_params = _as_dict(self.stablerl_rollout_correction_params,
+                                                           "stablerl_rollout_correction_params")
         validate_stablerl_args(self)
         self.routing_replay = routing_replay_mode(self)
         for key in _EXT_PARAM_KEYS.values():
@@ -372,7 +385,28 @@ def validate_stablerl_args(args, warn: bool = True) -> tuple[Optional[str], Opti
             )
     elif adv_params:
         raise StableRLError("stablerl_advantage_params is set but advantage_estimator is not")
+    check_rollout_correction(args, loss)
     return loss, estimator or None
+
+
+def check_rollout_correction(args, loss: Optional[str]) -> Optional[str]:
+    """``stablerl_rollout_correction``: a registered correction of a stablerl loss, its parameters valid, and
+    TRL's own vLLM importance-sampling correction off (one correction, never two). Returns the name or None."""
+    name = getattr(args, "stablerl_rollout_correction", None) or None
+    params = _as_dict(getattr(args, "stablerl_rollout_correction_params", None), "stablerl_rollout_correction_params")
+    if name is None:
+        if params:
+            raise StableRLError("stablerl_rollout_correction_params is set but stablerl_rollout_correction is not")
+        return None
+    if loss is None:
+        raise StableRLError(f"stablerl_rollout_correction={name!r} corrects a stablerl loss; loss_type="
+                            f"{args.loss_type!r} is TRL's built-in (use loss_type='{PREFIX}{args.loss_type}' if a "
+                            "stablerl loss of that name is meant, or TRL's vllm_importance_sampling_correction)")
+    build_params(stablerl.get_spec(ROLLOUT_CORRECTION, name), params)
+    if getattr(args, "use_vllm", False) and getattr(args, "vllm_importance_sampling_correction", False):
+        raise StableRLError(f"stablerl_rollout_correction={name!r} and TRL's vllm_importance_sampling_correction=True "
+                            "would correct the same mismatch twice; set vllm_importance_sampling_correction=False")
+    return name
 
 
 def loss_settings(args, loss: str):
@@ -615,6 +649,17 @@ class GRPOTrainer(_trl.GRPOTrainer):
             log_effective_settings(TRL, stablerl.get_spec(ADVANTAGE_ESTIMATOR, self._stablerl_estimator), settings)
             self._stablerl_adv_params = as_params(settings)
         self._stablerl_agg_mode = getattr(cfg, "stablerl_loss_agg_mode", "token-mean")
+        self._stablerl_correction = check_rollout_correction(cfg, self._stablerl_loss)
+        self._stablerl_correction_params = {}
+        if self._stablerl_correction:
+            if not (self.use_vllm or self.rollout_func is not None):
+                raise StableRLError(f"stablerl_rollout_correction={self._stablerl_correction!r} needs the rollout "
+                                    "engine's sampling log-probs: use_vllm=True or a rollout_func returning logprobs")
+            self._stablerl_correction_params = _as_dict(getattr(cfg, "stablerl_rollout_correction_params", None),
+                                                        "stablerl_rollout_correction_params")
+            correction_spec = stablerl.get_spec(ROLLOUT_CORRECTION, self._stablerl_correction)
+            log_effective_settings(TRL, correction_spec, effective_hyperparameters(
+                TRL, correction_spec, self._stablerl_correction_params, {}))
         self._stablerl_spec = stablerl.get_spec(POLICY_LOSS, self._stablerl_loss) if self._stablerl_loss else None
         # rspo: router log-probs at the replayed experts (old pass and training forward)
         self._rr_router_lp = bool(self._rr_mode and self._stablerl_spec and "router_log_prob" in self._stablerl_spec.requires)
@@ -1340,6 +1385,16 @@ class GRPOTrainer(_trl.GRPOTrainer):
         old = supplied.pop("old_log_prob", old)
         rollout_log_prob = supplied.pop("rollout_log_prob", rollout_log_prob)
         extra.update(supplied)
+        if self._stablerl_correction:
+            sampling = inputs.get("sampling_per_token_logps")
+            if sampling is None:
+                raise StableRLError(f"stablerl_rollout_correction={self._stablerl_correction!r}: this batch has no "
+                                    "sampling log-probs (the rollout_func returned no logprobs?)")
+            if rollout_log_prob is None:  # NaN = unscored by vLLM -> no mismatch on that token
+                rollout_log_prob = torch.where(torch.isnan(sampling), old, sampling)
+            extra["rollout_correction"] = self._stablerl_correction
+            if self._stablerl_correction_params:
+                extra["rollout_correction_params"] = self._stablerl_correction_params
         if "token_ids" in spec.requires:
             extra["token_ids"] = inputs["completion_ids"]
         if "index" in spec.requires:

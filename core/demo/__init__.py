@@ -9,6 +9,10 @@ couple of hundred steps -- slowly enough that the losses' learning curves differ
 Every run is the same model (same seed), same prompts and same TRL settings; only ``loss_type``
 changes. Nothing is downloaded: the tokenizer (word level), the model (``Qwen2Config``) and the
 data set are built in code and the Hugging Face libraries are put in offline mode before import.
+
+Scenarios (``stablerl demo --list``): ``mismatch`` (the default) trains through TRL's vLLM path with a
+low-precision rollout engine (:mod:`stablerl.demo.mismatch`), with and without a rollout correction;
+``basic`` is the original three-loss comparison above.
 """
 
 from __future__ import annotations
@@ -44,6 +48,7 @@ DEFAULT_STEPS = 200
 _PAPER_AGG_MODE = {"gspo": "seq-mean-token-mean", "sapo": "seq-mean-token-mean", "gmpo": "seq-mean-token-mean"}
 # metrics shown in the "clip/mask" column, first one present wins
 _FRACTION_METRICS = (
+    "stablerl/rollout_corr/masked_fraction",  # stablerl_rollout_correction (mismatch scenario)
     "clip_ratio/region_mean",  # TRL grpo/dapo/... family
     "cispo_clip_ratio",  # TRL cispo
     "stablerl/m2po/masked_fraction",
@@ -205,16 +210,24 @@ def _window_mean(values: list, frac: float = 0.1, head: bool = False) -> float:
 
 
 def run_one(loss: str, *, steps: int, seed: int, out_dir: Path, estimator: Optional[str], lr: float,
-            num_iterations: int, progress: bool = True) -> dict:
-    """Train one loss; return its per-step record and summary."""
+            num_iterations: int, progress: bool = True, precision: Optional[str] = None) -> dict:
+    """Train one loss (``basic``), or one arm of the mismatch scenario when ``precision`` is given (``loss``
+    is then the arm's name); return its per-step record and summary."""
     from tqdm.auto import tqdm
 
     record: dict[str, Any] = {"step": [], "metrics": {}}
     bar = tqdm(total=steps, desc=f"{loss:>10}", unit="step", leave=True, disable=not progress,
                file=sys.stdout, dynamic_ncols=True)
-    args = make_config(str(out_dir / "runs" / loss), loss, steps=steps, seed=seed, lr=lr,
-                       num_iterations=num_iterations, estimator=estimator)
-    trainer = make_trainer(args, callbacks=[_recorder_callback(record, bar)], seed=seed)
+    if precision is None:
+        args = make_config(str(out_dir / "runs" / loss), loss, steps=steps, seed=seed, lr=lr,
+                           num_iterations=num_iterations, estimator=estimator)
+        trainer = make_trainer(args, callbacks=[_recorder_callback(record, bar)], seed=seed)
+    else:
+        from stablerl.demo import mismatch
+
+        args = mismatch.make_config(str(out_dir / "runs" / loss), loss, steps=steps, seed=seed, lr=lr,
+                                    num_iterations=num_iterations, advantage_estimator=estimator)
+        trainer = mismatch.make_trainer(args, precision, callbacks=[_recorder_callback(record, bar)], seed=seed)
     start, cpu_start = time.perf_counter(), time.process_time()
     trainer.train()
     elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu_start
@@ -225,7 +238,9 @@ def run_one(loss: str, *, steps: int, seed: int, out_dir: Path, estimator: Optio
     fraction_key = next((k for k in _FRACTION_METRICS if k in m), None)
     fractions = [v for v in m.get(fraction_key, []) if v is not None] if fraction_key else []
     return {
-        "loss_type": loss,
+        "loss_type": args.loss_type,
+        "stablerl_rollout_correction": getattr(args, "stablerl_rollout_correction", None),
+        "trl_importance_sampling": bool(args.use_vllm and args.vllm_importance_sampling_correction),
         "stablerl_loss_agg_mode": args.stablerl_loss_agg_mode if trainer._stablerl_loss else None,
         "steps": record["step"],
         "reward": reward,  # per step; None on steps that reuse a generated batch (num_iterations > 1)
@@ -239,11 +254,20 @@ def run_one(loss: str, *, steps: int, seed: int, out_dir: Path, estimator: Optio
         "clip_mask_fraction": sum(fractions) / len(fractions) if fractions else None,
         "time_s": elapsed,
         "cpu_s": cpu,
+        **({"rollout_mismatch": _rollout_history(trainer)} if precision is not None else {}),
     }
 
 
-def print_table(results: dict[str, dict]) -> None:
-    header = f"{'loss_type':<16}{'final reward':>13}{'gain':>8}{'entropy':>9}{'clip/mask':>11}  {'time':>6}  clip/mask metric"
+def _rollout_history(trainer) -> list[dict]:
+    """Per generation: the low-precision engine's mismatch to the trainer (kl, abs, ratio_out_of_2x)."""
+    from stablerl.demo import mismatch
+
+    engine = mismatch.rollout_of(trainer)
+    return list(engine.history) if engine is not None else []
+
+
+def print_table(results: dict[str, dict], label: str = "loss_type") -> None:
+    header = f"{label:<16}{'final reward':>13}{'gain':>8}{'entropy':>9}{'clip/mask':>11}  {'time':>6}  clip/mask metric"
     print(header)
     print("-" * len(header))
     for name, r in results.items():
@@ -256,7 +280,7 @@ def print_table(results: dict[str, dict]) -> None:
     print("clip/mask: mean over the run of the loss's clipped (or masked) token fraction.")
 
 
-def plot(results: dict[str, dict], path: Path) -> None:
+def plot(results: dict[str, dict], path: Path, title: str = "copy the digit") -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -268,7 +292,7 @@ def plot(results: dict[str, dict], path: Path) -> None:
             points = [(x, y) for x, y in zip(r["steps"], r[key]) if y is not None]
             if points:
                 ax.plot(*zip(*points), label=name, lw=1.3)
-    ax_r.set(xlabel="step", ylabel="mean reward", title="reward (copy the digit)", ylim=(-0.02, 1.02))
+    ax_r.set(xlabel="step", ylabel="mean reward", title=f"reward ({title})", ylim=(-0.02, 1.02))
     ax_h.set(xlabel="step", ylabel="mean token entropy (nats)", title="policy entropy")
     for ax in (ax_r, ax_h):
         ax.grid(alpha=0.3)
@@ -281,35 +305,93 @@ def plot(results: dict[str, dict], path: Path) -> None:
 # ----------------------------------------------------------------------------- CLI
 
 
+SCENARIOS = {
+    "mismatch": "training-inference mismatch: rollouts sampled by a 2-bit-quantized copy of the policy through "
+                "TRL's vLLM path, trained in fp32; TRL's default correction vs stablerl's tis vs no correction",
+    "basic": "three policy losses (dapo, m2po, gspo) on copy-the-digit, on-policy fp32; no stability claim",
+}
+DEFAULT_SCENARIO = "mismatch"
+# the basic scenario's defaults (the demo before scenarios existed)
+_BASIC_DEFAULTS = {"steps": DEFAULT_STEPS, "lr": 5e-4, "num_iterations": 2}
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="stablerl demo",
-        description="Train a tiny model built in code with GRPO through TRL on CPU, once per policy loss, "
-        "on a 'copy the digit' task with a verifiable reward; prints a table and writes results.json and "
-        "curves.png. Nothing is downloaded.",
+        description="Train a tiny model built in code with GRPO through TRL on CPU, on a 'copy the digit' task "
+        "with a verifiable reward, once per loss (or per arm of a scenario); prints a table and writes "
+        "results.json and curves.png. Nothing is downloaded.",
     )
-    p.add_argument("--losses", default=",".join(DEFAULT_LOSSES),
-                   help="comma-separated loss_type names: TRL built-ins (dapo, grpo, cispo, ...) and stablerl "
-                   "losses (m2po, gspo, ..., or stablerl_<name>) (default: %(default)s)")
+    p.add_argument("--scenario", default=DEFAULT_SCENARIO, choices=list(SCENARIOS),
+                   help="what to run (default: %(default)s); --list describes them")
+    p.add_argument("--list", action="store_true", help="list the scenarios and exit")
+    p.add_argument("--losses", default=None,
+                   help="basic: comma-separated loss_type names: TRL built-ins (dapo, grpo, cispo, ...) and stablerl "
+                   f"losses (m2po, gspo, ..., or stablerl_<name>) (default: {','.join(DEFAULT_LOSSES)})")
+    p.add_argument("--arms", default=None,
+                   help="mismatch: comma-separated arms (none, trl_is, trl_tis, vanilla, m2po, tis, icepop, seq_mis, "
+                   "geo_rs, opsm; default: the scenario's)")
+    p.add_argument("--precision", default=None,
+                   help="mismatch: the rollout engine's weights (fp32 = no mismatch, bf16, fp16, fp8, int8, int4, "
+                   "int3, int2, intN-tensor; default: the scenario's)")
     p.add_argument("--estimator", default=None,
                    help="stablerl advantage estimator (e.g. qae, rloo); default: TRL's own advantages")
-    p.add_argument("--steps", type=int, default=DEFAULT_STEPS, help="optimizer steps per loss (default: %(default)s)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the model, data and sampling (default: %(default)s)")
+    p.add_argument("--steps", type=int, default=None, help="optimizer steps per run (default: the scenario's)")
+    p.add_argument("--seed", type=int, default=None, help="seed of the model, data and sampling (default: the "
+                   "scenario's)")
     p.add_argument("--out", default="stablerl-demo", help="output directory (default: %(default)s)")
-    p.add_argument("--lr", type=float, default=5e-4, help="learning rate (default: %(default)s)")
-    p.add_argument("--num-iterations", type=int, default=2,
+    p.add_argument("--lr", type=float, default=None, help="learning rate (default: the scenario's)")
+    p.add_argument("--num-iterations", type=int, default=None,
                    help="updates per generated batch (TRL num_iterations; >1 makes the ratio differ from 1) "
-                   "(default: %(default)s)")
+                   "(default: the scenario's)")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads (default: %(default)s)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     return p
 
 
+def _list_scenarios() -> None:
+    from stablerl.demo import mismatch
+
+    for name, text in SCENARIOS.items():
+        print(f"{name}{' (default)' if name == DEFAULT_SCENARIO else ''}: {text}")
+        if name == "mismatch":
+            d = mismatch.DEMO
+            print(f"    defaults: arms {','.join(d['arms'])}, rollout {d['precision']}, lr {d['lr']}, "
+                  f"{d['steps']} steps, seed {d['seed']}, num_iterations 1")
+            for arm, text in mismatch.ARM_HELP.items():
+                print(f"    arm {arm:<8} {text}")
+        else:
+            print(f"    defaults: losses {','.join(DEFAULT_LOSSES)}, lr {_BASIC_DEFAULTS['lr']}, "
+                  f"{_BASIC_DEFAULTS['steps']} steps, seed 0, num_iterations {_BASIC_DEFAULTS['num_iterations']}")
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     args = build_parser().parse_args(argv)
-    losses = [s.strip() for s in args.losses.split(",") if s.strip()]
-    if not losses:
-        print("stablerl demo: --losses is empty", file=sys.stderr)
+    if args.list:
+        _list_scenarios()
+        return 0
+    mismatch_scenario = args.scenario == "mismatch"
+    if mismatch_scenario:
+        from stablerl.demo import mismatch
+
+        if args.losses is not None:
+            print("stablerl demo: --losses is for --scenario basic; the mismatch scenario takes --arms",
+                  file=sys.stderr)
+            return 2
+        defaults = {**mismatch.DEMO, "num_iterations": 1}
+        names = [s.strip() for s in (args.arms or ",".join(defaults["arms"])).split(",") if s.strip()]
+    else:
+        if args.arms is not None or args.precision is not None:
+            print("stablerl demo: --arms/--precision are for --scenario mismatch", file=sys.stderr)
+            return 2
+        defaults = {**_BASIC_DEFAULTS, "seed": 0}
+        names = [s.strip() for s in (args.losses or ",".join(DEFAULT_LOSSES)).split(",") if s.strip()]
+    for key in ("steps", "lr", "num_iterations", "seed"):
+        if getattr(args, key) is None:
+            setattr(args, key, defaults[key])
+    precision = (args.precision or defaults["precision"]) if mismatch_scenario else None
+    if not names:
+        print(f"stablerl demo: --{'arms' if mismatch_scenario else 'losses'} is empty", file=sys.stderr)
         return 2
     if args.steps < 1:
         print("stablerl demo: --steps must be >= 1", file=sys.stderr)
@@ -342,27 +424,46 @@ def main(argv: Optional[list[str]] = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     # validate every name before training anything
     try:
-        for loss in losses:
-            make_config(str(out / "runs" / loss), loss, steps=args.steps, seed=args.seed, lr=args.lr,
-                        num_iterations=args.num_iterations, estimator=args.estimator)
+        for name in names:
+            if mismatch_scenario:
+                mismatch.check_precision(precision)
+                mismatch.make_config(str(out / "runs" / name), name, steps=args.steps, seed=args.seed, lr=args.lr,
+                                     num_iterations=args.num_iterations, advantage_estimator=args.estimator)
+            else:
+                make_config(str(out / "runs" / name), name, steps=args.steps, seed=args.seed, lr=args.lr,
+                            num_iterations=args.num_iterations, estimator=args.estimator)
     except StableRLError as e:
         print(f"stablerl demo: {e}", file=sys.stderr)
         return 2
-    print(f"stablerl demo: {len(losses)} run(s) x {args.steps} steps, 8 prompts x 8 generations, "
+    what = (f"scenario mismatch: rollouts from {precision} weights through TRL's vLLM path, training in fp32; "
+            f"{len(names)} arm(s)" if mismatch_scenario else f"scenario basic: {len(names)} run(s)")
+    print(f"stablerl demo: {what} x {args.steps} steps, 8 prompts x 8 generations, "
           f"lr {args.lr}, num_iterations {args.num_iterations}, estimator {args.estimator or 'TRL (group)'}, "
           f"seed {args.seed}, {torch.get_num_threads()} thread(s); imports took {time.perf_counter() - t0:.1f}s")
 
     results: dict[str, dict] = {}
-    for loss in losses:
-        results[loss] = run_one(loss, steps=args.steps, seed=args.seed, out_dir=out, estimator=args.estimator,
-                                lr=args.lr, num_iterations=args.num_iterations, progress=not args.no_progress)
+    for name in names:
+        results[name] = run_one(name, steps=args.steps, seed=args.seed, out_dir=out, estimator=args.estimator,
+                                lr=args.lr, num_iterations=args.num_iterations, progress=not args.no_progress,
+                                precision=precision)
     print()
-    print_table(results)
-    config = {k: getattr(args, k) for k in ("steps", "seed", "estimator", "lr", "num_iterations", "threads")}
+    print_table(results, label="arm" if mismatch_scenario else "loss_type")
+    config = {k: getattr(args, k) for k in ("scenario", "steps", "seed", "estimator", "lr", "num_iterations",
+                                            "threads")}
     config.update(task="copy the digit", prompts_per_step=8, generations=8, max_completion_length=4,
-                  losses=losses, model="Qwen2 hidden 128, 2 layers, word-level vocab of %d" % len(VOCAB))
-    (out / "results.json").write_text(json.dumps({"config": config, "losses": results}, indent=1))
-    plot(results, out / "curves.png")
+                  model="Qwen2 hidden 128, 2 layers, word-level vocab of %d" % len(VOCAB))
+    if mismatch_scenario:
+        config.update(arms=names, rollout_precision=precision)
+        print()
+        for line in mismatch.verdict(results, seed=args.seed, precision=precision, lr=args.lr, steps=args.steps):
+            print(line)
+    else:
+        config.update(losses=names)
+    (out / "results.json").write_text(json.dumps({"config": config, ("arms" if mismatch_scenario else "losses"):
+                                                  results}, indent=1))
+    title = (f"rollout {precision} weights, fp32 training (seed {args.seed})" if mismatch_scenario
+             else "copy the digit")
+    plot(results, out / "curves.png", title=title)
     total = time.perf_counter() - t0
     print(f"wrote {out / 'results.json'} and {out / 'curves.png'} (total {total:.0f}s)")
     return 0

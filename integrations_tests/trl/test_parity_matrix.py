@@ -90,6 +90,7 @@ def _trainer(loss=None, estimator=None, params=None, *, rollout=False, mode="tok
         split_call_options(as_params(loss_settings(t.args, loss))) if loss else ({}, {}))
     t._stablerl_adv_params = as_params(advantage_settings(t.args, estimator)) if estimator else {}
     t._stablerl_agg_mode = mode
+    t._stablerl_correction, t._stablerl_correction_params = None, {}  # stablerl_rollout_correction: off
     t._stablerl_store = StateStore(holds="trainer")  # fresh algorithm state, as the core call has
     t._stablerl_capture = None
     t._rr_router_lp = False

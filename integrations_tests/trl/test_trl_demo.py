@@ -8,7 +8,7 @@ from stablerl import demo
 
 
 def test_demo_smoke(tmp_path, capsys):
-    rc = demo.main(["--steps", "4", "--losses", "dapo,vanilla", "--out", str(tmp_path), "--seed", "1", "--no-progress"])
+    rc = demo.main(["--scenario", "basic", "--steps", "4", "--losses", "dapo,vanilla", "--out", str(tmp_path), "--seed", "1", "--no-progress"])
     assert rc == 0
     out = capsys.readouterr().out
     assert "final reward" in out and "dapo" in out and "vanilla" in out
@@ -24,5 +24,5 @@ def test_demo_smoke(tmp_path, capsys):
 
 
 def test_demo_rejects_unknown_loss(tmp_path, capsys):
-    assert demo.main(["--steps", "2", "--losses", "dapo,m2p0", "--out", str(tmp_path)]) == 2
+    assert demo.main(["--scenario", "basic", "--steps", "2", "--losses", "dapo,m2p0", "--out", str(tmp_path)]) == 2
     assert "did you mean 'm2po'" in capsys.readouterr().err
