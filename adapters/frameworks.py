@@ -72,6 +72,8 @@ VERL = FrameworkSpec(
             "old_router_log_prob": "verl's loss gets no router log-probs",
             "pos_count": "no verl trainer counts samples per prompt over sampling rounds",
             "neg_count": "no verl trainer counts samples per prompt over sampling rounds",
+            "reward_baselines": "verl's RayPPOTrainer generates and scores the greedy baseline response only when "
+            "algorithm.adv_estimator=remax (verl's own ReMax, which stablerl's equals)",
         },
         ADVANTAGE_ESTIMATOR: {
             "entropy": "no stock verl trainer keeps per-token entropy in the batch at compute_advantage "
@@ -100,6 +102,7 @@ VERL = FrameworkSpec(
             "clip_cov_ub": FrameworkKey(_POLICY_LOSS + "clip_cov_ub", 5.0),
             "kl_cov_ratio": FrameworkKey(_POLICY_LOSS + "kl_cov_ratio", 0.0002),
             "ppo_kl_coef": FrameworkKey(_POLICY_LOSS + "ppo_kl_coef", 0.1),
+            "dro_beta": FrameworkKey(_POLICY_LOSS + "dro_beta", None),
         },
         ADVANTAGE_ESTIMATOR: {
             "norm_adv_by_std_in_grpo": FrameworkKey("algorithm.norm_adv_by_std_in_grpo", True, refuse_if_unused=True),
@@ -153,6 +156,7 @@ TRL = FrameworkSpec(
             "rollout_log_prob": "needs use_vllm=True and vllm_importance_sampling_correction=True",
             "entropy": "TRL computes entropies only inside _compute_loss, after advantages",
             "old_log_prob": "TRL computes advantages before (and independently of) old log-probs",
+            "reward_baselines": "TRL's GRPOTrainer generates no greedy baseline response per prompt (ReMax)",
         },
     },
     selection_keys={
@@ -225,6 +229,7 @@ OPENRLHF = FrameworkSpec(
             "ring attention, tensor parallelism or dynamic batching, which reorder them too), so a loss call sees "
             "partial groups while the losses that take index need whole groups within the call",
             "turn_ids": "OpenRLHF's experiences carry no per-token turn ids",
+            "reward_baselines": "OpenRLHF generates no greedy baseline response per prompt (ReMax)",
         },
         REWARD_SHAPER: {"entropy": _ORLHF_OLD_ENTROPY + ", at compute_advantages_and_returns"},
         BATCH_FILTER: {"entropy": _ORLHF_OLD_ENTROPY + ", at compute_advantages_and_returns"},

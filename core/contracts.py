@@ -49,6 +49,8 @@ OPTIONAL_INPUTS: dict[str, str] = {
     "versions": "per-token policy version that generated each token (asynchronous rollout systems)",
     "policy_version": "the current policy version (an integer)",
     "scores": "per-response scalar outcome rewards (labels)",
+    "reward_baselines": "per-response reward of the greedy (argmax) response to its prompt, [B] (ReMax; verl's "
+    "trainer generates and scores it only for its own adv_estimator=remax)",
     "pos_count": "per-response count of positive samples generated for its prompt over all sampling rounds "
     "(an adaptive sampler such as Reinforce-Ada's; no framework's stock trainer provides it)",
     "neg_count": "per-response count of negative samples generated for its prompt over all sampling rounds",
