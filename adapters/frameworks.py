@@ -170,6 +170,9 @@ TRL = FrameworkSpec(
             # TRL's PPO-clip bounds, relative as in its dapo/grpo losses (epsilon_high None = unset)
             "clip_ratio_low": FrameworkKey("epsilon", 0.2),
             "clip_ratio_high": FrameworkKey("epsilon_high", None),
+            # INTELLECT-2's two-sided clip (arXiv 2505.07291): -min(min(r, delta) A, clip(r) A) is the dual clip
+            # min(max(-rA, -clip(r)A), -delta A) for A < 0 and PPO for A > 0, value and gradient
+            "clip_ratio_c": FrameworkKey("delta", None),
         },
         ADVANTAGE_ESTIMATOR: {
             # scale_rewards: 'group' (TRL's default) -> True, 'none' -> False; 'batch' is refused
