@@ -369,3 +369,46 @@ def test_bapo_paper_statistic_by_hand():
     assert float(m["bapo/pos_neg_ratio"]) == pytest.approx(1.1 / 0.95, rel=1e-6)
     with pytest.raises(stablerl.StableRLError, match="contribution must be one of"):
         loss_and_grad("bapo", b, contribution="book")
+
+
+# ----------------------------------------------------------------------------- rollout corrections
+
+
+def _correction(name, b, rollout, **params):
+    from stablerl.contracts import PolicyLossBatch
+
+    spec = stablerl.get_spec("rollout_correction", name)
+    batch_ = PolicyLossBatch(log_prob=b["log_prob"], old_log_prob=b["old_log_prob"], advantages=b["advantages"],
+                             response_mask=b["response_mask"].to(F64), rollout_log_prob=rollout)
+    return spec.fn(batch_, spec.params(**params), stablerl.Context())
+
+
+def test_kl_rs_by_hand():
+    old = torch.tensor([[-1.0, -1.0, -1.0]], dtype=F64)
+    log_rho = torch.tensor([[0.1, -0.3, 0.5]], dtype=F64)  # k2 = 0.005, 0.045, 0.125
+    b = {"log_prob": old, "old_log_prob": old, "advantages": torch.ones_like(old),
+         "response_mask": torch.tensor([[1, 1, 0]], dtype=torch.bool)}
+    w, _ = _correction("kl_rs", b, old - log_rho, estimator="k2", level="token", threshold=0.01)
+    assert w.tolist() == [[1.0, 0.0, 0.0]]
+    # seq_max over the valid tokens only (the padded 0.125 does not count): 0.045 <= 0.05 keeps the row
+    w, _ = _correction("kl_rs", b, old - log_rho, estimator="k2", level="seq_max", threshold=0.05)
+    assert w.tolist() == [[1.0, 1.0, 0.0]]
+    k3 = math.exp(-0.3) - 1 + 0.3  # 0.0408
+    w, _ = _correction("kl_rs", b, old - log_rho, estimator="k3", level="seq_sum", threshold=0.0052 + k3)
+    assert w.tolist() == [[1.0, 1.0, 0.0]]
+    with pytest.raises(stablerl.StableRLError, match="level must be one of"):
+        stablerl.get_spec("rollout_correction", "kl_rs").params(level="seq_min").validate()
+
+
+def test_divergence_is_by_hand():
+    p_roll, q_train = 0.5, 0.6
+    b = {"log_prob": torch.log(torch.tensor([[q_train]], dtype=F64)), "old_log_prob": torch.log(torch.tensor([[q_train]], dtype=F64)),
+         "advantages": torch.ones(1, 1, dtype=F64), "response_mask": torch.ones(1, 1, dtype=torch.bool)}
+    rollout = torch.log(torch.tensor([[p_roll]], dtype=F64))
+    bkl = p_roll * math.log(p_roll / q_train) + (1 - p_roll) * math.log((1 - p_roll) / (1 - q_train))
+    w, m = _correction("divergence_is", b, rollout, gating="binary_kl", level="token", threshold=bkl * 1.01)
+    assert float(w) == pytest.approx(q_train / p_roll)  # kept: the token IS ratio
+    w, _ = _correction("divergence_is", b, rollout, gating="binary_kl", level="token", threshold=bkl * 0.99)
+    assert float(w) == 0.0
+    w, _ = _correction("divergence_is", b, rollout, gating="tv", level="sequence", threshold=0.09)
+    assert float(w) == 0.0  # |0.5 - 0.6| = 0.1 > 0.09

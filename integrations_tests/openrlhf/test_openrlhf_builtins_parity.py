@@ -47,3 +47,32 @@ def test_no_std_norm_centres_only(name):
     ref = ORIGINAL(make_maker(ref_args, name, 0.0), clone(exps))
     out = _stable("stablerl_" + name, clone(exps), None, kl_coef=0.0, framework={"norm_adv_by_std_in_grpo": False})
     _compare(out, ref)
+
+
+@pytest.mark.parametrize("gating", ["binary_kl", "tv"])
+@pytest.mark.parametrize("level", ["token", "seq"])
+def test_divergence_is_equals_openrlhf_gating(gating, level):
+    """stablerl's divergence_is rollout correction (for verl and TRL) == OpenRLHF's PolicyLoss with
+    is_correction_mode=mask and is_correction_gating=binary_kl|tv: loss and gradient, ppo loss, token-mean."""
+    import stablerl
+    from openrlhf.models.loss import PolicyLoss
+    from orlhf_helpers import loss_batch
+
+    b = loss_batch(seed=7, spread=0.3)
+    threshold = 0.05 if gating == "binary_kl" else 0.12
+    ref_fn = PolicyLoss(policy_loss_type="ppo", clip_eps_low=0.2, clip_eps_high=0.28, is_correction_level=level,
+                        is_correction_mode="mask", is_correction_gating=gating, is_correction_threshold=[0.0, threshold])
+    x = b.new.clone().requires_grad_(True)
+    ref = ref_fn(x, b.old, b.adv_tok, action_mask=b.mask, rollout_log_probs=b.rollout)
+    (g_ref,) = torch.autograd.grad(ref[0], x)
+    y = b.new.clone().requires_grad_(True)
+    ours, metrics = stablerl.compute_policy_loss(
+        "vanilla", log_prob=y, old_log_prob=b.old, advantages=b.adv_tok, response_mask=b.mask,
+        rollout_log_prob=b.rollout, clip_ratio_low=0.2, clip_ratio_high=0.28, clip_ratio_c=None,
+        rollout_correction="divergence_is",
+        rollout_correction_params={"gating": gating, "level": "sequence" if level == "seq" else "token",
+                                   "threshold": threshold})
+    (g_ours,) = torch.autograd.grad(ours, y)
+    torch.testing.assert_close(ours, ref[0], rtol=1e-9, atol=1e-12)
+    torch.testing.assert_close(g_ours, g_ref, rtol=1e-9, atol=1e-12)
+    assert 0 < float(ref[4]) < 1, "the gate must filter some units and keep others"

@@ -166,3 +166,34 @@ def test_remax_without_baselines_says_why(adapter):
     with pytest.raises(stablerl.MissingInputError, match="reward_baselines"):
         stablerl.compute_advantage("remax", token_level_rewards=rewards, response_mask=torch.ones(2, 3),
                                    index=np.array(["a", "a"], dtype=object))
+
+
+# ----------------------------------------------------------------------------- rollout corrections
+
+
+@pytest.mark.parametrize("option", ["token_k2", "token_k3", "seq_sum_k2", "seq_sum_k3", "seq_mean_k2", "seq_mean_k3",
+                                    "seq_max_k2", "seq_max_k3"])
+@pytest.mark.parametrize("seed", SEEDS)
+def test_kl_rs_keeps_what_verls_rejection_keeps(adapter, padded_batch, option, seed):
+    """stablerl's kl_rs weights are verl's modified response mask (1 kept, 0 rejected) for the same option and
+    threshold (verl then drops the rejected tokens from the mask; stablerl weights them 0)."""
+    from verl.trainer.ppo.rollout_corr_helper import compute_rollout_rejection_mask
+
+    from stablerl.contracts import PolicyLossBatch
+
+    b = padded_batch(seed=seed, noise=0.5)
+    g = torch.Generator().manual_seed(seed)
+    rollout = b["old_log_prob"] + 0.3 * torch.randn(b["old_log_prob"].shape, generator=g, dtype=torch.float64)
+    mask = b["response_mask"]
+    level, estimator = option.rsplit("_", 1)
+    spec = stablerl.get_spec("rollout_correction", "kl_rs")
+    batch = PolicyLossBatch(log_prob=b["log_prob"].detach(), old_log_prob=b["old_log_prob"], advantages=b["advantages"],
+                            response_mask=mask.to(torch.float64), rollout_log_prob=rollout)
+    kept = []
+    for threshold in (0.005, 0.01, 0.02, 0.03, 0.04, 0.05, 0.065, 0.08, 0.1, 0.15, 0.3, 1.0):
+        ref_mask, _ = compute_rollout_rejection_mask(b["old_log_prob"] - rollout, mask.to(torch.float64), option,
+                                                     threshold)
+        w, _ = spec.fn(batch, spec.params(estimator=estimator, level=level, threshold=threshold), stablerl.Context())
+        torch.testing.assert_close(w, ref_mask.to(w.dtype), rtol=0, atol=0)
+        kept.append(float(ref_mask.sum() / mask.sum()))
+    assert any(0 < k < 1 for k in kept), f"{option}: no threshold rejected some tokens and kept others ({kept})"
