@@ -412,3 +412,11 @@ def test_divergence_is_by_hand():
     assert float(w) == 0.0
     w, _ = _correction("divergence_is", b, rollout, gating="tv", level="sequence", threshold=0.09)
     assert float(w) == 0.0  # |0.5 - 0.6| = 0.1 > 0.09
+
+
+def test_grpo_batch_std_reference():
+    r, mask, index = rewards(seed=7)
+    scores = (r * mask).sum(-1)
+    want = (scores - group_mean(scores, index)) / (scores.std() + 1e-4)
+    a, _ = compute_advantage("grpo_batch_std", token_level_rewards=r, response_mask=mask, index=index)
+    torch.testing.assert_close(a, want.unsqueeze(-1) * mask, rtol=1e-12, atol=1e-12)

@@ -44,3 +44,9 @@ def test_trl_delta_is_the_dual_clip_of_stablerl_losses(tmp_path):
     )
     _compare(ref, cand, rtol=1e-6, atol=1e-7)
     assert any(log["stablerl/pg_clipfrac_lower"] > 0 for log in cand[1].logs)  # the delta cap was exercised
+
+
+def test_grpo_batch_std_equals_trl_scale_rewards_batch(tmp_path):
+    ref, cand = _pair(tmp_path, dict(loss_type="dapo", scale_rewards="batch"),
+                      dict(loss_type="dapo", advantage_estimator="grpo_batch_std"))
+    _compare(ref, cand, rtol=1e-5, atol=1e-6)
