@@ -50,3 +50,20 @@ def test_grpo_batch_std_equals_trl_scale_rewards_batch(tmp_path):
     ref, cand = _pair(tmp_path, dict(loss_type="dapo", scale_rewards="batch"),
                       dict(loss_type="dapo", advantage_estimator="grpo_batch_std"))
     _compare(ref, cand, rtol=1e-5, atol=1e-6)
+
+
+def test_trl_delta_sets_clip_ratio_c_and_warns_only_where_a_loss_has_none():
+    import warnings
+
+    from stablerl.adapters.trl import GRPOConfig
+    from stablerl.adapters.trl.trainer import loss_settings
+    from stablerl.frameworks import as_params
+
+    cpu = dict(output_dir="/tmp/stablerl-trl-builtins-test", use_cpu=True, bf16=False, report_to="none")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        args = GRPOConfig(loss_type="vanilla", delta=2.5, **cpu)
+    assert not [w for w in caught if "delta" in str(w.message)]  # vanilla takes delta: no warning about it
+    assert as_params(loss_settings(args, "vanilla"))["clip_ratio_c"] == 2.5
+    with pytest.warns(UserWarning, match="no counterpart in the stablerl loss 'gpg'"):
+        GRPOConfig(loss_type="gpg", delta=2.5, **cpu)
