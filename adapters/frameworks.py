@@ -254,6 +254,8 @@ OPENRLHF = FrameworkSpec(
             "norm_adv_by_std_in_grpo": FrameworkKey(
                 "--algo.advantage.no_std_norm", True, refuse_if_unused=True, spelled={False: "(given)", True: "(not given)"}
             ),
+            # the discount of the REINFORCE-family returns (applied only when given on the command line)
+            "gamma": FrameworkKey("--algo.advantage.gamma", 1.0, refuse_if_unused=True),
         },
     },
     params_keys={

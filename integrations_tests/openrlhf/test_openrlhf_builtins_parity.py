@@ -76,3 +76,28 @@ def test_divergence_is_equals_openrlhf_gating(gating, level):
     torch.testing.assert_close(ours, ref[0], rtol=1e-9, atol=1e-12)
     torch.testing.assert_close(g_ours, g_ref, rtol=1e-9, atol=1e-12)
     assert 0 < float(ref[4]) < 1, "the gate must filter some units and keep others"
+
+
+def test_openrlhf_gamma_reaches_reinforce_and_is_refused_where_unused():
+    import stablerl
+    from orlhf_helpers import make_args, make_maker
+    from stablerl.adapters.openrlhf.train_ppo_ray import explicit_advantage_flags
+    from test_openrlhf_advantage import ORIGINAL
+
+    args = make_args(estimator="reinforce")
+    args.algo.advantage.gamma = 0.9
+    framework, _ = explicit_advantage_flags(args, ["--algo.advantage.gamma", "0.9"])
+    assert framework == {"gamma": 0.9}
+    assert explicit_advantage_flags(args, [])[0] == {}  # not given: OpenRLHF's value is not read
+    exps = make_experiences(seed=4)
+    ref = ORIGINAL(make_maker(args, "reinforce", 0.0), clone(exps))
+    out = _stable("stablerl_reinforce", clone(exps), None, kl_coef=0.0, framework=framework)
+    # advantages only: the adapter logs info["return"] as the (discounted) return at the first token, OpenRLHF
+    # as the undiscounted reward sum; equal at gamma = 1 (test above), a logging difference below it
+    for o, r in zip(out, ref):
+        m = o.action_mask
+        torch.testing.assert_close(o.advantages * m, r.advantages * m, rtol=1e-5, atol=1e-6)
+    undiscounted = _stable("stablerl_reinforce", clone(exps), None, kl_coef=0.0)
+    assert any(not torch.allclose(u.advantages, o.advantages) for u, o in zip(undiscounted, out))
+    with pytest.raises(stablerl.StableRLError, match="--algo.advantage.gamma=0.9 has no effect"):
+        _stable("stablerl_dr_grpo", clone(exps), None, kl_coef=0.0, framework=framework)
