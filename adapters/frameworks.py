@@ -59,7 +59,8 @@ VERL = FrameworkSpec(
     # estimator wrapper gathers only fields both the legacy and the v1 trainer have at compute_advantage.
     feedable={
         POLICY_LOSS: frozenset({"entropy", "old_entropy", "token_ids", "rollout_log_prob", "index", "scores"}),
-        ADVANTAGE_ESTIMATOR: frozenset({"index", "scores", "lengths", "old_log_prob", "rollout_log_prob"}),
+        ADVANTAGE_ESTIMATOR: frozenset({"index", "scores", "lengths", "old_log_prob", "rollout_log_prob",
+                                        "sum_pi_squared"}),
         REWARD_SHAPER: _EXTENSION_INPUTS,
         BATCH_FILTER: _EXTENSION_INPUTS,
     },
@@ -157,6 +158,7 @@ TRL = FrameworkSpec(
             "entropy": "TRL computes entropies only inside _compute_loss, after advantages",
             "old_log_prob": "TRL computes advantages before (and independently of) old log-probs",
             "reward_baselines": "TRL's GRPOTrainer generates no greedy baseline response per prompt (ReMax)",
+            "sum_pi_squared": "TRL's old-log-prob pass keeps no vocabulary statistics (sum of squared probabilities)",
         },
     },
     selection_keys={
@@ -233,6 +235,7 @@ OPENRLHF = FrameworkSpec(
             "partial groups while the losses that take index need whole groups within the call",
             "turn_ids": "OpenRLHF's experiences carry no per-token turn ids",
             "reward_baselines": "OpenRLHF generates no greedy baseline response per prompt (ReMax)",
+            "sum_pi_squared": "OpenRLHF's old-log-prob pass returns log-probs only (no sum of squared probabilities)",
         },
         REWARD_SHAPER: {"entropy": _ORLHF_OLD_ENTROPY + ", at compute_advantages_and_returns"},
         BATCH_FILTER: {"entropy": _ORLHF_OLD_ENTROPY + ", at compute_advantages_and_returns"},

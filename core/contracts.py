@@ -49,6 +49,8 @@ OPTIONAL_INPUTS: dict[str, str] = {
     "versions": "per-token policy version that generated each token (asynchronous rollout systems)",
     "policy_version": "the current policy version (an integer)",
     "scores": "per-response scalar outcome rewards (labels)",
+    "sum_pi_squared": "per-token sum over the vocabulary of the old policy's squared probabilities, [B, T] (verl: "
+    "actor_rollout_ref.actor.calculate_sum_pi_squared=True)",
     "reward_baselines": "per-response reward of the greedy (argmax) response to its prompt, [B] (ReMax; verl's "
     "trainer generates and scores it only for its own adv_estimator=remax)",
     "pos_count": "per-response count of positive samples generated for its prompt over all sampling rounds "

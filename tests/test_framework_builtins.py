@@ -420,3 +420,22 @@ def test_grpo_batch_std_reference():
     want = (scores - group_mean(scores, index)) / (scores.std() + 1e-4)
     a, _ = compute_advantage("grpo_batch_std", token_level_rewards=r, response_mask=mask, index=index)
     torch.testing.assert_close(a, want.unsqueeze(-1) * mask, rtol=1e-12, atol=1e-12)
+
+
+def test_optimal_token_baseline_by_hand():
+    # one group of two: r = [1 on t=1], [0 on t=0]; lengths 2 and 1; old pi = 0.5, sum pi^2 = 0.5 -> w = 0.5
+    r = torch.tensor([[0.0, 1.0], [0.0, 0.0]], dtype=F64)
+    mask = torch.tensor([[1.0, 1.0], [1.0, 0.0]], dtype=F64)
+    old = torch.full((2, 2), math.log(0.5), dtype=F64)
+    spp = torch.full((2, 2), 0.5, dtype=F64)
+    a, ret = compute_advantage("optimal_token_baseline", token_level_rewards=r, response_mask=mask, index=[0, 0],
+                               old_log_prob=old, sum_pi_squared=spp, epsilon=0.0)
+    # G = [[1, 1], [0, 0]], W = [[0.5, 1.0], [0.5, 0]]; B_0 = (1*0.5 + 0)/(0.5+0.5) = 0.5; t=1: zero tail (row 0 is
+    # the unique longest, second length 1) -> B = 0
+    torch.testing.assert_close(a, torch.tensor([[0.5, 1.0], [-0.5, 0.0]], dtype=F64), rtol=0, atol=1e-15)
+    a, _ = compute_advantage("optimal_token_baseline", token_level_rewards=r, response_mask=mask, index=[0, 0],
+                             old_log_prob=old, sum_pi_squared=spp, epsilon=0.0, handle_zero_tail=False)
+    assert float(a[0, 1]) == 0.0  # B_1 = 1*1.0/1.0 from row 0 alone
+    with pytest.raises(stablerl.MissingInputError, match="sum_pi_squared"):
+        compute_advantage("optimal_token_baseline", token_level_rewards=r, response_mask=mask, index=[0, 0],
+                          old_log_prob=old)

@@ -197,3 +197,19 @@ def test_kl_rs_keeps_what_verls_rejection_keeps(adapter, padded_batch, option, s
         torch.testing.assert_close(w, ref_mask.to(w.dtype), rtol=0, atol=0)
         kept.append(float(ref_mask.sum() / mask.sum()))
     assert any(0 < k < 1 for k in kept), f"{option}: no threshold rejected some tokens and kept others ({kept})"
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize("zero_tail", [True, False])
+def test_optimal_token_baseline(adapter, core_algos, rewards_batch, seed, zero_tail):
+    rewards, mask, index = rewards_batch(seed=seed, T=7)
+    g = torch.Generator().manual_seed(seed)
+    old = -torch.rand(mask.shape, generator=g, dtype=torch.float64) * 2 - 0.05
+    spp = torch.rand(mask.shape, generator=g, dtype=torch.float64) * 0.9 + 0.05
+    ref = core_algos.compute_optimal_token_baseline_advantage(rewards, mask, index, old_log_probs=old,
+                                                             sum_pi_squared=spp, handle_zero_tail=zero_tail)
+    ours = stablerl.compute_advantage("optimal_token_baseline", token_level_rewards=rewards, response_mask=mask,
+                                      index=index, old_log_prob=old, sum_pi_squared=spp, handle_zero_tail=zero_tail)
+    torch.testing.assert_close(ours[0], ref[0], rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(ours[1], ref[1], rtol=1e-12, atol=1e-12)
+    assert ref[0].abs().max() > 0.1
