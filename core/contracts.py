@@ -72,6 +72,12 @@ OPTIONAL_INPUTS: dict[str, str] = {
     "void_turn": "per-trajectory flag [B] bool: the trajectory has a void turn (SimpleTIR agent loop metadata)",
 }
 
+# inputs every policy loss receives anyway that an advantage estimator may declare (AdvantageBatch fields)
+ESTIMATOR_ONLY_INPUTS: dict[str, str] = {
+    "old_log_prob": "the old policy's per-token log-probs at the advantage step (verl: old_log_probs; TRL and "
+    "OpenRLHF compute advantages before or without them)",
+}
+
 
 @dataclass
 class Params:
@@ -149,7 +155,7 @@ class AlgorithmSpec:
         if self.status == UNAVAILABLE and not self.notes:
             raise ValueError(f"{self.name!r}: an 'unavailable' algorithm must say why in notes")
         for r in self.requires:
-            if r not in OPTIONAL_INPUTS:
+            if r not in OPTIONAL_INPUTS and not (self.kind == ADVANTAGE_ESTIMATOR and r in ESTIMATOR_ONLY_INPUTS):
                 raise ValueError(f"{self.name!r} requires unknown input {r!r}; known: {sorted(OPTIONAL_INPUTS)}")
         for r in self.optional_inputs:
             if r not in OPTIONAL_INPUTS:

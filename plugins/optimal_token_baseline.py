@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from stablerl import STABLE, Params, hookimpl
-from stablerl.params import MissingInputError, StableRLError, check
+from stablerl.params import StableRLError, check
 
 
 @dataclass
@@ -44,9 +44,6 @@ def otb_advantage(b, p: OTBParams, ctx):
     zero = torch.zeros((), dtype=b.token_level_rewards.dtype, device=mask.device)
     r = torch.where(valid, b.token_level_rewards, zero)
     returns = torch.flip(torch.cumsum(torch.flip(r, [-1]), -1), [-1]) * mask
-    if b.old_log_prob is None:
-        raise MissingInputError("optimal_token_baseline needs old_log_prob (the old policy's log-probs at the "
-                                "advantage step; verl: the batch's old_log_probs, not in bypass mode)")
     pi = torch.exp(torch.where(valid, b.old_log_prob.to(r.dtype), zero))
     w = torch.where(valid, 1 - 2 * pi + torch.where(valid, _sum_pi_squared(b), zero), zero)
     w_cum = torch.cumsum(w, -1) * mask
@@ -84,7 +81,7 @@ def register_advantage_estimators(register):
         title="Optimal Token Baseline: per-timestep group baseline weighted by cumulative path variance (verl)",
         formula="A_t = G_t - sum_g G_t W_t / (sum_g W_t + eps), W_t = sum_{j<=t} (1 - 2 pi_j + sum_v pi(v)^2)",
         status=STABLE,
-        requires=("sum_pi_squared",),
+        requires=("old_log_prob", "sum_pi_squared"),
         reference="verl core_algos.compute_optimal_token_baseline_advantage (adv_estimator=optimal_token_baseline)",
         notes="verl's estimator has no paper of its own; the arXiv id is ReMax's (the REINFORCE-with-baseline "
         "family it refines). sum_pi_squared comes from verl's old-log-prob pass with "

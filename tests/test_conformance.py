@@ -48,16 +48,9 @@ def _reinforce_ada_counts(base):
     return {"pos_count": (gid % 3 + 1).long(), "neg_count": (7 - gid % 3).long()}
 
 
-def _old_log_prob(base):
-    """The old policy's log-probs at the advantage step (optimal_token_baseline's path-variance proxy)."""
-    g = torch.Generator().manual_seed(int(base["response_mask"].shape[0]))
-    return -(torch.rand(base["response_mask"].shape, generator=g, dtype=torch.float64) * 2 + 0.05)
-
-
 # declared inputs the suite cannot synthesise
 INPUTS: dict[str, dict] = {
     "reinforce_ada": {"extras": _reinforce_ada_counts},
-    "optimal_token_baseline": {"old_log_prob": _old_log_prob},
 }
 
 

@@ -213,3 +213,30 @@ def test_optimal_token_baseline(adapter, core_algos, rewards_batch, seed, zero_t
     torch.testing.assert_close(ours[0], ref[0], rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(ours[1], ref[1], rtol=1e-12, atol=1e-12)
     assert ref[0].abs().max() > 0.1
+
+
+def test_optimal_token_baseline_through_verls_compute_advantage(adapter, core_algos, rewards_batch):
+    """stablerl_optimal_token_baseline at verl's real call site takes old_log_probs and sum_pi_squared from the
+    batch (legacy trainer with actor.calculate_sum_pi_squared=True) and gives verl's numbers."""
+    from omegaconf import OmegaConf
+    from verl import DataProto
+    from verl.trainer.ppo.ray_trainer import compute_advantage
+
+    rewards, mask, index = rewards_batch(seed=1, T=7)
+    g = torch.Generator().manual_seed(1)
+    old = -torch.rand(mask.shape, generator=g) * 2 - 0.05
+    spp = torch.rand(mask.shape, generator=g) * 0.9 + 0.05
+
+    def run(name, with_spp=True):
+        tensors = {"token_level_rewards": rewards.float(), "response_mask": mask.float(), "old_log_probs": old}
+        if with_spp:
+            tensors["sum_pi_squared"] = spp
+        data = DataProto.from_dict(tensors=tensors, non_tensors={"uid": index})
+        config = OmegaConf.create({"_target_": "verl.trainer.config.AlgoConfig", "gamma": 1.0, "lam": 1.0,
+                                   "adv_estimator": name, "norm_adv_by_std_in_grpo": True, "use_kl_in_reward": False})
+        return compute_advantage(data, name, config=config).batch["advantages"]
+
+    torch.testing.assert_close(run("stablerl_optimal_token_baseline"), run("optimal_token_baseline"),
+                               rtol=1e-6, atol=1e-6)
+    with pytest.raises(stablerl.MissingInputError, match="calculate_sum_pi_squared"):
+        run("stablerl_optimal_token_baseline", with_spp=False)
