@@ -84,7 +84,8 @@ VERL = FrameworkSpec(
     # estimator wrapper gathers only fields both the legacy and the v1 trainer have at compute_advantage.
     feedable={
         POLICY_LOSS: frozenset({"entropy", "old_entropy", "token_ids", "rollout_log_prob", "index", "scores"}),
-        ADVANTAGE_ESTIMATOR: frozenset({"index", "scores", "lengths", "old_log_prob", "rollout_log_prob"}),
+        ADVANTAGE_ESTIMATOR: frozenset({"index", "scores", "lengths", "old_log_prob", "rollout_log_prob",
+                                        "sum_pi_squared"}),
         REWARD_SHAPER: _EXTENSION_INPUTS,
         BATCH_FILTER: _EXTENSION_INPUTS,
     },
@@ -99,6 +100,8 @@ VERL = FrameworkSpec(
             "neg_count": "no verl trainer counts samples per prompt over sampling rounds",
             "hidden_states": "verl's model output at ppo_loss carries log-probs (and entropy), not the last hidden states",
             "lm_head_weight": "verl's ppo_loss gets no handle on the model (its LM-head weight)",
+            "reward_baselines": "verl's RayPPOTrainer generates and scores the greedy baseline response only when "
+            "algorithm.adv_estimator=remax (verl's own ReMax, which stablerl's equals)",
         },
         REWARD_SHAPER: {"entropy": _VERL_NO_ENTROPY_AT_ADVANTAGE},
         BATCH_FILTER: {"entropy": _VERL_NO_ENTROPY_AT_ADVANTAGE},
@@ -142,6 +145,7 @@ VERL = FrameworkSpec(
             "clip_cov_ub": FrameworkKey(_POLICY_LOSS + "clip_cov_ub", 5.0),
             "kl_cov_ratio": FrameworkKey(_POLICY_LOSS + "kl_cov_ratio", 0.0002),
             "ppo_kl_coef": FrameworkKey(_POLICY_LOSS + "ppo_kl_coef", 0.1),
+            "dro_beta": FrameworkKey(_POLICY_LOSS + "dro_beta", None),
         },
         ADVANTAGE_ESTIMATOR: {
             "norm_adv_by_std_in_grpo": FrameworkKey("algorithm.norm_adv_by_std_in_grpo", True, refuse_if_unused=True),
@@ -196,6 +200,8 @@ TRL = FrameworkSpec(
             "rollout_log_prob": "needs use_vllm=True and vllm_importance_sampling_correction=True",
             "entropy": "TRL computes entropies only inside _compute_loss, after advantages",
             "old_log_prob": "TRL computes advantages before (and independently of) old log-probs",
+            "reward_baselines": "TRL's GRPOTrainer generates no greedy baseline response per prompt (ReMax)",
+            "sum_pi_squared": "TRL's old-log-prob pass keeps no vocabulary statistics (sum of squared probabilities)",
             "hidden_states": "TRL's forward in _compute_loss returns log-probs and entropies, not the last hidden states",
             "lm_head_weight": "TRL's loss computation does not expose the LM-head weight to the loss",
         },
@@ -219,6 +225,9 @@ TRL = FrameworkSpec(
             # TRL's PPO-clip bounds, relative as in its dapo/grpo losses (epsilon_high None = unset)
             "clip_ratio_low": FrameworkKey("epsilon", 0.2),
             "clip_ratio_high": FrameworkKey("epsilon_high", None),
+            # INTELLECT-2's two-sided clip (arXiv 2505.07291): -min(min(r, delta) A, clip(r) A) is the dual clip
+            # min(max(-rA, -clip(r)A), -delta A) for A < 0 and PPO for A > 0, value and gradient
+            "clip_ratio_c": FrameworkKey("delta", None),
         },
         ADVANTAGE_ESTIMATOR: {
             # scale_rewards: 'group' (TRL's default) -> True, 'none' -> False; 'batch' is refused
@@ -285,6 +294,8 @@ OPENRLHF = FrameworkSpec(
             "old_router_log_prob": "OpenRLHF's old-log-prob pass returns no router log-probs",
             "hidden_states": "OpenRLHF's Actor.forward returns log-probs (and entropy), not the last hidden states",
             "lm_head_weight": "OpenRLHF's loss call gets no handle on the model (its LM-head weight)",
+            "reward_baselines": "OpenRLHF generates no greedy baseline response per prompt (ReMax)",
+            "sum_pi_squared": "OpenRLHF's old-log-prob pass returns log-probs only (no sum of squared probabilities)",
         },
         ADVANTAGE_ESTIMATOR: {"entropy": _ORLHF_OLD_ENTROPY + ", at compute_advantages_and_returns"},
         REWARD_SHAPER: {"entropy": _ORLHF_OLD_ENTROPY + ", at compute_advantages_and_returns"},
@@ -319,6 +330,8 @@ OPENRLHF = FrameworkSpec(
             "norm_adv_by_std_in_grpo": FrameworkKey(
                 "--algo.advantage.no_std_norm", True, refuse_if_unused=True, spelled={False: "(given)", True: "(not given)"}
             ),
+            # the discount of the REINFORCE-family returns (applied only when given on the command line)
+            "gamma": FrameworkKey("--algo.advantage.gamma", 1.0, refuse_if_unused=True),
         },
     },
     params_keys={

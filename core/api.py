@@ -13,6 +13,7 @@ from .contracts import (
     BATCH_FILTER,
     CONTROLLER,
     REWARD_SHAPER,
+    ESTIMATOR_ONLY_INPUTS,
     Controller,
     FilterBatch,
     FilterResult,
@@ -138,7 +139,7 @@ def _check_missing(spec: AlgorithmSpec, available: dict[str, Any]) -> None:
     for need in spec.requires:
         if available.get(need) is None:
             raise MissingInputError(
-                f"{spec.kind.replace('_', ' ')} {spec.name!r} needs input {need!r} ({OPTIONAL_INPUTS[need]}), "
+                f"{spec.kind.replace('_', ' ')} {spec.name!r} needs input {need!r} ({OPTIONAL_INPUTS.get(need) or ESTIMATOR_ONLY_INPUTS.get(need, '')}), "
                 "but it was not given"
             )
 

@@ -49,6 +49,10 @@ OPTIONAL_INPUTS: dict[str, str] = {
     "versions": "per-token policy version that generated each token (asynchronous rollout systems)",
     "policy_version": "the current policy version (an integer)",
     "scores": "per-response scalar outcome rewards (labels)",
+    "sum_pi_squared": "per-token sum over the vocabulary of the old policy's squared probabilities, [B, T] (verl: "
+    "actor_rollout_ref.actor.calculate_sum_pi_squared=True)",
+    "reward_baselines": "per-response reward of the greedy (argmax) response to its prompt, [B] (ReMax; verl's "
+    "trainer generates and scores it only for its own adv_estimator=remax)",
     "pos_count": "per-response count of positive samples generated for its prompt over all sampling rounds "
     "(an adaptive sampler such as Reinforce-Ada's; no framework's stock trainer provides it)",
     "neg_count": "per-response count of negative samples generated for its prompt over all sampling rounds",
@@ -66,6 +70,12 @@ OPTIONAL_INPUTS: dict[str, str] = {
     "lengths": "per-response lengths [B] in tokens (e.g. response_mask.sum(-1))",
     "flawed": "per-response 'flawed positive' flag [B] bool (FAPO: a generative reward model found an error step)",
     "void_turn": "per-trajectory flag [B] bool: the trajectory has a void turn (SimpleTIR agent loop metadata)",
+}
+
+# inputs every policy loss receives anyway that an advantage estimator may declare (AdvantageBatch fields)
+ESTIMATOR_ONLY_INPUTS: dict[str, str] = {
+    "old_log_prob": "the old policy's per-token log-probs at the advantage step (verl: old_log_probs; TRL and "
+    "OpenRLHF compute advantages before or without them)",
 }
 
 
@@ -145,7 +155,7 @@ class AlgorithmSpec:
         if self.status == UNAVAILABLE and not self.notes:
             raise ValueError(f"{self.name!r}: an 'unavailable' algorithm must say why in notes")
         for r in self.requires:
-            if r not in OPTIONAL_INPUTS:
+            if r not in OPTIONAL_INPUTS and not (self.kind == ADVANTAGE_ESTIMATOR and r in ESTIMATOR_ONLY_INPUTS):
                 raise ValueError(f"{self.name!r} requires unknown input {r!r}; known: {sorted(OPTIONAL_INPUTS)}")
         for r in self.optional_inputs:
             if r not in OPTIONAL_INPUTS:

@@ -13,6 +13,18 @@ tokens carry enough of the (clipped) surrogate, then apply PPO-clip with those b
 Defaults: the paper's (positive share rho0 = 0.5, i.e. ``adv_ratio_target = pos/neg = 1.0``;
 lower bound 0.6 -> 0.9; upper bound 1.2 -> 3.0), step sizes 0.05 / 0.05 (the authors' yaml),
 dual clip ``c = 3``.
+
+``contribution`` chooses the statistic the search balances:
+
+* ``"code"`` (default): the authors' code, above: a clipped token counts at its clipped ratio, so a
+  negative token counts at ``max(r, c_low)``, which grows with ``c_low``: raising ``c_low`` never
+  raises pos/neg, and the lower-bound search ends at ``ratio_lower_start`` or ``ratio_lower_max``.
+* ``"paper"``: the paper's description (Sec. 4): only tokens that keep a gradient count,
+  ``pos(c_high) = sum_{A>0} r A [r <= c_high]``, ``neg(c_low) = sum_{A<0} r |A| [r >= c_low]``: raising
+  ``c_low`` drops the gradient of low-ratio negative tokens, raising ``c_high`` admits high-ratio
+  positive ones, and both raise the positive share (assumed from the text: the indicator form was not
+  checked against an equation or code, hence the code form stays the default, which is the one the
+  parity test checks against the released implementation).
 """
 
 from __future__ import annotations
@@ -27,6 +39,7 @@ from stablerl.ops import clamped_log_ratio, is_functorch_wrapped, masked_mean
 from stablerl.params import check
 
 MAX_SEARCH_STEPS = 1000
+CONTRIBUTIONS = ("code", "paper")
 
 
 @dataclass
@@ -42,8 +55,11 @@ class BAPOParams(Params):
     ratio_upper_step: float = 0.05
     clip_ratio_c: Optional[float] = 3.0  # dual clip; None disables it
     eps: float = 1e-8
+    contribution: str = "code"  # "code": the authors' statistic; "paper": only tokens that keep a gradient
 
     def validate(self) -> None:
+        check(self.contribution in CONTRIBUTIONS,
+              f"contribution must be one of {list(CONTRIBUTIONS)}, got {self.contribution!r}")
         check(self.adv_ratio_target >= 0, f"adv_ratio_target must be >= 0, got {self.adv_ratio_target}")
         check(0 <= self.ratio_lower_start, f"ratio_lower_start must be >= 0, got {self.ratio_lower_start}")
         check(
@@ -109,7 +125,12 @@ def bapo_bounds(ratio, advantages, mask, p: BAPOParams, ctx):
     adv = advantages
     # pos depends only on c_high (A >= 0 tokens), neg only on c_low (A < 0 tokens): every
     # candidate's statistic is taken in one pass (a bounded loop of reductions) and reduced once.
-    if _statistics_by_signed_advantages(r, adv, mask):
+    if p.contribution == "paper":  # only the tokens that keep a gradient under the candidate bound
+        e = r * adv * mask
+        pos_e, neg_e = e.clamp(min=0), -e.clamp(max=0)
+        pos = [torch.where(r <= c, pos_e, torch.zeros_like(pos_e)).sum() for c in highs]
+        neg = [torch.where(r >= c, neg_e, torch.zeros_like(neg_e)).sum() for c in lows]
+    elif _statistics_by_signed_advantages(r, adv, mask):
         # the same sums from 3 passes per candidate instead of 5: with r >= 0, clamp(min(r, c) A, min=0)
         # = min(r, c) max(A, 0) and -clamp(max(r, c) A, max=0) = max(r, c) max(-A, 0) except for the
         # sign of zeros, and the mask product changes nothing but signs of zeros (A is zero wherever
@@ -194,9 +215,12 @@ def register_policy_losses(register):
             "(reference: the start bounds are kept); the logged bapo/pos_neg_ratio is pos/(neg+eps), always finite. "
             "The search is the reference's loop evaluated for all candidates at once (identical float "
             "arithmetic for the candidate bounds). Framework IS weights are not used in the statistics "
-            "(reference). Honours loss_agg_mode (paper: token-mean). Quirk kept for parity: in the reference "
-            "statistic a negative token counts at max(r, c_low), which grows with c_low, so raising c_low never "
-            "raises pos/neg; whenever the start bounds miss the target, c_low ends at ratio_lower_max and only "
-            "the c_high search can stop early."
+            "(reference). Honours loss_agg_mode (paper: token-mean). Quirk kept for parity (contribution='code', "
+            "the default): in the reference statistic a negative token counts at max(r, c_low), which grows with "
+            "c_low, so raising c_low never raises pos/neg; whenever the start bounds miss the target, c_low ends at "
+            "ratio_lower_max and only the c_high search can stop early. contribution='paper' balances the paper's "
+            "statistic instead (only tokens that keep a gradient count: A>0 with r <= c_high, A<0 with r >= c_low), "
+            "under which raising c_low does raise pos/neg; that form is assumed from the paper's text (experimental), "
+            "and the code form stays the default because it is the one checked against the released code."
         ),
     )

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from stablerl import STABLE, Params, hookimpl
+from stablerl import EXPERIMENTAL, Params, hookimpl
 from stablerl.ops import group_stats
 from stablerl.params import MissingInputError, StableRLError, check
 
@@ -99,10 +99,14 @@ def register_advantage_estimators(register):
         title="Reinforce-Ada: global-statistics baseline over all adaptively generated samples",
         formula="A_i = S_i - p_hat (norm_adv_by_std_in_grpo: /(max(std_hat, eps) + eps)), p_hat = pos/(pos+neg), "
         "std_hat = unbiased std of [1]*pos + [0]*neg; pos+neg <= 1: p_hat = 0, std_hat = 1",
-        status=STABLE,
+        status=EXPERIMENTAL,
         reference="authors' verl fork RLHFlow/Reinforce-Ada 05be605, core_algos.compute_grpo_outcome_advantage "
         "(_compute_with_global_stats, global_stat_est=True)",
-        notes="Needs extras['pos_count'] / extras['neg_count'] ([B], the prompt's counts on each of its responses, "
+        notes="Experimental: the paper's core, the multi-round adaptive sampler, is not provided, and no adapter "
+        "(verl, TRL, OpenRLHF) feeds the per-prompt counts its default needs: with global_stat_est=True (default) it "
+        "raises MissingInputError in every stock trainer; with global_stat_est=False it computes the in-batch group "
+        "statistics, which are dr_grpo's advantages (norm_adv_by_std_in_grpo=False, the default) or grpo's (True), "
+        "not Reinforce-Ada's. Needs extras['pos_count'] / extras['neg_count'] ([B], the prompt's counts on each of its responses, "
         "equal within a group; a mismatch raises): the numbers of samples with reward > positive_threshold "
         "(0.7 in the released scripts) / <= it over ALL rounds generated for the prompt, kept or not. Missing "
         "counts raise MissingInputError unless global_stat_est=False (then the in-batch group mean/std with "

@@ -185,8 +185,9 @@ def test_estimator_refuses_a_mask_that_is_not_0_or_1(name, seed, weight, where):
 @EXAMPLES
 @given(value=st.floats(0, 1, width=32) | st.sampled_from([-3.1, 2.5, 1e3 / 7, -1e3]), group=st.sampled_from([2, 8, 64, 512]))
 def test_estimator_equal_scores_give_zero_advantage_where_binary_ones_do(name, value, group):
-    """An estimator that gives exactly 0 to groups of equal 0/1 rewards does so for any equal value and
-    any group size: rounding in a group mean must not become signal (grpo once gave |A| ~ 0.97 at 4096)."""
+    """An estimator that gives exactly 0 to groups of equal 0/1 rewards gives (at most a few ulp from) 0 for any
+    equal value and any group size: rounding in a group mean must not become signal (grpo once gave |A| ~ 0.97
+    at 4096, and 0.056 at 8)."""
     spec = stablerl.api.get_spec("advantage_estimator", name)
     data = advantage_batch(spec, seed=1, B=2 * group, T=3, group=group)
     mask = data["response_mask"].bool()
@@ -208,7 +209,10 @@ def test_estimator_equal_scores_give_zero_advantage_where_binary_ones_do(name, v
         assume_domain = not (0.0 <= value <= 1.0)  # e.g. bnpo is defined for rewards in [0, 1]
         assert assume_domain
         return
-    assert not bool((adv != 0).any()), f"{name}: {2 * group} equal rewards {value} give |A| up to {float(adv.abs().max())}"
+    # rounding of a mean (or a framework's epsilon in a ratio: optimal_token_baseline) may leave ~1e-7 of the
+    # value; what must not happen is its amplification (by 1/std) into signal
+    bound = 1e-5 * max(1.0, abs(value))
+    assert float(adv.abs().max()) <= bound, f"{name}: {2 * group} equal rewards {value} give |A| up to {float(adv.abs().max())}"
 
 
 def test_filter_batch_names_advantages_of_another_shape():

@@ -44,6 +44,9 @@ BY_DESIGN: dict[str, dict[str, str]] = {
     "seq_mis": {"spec": "sequence-level masked IS comes from a blog post (Liu et al. 2025), no arXiv id"},
     "geo_rs": {"spec": "geometric-mean rejection sampling comes from a blog post, no arXiv id"},
     "opsm": {"spec": "the paper gives no default threshold (the user sets it), so the defaults do not validate"},
+    "kl_rs": {"spec": "verl's K2/K3 rejection: the k2/k3 estimators come from a blog post (Schulman 2020), no arXiv id"},
+    "divergence_is": {"spec": "OpenRLHF's binary-KL / TV gating is a framework feature (FlashREINFORCE recipe), "
+                      "no arXiv id"},
 }
 PARAMS = {"opsm": {"threshold": 0.5}}
 

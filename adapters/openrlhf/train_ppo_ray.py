@@ -213,8 +213,11 @@ def explicit_clip_flags(args, argv: Sequence[str]) -> dict:
 
 def explicit_advantage_flags(args, argv: Sequence[str]) -> tuple[dict, Optional[tuple]]:
     """The OpenRLHF advantage knobs the user gave: ``--algo.advantage.no_std_norm`` as the stablerl
-    ``norm_adv_by_std_in_grpo=False``, and ``--reward.clip_range`` (None when not given)."""
+    ``norm_adv_by_std_in_grpo=False``, ``--algo.advantage.gamma`` as ``gamma`` (REINFORCE-family returns), and
+    ``--reward.clip_range`` (None when not given)."""
     framework = {"norm_adv_by_std_in_grpo": False} if _given(argv, "--algo.advantage.no_std_norm") else {}
+    if _given(argv, "--algo.advantage.gamma") and float(args.algo.advantage.gamma) != 1.0:  # 1.0: the default
+        framework["gamma"] = float(args.algo.advantage.gamma)
     clip_range = tuple(args.reward.clip_range) if _given(argv, "--reward.clip_range") and args.reward.clip_range else None
     return framework, clip_range
 

@@ -365,10 +365,10 @@ def validate_stablerl_args(args, warn: bool = True) -> tuple[Optional[str], Opti
         check_loss_inputs(loss, bool(args.use_vllm and args.vllm_importance_sampling_correction),
                           routing_replay=routing_replay_mode(args) is not None,
                           extra=check_extra_loss_inputs(getattr(args, "stablerl_extra_loss_inputs", None)))
-        if warn and args.delta is not None:
+        if warn and args.delta is not None and "clip_ratio_c" not in stablerl.get_spec(POLICY_LOSS, loss).defaults():
             warnings.warn(
-                f"delta (TRL's two-sided ratio clip) configures TRL's built-in loss types only; the stablerl loss "
-                f"{loss!r} does not use it",
+                f"delta (TRL's two-sided ratio clip, a dual clip: clip_ratio_c) has no counterpart in the stablerl "
+                f"loss {loss!r}, which does not use it",
                 UserWarning,
                 stacklevel=3,
             )
@@ -413,9 +413,11 @@ def loss_settings(args, loss: str):
     """The effective hyper-parameters of stablerl loss ``loss`` under TRL ``args``, with their sources
     (one precedence rule, :data:`stablerl.frameworks.PRECEDENCE`): ``stablerl_loss_params`` > TRL's
     ``epsilon`` / ``epsilon_high`` when set (other than 0.2 / None; relative bounds, as in TRL's
-    dapo/grpo) > the paper's defaults."""
+    dapo/grpo) and ``delta`` (INTELLECT-2's two-sided clip, which is the dual clip ``clip_ratio_c``) when set
+    > the paper's defaults."""
     params = _as_dict(getattr(args, "stablerl_loss_params", None), "stablerl_loss_params")
-    framework_values = {"clip_ratio_low": getattr(args, "epsilon", None), "clip_ratio_high": getattr(args, "epsilon_high", None)}
+    framework_values = {"clip_ratio_low": getattr(args, "epsilon", None), "clip_ratio_high": getattr(args, "epsilon_high", None),
+                        "clip_ratio_c": getattr(args, "delta", None)}
     return effective_hyperparameters(TRL, stablerl.get_spec(POLICY_LOSS, loss), params, framework_values)
 
 

@@ -97,6 +97,11 @@ SOURCES: dict[str, tuple[tuple[str, ...], str]] = {
         "rollout_log_probs (both trainers, with actor_rollout_ref.rollout.calculate_log_probs=True)",
     ),
     "token_ids": (("responses",), "responses (legacy trainer only: v1 fetches " + _V1_FIELDS + ")"),
+    "sum_pi_squared": (
+        ("sum_pi_squared",),
+        "sum_pi_squared (legacy trainer, with actor_rollout_ref.actor.calculate_sum_pi_squared=True; v1 fetches only "
+        + _V1_FIELDS + ")",
+    ),
     "entropy": (
         ("entropys", "entropy"),
         "a per-token 'entropys' (or 'entropy') batch field; neither stock trainer has it there: the legacy "

@@ -62,6 +62,10 @@ def _synth_input(name: str, B: int, T: int, g: torch.Generator, dtype: torch.dty
         return POLICY_VERSION
     if name == "scores":
         return torch.randint(0, 2, (B,), generator=g).to(dtype)
+    if name == "sum_pi_squared":  # sum_v pi(v)^2 in (0, 1]
+        return torch.rand(B, T, generator=g, dtype=dtype) * 0.9 + 0.05
+    if name == "reward_baselines":  # a greedy response's reward per row (ReMax)
+        return torch.rand(B, generator=g, dtype=dtype)
     if name in ("router_log_prob", "old_router_log_prob"):  # [B, T, layers=2, k=2], shared per seed
         gr = torch.Generator().manual_seed(int(torch.randint(0, 2**31 - 1, (1,), generator=g)))
         old = torch.log(torch.rand(B, T, 2, 2, generator=gr, dtype=torch.float64) * 0.5 + 0.05)
