@@ -38,8 +38,23 @@ def wanted(loss_fn) -> frozenset:
 
 @contextlib.contextmanager
 def step_inputs(trainer, experience) -> Iterator[Optional[dict]]:
-    """Around ``training_step``: the micro-batch's inputs, handed to the loss (None: the loss declares none)."""
-    need = wanted(getattr(trainer, "actor_loss_fn", None))
+    """Around ``training_step``: the micro-batch's inputs, handed to the loss (None: the loss declares none);
+    a stablerl loss also writes its metrics into ``experience.info`` (OpenRLHF's logged status)."""
+    loss_fn = getattr(trainer, "actor_loss_fn", None)
+    if getattr(loss_fn, "stablerl_name", None) is None:
+        yield None
+        return
+    loss_fn.metrics_sink = experience.info
+    try:
+        with _fed(loss_fn, experience) as inputs:
+            yield inputs
+    finally:
+        loss_fn.metrics_sink = None
+
+
+@contextlib.contextmanager
+def _fed(loss_fn, experience) -> Iterator[Optional[dict]]:
+    need = wanted(loss_fn)
     if not need:
         yield None
         return
@@ -55,7 +70,7 @@ def step_inputs(trainer, experience) -> Iterator[Optional[dict]]:
         inputs["scores"] = experience.rewards.reshape(-1)
     if "entropy" in need:
         inputs["entropy"] = None  # asked for: train_forward computes it in the training forward
-    with loss_inputs(trainer.actor_loss_fn.stablerl_name, inputs):
+    with loss_inputs(loss_fn.stablerl_name, inputs):
         yield inputs
 
 
