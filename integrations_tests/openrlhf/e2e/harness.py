@@ -143,3 +143,22 @@ def launch(argv: list, env: dict, log: Path, timeout: int = 900) -> dict:
         if m:
             steps[int(m.group(1))] = ast.literal_eval(m.group(2))
     return {"rc": proc.returncode, "output": text, "steps": steps, "cmd": cmd}
+
+
+_SETTING = re.compile(r"\s(\w+)\s+= (\S+)\s+\(([^:)]+)")
+
+
+def settings_table(output: str, header: str) -> dict:
+    """``{name: (value, source)}`` of the effective-settings table stablerl printed after ``header``
+    (e.g. ``policy loss 'entropic'``), as a Ray worker's forwarded stderr; {} when it was not printed."""
+    lines = output.splitlines()
+    for i, line in enumerate(lines):
+        if f"stablerl/openrlhf: {header} runs with:" in line:
+            table = {}
+            for row in lines[i + 1:]:
+                m = _SETTING.search(row)
+                if m is None:
+                    break
+                table[m.group(1)] = (ast.literal_eval(m.group(2)), m.group(3).strip())
+            return table
+    return {}
