@@ -49,9 +49,8 @@ STABLERL_FLAGS = [  # the only way stablerl is selected: flags of the stablerl l
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
-    root = tmp_path_factory.mktemp("orlhf_e2e_ray")
-    ray_cluster = harness.RayCluster(root)
+def cluster():
+    ray_cluster = harness.RayCluster()
     try:
         yield ray_cluster.start()
     finally:

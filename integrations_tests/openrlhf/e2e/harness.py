@@ -86,12 +86,15 @@ class RayCluster:
     """``ray start --head`` with its own temp dir; :meth:`stop` ends this cluster's processes only (found by that
     dir in their command line: other Ray clusters on the machine are left alone, which ``ray stop`` would not)."""
 
-    def __init__(self, tmp: Path, num_cpus: int = 4, num_gpus: int = 2):
+    def __init__(self, num_cpus: int = 4, num_gpus: int = 2):
+        import tempfile
+
         self.env = worker_env()
         self.ray = str(Path(sys.executable).parent / "ray")
         self.port = _free_port()
         self.address = f"127.0.0.1:{self.port}"
-        self.temp_dir = str(tmp / "ray")
+        # short: Ray's socket paths under it must stay within AF_UNIX's 107 bytes
+        self.temp_dir = tempfile.mkdtemp(prefix="srl-ray-", dir="/tmp")
         self.cmd = [self.ray, "start", "--head", f"--port={self.port}", f"--num-cpus={num_cpus}",
                     f"--num-gpus={num_gpus}", "--include-dashboard=false", "--disable-usage-stats",
                     f"--temp-dir={self.temp_dir}", "--node-ip-address=127.0.0.1"]
@@ -129,6 +132,9 @@ class RayCluster:
             deadline = time.time() + wait
             while pids and time.time() < deadline and self.pids():
                 time.sleep(0.2)
+        import shutil
+
+        shutil.rmtree(self.temp_dir, ignore_errors=True)
 
 
 def launch(argv: list, env: dict, log: Path, timeout: int = 900) -> dict:
