@@ -125,7 +125,8 @@ def test_m2po_with_rollout_routing_replay_on_a_moe_model(cluster, tmp_path):
     assets = harness.make_assets(tmp_path, n_prompts=N_PROMPTS * STEPS, moe=True)
     argv = base_flags(assets, tmp_path) + STABLERL_FLAGS + [
         "--actor.policy_loss_type", "m2po", "--actor.stablerl_params", "m2_threshold=0.05",
-        "--actor.stablerl_routing_replay", "R3"]
+        "--actor.stablerl_routing_replay", "R3",
+        "--train.batch_size", "8"]  # 2 optimizer steps per rollout batch: the second is off-policy (m2po's M2 > 0)
     run = harness.launch(argv, cluster.env, tmp_path / "run.log")
     _ok(run)
     assert sorted(run["steps"]) == [1, 2]
@@ -135,5 +136,8 @@ def test_m2po_with_rollout_routing_replay_on_a_moe_model(cluster, tmp_path):
         assert math.isfinite(status["reward"])
         for key in ("stablerl/m2po/m2_before", "stablerl/m2po/masked_fraction", "stablerl/dynamic_sampling/kept_frac"):
             assert math.isfinite(status[key]), key
+    # m2po's batch statistic (the second moment of the log-ratio over the batch's tokens) is computed on the
+    # second, off-policy optimizer step of each rollout batch: > 0 in the averaged status
+    assert all(status["stablerl/m2po/m2_before"] > 0 for status in run["steps"].values()), run["steps"]
     loss = harness.settings_table(run["output"], "policy loss 'm2po'")
     assert loss["m2_threshold"][0] == 0.05 and loss["m2_threshold"][1] != "paper default", loss
