@@ -32,9 +32,13 @@ def install() -> None:
 
     device_mesh.init_device_mesh = cpu_device_mesh  # before openrlhf.utils.deepspeed imports the name
 
-    # DeepSpeed's CPU accelerator would JIT-compile a shared-memory collective op; gloo is enough here
+    # DeepSpeed's CPU accelerator would JIT-compile a shared-memory collective op (minutes, and a lock file in
+    # ~/.cache/torch_extensions that a killed build leaves behind); gloo is enough here: the op is marked
+    # incompatible, so deepspeed.comm.torch.build_shm_op returns None
     import deepspeed.comm.torch as ds_comm_torch
+    import deepspeed.ops
 
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
     ds_comm_torch.build_shm_op = lambda: None
 
     # NaiveReplayBuffer builds torch.device(f"cuda:{current_device()}"): the CPU instead
