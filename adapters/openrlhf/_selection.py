@@ -208,7 +208,7 @@ def add_setup_hook(runtime_env: Optional[dict] = None) -> dict:
     for key in _FORWARDED_ENV:
         if key in os.environ and key not in env_vars:
             env_vars[key] = os.environ[key]
-    if os.environ.get("STABLERL_ROUTING_REPLAY"):
+    if os.environ.get(ENV_ROUTING_REPLAY):
         keep_tensor_attributes(env_vars)
     if env_vars:
         env["env_vars"] = env_vars
