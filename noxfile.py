@@ -4,7 +4,8 @@
     nox -s unit         # torch-only unit tests of core and every plugin
     nox -s verl         # integration tests against the real verl 0.9.1
     nox -s trl          # TRL 1.16 adapter, real CPU training, demo smoke test, MoE routing replay
-    nox -s openrlhf     # OpenRLHF 0.11.2 adapter: parity with its real PolicyLoss / estimators, CLI, a Ray worker
+    nox -s openrlhf     # OpenRLHF 0.11.2 adapter: parity with its real PolicyLoss / estimators, CLI, a Ray worker,
+                        # and its entry point end to end (test_openrlhf_e2e.py: 3 runs of 2 GRPO steps in a local Ray cluster)
     nox -s parity       # the cross-framework parity matrix from the three sessions' results -> docs/parity-matrix.md
 """
 
@@ -51,7 +52,8 @@ def openrlhf(session):
     session.install(TORCH)
     # OpenRLHF's wheel without its GPU pins (flash-attn, vllm, bitsandbytes); the real modules its
     # loss, experience maker, actor trainer and CLI import on CPU. flash_attn's padding helpers and
-    # vLLM's engine classes are import stand-ins under integrations_tests/openrlhf/stubs (tests only).
+    # vLLM's engine classes are import stand-ins under integrations_tests/openrlhf/stubs (tests only); the
+    # end-to-end test also runs their HF-generate engine and a CPU shim for OpenRLHF's torch.cuda calls.
     session.install("--no-deps", "openrlhf==0.11.2")
     session.install("transformers==5.15.0", "peft", "pylatexenc", "ray==2.55.0", "aiohttp", "torchdata", "pillow", "datasets")
     session.install("setuptools", "wheel")

@@ -40,11 +40,26 @@ def wanted(loss_fn) -> frozenset:
 
 @contextlib.contextmanager
 def step_inputs(trainer, experience) -> Iterator[Optional[dict]]:
-    """Around ``training_step``: the micro-batch's inputs, handed to the loss (None: the loss declares none)."""
+    """Around ``training_step``: the micro-batch's inputs, handed to the loss (None: the loss declares none);
+    a stablerl loss also writes its metrics into ``experience.info`` (OpenRLHF's logged status)."""
     from ._groups import pop_index
 
-    need = wanted(getattr(trainer, "actor_loss_fn", None))
-    index = pop_index(experience, "index" in need)  # the group keys never reach OpenRLHF's metrics
+    loss_fn = getattr(trainer, "actor_loss_fn", None)
+    index = pop_index(experience, "index" in wanted(loss_fn))  # the group keys never reach OpenRLHF's metrics
+    if getattr(loss_fn, "stablerl_name", None) is None:
+        yield None
+        return
+    loss_fn.metrics_sink = experience.info
+    try:
+        with _fed(loss_fn, experience, index) as inputs:
+            yield inputs
+    finally:
+        loss_fn.metrics_sink = None
+
+
+@contextlib.contextmanager
+def _fed(loss_fn, experience, index) -> Iterator[Optional[dict]]:
+    need = wanted(loss_fn)
     if not need:
         yield None
         return
@@ -62,7 +77,7 @@ def step_inputs(trainer, experience) -> Iterator[Optional[dict]]:
         inputs["index"] = index
     if "entropy" in need:
         inputs["entropy"] = None  # asked for: train_forward computes it in the training forward
-    with loss_inputs(trainer.actor_loss_fn.stablerl_name, inputs):
+    with loss_inputs(loss_fn.stablerl_name, inputs):
         yield inputs
 
 

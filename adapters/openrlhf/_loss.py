@@ -49,7 +49,9 @@ class StablePolicyLoss(PolicyLoss):
       call (see ``stablerl.adapters.openrlhf._inputs``); :attr:`fed_inputs` lists those it needs.
     * ``clip_ratio`` is stablerl's ``pg_clipfrac`` (0 for losses without a clip), ``ppo_kl`` is
       OpenRLHF's ``masked_mean(old - new)``. All stablerl metrics of the last call are in
-      :attr:`last_metrics`.
+      :attr:`last_metrics`; inside ``training_step`` they are also written into the micro-batch's
+      ``experience.info`` as ``stablerl/<metric>`` (0-d tensors), which OpenRLHF averages over the
+      micro-batches (token-weighted) into the status its trainer logs.
     """
 
     def __init__(
@@ -89,6 +91,8 @@ class StablePolicyLoss(PolicyLoss):
         self._fed: Optional[dict] = None
         #: compute_policy_loss options from --actor.stablerl_params (loss_agg_mode, rollout_correction, ...)
         self.call_options: dict = {}
+        #: the micro-batch's ``experience.info`` while ``training_step`` runs (._inputs.step_inputs), else None
+        self.metrics_sink: Optional[dict] = None
         if self.stablerl_name is None:
             if stablerl_params:
                 raise StableRLError(f"stablerl_params given for OpenRLHF's built-in policy_loss_type {policy_loss_type!r}")
@@ -240,6 +244,9 @@ class StablePolicyLoss(PolicyLoss):
         )
         self.last_metrics = metrics
         device = log_probs.device
+        if self.metrics_sink is not None:  # before training_step merges experience.info into its status
+            for key, value in metrics.items():
+                self.metrics_sink[f"stablerl/{key}"] = torch.tensor(float(value), device=device)
         clip_ratio = torch.tensor(float(metrics.get("pg_clipfrac", 0.0)), device=device)
         ppo_kl = masked_mean(-(log_probs - old_log_probs).detach(), mask, dim=None)
         return loss, clip_ratio, ppo_kl, vllm_kl, is_filter_ratio

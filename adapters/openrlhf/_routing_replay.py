@@ -297,7 +297,8 @@ def _attach(samples_list) -> None:
             raise StableRLError(
                 f"{FLAG}: the actor's old-log-prob forward returned no routes (experience {i}). Is the stablerl "
                 "setup hook active in the actor workers (python -m stablerl.adapters.openrlhf.train_ppo_ray), and "
-                "RAY_ENABLE_ZERO_COPY_TORCH_TENSORS unset (its tensor serializer drops tensor attributes)?")
+                "RAY_ENABLE_ZERO_COPY_TORCH_TENSORS=0 in the workers (its tensor serializer drops tensor attributes; OpenRLHF's "
+                "train() sets it to 1 unless it is set, the wrapper sets 0)?")
         delattr(samples.action_log_probs, ON_LOG_PROBS)
         if any(m is not None and not isinstance(m, RolloutRoutes) for m in samples.mm_train_inputs):
             raise StableRLError(f"{FLAG} supports text models only (these samples carry multimodal inputs)")

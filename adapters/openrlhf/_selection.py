@@ -174,6 +174,23 @@ def _load_callable(path: str):
     return getattr(importlib.import_module(module), attr)
 
 
+ZERO_COPY_ENV = "RAY_ENABLE_ZERO_COPY_TORCH_TENSORS"
+
+
+def keep_tensor_attributes(env_vars: dict) -> None:
+    """Routing replay: the workers' routes ride on a log-prob tensor as an attribute, which Ray's zero-copy
+    tensor serializer drops. OpenRLHF 0.11.2's ``train()`` turns it on by default (``env_vars``
+    ``RAY_ENABLE_ZERO_COPY_TORCH_TENSORS`` = ``$RAY_ENABLE_ZERO_COPY_TORCH_TENSORS`` or "1"): switched off here,
+    said on stderr."""
+    import sys
+
+    if env_vars.get(ZERO_COPY_ENV, "0") != "0":
+        print(f"stablerl/openrlhf: routing replay sets {ZERO_COPY_ENV}=0 for the Ray workers (was "
+              f"{env_vars[ZERO_COPY_ENV]!r}): Ray's zero-copy tensor serializer drops the routes carried on the "
+              "log-prob tensors", file=sys.stderr, flush=True)
+    env_vars[ZERO_COPY_ENV] = "0"
+
+
 def add_setup_hook(runtime_env: Optional[dict] = None) -> dict:
     """A ``RAY_RUNTIME_ENV_HOOK``: ``runtime_env`` plus the stablerl worker setup hook.
 
@@ -198,6 +215,8 @@ def add_setup_hook(runtime_env: Optional[dict] = None) -> dict:
     for key in _FORWARDED_ENV:
         if key in os.environ and key not in env_vars:
             env_vars[key] = os.environ[key]
+    if os.environ.get(ENV_ROUTING_REPLAY):
+        keep_tensor_attributes(env_vars)
     if env_vars:
         env["env_vars"] = env_vars
     return env

@@ -23,7 +23,9 @@ sees a change):
    starts); it reaches every model actor inside the pickled ``DeepspeedStrategy``;
 3. ``ray.init``: adds ``worker_process_setup_hook="stablerl.adapters.openrlhf.instrument"`` to
    OpenRLHF's ``runtime_env``, so every Ray worker arms the stablerl patches; under R3 it also
-   forwards ``STABLERL_ROUTING_REPLAY=R3`` (the vLLM rollout workers get no ``args``).
+   forwards ``STABLERL_ROUTING_REPLAY=R3`` (the vLLM rollout workers get no ``args``); under R2 and R3 it
+   sets ``RAY_ENABLE_ZERO_COPY_TORCH_TENSORS=0`` for the workers (OpenRLHF's default "1" would drop the
+   routes carried on the log-prob tensors).
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ from stablerl.params import StableRLError
 
 from . import _routing_replay
 from ._names import extension_choices, openrlhf_choices, resolve, resolve_extension
-from ._selection import Selection, add_setup_hook, parse_params
+from ._selection import Selection, add_setup_hook, keep_tensor_attributes, parse_params
 from ._spec import FILTER_FLAG, OPENRLHF_ADV_ESTIMATORS, OPENRLHF_POLICY_LOSSES, PREFIX, SHAPER_FLAG, check_openrlhf
 
 _LOSS_FLAG = "--actor.policy_loss_type"
@@ -141,6 +143,7 @@ class _ScriptRun:
 
     def __init__(self):
         self.parser: Optional[argparse.ArgumentParser] = None
+        self.routing_replay: Optional[str] = None
 
     def error(self, message: str):
         if self.parser is not None:
@@ -167,16 +170,20 @@ class _ScriptRun:
                 out.stablerl = selection_from_cli(out)
             except StableRLError as e:
                 self.error(str(e))
+            self.routing_replay = out.stablerl.routing_replay
             if out.stablerl.routing_replay == "R3":  # add_setup_hook forwards it to the vLLM workers (no args there)
                 os.environ[_routing_replay.ENV_MODE] = "R3"
             return out
 
         return _ModuleView(module, hierarchize=hierarchize)
 
-    @staticmethod
-    def _ray(module: types.ModuleType) -> types.ModuleType:
+    def _ray(self, module: types.ModuleType) -> types.ModuleType:
         def init(*args, **kwargs):
-            kwargs["runtime_env"] = add_setup_hook(kwargs.get("runtime_env"))
+            env = add_setup_hook(kwargs.get("runtime_env"))
+            if self.routing_replay is not None:  # R2 too (only R3 sets the environment variable)
+                env["env_vars"] = dict(env.get("env_vars") or {})
+                keep_tensor_attributes(env["env_vars"])
+            kwargs["runtime_env"] = env
             return module.init(*args, **kwargs)
 
         return _ModuleView(module, init=init)

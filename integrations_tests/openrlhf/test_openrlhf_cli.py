@@ -95,3 +95,15 @@ def test_choices_cover_the_registry():
     est = adapter.openrlhf_choices(stablerl.ADVANTAGE_ESTIMATOR)
     assert {"stablerl_rloo", "stablerl_dr_grpo", "grpo", "qae"} <= set(est) and "empg" not in est
     assert json.dumps(names)  # plain strings
+
+
+def test_routing_replay_turns_off_zero_copy_tensors(monkeypatch, capsys):
+    """OpenRLHF's train() sets RAY_ENABLE_ZERO_COPY_TORCH_TENSORS=1 unless set; its serializer drops the routes
+    carried on the log-prob tensors: under routing replay the workers get 0 (said on stderr), otherwise untouched."""
+    openrlhf_env = {"env_vars": {"RAY_ENABLE_ZERO_COPY_TORCH_TENSORS": "1", "NCCL_DEBUG": "WARN"}}
+    monkeypatch.delenv("STABLERL_ROUTING_REPLAY", raising=False)
+    assert adapter.add_setup_hook(openrlhf_env)["env_vars"]["RAY_ENABLE_ZERO_COPY_TORCH_TENSORS"] == "1"
+    monkeypatch.setenv("STABLERL_ROUTING_REPLAY", "R3")
+    env = adapter.add_setup_hook(openrlhf_env)["env_vars"]
+    assert env["RAY_ENABLE_ZERO_COPY_TORCH_TENSORS"] == "0" and env["NCCL_DEBUG"] == "WARN"
+    assert "routing replay sets RAY_ENABLE_ZERO_COPY_TORCH_TENSORS=0 for the Ray workers (was '1')" in capsys.readouterr().err

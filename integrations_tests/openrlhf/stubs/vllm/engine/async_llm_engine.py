@@ -1,5 +1,5 @@
-"""Test stand-in: vllm.AsyncLLMEngine. ``from_engine_args`` calls the ``FACTORY`` a test sets
-(an engine with ``async generate(prompt, sampling_params, request_id)`` yielding RequestOutputs)."""
+"""Test stand-in: vllm.AsyncLLMEngine. ``from_engine_args`` returns ``FACTORY(engine_args)`` when a test set
+``FACTORY``, otherwise an :class:`~vllm.engine.hf_engine.HFEngine` (Hugging Face ``generate`` on CPU)."""
 
 FACTORY = None
 
@@ -7,6 +7,8 @@ FACTORY = None
 class AsyncLLMEngine:
     @classmethod
     def from_engine_args(cls, engine_args):
-        if FACTORY is None:
-            raise RuntimeError("vllm.AsyncLLMEngine is a test stand-in: set vllm.engine.async_llm_engine.FACTORY")
-        return FACTORY(engine_args)
+        if FACTORY is not None:
+            return FACTORY(engine_args)
+        from vllm.engine.hf_engine import HFEngine
+
+        return HFEngine(engine_args)

@@ -1,0 +1,144 @@
+"""End to end: ``python -m stablerl.adapters.openrlhf.train_ppo_ray`` runs OpenRLHF 0.11.2's GRPO trainer on CPU,
+stablerl selected only by command-line flags, in a local Ray cluster (a few steps on a tiny model).
+
+What is real: OpenRLHF's CLI, driver, Ray actors (PPOTrainer, PolicyModelActor, RolloutRayActor), DeepSpeed
+(ZeRO 1, gloo), its experience maker, replay buffer, training loop, logging and checkpoint save / resume, and
+stablerl's launcher and setup hook. What stands in (test-only, see e2e/ and stubs/): the vLLM engine inside
+OpenRLHF's RolloutRayActor (Hugging Face ``generate``, weight sync over gloo) and, in each Ray worker, a CPU
+shim for the ``torch.cuda`` calls OpenRLHF makes on its training path (e2e/orlhf_cpu.py).
+
+Task: stablerl.demo's "copy the digit" (prompt ``copy 7 :``, reward = fraction of generated words equal to 7).
+"""
+
+import pytest
+
+pytest.importorskip("openrlhf", reason="OpenRLHF is not installed (nox -s openrlhf installs it)")
+pytest.importorskip("deepspeed", reason="DeepSpeed is not installed (nox -s openrlhf installs it)")
+
+import math  # noqa: E402
+import sys  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).parent / "e2e"))
+import harness  # noqa: E402
+
+N_PROMPTS = 4  # prompts per step (rollout batch), 4 samples each: 16 responses a step
+STEPS = 2  # per run
+
+
+def base_flags(assets: dict, root: Path) -> list:
+    """OpenRLHF's own flags: one actor, one rollout engine, no reference model, ZeRO 1, bf16, 2 steps."""
+    return [
+        "--actor.model_name_or_path", assets["model"], "--reward.remote_url", assets["reward"],
+        "--data.prompt_dataset", assets["data"], "--data.input_key", "input", "--data.label_key", "label",
+        "--data.max_samples", str(N_PROMPTS * STEPS), "--data.max_len", "16", "--rollout.max_new_tokens", "4",
+        "--actor.num_nodes", "1", "--actor.num_gpus_per_node", "1",
+        "--vllm.num_engines", "1", "--vllm.tensor_parallel_size", "1", "--vllm.sync_backend", "gloo",
+        "--algo.kl.init_coef", "0", "--rollout.n_samples_per_prompt", "4", "--rollout.batch_size", str(N_PROMPTS),
+        "--train.batch_size", "16", "--train.micro_batch_size", "8", "--rollout.micro_batch_size", "8",
+        "--ds.zero_stage", "1", "--ds.attn_implementation", "eager", "--actor.adam.lr", "1e-3",
+        "--train.num_episodes", "1", "--train.seed", "0",
+        "--ckpt.path", str(root / "ckpt"), "--ckpt.output_dir", str(root / "out"), "--ckpt.save_steps", "1",
+    ]
+
+
+STABLERL_FLAGS = [  # the only way stablerl is selected: flags of the stablerl launcher
+    "--algo.advantage.estimator", "qae", "--algo.advantage.stablerl_params", "quantile_k=0.3",
+    "--algo.advantage.stablerl_batch_filter", "dynamic_sampling",
+]
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    ray_cluster = harness.RayCluster()
+    try:
+        yield ray_cluster.start()
+    finally:
+        ray_cluster.stop()
+    assert not ray_cluster.pids(), "Ray processes left behind"
+
+
+@pytest.fixture(scope="module")
+def entropic_runs(cluster, tmp_path_factory):
+    """Run 1: 2 GRPO steps with a stateful loss (entropic), a checkpoint per step. Run 2, a new process: the same
+    command with --ckpt.load_enable and one more episode: it resumes from step 2's checkpoint."""
+    root = tmp_path_factory.mktemp("orlhf_e2e_entropic")
+    assets = harness.make_assets(root, n_prompts=N_PROMPTS * STEPS)
+    argv = base_flags(assets, root) + STABLERL_FLAGS + [
+        "--actor.policy_loss_type", "entropic", "--actor.stablerl_params", "target_entropy=0.2"]
+    first = harness.launch(argv, cluster.env, root / "run1.log")
+    resumed = None
+    if first["rc"] == 0:
+        resumed = harness.launch(argv[:argv.index("--train.num_episodes")] + ["--train.num_episodes", "2"]
+                                 + argv[argv.index("--train.num_episodes") + 2:] + ["--ckpt.load_enable"],
+                                 cluster.env, root / "run2.log")
+    return first, resumed
+
+
+def _ok(run):
+    assert run is not None and run["rc"] == 0, (run or {}).get("output", "")[-6000:]
+
+
+def test_entropic_qae_filter_run_and_logs(entropic_runs):
+    first, _ = entropic_runs
+    _ok(first)
+    steps = first["steps"]
+    assert sorted(steps) == [1, 2]  # OpenRLHF's own "Global step N: {status}" log line, every step
+    for status in steps.values():
+        assert math.isfinite(status["reward"]) and 0.0 <= status["reward"] <= 1.0  # the reward, each step
+        assert math.isfinite(status["rollout/reward_mean"])
+        # stablerl's metrics, under OpenRLHF's naming (its status dict: stablerl/<metric>)
+        for key in ("stablerl/entropic/integral", "stablerl/entropic/alpha", "stablerl/pg_clipfrac",  # the loss
+                    "stablerl/dynamic_sampling/kept_group_frac", "stablerl/filter/kept_row_frac"):  # the filter
+            assert math.isfinite(status[key]), key
+        assert 0.0 <= status["stablerl/dynamic_sampling/kept_group_frac"] <= 1.0
+    # the effective hyper-parameters logged at start-up are those selected (flags), the rest the paper's
+    loss = harness.settings_table(first["output"], "policy loss 'entropic'")
+    assert loss["target_entropy"][0] == 0.2 and loss["target_entropy"][1] != "paper default", loss
+    assert loss["entropy_control_i"] == (0.01, "paper default"), loss
+    estimator = harness.settings_table(first["output"], "advantage estimator 'qae'")
+    assert estimator["quantile_k"][0] == 0.3 and estimator["quantile_k"][1] != "paper default", estimator
+    # the rollout engine got the trained weights after each step (OpenRLHF's broadcast_to_vllm, over gloo)
+    assert all(status["timing/broadcast"] > 0 for status in steps.values())
+
+
+def test_checkpoint_resume_continues_steps_and_loss_state(entropic_runs):
+    first, resumed = entropic_runs
+    _ok(first)
+    _ok(resumed)
+    assert "stablerl: restored the policy loss's state from the checkpoint" in resumed["output"]
+    # OpenRLHF's step counter continues from the checkpoint (global_step2): steps 3 and 4, not 1 and 2
+    assert sorted(resumed["steps"]) == [3, 4]
+    integral = [first["steps"][1], first["steps"][2], resumed["steps"][3], resumed["steps"][4]]
+    integral = [s["stablerl/entropic/integral"] for s in integral]
+    # entropic's controller integral sums (entropy - target) over steps, and the entropy of this random model
+    # stays far above the target: it grows every step, also across the restart. A fresh state would start again
+    # near the first step's value.
+    assert integral[0] < integral[1] < integral[2] < integral[3], integral
+    assert integral[2] - integral[1] < integral[1], integral
+
+
+def test_m2po_with_rollout_routing_replay_on_a_moe_model(cluster, tmp_path):
+    """A tiny Qwen3-MoE (4 experts, top 2), R3: the stand-in engine returns the experts it routed each token to,
+    OpenRLHF's rollout actor, experience maker and training step carry and replay them (stablerl's patches);
+    a batch-statistic loss (m2po), qae and a batch filter, 2 steps."""
+    assets = harness.make_assets(tmp_path, n_prompts=N_PROMPTS * STEPS, moe=True)
+    argv = base_flags(assets, tmp_path) + STABLERL_FLAGS + [
+        "--actor.policy_loss_type", "m2po", "--actor.stablerl_params", "m2_threshold=0.05",
+        "--actor.stablerl_routing_replay", "R3",
+        "--train.batch_size", "8"]  # 2 optimizer steps per rollout batch: the second is off-policy (m2po's M2 > 0)
+    run = harness.launch(argv, cluster.env, tmp_path / "run.log")
+    _ok(run)
+    assert sorted(run["steps"]) == [1, 2]
+    # OpenRLHF's launcher defaults RAY_ENABLE_ZERO_COPY_TORCH_TENSORS to 1, which would drop the routes
+    assert "routing replay sets RAY_ENABLE_ZERO_COPY_TORCH_TENSORS=0" in run["output"]
+    for status in run["steps"].values():
+        assert math.isfinite(status["reward"])
+        for key in ("stablerl/m2po/m2_before", "stablerl/m2po/masked_fraction", "stablerl/dynamic_sampling/kept_frac"):
+            assert math.isfinite(status[key]), key
+    # m2po's batch statistic (the second moment of the log-ratio over the trust-region tokens) is > 0 once the
+    # policy has moved: in step 2 (step 1's first optimizer step has lr 0, OpenRLHF's warm-up starts at 0)
+    assert run["steps"][2]["stablerl/m2po/m2_before"] > 0, run["steps"][2]
+    assert run["steps"][2]["stablerl/m2po/trust_region_fraction"] > 0, run["steps"][2]
+    loss = harness.settings_table(run["output"], "policy loss 'm2po'")
+    assert loss["m2_threshold"][0] == 0.05 and loss["m2_threshold"][1] != "paper default", loss
