@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import random
+import re
 
 DATA_SOURCE = "stablerl_copy_digit"
 # verl's RLHFDataset renders prompts with the chat template; the demo tokenizer has none
@@ -18,8 +19,12 @@ CHAT_TEMPLATE = "{% for message in messages %}{{ message['content'] }} {% endfor
 def compute_score(data_source, solution_str, ground_truth, extra_info=None, **kwargs) -> float:
     """Fraction of generated words equal to the prompt's digit (0 for an empty response): a random
     policy scores about 1/15, one that copies scores 1 (the demo's ``copy_reward``)."""
-    words = [w for w in solution_str.split() if w not in ("<eos>", "<pad>")]
+    # the word-level tokenizer has no decoder: verl's decode joins the words without spaces ("07:copy")
+    words = _WORD.findall(solution_str)
     return sum(w == ground_truth for w in words) / len(words) if words else 0.0
+
+
+_WORD = re.compile(r"copy|:|[0-9]|<unk>")
 
 
 def prepare(root: str, n_train: int = 32, n_val: int = 8, seed: int = 0) -> dict[str, str]:

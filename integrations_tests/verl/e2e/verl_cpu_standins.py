@@ -189,7 +189,7 @@ class HFGenerateServer:
         from transformers import AutoModelForCausalLM
 
         torch.set_num_threads(1)
-        self.model = AutoModelForCausalLM.from_pretrained(model_path, torch_dtype=torch.float32).eval()
+        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
         self.response_length = response_length
         self.generator = torch.Generator().manual_seed(seed)
         self.weight_version = 0
