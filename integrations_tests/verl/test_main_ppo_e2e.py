@@ -32,8 +32,8 @@ E2E = os.path.join(HERE, "e2e")
 sys.path.insert(0, E2E)
 
 pytest.importorskip("ray")
-pytestmark = pytest.mark.skipif(shutil.which("ray", path=os.path.dirname(sys.executable)) is None,
-                                reason="ray's CLI is not in this environment")
+pytestmark = pytest.mark.skipif(not os.path.isdir("/proc"),
+                                reason="the Ray clean-up finds this run's processes through /proc (Linux)")
 
 RUN_TIMEOUT_S = int(os.environ.get("STABLERL_E2E_TIMEOUT", "900"))
 TARGET_ENTROPY = 0.1  # EntroPIC's default (authors' run_entropic.sh)
@@ -160,6 +160,8 @@ def test_m2po_qae_batch_filter(workdir):
         "+actor_rollout_ref.actor.policy_loss.m2_threshold=0.05",
         "algorithm.adv_estimator=qae", "+algorithm.quantile_k=0.6",
         "+algorithm.stablerl_batch_filter=dynamic_sampling",
+        # a second pass over the batch: the policy has moved, so M2PO's second moment is not 0
+        "actor_rollout_ref.actor.ppo_epochs=2",
         "trainer.total_training_steps=2", "trainer.save_freq=-1",
     ])
     _assert_steps_and_reward(rows, [1, 2])
@@ -170,7 +172,10 @@ def test_m2po_qae_batch_filter(workdir):
     for r in rows:
         d = r["data"]
         # the loss's batch statistic, under verl's actor/ prefix
-        assert 0.0 <= d["actor/m2po/masked_fraction"] <= 1.0 and math.isfinite(d["actor/m2po/m2_before"])
+        assert 0.0 <= d["actor/m2po/masked_fraction"] <= 1.0
+        assert math.isfinite(d["actor/m2po/m2_before"])
+        if d["stablerl/filter/kept_row_frac"] > 0:  # some tokens trained: the second epoch's ratios differ from 1
+            assert d["actor/m2po/m2_before"] > 0.0
         # the filter's and the estimator's metrics, logged by verl's logger in the TaskRunner
         assert 0.0 <= d["stablerl/filter/kept_row_frac"] <= 1.0, sorted(k for k in d if k.startswith("stablerl"))
         # dynamic_sampling drops groups whose rewards are all equal (advantage 0): nothing kept when all scores are 0
