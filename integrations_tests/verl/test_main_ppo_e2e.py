@@ -1,7 +1,7 @@
 """verl's own trainer, ``python -m verl.trainer.main_ppo``, with stablerl selected by config keys only.
 
 Three processes of the unmodified entry point on CPU (legacy trainer, ``trainer.use_v1=false``: the v1
-trainer needs TransferQueue, which is not installable here), with the test-only stand-ins of
+trainer needs TransferQueue, which the verl session does not install; not tried yet), with the test-only stand-ins of
 ``integrations_tests/verl/e2e/verl_cpu_standins.py`` (CPU platform, HF-``generate`` rollout server):
 
 * ``m2po`` (a loss with a batch statistic) + ``qae`` (estimator) + ``dynamic_sampling`` (batch filter);
@@ -41,7 +41,7 @@ TARGET_ENTROPY = 0.1  # EntroPIC's default (authors' run_entropic.sh)
 
 def _base_overrides(data: dict, workdir: str, ray_tmp: str) -> list[str]:
     return [
-        # the legacy trainer: the v1 trainer first starts TransferQueue (not installable on CPU)
+        # the legacy trainer: the v1 trainer first starts TransferQueue (the verl session does not install it)
         "trainer.use_v1=false", "trainer.device=cpu", "trainer.n_gpus_per_node=1", "trainer.nnodes=1",
         # one Ray "GPU" slot = one CPU training process (see verl_cpu_standins.PlatformCPU.ray_resource_name)
         "+ray_kwargs.ray_init.num_gpus=1", "ray_kwargs.ray_init.num_cpus=4",
@@ -95,7 +95,7 @@ def run_main_ppo(tmp: str, name: str, overrides: list[str]) -> tuple[str, list[d
             json.dump(prepare(tmp), f)
     with open(data_marker) as f:
         data = json.load(f)
-    ray_tmp = tempfile.mkdtemp(prefix="srl-ray-", dir="/tmp")  # short: Ray's socket paths have a length limit
+    ray_tmp = tempfile.mkdtemp(prefix="stablerl-verl-e2e-ray-", dir="/tmp")  # short: Ray's socket paths have a length limit
     metrics_path = os.path.join(tmp, f"{name}.jsonl")
     env = dict(os.environ)
     for key in [k for k in env if k.startswith(("RAY_ADDRESS", "VERL_", "CUDA_VISIBLE"))]:
