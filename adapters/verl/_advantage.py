@@ -398,7 +398,8 @@ def _filter(data, config, name: str, params: dict) -> dict[str, float]:
     return filtered.metrics
 
 
-#: metrics of the last wrapped call (``stablerl/<name>``), for logging by a trainer subclass
+#: metrics of the last wrapped call (``stablerl/<name>``); verl's ``Tracking.log`` adds them to the step's
+#: metrics (``_patch_tracking``) and empties the dict
 LAST_METRICS: dict[str, float] = {}
 
 
@@ -451,9 +452,32 @@ def _no_compute_advantage(module) -> None:
 PATCH_KEY = "compute_advantage"
 
 
+def _patch_tracking(module) -> None:
+    """verl's trainers log one ``metrics`` dict per step through ``Tracking.log`` in the process that calls
+    ``compute_advantage`` (the TaskRunner); the shaper's / filter's / estimator's metrics of that step join
+    it there, under ``stablerl/...``, for every logger backend (console, file, wandb, ...)."""
+    cls = getattr(module, "Tracking", None)
+    if cls is None or not callable(getattr(cls, "log", None)):
+        logger.warning("stablerl: verl.utils.tracking has no Tracking.log; stablerl's advantage-side metrics "
+                       "are not logged (they stay in stablerl.adapters.verl._advantage.LAST_METRICS)")
+        return
+    log = cls.log
+
+    @functools.wraps(log)
+    def tracking_log(self, data, step, *args, **kwargs):
+        if LAST_METRICS and isinstance(data, dict):
+            data = {**data, **LAST_METRICS}
+            LAST_METRICS.clear()
+        return log(self, data, step, *args, **kwargs)
+
+    LEDGER.set_attr(f"{PATCH_KEY}:Tracking.log", cls, "log", tracking_log)
+
+
 def instrument() -> str:
     """Wrap verl's ``compute_advantage`` (and the callers' bound names) now (``"patched"``) or right after
-    ``ray_trainer`` is imported (``"deferred"``). Idempotent."""
+    ``ray_trainer`` is imported (``"deferred"``), and verl's ``Tracking.log`` so that the step's stablerl
+    metrics are logged. Idempotent."""
+    LEDGER.on_import(f"{PATCH_KEY}:tracking", {"verl.utils.tracking": _patch_tracking})
     return LEDGER.wrap_function(PATCH_KEY, TRAINER_MODULE, "compute_advantage", _wrap, CALLER_MODULES,
                                 missing=_no_compute_advantage)
 

@@ -13,6 +13,7 @@ def _touched():
     that the patches apply now rather than on import)."""
     import verl.trainer.distillation.losses as distill
     import verl.trainer.ppo.ray_trainer as ray_trainer
+    import verl.utils.tracking as tracking
     import verl.workers.engine.fsdp.transformer_impl  # noqa: F401  (the engine registry's FSDP entries)
     import verl.workers.engine_workers as engine_workers
     import verl.workers.utils.losses as losses
@@ -28,6 +29,7 @@ def _touched():
         "engine_workers.ppo_loss": engine_workers.ppo_loss,
         "ray_trainer.compute_advantage": ray_trainer.compute_advantage,
         "RayPPOTrainer": dict(vars(ray_trainer.RayPPOTrainer)),
+        "Tracking": dict(vars(tracking.Tracking)),
         "ActorRolloutRefWorker": dict(vars(engine_workers.ActorRolloutRefWorker)),
         "engines": {b: dict(engines.get(b, {})) for b in ("fsdp", "fsdp2")},
         "meta_path": list(sys.meta_path),
@@ -72,7 +74,7 @@ def test_uninstrument_restores_every_original_and_instrument_is_idempotent(adapt
         # everything the adapter touches was touched
         assert changed == {"policy_losses", "estimators", "losses.ppo_loss", "distill.ppo_loss",
                            "engine_workers.ppo_loss", "ray_trainer.compute_advantage", "RayPPOTrainer",
-                           "ActorRolloutRefWorker", "engines", "meta_path"}, changed
+                           "Tracking", "ActorRolloutRefWorker", "engines", "meta_path"}, changed
         assert once["policy_losses"]["stablerl_vanilla"]._stablerl_verl == ("policy_loss", "vanilla")
         assert once["distill.ppo_loss"] is once["losses.ppo_loss"]  # the callers' bound names follow
 
@@ -121,3 +123,25 @@ def test_fsdp_turbo_engine_carries_the_losses_state(adapter):
     finally:
         adapter.instrument()
     assert all(c is not turbo.FSDPTurboEngineWithLMHead for c in entries.values())
+
+
+def test_tracking_log_carries_the_advantage_sites_metrics(adapter, tmp_path, monkeypatch):
+    """The step's stablerl metrics (filter, shaper, estimator) reach verl's logger with the step's metrics,
+    once: a step without a stablerl call logs none."""
+    import json
+
+    from verl.utils.tracking import Tracking
+
+    from stablerl.adapters.verl import _advantage
+
+    path = tmp_path / "metrics.jsonl"
+    monkeypatch.setenv("VERL_FILE_LOGGER_PATH", str(path))
+    tracker = Tracking("p", "e", default_backend=["file"])
+    _advantage.LAST_METRICS.update({"stablerl/filter/kept_row_frac": 0.75})
+    tracker.log({"critic/score/mean": 0.5}, step=1)
+    tracker.log({"critic/score/mean": 0.25}, step=2)
+    tracker.logger["file"].finish()
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    assert rows == [{"step": 1, "data": {"critic/score/mean": 0.5, "stablerl/filter/kept_row_frac": 0.75}},
+                    {"step": 2, "data": {"critic/score/mean": 0.25}}]
+    assert not _advantage.LAST_METRICS

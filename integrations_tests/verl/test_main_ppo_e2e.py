@@ -1,0 +1,215 @@
+"""verl's own trainer, ``python -m verl.trainer.main_ppo``, with stablerl selected by config keys only.
+
+Three processes of the unmodified entry point on CPU (legacy trainer, ``trainer.use_v1=false``: the v1
+trainer needs TransferQueue, which the verl session does not install; not tried yet), with the test-only stand-ins of
+``integrations_tests/verl/e2e/verl_cpu_standins.py`` (CPU platform, HF-``generate`` rollout server):
+
+* ``m2po`` (a loss with a batch statistic) + ``qae`` (estimator) + ``dynamic_sampling`` (batch filter);
+* ``entropic`` (a loss that keeps state) + ``qae``, 2 steps, checkpoint at step 2;
+* the same run resumed in a new process to step 3: step counter and EntroPIC's integral continue.
+
+Everything is asserted from verl's file logger (``trainer.logger=[console,file]``) and console.
+Real: Hydra config + validation, Ray, TaskRunner, legacy RayPPOTrainer, FSDP2 workers on gloo, the
+agent loop, RLHFDataset, the reward manager with a custom reward function, verl's checkpointing.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+import pytest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+E2E = os.path.join(HERE, "e2e")
+sys.path.insert(0, E2E)
+
+pytest.importorskip("ray")
+pytestmark = pytest.mark.skipif(not os.path.isdir("/proc"),
+                                reason="the Ray clean-up finds this run's processes through /proc (Linux)")
+
+RUN_TIMEOUT_S = int(os.environ.get("STABLERL_E2E_TIMEOUT", "900"))
+TARGET_ENTROPY = 0.1  # EntroPIC's default (authors' run_entropic.sh)
+
+
+def _base_overrides(data: dict, workdir: str, ray_tmp: str) -> list[str]:
+    return [
+        # the legacy trainer: the v1 trainer first starts TransferQueue (the verl session does not install it)
+        "trainer.use_v1=false", "trainer.device=cpu", "trainer.n_gpus_per_node=1", "trainer.nnodes=1",
+        # one Ray "GPU" slot = one CPU training process (see verl_cpu_standins.PlatformCPU.ray_resource_name)
+        "+ray_kwargs.ray_init.num_gpus=1", "ray_kwargs.ray_init.num_cpus=4",
+        "+ray_kwargs.ray_init.include_dashboard=false", f"+ray_kwargs.ray_init._temp_dir={ray_tmp}",
+        f"data.train_files={data['train']}", f"data.val_files={data['val']}", "data.train_batch_size=4",
+        "data.max_prompt_length=8", "data.max_response_length=6", "data.dataloader_num_workers=0",
+        f"actor_rollout_ref.model.path={data['model']}", "actor_rollout_ref.model.use_remove_padding=false",
+        "+actor_rollout_ref.model.override_config.attn_implementation=sdpa",  # no flash-attn on CPU
+        "actor_rollout_ref.actor.strategy=fsdp2", "actor_rollout_ref.actor.fsdp_config.model_dtype=fp32",
+        # one mini-batch of 16 responses, one micro-batch: one loss call per step
+        "actor_rollout_ref.actor.ppo_mini_batch_size=4", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=16",
+        "actor_rollout_ref.actor.use_kl_loss=false", "actor_rollout_ref.actor.optim.lr=1e-3",
+        "actor_rollout_ref.rollout.name=hf", "actor_rollout_ref.rollout.n=4",
+        "actor_rollout_ref.rollout.tensor_model_parallel_size=1",
+        "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=16", "actor_rollout_ref.rollout.agent.num_workers=1",
+        "algorithm.use_kl_in_reward=false",
+        f"reward.custom_reward_function.path={os.path.join(E2E, 'copy_task.py')}",
+        "reward.custom_reward_function.name=compute_score",
+        "trainer.logger=[console,file]", "trainer.project_name=stablerl_e2e", "trainer.val_before_train=false",
+        "trainer.test_freq=-1", f"trainer.default_local_dir={os.path.join(workdir, 'ckpt')}",
+    ]
+
+
+def _kill_ray_session(ray_tmp: str) -> None:
+    """End every process of this run's Ray cluster (found by its private temp dir), nobody else's."""
+    mine = []
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if ray_tmp.encode() in f.read():
+                    mine.append(int(pid))
+        except OSError:
+            continue
+    for pid in mine:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except OSError:
+            pass
+
+
+def run_main_ppo(tmp: str, name: str, overrides: list[str]) -> tuple[str, list[dict]]:
+    """``python -m verl.trainer.main_ppo`` in a new process; returns its console output and the rows of
+    verl's file logger."""
+    from copy_task import prepare
+
+    data_marker = os.path.join(tmp, "data.json")
+    if not os.path.exists(data_marker):
+        with open(data_marker, "w") as f:
+            json.dump(prepare(tmp), f)
+    with open(data_marker) as f:
+        data = json.load(f)
+    ray_tmp = tempfile.mkdtemp(prefix="stablerl-verl-e2e-ray-", dir="/tmp")  # short: Ray's socket paths have a length limit
+    metrics_path = os.path.join(tmp, f"{name}.jsonl")
+    env = dict(os.environ)
+    for key in [k for k in env if k.startswith(("RAY_ADDRESS", "VERL_", "CUDA_VISIBLE"))]:
+        env.pop(key)
+    env.update({
+        "VERL_PLATFORM": "cpu",  # verl's platform override -> the stand-in PlatformCPU
+        "VERL_ENGINE_DEVICE": "cuda",  # verl's engine-registry override: its FSDP engine is registered for cuda/npu
+        "VERL_USE_EXTERNAL_MODULES": "verl_cpu_standins",  # imported by verl on every `import verl`
+        "PYTHONPATH": os.pathsep.join([E2E, env.get("PYTHONPATH", "")]).rstrip(os.pathsep),
+        "VERL_FILE_LOGGER_PATH": metrics_path,
+        "RAY_USAGE_STATS_ENABLED": "0", "RAY_enable_worker_prestart": "0", "TOKENIZERS_PARALLELISM": "false",
+        "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "HYDRA_FULL_ERROR": "1",
+    })
+    cmd = [sys.executable, "-m", "verl.trainer.main_ppo",
+           *_base_overrides(data, tmp, ray_tmp), f"trainer.experiment_name={name}", *overrides]
+    with open(os.path.join(tmp, f"{name}.cmd"), "w") as f:
+        f.write(" ".join(cmd))
+    t0 = time.monotonic()
+    proc = subprocess.Popen(cmd, env=env, cwd=tmp, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=RUN_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        pytest.fail(f"main_ppo ({name}) did not finish in {RUN_TIMEOUT_S}s; last output:\n{out[-6000:]}")
+    finally:
+        _kill_ray_session(ray_tmp)
+        shutil.rmtree(ray_tmp, ignore_errors=True)
+    with open(os.path.join(tmp, f"{name}.log"), "w") as f:
+        f.write(out)
+    assert proc.returncode == 0, f"main_ppo ({name}) exited {proc.returncode} after {time.monotonic() - t0:.0f}s:\n{out[-6000:]}"
+    rows = []
+    if os.path.exists(metrics_path):
+        with open(metrics_path) as f:
+            rows = [json.loads(line) for line in f if line.strip()]
+    return out, rows
+
+
+@pytest.fixture(scope="module")
+def workdir():
+    d = tempfile.mkdtemp(prefix="stablerl-e2e-verl-")
+    yield d
+    if os.environ.get("STABLERL_E2E_KEEP"):
+        print(f"kept {d}")
+    else:
+        shutil.rmtree(d, ignore_errors=True)
+
+
+def _assert_steps_and_reward(rows: list[dict], steps: list[int]) -> None:
+    assert [r["step"] for r in rows] == steps, [r["step"] for r in rows]
+    for r in rows:
+        score = r["data"]["critic/score/mean"]
+        assert math.isfinite(score) and 0.0 <= score <= 1.0, (r["step"], score)
+        assert r["data"]["training/global_step"] == r["step"]
+
+
+def test_m2po_qae_batch_filter(workdir):
+    out, rows = run_main_ppo(workdir, "m2po", [
+        "actor_rollout_ref.actor.policy_loss._target_=stablerl.adapters.verl.StablePolicyLossConfig",
+        "actor_rollout_ref.actor.policy_loss.loss_mode=m2po",
+        "+actor_rollout_ref.actor.policy_loss.m2_threshold=0.05",
+        "algorithm.adv_estimator=qae", "+algorithm.quantile_k=0.6",
+        "+algorithm.stablerl_batch_filter=dynamic_sampling",
+        # a second pass over the batch: the policy has moved, so M2PO's second moment is not 0
+        "actor_rollout_ref.actor.ppo_epochs=2",
+        "trainer.total_training_steps=2", "trainer.save_freq=-1",
+    ])
+    _assert_steps_and_reward(rows, [1, 2])
+    # the effective settings, printed by the worker at its first loss call (Ray forwards it)
+    assert "stablerl/verl: policy loss 'm2po' runs with" in out
+    assert "m2_threshold" in out and "0.05" in out
+    assert "stablerl/verl: advantage estimator 'qae' runs with" in out
+    for r in rows:
+        d = r["data"]
+        # the loss's batch statistic, under verl's actor/ prefix
+        assert 0.0 <= d["actor/m2po/masked_fraction"] <= 1.0
+        assert math.isfinite(d["actor/m2po/m2_before"])
+        if d["stablerl/filter/kept_row_frac"] > 0:  # some tokens trained: the second epoch's ratios differ from 1
+            assert d["actor/m2po/m2_before"] > 0.0
+        # the filter's and the estimator's metrics, logged by verl's logger in the TaskRunner
+        assert 0.0 <= d["stablerl/filter/kept_row_frac"] <= 1.0, sorted(k for k in d if k.startswith("stablerl"))
+        # dynamic_sampling drops groups whose rewards are all equal (advantage 0): nothing kept when all scores are 0
+        if d["critic/score/max"] == 0.0:
+            assert d["stablerl/filter/kept_row_frac"] == 0.0
+
+
+def _integral_steps(rows: list[dict]) -> list[tuple[int, float, float]]:
+    """(step, EntroPIC integral after the step's update, entropy measured in the step) from verl's log."""
+    return [(r["step"], r["data"]["actor/entropic/integral"], r["data"]["actor/entropy"]) for r in rows]
+
+
+ENTROPIC = [
+    "actor_rollout_ref.actor.policy_loss.loss_mode=entropic", "actor_rollout_ref.actor.calculate_entropy=true",
+    "algorithm.adv_estimator=qae", "trainer.save_freq=2",
+]
+
+
+def test_entropic_state_and_step_continue_after_resume(workdir):
+    _, first = run_main_ppo(workdir, "entropic", [*ENTROPIC, "trainer.total_training_steps=2"])
+    _assert_steps_and_reward(first, [1, 2])
+    step_dir = os.path.join(workdir, "ckpt", "global_step_2")
+    assert os.path.exists(os.path.join(step_dir, "actor", "stablerl_loss_state_rank0.pt")), os.listdir(step_dir)
+    assert os.path.exists(os.path.join(step_dir, "stablerl_driver_state.pt")), os.listdir(step_dir)
+    # one micro-batch per step (weight 1): I_t = I_{t-1} + (H_t - target); the state lives across steps
+    (s1, i1, h1), (s2, i2, h2) = _integral_steps(first)
+    assert i1 == pytest.approx(h1 - TARGET_ENTROPY, abs=2e-3)
+    assert i2 == pytest.approx(i1 + h2 - TARGET_ENTROPY, abs=2e-3)
+
+    out, resumed = run_main_ppo(workdir, "entropic_resumed", [*ENTROPIC, "trainer.total_training_steps=3"])
+    # a new process: verl's step counter resumes at 3, and the loss state is the checkpoint's
+    _assert_steps_and_reward(resumed, [3])
+    (s3, i3, h3), = _integral_steps(resumed)
+    assert i3 == pytest.approx(i2 + h3 - TARGET_ENTROPY, abs=2e-3), (
+        f"EntroPIC's integral did not continue from the checkpoint: {i3} vs {i2} + {h3} - {TARGET_ENTROPY}"
+        f" (a fresh state gives {h3 - TARGET_ENTROPY})")
+    assert abs(i3 - (h3 - TARGET_ENTROPY)) > 1.0  # the check can tell a restored state from a fresh one
