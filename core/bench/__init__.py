@@ -747,7 +747,9 @@ def main(argv: Optional[list[str]] = None, args: Optional[argparse.Namespace] = 
         from ..params import unknown_name_message
         from ..registry import get_registry
 
-        known = get_registry().names(POLICY_LOSS)
+        from .trl import TRL_TWINS  # torch-only; labels of TRL's loss types (dapo, ...) select its pairs
+
+        known = get_registry().names(POLICY_LOSS) + [label for label in TRL_TWINS if label not in get_registry().names(POLICY_LOSS)]
         unknown = [n for n in losses or [""] if n not in known]
         if unknown:
             print(f"stablerl bench: {unknown_name_message('--losses entry', unknown[0], known)}", file=sys.stderr)
