@@ -26,13 +26,14 @@ from .contracts import (
     AlgorithmSpec,
     PolicyLossBatch,
 )
-from .checks import (
+from .checks import (  # noqa: F401  (is_binary_mask: also stablerl.api's, as before)
     check_advantages_shape,
     check_aggregation_request,
     check_log_probabilities,
     check_mask,
     check_per_response,
     check_token_leading,
+    is_binary_mask,
     require_float,
     require_tensor,
 )
@@ -142,26 +143,6 @@ def _check_missing(spec: AlgorithmSpec, available: dict[str, Any]) -> None:
                 f"{spec.kind.replace('_', ' ')} {spec.name!r} needs input {need!r} ({OPTIONAL_INPUTS.get(need) or ESTIMATOR_ONLY_INPUTS.get(need, '')}), "
                 "but it was not given"
             )
-
-
-def is_binary_mask(response_mask: torch.Tensor, as_float: torch.Tensor) -> bool:
-    """True when every mask value is exactly 0 or 1 (then a product with it is a select). A bool mask
-    is; an integer one when its min and max are in [0, 1] (one read pass); a float one when
-    ``m - m * m`` is 0 everywhere (one fused pass and a min/max)."""
-    if response_mask.dtype == torch.bool or response_mask.numel() == 0:
-        return True
-    if is_functorch_wrapped(response_mask):
-        return False
-    if response_mask.dtype.is_complex:
-        return False
-    if not response_mask.dtype.is_floating_point:
-        # integers: 0/1 iff min and max lie in [0, 1]; read on the float copy (half the bytes of an
-        # int64 mask), which keeps 0 and 1 and turns no other integer into either
-        low, high = torch.aminmax(as_float)
-        return bool(low >= 0) and bool(high <= 1)
-    # m - m*m is 0 exactly for m in {0, -0, 1} (below 1 it is positive, above 1 negative, NaN NaN)
-    low, high = torch.aminmax(torch.addcmul(as_float, as_float, as_float, value=-1))
-    return bool(low == 0) and bool(high == 0)
 
 
 def _check_finite(names, tensors, mask: torch.Tensor) -> None:

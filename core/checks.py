@@ -13,6 +13,7 @@ from typing import Any, Optional
 
 import torch
 
+from .ops import is_functorch_wrapped
 from .params import StableRLError, unknown_name_message
 
 _warned_fixed_aggregation: set[tuple[str, str]] = set()
@@ -37,6 +38,26 @@ def require_float(name: str, value: torch.Tensor) -> None:
         raise StableRLError(f"{name} must be a floating-point tensor (log-probabilities), got {value.dtype}")
 
 
+def is_binary_mask(response_mask: torch.Tensor, as_float: torch.Tensor) -> bool:
+    """True when every mask value is exactly 0 or 1 (then a product with it is a select). A bool mask
+    is; an integer one when its min and max are in [0, 1] (one read pass); a float one when
+    ``m - m * m`` is 0 everywhere (one fused pass and a min/max)."""
+    if response_mask.dtype == torch.bool or response_mask.numel() == 0:
+        return True
+    if is_functorch_wrapped(response_mask):
+        return False
+    if response_mask.dtype.is_complex:
+        return False
+    if not response_mask.dtype.is_floating_point:
+        # integers: 0/1 iff min and max lie in [0, 1]; read on the float copy (half the bytes of an
+        # int64 mask), which keeps 0 and 1 and turns no other integer into either
+        low, high = torch.aminmax(as_float)
+        return bool(low >= 0) and bool(high <= 1)
+    # m - m*m is 0 exactly for m in {0, -0, 1} (below 1 it is positive, above 1 negative, NaN NaN)
+    low, high = torch.aminmax(torch.addcmul(as_float, as_float, as_float, value=-1))
+    return bool(low == 0) and bool(high == 0)
+
+
 def check_mask(mask: Any, name: str = "response_mask") -> torch.Tensor:
     """A mask is bool or holds only 0 and 1.
 
@@ -46,18 +67,8 @@ def check_mask(mask: Any, name: str = "response_mask") -> torch.Tensor:
     means something (e.g. as ``is_weights``).
     """
     require_tensor(name, mask, "[B, T] of 0/1 (or bool)")
-    if mask.dtype == torch.bool or mask.numel() == 0:
+    if is_binary_mask(mask, mask):
         return mask
-    if mask.is_floating_point():
-        # m - m*m is 0 exactly for m in {0, 1} (positive below 1, negative above, NaN for NaN): one
-        # fused pass and a min/max
-        lo, hi = torch.aminmax(torch.addcmul(mask, mask, mask, value=-1))
-        if bool(lo == 0) and bool(hi == 0):
-            return mask
-    elif not mask.is_complex():  # integers in [0, 1] are 0 or 1: min and max in one pass
-        lo, hi = torch.aminmax(mask)
-        if int(lo) >= 0 and int(hi) <= 1:
-            return mask
     bad = (mask != 0) & (mask != 1)  # NaN counts as bad
     if bool(bad.any()):
         example = mask[bad].reshape(-1)[0].item()
