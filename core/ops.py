@@ -44,13 +44,19 @@ def masked_var(values: torch.Tensor, mask: torch.Tensor, unbiased: bool = True) 
     return sq / denom.clamp(min=1)
 
 
-def masked_extreme(values: torch.Tensor, mask: torch.Tensor, op: str, empty: float = 0.0) -> torch.Tensor:
-    """Min or max of ``values`` over the masked-in entries (``empty`` when there are none)."""
-    if values.numel() == 0:
-        return torch.full((), empty, dtype=values.dtype, device=values.device)
+def masked_extreme(values: torch.Tensor, mask: torch.Tensor, op: str, empty: float = 0.0,
+                   dim: Optional[int] = None) -> torch.Tensor:
+    """Min or max of ``values`` over the masked-in entries (``empty`` when there are none); over all
+    entries, or along ``dim`` (e.g. ``dim=-1``: one per row)."""
+    if values.numel() == 0 or (dim is not None and values.shape[dim] == 0):
+        shape = () if dim is None else values.sum(dim).shape
+        return torch.full(shape, empty, dtype=values.dtype, device=values.device)
     fill = math.inf if op == "min" else -math.inf
     v = torch.where(mask.bool(), values, torch.full((), fill, dtype=values.dtype, device=values.device))
-    out = v.amin() if op == "min" else v.amax()
+    if dim is None:
+        out = v.amin() if op == "min" else v.amax()
+    else:
+        out = v.amin(dim) if op == "min" else v.amax(dim)
     return torch.where(torch.isfinite(out), out, torch.full((), empty, dtype=values.dtype, device=values.device))
 
 

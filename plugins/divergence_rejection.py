@@ -58,8 +58,7 @@ def kl_rs_weights(b, p: KLRSParams, ctx):
         elif p.level == "seq_mean":
             stat = seq_mean(div, mask)
         else:  # seq_max: 0 for a row without a valid token (verl)
-            stat = torch.stack([masked_extreme(div[i], mask[i], "max") for i in range(div.shape[0])]) \
-                if div.shape[0] else div.new_zeros(0)
+            stat = masked_extreme(div, mask, "max", dim=-1)
         keep = (stat <= p.threshold).unsqueeze(-1).expand_as(div)
     w = keep.to(log_rho.dtype)
     metrics = _mismatch_metrics(log_rho, w, mask)
