@@ -234,6 +234,13 @@ TRL = FrameworkSpec(
             "norm_adv_by_std_in_grpo": FrameworkKey(
                 "scale_rewards", True, refuse_if_unused=True, spelled={True: "'group'", False: "'none'"}
             ),
+            # multi_objective_aggregation: 'sum_then_normalize' (TRL's default: the estimator gets the weighted
+            # sum) -> GDPO's default form; 'normalize_then_sum' (TRL's GDPO) -> gdpo form='trl'; refused for an
+            # estimator without `form` (it works on the weighted sum)
+            "form": FrameworkKey(
+                "multi_objective_aggregation", "verl", refuse_if_unused=True,
+                spelled={"verl": "'sum_then_normalize'", "trl": "'normalize_then_sum'"},
+            ),
         },
     },
     params_keys={

@@ -346,6 +346,30 @@ def _shape(data, config, name: str, params: dict) -> dict[str, float]:
     return metrics
 
 
+def _reward_components(data, config, extras: dict) -> dict[str, Any]:
+    """verl's own GDPO keys: ``algorithm.gdpo_reward_keys`` names the reward function's extra fields (one value
+    per response) that are the reward components, ``algorithm.gdpo_reward_weights`` their weights; handed to
+    any stablerl estimator as ``reward_components`` / ``reward_weights`` (unless a batch field of that name
+    already gave them)."""
+    keys = _cfg(config, "gdpo_reward_keys", None)
+    if not keys or "reward_components" in extras:
+        return {}
+    keys = [str(k) for k in (keys if not isinstance(keys, str) else [keys])]
+    missing = [k for k in keys if _field(data, k) is None]
+    if missing:
+        raise VerlAdvantageInputError(
+            f"algorithm.gdpo_reward_keys names {missing}, which verl's batch does not have; they are the reward "
+            f"function's extra fields (return {{'score': ..., '{missing[0]}': ...}} from compute_score)"
+        )
+    mask = data.batch["response_mask"]
+    out: dict[str, Any] = {"reward_components": {k: _as_tensor(_field(data, k), mask.shape[0], mask.device)
+                                                 for k in keys}}
+    weights = _cfg(config, "gdpo_reward_weights", None)
+    if weights is not None:
+        out["reward_weights"] = [float(w) for w in weights]
+    return out
+
+
 def _estimate(data, config, name: str) -> None:
     from ._translate import estimator_hyperparameters
 
@@ -362,6 +386,7 @@ def _estimate(data, config, name: str) -> None:
             value = gather_one(key, data)
             if value is not None:
                 extras[key] = value
+    extras.update(_reward_components(data, config, extras))
     advantages, returns = stablerl.compute_advantage(
         name,
         token_level_rewards=data.batch["token_level_rewards"],
