@@ -316,3 +316,57 @@ def test_gdpo_through_verls_compute_advantage(adapter, core_algos):
     torch.testing.assert_close(run("stablerl_gdpo"), run("gdpo"), rtol=1e-5, atol=1e-6)
     with pytest.raises(stablerl.MissingInputError, match=r"gdpo_reward_keys names \['typo'\]"):
         run("stablerl_gdpo", keys=("acc", "typo"))
+
+
+def _tir_inputs(seed, T=9):
+    """Multi-turn traces: response tokens, then a masked observation span of varying position and length, then
+    more response tokens; groups of 4, 3, 1 and 4; one response without any valid token."""
+    rewards, mask, index = _rewards_batch(seed=seed, T=T)
+    g = torch.Generator().manual_seed(300 + seed)
+    rewards = rewards + 0.2 * torch.randn(rewards.shape, generator=g, dtype=rewards.dtype)
+    mask = mask.clone()
+    for i in range(mask.shape[0]):
+        start = int(torch.randint(1, T - 2, (1,), generator=g))
+        mask[i, start:start + int(torch.randint(1, 3, (1,), generator=g))] = 0
+    mask[int(np.flatnonzero(index == "a")[0])] = 0  # an empty response in a group of four
+    rewards = rewards * (mask.sum(-1, keepdim=True) > 0)
+    old = -torch.rand(mask.shape, generator=g, dtype=torch.float64) * 2 - 0.05
+    spp = torch.rand(mask.shape, generator=g, dtype=torch.float64) * 0.9 + 0.05
+    return rewards, mask, index, old, spp
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize("zero_tail", [True, False])
+def test_tir_optimal_token_baseline(adapter, core_algos, seed, zero_tail):
+    rewards, mask, index, old, spp = _tir_inputs(seed)
+    ref = core_algos.compute_multi_turn_optimal_token_baseline_advantage(
+        rewards, mask, index, old_log_probs=old, sum_pi_squared=spp, handle_zero_tail=zero_tail)
+    ours = stablerl.compute_advantage("tir_optimal_token_baseline", token_level_rewards=rewards, response_mask=mask,
+                                      index=index, old_log_prob=old, sum_pi_squared=spp, handle_zero_tail=zero_tail)
+    torch.testing.assert_close(ours[0], ref[0], rtol=1e-12, atol=1e-12)
+    # returns: verl leaves them unmasked inside observation spans; on response tokens they are equal
+    torch.testing.assert_close(ours[1], ref[1] * mask, rtol=1e-12, atol=1e-12)
+    assert ref[0].abs().max() > 0.1
+    # the packing matters: the plain optimal_token_baseline gives other numbers on these traces
+    plain = stablerl.compute_advantage("optimal_token_baseline", token_level_rewards=rewards, response_mask=mask,
+                                       index=index, old_log_prob=old, sum_pi_squared=spp, handle_zero_tail=zero_tail)
+    assert not torch.allclose(plain[0], ours[0], atol=1e-6)
+
+
+def test_tir_optimal_token_baseline_through_verls_compute_advantage(adapter, core_algos):
+    from omegaconf import OmegaConf
+    from verl import DataProto
+    from verl.trainer.ppo.ray_trainer import compute_advantage
+
+    rewards, mask, index, old, spp = _tir_inputs(seed=2)
+
+    def run(name):
+        tensors = {"token_level_rewards": rewards.float(), "response_mask": mask.float(), "old_log_probs": old.float(),
+                   "sum_pi_squared": spp.float()}
+        data = DataProto.from_dict(tensors=tensors, non_tensors={"uid": index})
+        config = OmegaConf.create({"_target_": "verl.trainer.config.AlgoConfig", "gamma": 1.0, "lam": 1.0,
+                                   "adv_estimator": name, "norm_adv_by_std_in_grpo": True, "use_kl_in_reward": False})
+        return compute_advantage(data, name, config=config).batch["advantages"]
+
+    torch.testing.assert_close(run("stablerl_tir_optimal_token_baseline"), run("tir_optimal_token_baseline"),
+                               rtol=1e-6, atol=1e-6)
