@@ -15,11 +15,13 @@ UNAVAILABLE_LOSSES = (
         paper="2511.20718",
         title="ST-PPO / SO-PPO: turn-level importance sampling with clipping-bias correction (multi-turn agents)",
         notes=(
-            "the clipping-bias correction / 'clipping-triggered normalization' (CTN) equation "
-            "of arXiv 2511.20718 is unverified (secondary accounts contradict each other: bias subtraction, "
-            "advantage normalisation above a clip-fraction threshold, or a clip-fraction-scaled KL), and the "
-            "turn-level ratio's mean type (geometric vs arithmetic) is unconfirmed; the authors' code "
-            "(Cloud0723/SORL) was not read."
+            "the clipping-bias correction (v1 Eq. 8; 'clipping-triggered normalization', CTN, in v2) of arXiv "
+            "2511.20718 could not be read: every stored copy of the paper (arXiv HTML v1 and v2, summaries) exposes "
+            "only its abstract, which says the correction 'normalizes gradients by downweighting highly off-policy "
+            "samples' but not how, and the authors' code (Cloud0723/SORL) is not available here. Secondary accounts "
+            "still contradict each other (bias subtraction, advantage normalisation above a clip-fraction threshold, "
+            "a clip-fraction-scaled KL). Its turn-level IS alone (Turn-PPO, v1 Eq. 4) is offered as the experimental "
+            "turn_ppo."
         ),
     ),
     dict(

@@ -113,10 +113,20 @@ SOURCES: dict[str, tuple[tuple[str, ...], str]] = {
         "a per-token 'turn_ids' batch field ([B, T] ints), written by your agent loop; no stock verl component "
         "writes it (only the per-sample __num_turns__), and v1 does not fetch it",
     ),
+    "anchor_ids": (
+        ("anchor_ids",),
+        "a per-row 'anchor_ids' batch or non-tensor field ([B] ints, one row per agent step), written by your agent "
+        "loop (verl-agent-style step rows); no stock verl component writes it",
+    ),
+    "step_returns": (
+        ("step_returns",),
+        "a per-row 'step_returns' batch or non-tensor field ([B] floats: the discounted return from the step), "
+        "written by your agent loop; no stock verl component writes it",
+    ),
 }
 
 #: declared inputs of estimators that only a customised pipeline puts in verl's batch (see SOURCES)
-BATCH_FIELD_INPUTS = frozenset({"entropy", "turn_ids"})
+BATCH_FIELD_INPUTS = frozenset({"entropy", "turn_ids", "anchor_ids", "step_returns"})
 
 #: optional per-response extras an estimator reads when present (not declared: the estimator works
 #: without them or raises its own message): taken from the batch / non-tensor batch by this name
