@@ -29,10 +29,11 @@ UNAVAILABLE_LOSSES = (
         paper="2508.18884",
         title="HAEPO: History-Aggregated Exploratory Policy Optimization (Plackett-Luce trajectory weights)",
         notes=(
-            "only an abstract-level formulation of arXiv 2508.18884 is known (softmax over "
-            "summed trajectory log-likelihoods times normalised returns, plus entropy and a KL to the previous "
-            "policy); the reward normalisation, whether the weights are detached, any temperature, the "
-            "coefficients and the KL estimator are unverified, and no code was found."
+            "the paper (arXiv 2508.18884) defines the objective, but every stored copy of it (arXiv HTML v1, "
+            "listings, summaries) exposes only the abstract (a Plackett-Luce softmax over summed trajectory "
+            "log-likelihoods weighted by return, an entropy term and a KL to a frozen previous policy); the return "
+            "normalisation, whether the weights are detached, any temperature, the coefficients and the KL estimator "
+            "could not be read, and no code was found (rechecked for issue 16)."
         ),
     ),
     dict(
