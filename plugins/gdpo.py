@@ -145,8 +145,9 @@ def register_advantage_estimators(register):
         "extras['reward_weights'] ([K]); without components the outcome score is the only one (verl's fallback: "
         "then GRPO followed by the batch normalisation). verl: the adapter builds them from "
         "algorithm.gdpo_reward_keys / gdpo_reward_weights (verl's own keys: the reward function's extra fields). "
-        "TRL: the adapter passes every reward function's reward and TRL's reward_weights. OpenRLHF: no per-reward "
-        "components reach the advantage step, so only the outcome score is used there. form='verl' whitens over "
+        "TRL: the adapter passes every reward function's reward and TRL's reward_weights. OpenRLHF: "
+        "--algo.advantage.stablerl_reward_components names the reward function's extra_logs keys (and "
+        "--algo.advantage.stablerl_reward_weights their weights); without it the outcome score. form='verl' whitens over "
         "tokens (rsqrt(var + 1e-8)), form='trl' normalises over responses (std + 1e-4); verl's is the default "
         "(the name is verl's built-in). The batch statistics are over all DP ranks (ctx.all_reduce).",
     )
