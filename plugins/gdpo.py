@@ -138,6 +138,7 @@ def register_advantage_estimators(register):
         title="GDPO: per-reward-component group normalisation, weighted sum, batch normalisation",
         formula="A_k = (r_k - mean_g(r_k)) / (std_g(r_k) + eps); A = batch_norm(sum_k w_k A_k)",
         status=STABLE,
+        optional_inputs=("reward_components", "reward_weights"),
         batch_statistics=True,
         reference="verl 0.9.1 core_algos.compute_gdpo_outcome_advantage (form='verl'); TRL 1.16 GRPOTrainer "
         "multi_objective_aggregation='normalize_then_sum' (form='trl')",

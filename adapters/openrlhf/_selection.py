@@ -133,6 +133,12 @@ class Selection:
             raise stablerl.StableRLError(
                 f"{COMPONENTS_FLAG} given, but --algo.advantage.estimator is an OpenRLHF built-in (only stablerl "
                 "estimators read reward components)")
+        if self.advantage_estimator is not None:
+            from stablerl.frameworks import check_shaper_and_components
+
+            check_shaper_and_components(self.reward_shaper,
+                                        stablerl.get_spec(stablerl.ADVANTAGE_ESTIMATOR, self.advantage_estimator),
+                                        bool(self.reward_components), COMPONENTS_FLAG)
         for kind, name, params, flag in ((_SHAPER, self.reward_shaper, self.reward_shaper_params, SHAPER_FLAG),
                                          (_FILTER, self.batch_filter, self.batch_filter_params, FILTER_FLAG)):
             if name is not None:

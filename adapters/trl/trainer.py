@@ -53,7 +53,7 @@ from stablerl import routing_replay as rr
 from stablerl.contracts import (ADVANTAGE_ESTIMATOR, BATCH_FILTER, CONTROLLER, OPTIONAL_INPUTS, POLICY_LOSS,
                                 REWARD_SHAPER, ROLLOUT_CORRECTION)
 from stablerl.frameworks import (UnsupportedVersionError, apply_filter_result, as_params, check_call_options,
-                                 check_framework_keys_used, split_call_options,
+                                 check_framework_keys_used, check_shaper_and_components, split_call_options,
                                  check_inputs, check_version, effective_hyperparameters, get_framework, log_effective_settings,
                                  resolve, version_in_range)
 from stablerl.ops import AGG_MODES, last_valid_index, scores_on_last_token
@@ -500,6 +500,10 @@ def validate_stablerl_extensions(args) -> dict[str, Optional[str]]:
             "default advantages (scale_rewards='group') use advantage_estimator='grpo' with "
             "stablerl_advantage_params={'epsilon': 1e-4}"
         )
+    if names["reward_shaper"]:  # the adapter always hands the estimator every reward function's reward
+        check_shaper_and_components(names["reward_shaper"],
+                                    stablerl.get_spec(ADVANTAGE_ESTIMATOR, args.advantage_estimator), True,
+                                    "each reward function's reward, which TRL's adapter passes")
     return names
 
 

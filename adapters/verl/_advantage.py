@@ -51,7 +51,7 @@ import stablerl
 from stablerl import ADVANTAGE_ESTIMATOR, BATCH_FILTER, REWARD_SHAPER, Context, MissingInputError, StableRLError
 from stablerl.adapters.verl._ledger import LEDGER
 from stablerl.contracts import OPTIONAL_INPUTS
-from stablerl.frameworks import apply_filter_result
+from stablerl.frameworks import apply_filter_result, check_shaper_and_components
 from stablerl.ops import last_valid_index
 from stablerl.state import StateStore
 from stablerl.params import UnknownNameError, build_params, unknown_name_message
@@ -457,6 +457,11 @@ def _wrap(original):
 
             data.batch["response_mask"] = compute_response_mask(data)
         metrics: dict[str, float] = {}
+        if chosen["shaper"] is not None and name is not None:
+            check_shaper_and_components(
+                chosen["shaper"][0], stablerl.get_spec(ADVANTAGE_ESTIMATOR, name),
+                bool(_cfg(config, "gdpo_reward_keys", None)) or _field(data, "reward_components") is not None,
+                "algorithm.gdpo_reward_keys or a 'reward_components' batch field")
         if chosen["shaper"] is not None:
             metrics.update(_shape(data, config, *chosen["shaper"]))
         if name is not None:

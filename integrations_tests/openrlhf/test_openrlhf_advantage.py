@@ -189,3 +189,9 @@ def test_reward_component_flags_reach_the_selection(monkeypatch):
     sel = args.stablerl
     assert (sel.advantage_estimator, sel.advantage_params) == ("gdpo", {"form": "trl"})
     assert sel.reward_components == ("acc", "fmt") and sel.reward_weights == (1.0, 0.5)
+
+
+def test_gdpo_components_with_a_reward_shaper_are_refused():
+    with pytest.raises(stablerl.StableRLError, match="shaping would be lost"):
+        Selection(advantage_estimator="gdpo", reward_components=("acc",), reward_shaper="redit").validate()
+    Selection(advantage_estimator="gdpo", reward_shaper="redit").validate()  # no components: the outcome score

@@ -11,6 +11,8 @@ test_trl_parity.py (float64 model, num_iterations=2, GA=2, parameters compared a
 
 import pytest
 import torch
+
+import stablerl
 from test_trl_parity import _compare, _pair
 
 
@@ -120,3 +122,14 @@ def test_gdpo_form_follows_trls_multi_objective_aggregation():
     args = GRPOConfig(advantage_estimator="gdpo", multi_objective_aggregation="normalize_then_sum",
                       stablerl_advantage_params={"form": "verl"}, **cpu)
     assert as_params(advantage_settings(args, "gdpo"))["form"] == "verl"  # an explicit stablerl key wins
+
+
+def test_gdpo_with_a_reward_shaper_is_refused():
+    """TRL's adapter always hands gdpo every reward function's reward; a shaper's change to the summed reward would
+    be lost, so the combination is refused at config time."""
+    from stablerl.adapters.trl import GRPOConfig
+
+    cpu = dict(output_dir="/tmp/stablerl-trl-builtins-test", use_cpu=True, bf16=False, report_to="none")
+    with pytest.raises(stablerl.StableRLError, match="shaping would be lost"):
+        GRPOConfig(advantage_estimator="gdpo", reward_shaper="redit", **cpu)
+    GRPOConfig(advantage_estimator="grpo", reward_shaper="redit", **cpu)  # estimators on the summed reward: fine

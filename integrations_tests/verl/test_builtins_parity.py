@@ -370,3 +370,26 @@ def test_tir_optimal_token_baseline_through_verls_compute_advantage(adapter, cor
 
     torch.testing.assert_close(run("stablerl_tir_optimal_token_baseline"), run("tir_optimal_token_baseline"),
                                rtol=1e-6, atol=1e-6)
+
+
+def test_gdpo_with_a_reward_shaper_is_refused_when_components_are_given(adapter, core_algos):
+    """A shaper changes the summed reward, which gdpo does not read when it has components: refused, not dropped."""
+    from omegaconf import OmegaConf
+    from verl import DataProto
+    from verl.trainer.ppo.ray_trainer import compute_advantage
+
+    rewards, mask, index, comps = _gdpo_inputs(seed=3)
+    tensors = {"token_level_rewards": rewards.float(), "response_mask": mask.float(), **_verl_gdpo_batch(mask)}
+
+    def config(**extra):
+        return OmegaConf.create({"_target_": "verl.trainer.config.AlgoConfig", "gamma": 1.0, "lam": 1.0,
+                                 "adv_estimator": "stablerl_gdpo", "norm_adv_by_std_in_grpo": True,
+                                 "use_kl_in_reward": False, "stablerl_reward_shaper": "redit", **extra})
+
+    with pytest.raises(stablerl.StableRLError, match="shaping would be lost"):
+        compute_advantage(DataProto.from_dict(tensors=dict(tensors), non_tensors={"uid": index, **comps}),
+                          "stablerl_gdpo", config=config(gdpo_reward_keys=["acc", "fmt"]))
+    # without components gdpo normalises the (shaped) outcome score: allowed
+    out = compute_advantage(DataProto.from_dict(tensors=dict(tensors), non_tensors={"uid": index}),
+                            "stablerl_gdpo", config=config())
+    assert torch.isfinite(out.batch["advantages"]).all()
