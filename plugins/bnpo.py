@@ -137,7 +137,6 @@ def register_advantage_estimators(register):
         title="BNPO: Beta Normalization Policy Optimization",
         formula="A_i = clamp(1/Beta(p_q; 1+a/3, 1+b/3), 0, clamp) (s_i - p_q), a, b = method-of-moments Beta fit of {p_q} over the batch",
         status=STABLE,
-        optional_inputs=("reward_components",),
         batch_statistics=True,
         reference="authors' recipe/bnpo compute_bnpo_outcome_advantage (changyi7231/BNPO a9c51b9)",
         notes="s = (S - min_value)/(max_value - min_value); p_q = group mean of s, 0 for a group of one "
