@@ -92,6 +92,8 @@ VERL = FrameworkSpec(
     why_not={
         "*": {
             "turn_ids": "verl's batch has no per-token turn ids (only the per-sample num_turns)",
+            "anchor_ids": "verl's trainers keep one row per response, not per agent step, and no anchor-state ids",
+            "step_returns": "verl's trainers keep one row per response, not per agent step, and no step returns",
             "versions": "verl's batch has no per-token policy versions",
             "policy_version": "the worker's loss call does not know the current policy version / step",
             "router_log_prob": "verl's loss gets no router log-probs",
@@ -110,6 +112,11 @@ VERL = FrameworkSpec(
             "(opt in with +algorithm.stablerl_batch_field_estimators=true if your pipeline writes it)",
             "turn_ids": "no stock verl component writes per-token turn ids (opt in with "
             "+algorithm.stablerl_batch_field_estimators=true if your agent loop writes 'turn_ids')",
+            "anchor_ids": "no stock verl component writes one row per agent step with anchor-state ids (opt in with "
+            "+algorithm.stablerl_batch_field_estimators=true if your agent loop writes 'anchor_ids', as verl-agent "
+            "does for GiGPO)",
+            "step_returns": "no stock verl component writes per-step discounted returns (opt in with "
+            "+algorithm.stablerl_batch_field_estimators=true if your agent loop writes 'step_returns')",
             "token_ids": "v1's _compute_advantage does not fetch 'responses'",
         },
     },
@@ -192,6 +199,9 @@ TRL = FrameworkSpec(
         "*": {
             "old_entropy": "TRL computes no entropies in its old-log-prob pass",
             "turn_ids": "TRL marks tool tokens with tool_mask but gives no per-token turn ids",
+            "anchor_ids": "TRL's GRPOTrainer has one row per completion (its tool calls stay inside it), no agent "
+            "steps with anchor-state ids",
+            "step_returns": "TRL's GRPOTrainer has one row per completion, no agent steps with step returns",
             "versions": "TRL's GRPOTrainer is synchronous: no per-token policy versions",
             "policy_version": "TRL's GRPOTrainer is synchronous: no per-token policy versions",
             "router_log_prob": "needs routing_replay='R2' or 'R3' on an MoE model (TRL's fused LM head drops router "
@@ -233,6 +243,13 @@ TRL = FrameworkSpec(
             # scale_rewards: 'group' (TRL's default) -> True, 'none' -> False; 'batch' is refused
             "norm_adv_by_std_in_grpo": FrameworkKey(
                 "scale_rewards", True, refuse_if_unused=True, spelled={True: "'group'", False: "'none'"}
+            ),
+            # multi_objective_aggregation: 'sum_then_normalize' (TRL's default: the estimator gets the weighted
+            # sum) -> GDPO's default form; 'normalize_then_sum' (TRL's GDPO) -> gdpo form='trl'; refused for an
+            # estimator without `form` (it works on the weighted sum)
+            "form": FrameworkKey(
+                "multi_objective_aggregation", "verl", refuse_if_unused=True,
+                spelled={"verl": "'sum_then_normalize'", "trl": "'normalize_then_sum'"},
             ),
         },
     },
@@ -287,6 +304,9 @@ OPENRLHF = FrameworkSpec(
             "log-probs only then)",
             "old_entropy": _ORLHF_OLD_ENTROPY,
             "turn_ids": "OpenRLHF's experiences carry no per-token turn ids",
+            "anchor_ids": "OpenRLHF's experiences are one per sample (its agent mode keeps a whole episode in one), "
+            "with no anchor-state ids",
+            "step_returns": "OpenRLHF's experiences carry no per-step discounted returns",
             "versions": "OpenRLHF's experiences carry no per-token policy versions (its async mode keeps none per token)",
             "policy_version": "OpenRLHF's loss call does not know the current policy version",
             "router_log_prob": "OpenRLHF's loss call gets no router log-probs (stablerl's R2/R3 replay there replays "

@@ -70,6 +70,18 @@ OPTIONAL_INPUTS: dict[str, str] = {
     "lengths": "per-response lengths [B] in tokens (e.g. response_mask.sum(-1))",
     "flawed": "per-response 'flawed positive' flag [B] bool (FAPO: a generative reward model found an error step)",
     "void_turn": "per-trajectory flag [B] bool: the trajectory has a void turn (SimpleTIR agent loop metadata)",
+    # GDPO (arXiv 2601.05242): the reward function's components, before they are summed
+    "reward_components": "per-response reward components [B, K] (or a dict of [B] / [B, T] tensors), before the "
+    "weighted sum (verl: the fields named by algorithm.gdpo_reward_keys; TRL: each reward function's reward; "
+    "OpenRLHF: the extra_logs keys named by --algo.advantage.stablerl_reward_components)",
+    "reward_weights": "weights [K] of the reward components (verl: algorithm.gdpo_reward_weights; TRL: "
+    "reward_weights; OpenRLHF: --algo.advantage.stablerl_reward_weights)",
+    # GiGPO (arXiv 2505.10978): one batch row per agent step
+    "anchor_ids": "per-row anchor-state ids [B] ints, one row per agent step: steps of the same episode group "
+    "whose observed environment state is identical share an id (GiGPO's step-level groups; the agent loop "
+    "hashes the observation)",
+    "step_returns": "per-row discounted return from that agent step on, [B]: G_t = r_t + gamma G_{t+1} within "
+    "its trajectory (GiGPO Eq. 5; the agent loop computes it from the step rewards)",
 }
 
 # inputs every policy loss receives anyway that an advantage estimator may declare (AdvantageBatch fields)

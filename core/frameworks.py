@@ -469,6 +469,19 @@ def effective_hyperparameters(
     return out
 
 
+def check_shaper_and_components(shaper: Optional[str], spec: AlgorithmSpec, components_given: bool,
+                                components_source: str) -> None:
+    """Refuse a reward shaper together with an estimator that reads the per-reward components it is given
+    (``reward_components`` in ``spec.optional_inputs``): the shaper changes the summed reward, which such an
+    estimator does not read, so the shaping would be dropped without a word."""
+    if shaper and components_given and "reward_components" in spec.optional_inputs:
+        raise StableRLError(
+            f"reward shaper {shaper!r} with the advantage estimator {spec.name!r}: the shaper changes the summed "
+            f"reward, but {spec.name!r} reads the reward components ({components_source}) instead, so the shaping "
+            "would be lost; drop the shaper, or the components"
+        )
+
+
 def check_framework_keys_used(
     framework: FrameworkSpec | str, spec: AlgorithmSpec, framework_values: Optional[Mapping[str, Any]] = None,
     user_set: Optional[Any] = None,

@@ -316,6 +316,39 @@ def group_stats(scores: torch.Tensor, gid: torch.Tensor, ctx: Optional[Context] 
     return mean[gid], std[gid], count[gid]
 
 
+def reward_component_matrix(comps: Any, mask: torch.Tensor, who: str, allow_nan: bool = False) -> torch.Tensor:
+    """Per-response reward components ``[B, K]`` (float64) from ``extras['reward_components']``: a ``[B, K]``
+    (or ``[B]``) tensor, or a dict of ``[B]`` per-response / ``[B, T]`` token-level tensors (summed over
+    ``mask``), in the dict's order. ``who`` prefixes the errors. NaN marks a component a reward function did
+    not score (TRL's None); it raises unless ``allow_nan``; inf always raises."""
+    B = mask.shape[0]
+    device = mask.device
+    if isinstance(comps, dict):
+        if not comps:
+            raise StableRLError(f"{who}: extras['reward_components'] is an empty dict")
+        cols = []
+        for key, t in comps.items():
+            t = torch.as_tensor(np.asarray(t, dtype=np.float64) if not isinstance(t, torch.Tensor) else t,
+                                device=device).to(torch.float64)
+            if t.dim() == 2 and tuple(t.shape) == tuple(mask.shape):
+                t = (t * mask.to(torch.float64)).sum(-1)
+            if tuple(t.shape) != (B,):
+                raise StableRLError(
+                    f"{who}: reward component {key!r} has shape {tuple(t.shape)}, expected [{B}] or {list(mask.shape)}"
+                )
+            cols.append(t)
+        out = torch.stack(cols, dim=-1)
+    else:
+        out = torch.as_tensor(comps, device=device).to(torch.float64)
+        if out.dim() == 1:
+            out = out.unsqueeze(-1)
+        if out.dim() != 2 or out.shape[0] != B or out.shape[1] == 0:
+            raise StableRLError(f"{who}: extras['reward_components'] has shape {tuple(out.shape)}, expected [{B}, K]")
+    if bool(torch.isinf(out).any()) or (not allow_nan and bool(torch.isnan(out).any())):
+        raise StableRLError(f"{who}: extras['reward_components'] has non-finite values (NaN or inf)")
+    return out
+
+
 def last_valid_index(mask: torch.Tensor) -> torch.Tensor:
     """``[B]`` position of each row's last valid token (0 for a row without one)."""
     last = mask.shape[-1] - 1 - torch.flip(mask.to(torch.int64), [-1]).argmax(-1)

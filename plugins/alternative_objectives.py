@@ -308,8 +308,10 @@ def register_policy_losses(register):
         metrics=("pg_clipfrac", "pg_clipfrac_lower", "clip_high", "clip_low", "ppo_kl", "turn_ppo/turn_ratio_mean"),
         reference="secondary descriptions of arXiv 2511.20718 (code not read)",
         notes=(
-            "Assumes the geometric mean of token ratios per turn (one secondary note claims an arithmetic mean: "
-            "unverified). turn_ids: per-token turn index, < 0 on non-trained tokens. The clipping-bias correction "
+            "Assumes the geometric mean of token ratios per turn, as three secondary accounts of arXiv 2511.20718 "
+            "state (one note claims an arithmetic mean); the paper's Eq. 4 itself could not be read here (the stored "
+            "copies of the paper expose only its abstract, and the authors' code Cloud0723/SORL is not stored), so "
+            "the mean type stays unverified and the status experimental. turn_ids: per-token turn index, < 0 on non-trained tokens. The clipping-bias correction "
             "(CTN) of ST-PPO is not implemented (see st_ppo). With one turn per sequence this equals gspo at the "
             "same bounds (with dual clip)."
         ),

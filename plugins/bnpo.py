@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from stablerl import STABLE, Params, hookimpl
+from stablerl.ops import reward_component_matrix
 from stablerl.params import StableRLError, check
 
 # variance of the per-prompt success rates below which the Beta fit is degenerate (all p equal)
@@ -56,29 +57,7 @@ def _component_scores(b, p: BNPOParams) -> torch.Tensor:
             "bnpo: decomposition=True needs extras['reward_components'] (a [B, K] tensor or a dict of [B] "
             "per-response / [B, T] token-level reward tensors)"
         )
-    B = b.token_level_rewards.shape[0]
-    device = b.token_level_rewards.device
-    if isinstance(comps, dict):
-        if not comps:
-            raise StableRLError("bnpo: extras['reward_components'] is an empty dict")
-        cols = []
-        for key, t in comps.items():
-            t = torch.as_tensor(t, device=device).to(torch.float64)
-            if t.dim() == 2 and tuple(t.shape) == tuple(b.response_mask.shape):
-                t = (t * b.response_mask.to(torch.float64)).sum(-1)
-            if tuple(t.shape) != (B,):
-                raise StableRLError(
-                    f"bnpo: reward component {key!r} has shape {tuple(t.shape)}, expected [{B}] or "
-                    f"{list(b.response_mask.shape)}"
-                )
-            cols.append(t)
-        return torch.stack(cols, dim=-1)
-    t = torch.as_tensor(comps, device=device).to(torch.float64)
-    if t.dim() == 1:
-        t = t.unsqueeze(-1)
-    if t.dim() != 2 or t.shape[0] != B or t.shape[1] == 0:
-        raise StableRLError(f"bnpo: extras['reward_components'] has shape {tuple(t.shape)}, expected [{B}, K]")
-    return t
+    return reward_component_matrix(comps, b.response_mask, "bnpo")
 
 
 def beta_log_pdf(x: torch.Tensor, alpha: torch.Tensor, beta: torch.Tensor) -> torch.Tensor:

@@ -15,11 +15,13 @@ UNAVAILABLE_LOSSES = (
         paper="2511.20718",
         title="ST-PPO / SO-PPO: turn-level importance sampling with clipping-bias correction (multi-turn agents)",
         notes=(
-            "the clipping-bias correction / 'clipping-triggered normalization' (CTN) equation "
-            "of arXiv 2511.20718 is unverified (secondary accounts contradict each other: bias subtraction, "
-            "advantage normalisation above a clip-fraction threshold, or a clip-fraction-scaled KL), and the "
-            "turn-level ratio's mean type (geometric vs arithmetic) is unconfirmed; the authors' code "
-            "(Cloud0723/SORL) was not read."
+            "the clipping-bias correction (v1 Eq. 8; 'clipping-triggered normalization', CTN, in v2) of arXiv "
+            "2511.20718 could not be read: every stored copy of the paper (arXiv HTML v1 and v2, summaries) exposes "
+            "only its abstract, which says the correction 'normalizes gradients by downweighting highly off-policy "
+            "samples' but not how, and the authors' code (Cloud0723/SORL) is not available here. Secondary accounts "
+            "still contradict each other (bias subtraction, advantage normalisation above a clip-fraction threshold, "
+            "a clip-fraction-scaled KL). Its turn-level IS alone (Turn-PPO, v1 Eq. 4) is offered as the experimental "
+            "turn_ppo."
         ),
     ),
     dict(
@@ -27,10 +29,11 @@ UNAVAILABLE_LOSSES = (
         paper="2508.18884",
         title="HAEPO: History-Aggregated Exploratory Policy Optimization (Plackett-Luce trajectory weights)",
         notes=(
-            "only an abstract-level formulation of arXiv 2508.18884 is known (softmax over "
-            "summed trajectory log-likelihoods times normalised returns, plus entropy and a KL to the previous "
-            "policy); the reward normalisation, whether the weights are detached, any temperature, the "
-            "coefficients and the KL estimator are unverified, and no code was found."
+            "the paper (arXiv 2508.18884) defines the objective, but every stored copy of it (arXiv HTML v1, "
+            "listings, summaries) exposes only the abstract (a Plackett-Luce softmax over summed trajectory "
+            "log-likelihoods weighted by return, an entropy term and a KL to a frozen previous policy); the return "
+            "normalisation, whether the weights are detached, any temperature, the coefficients and the KL estimator "
+            "could not be read, and no code was found (rechecked for issue 16)."
         ),
     ),
     dict(

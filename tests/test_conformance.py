@@ -48,9 +48,18 @@ def _reinforce_ada_counts(base):
     return {"pos_count": (gid % 3 + 1).long(), "neg_count": (7 - gid % 3).long()}
 
 
+def _gdpo_components(base):
+    """Two reward components per response (one binary, one on another scale), a function of the response's
+    position so that permuting the batch permutes them with it."""
+    B = len(base["index"])
+    i = torch.arange(B, dtype=torch.float64)
+    return {"reward_components": torch.stack([(i % 2), 3.0 * torch.sin(i)], -1), "reward_weights": [1.0, 0.5]}
+
+
 # declared inputs the suite cannot synthesise
 INPUTS: dict[str, dict] = {
     "reinforce_ada": {"extras": _reinforce_ada_counts},
+    "gdpo": {"extras": _gdpo_components},
 }
 
 

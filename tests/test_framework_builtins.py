@@ -439,3 +439,26 @@ def test_optimal_token_baseline_by_hand():
     with pytest.raises(stablerl.MissingInputError, match="sum_pi_squared"):
         compute_advantage("optimal_token_baseline", token_level_rewards=r, response_mask=mask, index=[0, 0],
                           old_log_prob=old)
+
+
+def test_tir_optimal_token_baseline_by_hand():
+    # one group of two; row 0 has an observation token at t=1: its generated tokens are t=0 and t=2, which the
+    # multi-turn variant aligns with row 1's t=0 and t=1 (the plain one aligns t=2 with row 1's t=2)
+    r = torch.tensor([[0.0, 0.0, 1.0], [0.0, 2.0, 0.0]], dtype=F64)
+    mask = torch.tensor([[1.0, 0.0, 1.0], [1.0, 1.0, 0.0]], dtype=F64)
+    old = torch.full((2, 3), math.log(0.5), dtype=F64)
+    spp = torch.full((2, 3), 0.5, dtype=F64)  # w = 0.5 per valid token
+    a, ret = compute_advantage("tir_optimal_token_baseline", token_level_rewards=r, response_mask=mask, index=[0, 0],
+                               old_log_prob=old, sum_pi_squared=spp, epsilon=0.0)
+    # packed: G = [[1, 1], [2, 2]], W = [[0.5, 1.0], [0.5, 1.0]]; B_0 = (0.5 + 1.0)/1.0 = 1.5, B_1 = (1 + 2)/2 = 1.5
+    torch.testing.assert_close(a, torch.tensor([[-0.5, 0.0, -0.5], [0.5, 0.5, 0.0]], dtype=F64), rtol=0, atol=1e-15)
+    torch.testing.assert_close(ret, torch.tensor([[1.0, 0.0, 1.0], [2.0, 2.0, 0.0]], dtype=F64), rtol=0, atol=0)
+    # the plain baseline aligns row 0's t=2 with nothing (row 1 has no t=2): a different advantage there
+    plain, _ = compute_advantage("optimal_token_baseline", token_level_rewards=r, response_mask=mask, index=[0, 0],
+                                 old_log_prob=old, sum_pi_squared=spp, epsilon=0.0)
+    assert float(plain[0, 2]) != -0.5
+    # contiguous responses (no masked span inside): the same as optimal_token_baseline
+    mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]], dtype=F64)
+    kw = dict(token_level_rewards=r, response_mask=mask, index=[0, 0], old_log_prob=old, sum_pi_squared=spp)
+    torch.testing.assert_close(compute_advantage("tir_optimal_token_baseline", **kw)[0],
+                               compute_advantage("optimal_token_baseline", **kw)[0], rtol=0, atol=0)

@@ -74,12 +74,22 @@ def stable_advantages_and_returns(maker, experiences, selection: Selection):
     settings = advantage_settings(selection)  # one precedence rule; printed once per process
     log_effective_settings(OPENRLHF, stablerl.get_spec(stablerl.ADVANTAGE_ESTIMATOR, selection.advantage_estimator),
                            settings)
+    extras = {}
+    if selection.reward_components:  # the reward function's extra_logs named on the command line (GDPO)
+        from ._shape_filter import _from_info
+
+        extras["reward_components"] = {
+            key: _from_info(key, experiences, stablerl.ADVANTAGE_ESTIMATOR, selection.advantage_estimator)
+            for key in selection.reward_components}
+        if selection.reward_weights:
+            extras["reward_weights"] = list(selection.reward_weights)
     advantages, returns = stablerl.compute_advantage(
         selection.advantage_estimator,
         token_level_rewards=torch.cat(token_rewards),
         response_mask=mask_all,
         index=torch.div(indices, n, rounding_mode="floor"),  # OpenRLHF's prompt groups
         ctx=stablerl.Context(),
+        **({"extras": extras} if extras else {}),
         **as_params(settings),
     )
 

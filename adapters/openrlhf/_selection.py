@@ -29,6 +29,8 @@ from ._spec import (
     LEGACY_SETUP_HOOK,
     SETUP_HOOK,
     SHAPER_FLAG,
+    COMPONENT_WEIGHTS_FLAG,
+    COMPONENTS_FLAG,
 )
 
 def parse_params(value: Any, flag: str) -> dict[str, Any]:
@@ -89,6 +91,11 @@ class Selection:
     reward_shaper_params: dict = field(default_factory=dict)
     batch_filter: Optional[str] = None
     batch_filter_params: dict = field(default_factory=dict)
+    #: --algo.advantage.stablerl_reward_components: the reward function's extra_logs keys (one value per
+    #: response, copied by OpenRLHF into experience.info) handed to the estimator as reward_components (GDPO);
+    #: --algo.advantage.stablerl_reward_weights: their weights (reward_weights)
+    reward_components: tuple = ()
+    reward_weights: tuple = ()
 
     def validate(self) -> "Selection":
         """Build the Params the workers will build (the effective ones: stablerl keys and the OpenRLHF flags
@@ -118,6 +125,20 @@ class Selection:
             raise stablerl.StableRLError(
                 "stablerl advantage hyper-parameters given, but --algo.advantage.estimator is an OpenRLHF built-in"
             )
+        if self.reward_weights and len(self.reward_weights) != len(self.reward_components):
+            raise stablerl.StableRLError(
+                f"{COMPONENT_WEIGHTS_FLAG} has {len(self.reward_weights)} values for "
+                f"{len(self.reward_components)} {COMPONENTS_FLAG} names")
+        if self.reward_components and self.advantage_estimator is None:
+            raise stablerl.StableRLError(
+                f"{COMPONENTS_FLAG} given, but --algo.advantage.estimator is an OpenRLHF built-in (only stablerl "
+                "estimators read reward components)")
+        if self.advantage_estimator is not None:
+            from stablerl.frameworks import check_shaper_and_components
+
+            check_shaper_and_components(self.reward_shaper,
+                                        stablerl.get_spec(stablerl.ADVANTAGE_ESTIMATOR, self.advantage_estimator),
+                                        bool(self.reward_components), COMPONENTS_FLAG)
         for kind, name, params, flag in ((_SHAPER, self.reward_shaper, self.reward_shaper_params, SHAPER_FLAG),
                                          (_FILTER, self.batch_filter, self.batch_filter_params, FILTER_FLAG)):
             if name is not None:

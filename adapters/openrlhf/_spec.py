@@ -30,6 +30,9 @@ FEEDABLE_EXTENSION_INPUTS = OPENRLHF.feedable[_SHAPER] | OPENRLHF.feedable[_FILT
 REWARD_FUNCTION_INPUTS = tuple(sorted(FEEDABLE_EXTENSION_INPUTS - {"index", "scores", "lengths"}))
 SHAPER_FLAG = "--algo.advantage.stablerl_reward_shaper"
 FILTER_FLAG = "--algo.advantage.stablerl_batch_filter"
+#: the reward function's extra_logs keys that are reward components (GDPO), and their weights
+COMPONENTS_FLAG = "--algo.advantage.stablerl_reward_components"
+COMPONENT_WEIGHTS_FLAG = "--algo.advantage.stablerl_reward_weights"
 
 #: Environment variables of the no-wrapper route (forwarded to every worker by add_setup_hook).
 ENV_POLICY_LOSS = "STABLERL_POLICY_LOSS"

@@ -44,7 +44,8 @@ from stablerl.params import StableRLError
 from . import _routing_replay
 from ._names import extension_choices, openrlhf_choices, resolve, resolve_extension
 from ._selection import Selection, add_setup_hook, keep_tensor_attributes, parse_params
-from ._spec import FILTER_FLAG, OPENRLHF_ADV_ESTIMATORS, OPENRLHF_POLICY_LOSSES, PREFIX, SHAPER_FLAG, check_openrlhf
+from ._spec import (COMPONENT_WEIGHTS_FLAG, COMPONENTS_FLAG, FILTER_FLAG, OPENRLHF_ADV_ESTIMATORS,
+                    OPENRLHF_POLICY_LOSSES, PREFIX, SHAPER_FLAG, check_openrlhf)
 
 _LOSS_FLAG = "--actor.policy_loss_type"
 _ADV_FLAG = "--algo.advantage.estimator"
@@ -101,6 +102,15 @@ def _extend_name_flag(add_argument: Callable[..., Any], args: tuple, kwargs: dic
         "unset keys take the paper's defaults",
     )
     if kind == stablerl.ADVANTAGE_ESTIMATOR:
+        add_argument(
+            COMPONENTS_FLAG, type=str, nargs="+", default=None, metavar="KEY",
+            help="the reward function's extra_logs keys (one value per response) that are reward components, "
+            "handed to the stablerl estimator as reward_components (gdpo normalises each in its group)",
+        )
+        add_argument(
+            COMPONENT_WEIGHTS_FLAG, type=float, nargs="+", default=None, metavar="W",
+            help=f"weights of the {COMPONENTS_FLAG} (default 1 each)",
+        )
         for ext_kind, flag, what_ext in ((stablerl.REWARD_SHAPER, SHAPER_FLAG, "reward shaper"),
                                          (stablerl.BATCH_FILTER, FILTER_FLAG, "batch filter")):
             when = ("on the per-response rewards, after OpenRLHF's length penalties and before the estimator"
@@ -246,6 +256,8 @@ def selection_from_cli(args) -> Selection:
                                        getattr(args.algo.advantage, "stablerl_batch_filter", None)),
         batch_filter_params=parse_params(getattr(args.algo.advantage, "stablerl_batch_filter_params", None),
                                          FILTER_FLAG + "_params"),
+        reward_components=tuple(getattr(args.algo.advantage, "stablerl_reward_components", None) or ()),
+        reward_weights=tuple(float(w) for w in getattr(args.algo.advantage, "stablerl_reward_weights", None) or ()),
     )
     sel.openrlhf_clip = explicit_clip_flags(args, sys.argv[1:])
     sel.openrlhf_advantage, sel.reward_clip_range = explicit_advantage_flags(args, sys.argv[1:])

@@ -53,7 +53,7 @@ from stablerl import routing_replay as rr
 from stablerl.contracts import (ADVANTAGE_ESTIMATOR, BATCH_FILTER, CONTROLLER, OPTIONAL_INPUTS, POLICY_LOSS,
                                 REWARD_SHAPER, ROLLOUT_CORRECTION)
 from stablerl.frameworks import (UnsupportedVersionError, apply_filter_result, as_params, check_call_options,
-                                 check_framework_keys_used, split_call_options,
+                                 check_framework_keys_used, check_shaper_and_components, split_call_options,
                                  check_inputs, check_version, effective_hyperparameters, get_framework, log_effective_settings,
                                  resolve, version_in_range)
 from stablerl.ops import AGG_MODES, last_valid_index, scores_on_last_token
@@ -377,12 +377,6 @@ def validate_stablerl_args(args, warn: bool = True) -> tuple[Optional[str], Opti
         check_advantage_inputs(estimator)
         # TRL's scale_rewards: honoured or refused, never ignored; then the effective values are built
         build_params(stablerl.get_spec(ADVANTAGE_ESTIMATOR, estimator), as_params(advantage_settings(args, estimator)))
-        if args.multi_objective_aggregation != "sum_then_normalize":
-            raise StableRLError(
-                "advantage_estimator works on the weighted sum of the reward functions "
-                "(multi_objective_aggregation='sum_then_normalize'); got "
-                f"{args.multi_objective_aggregation!r}"
-            )
     elif adv_params:
         raise StableRLError("stablerl_advantage_params is set but advantage_estimator is not")
     check_rollout_correction(args, loss)
@@ -436,7 +430,9 @@ def advantage_settings(args, estimator: str):
             f"advantage estimator {estimator!r}, and ignoring it would change your advantages without a word: "
             "use scale_rewards='group' (default) or 'none', or TRL's built-in advantages (no advantage_estimator)"
         )
-    framework_values = {"norm_adv_by_std_in_grpo": scale != "none"}
+    aggregation = getattr(args, "multi_objective_aggregation", "sum_then_normalize")
+    framework_values = {"norm_adv_by_std_in_grpo": scale != "none",
+                        "form": "trl" if aggregation == "normalize_then_sum" else "verl"}
     check_framework_keys_used(TRL, spec, framework_values)
     return effective_hyperparameters(TRL, spec, params, framework_values)
 
@@ -504,6 +500,10 @@ def validate_stablerl_extensions(args) -> dict[str, Optional[str]]:
             "default advantages (scale_rewards='group') use advantage_estimator='grpo' with "
             "stablerl_advantage_params={'epsilon': 1e-4}"
         )
+    if names["reward_shaper"]:  # the adapter always hands the estimator every reward function's reward
+        check_shaper_and_components(names["reward_shaper"],
+                                    stablerl.get_spec(ADVANTAGE_ESTIMATOR, args.advantage_estimator), True,
+                                    "each reward function's reward, which TRL's adapter passes")
     return names
 
 
@@ -1207,14 +1207,17 @@ class GRPOTrainer(_trl.GRPOTrainer):
             out["stablerl_index"] = group[rows].clone()
             out["stablerl_scores"] = rewards[rows].clone()
         if self._stablerl_estimator:
-            out["advantages"] = self._stablerl_advantages(out, rewards, unscorable, group, rows, mode)
+            out["advantages"] = self._stablerl_advantages(out, rewards, unscorable, group, rows, mode,
+                                                          components=rewards_per_func)
         if self._ext_filter:
             out = self._ext_filter_batch(out, rewards, group, rows, mode)
         self._ext_inputs = None
         return out
 
-    def _stablerl_advantages(self, out, rewards, unscorable, group, rows, mode):
-        """stablerl advantages ``[n_local, T_local]`` from the gathered rewards (TRL's layout)."""
+    def _stablerl_advantages(self, out, rewards, unscorable, group, rows, mode, components=None):
+        """stablerl advantages ``[n_local, T_local]`` from the gathered rewards (TRL's layout). ``components``:
+        each reward function's reward ``[N, n_funcs]`` (NaN where it returned None), handed to the estimator
+        with TRL's ``reward_weights`` as the extras ``reward_components`` / ``reward_weights`` (GDPO)."""
         local_mask = out["completion_mask"]
         # Response masks of every process, padded to one length, so length-aware estimators (OPO) see
         # the real lengths. The reward sits on the last response token (verl's convention: S_i is the
@@ -1234,8 +1237,13 @@ class GRPOTrainer(_trl.GRPOTrainer):
             index[unscorable] = int(group.max()) + 1 + torch.arange(n_unscorable, device=index.device)
         name = self._stablerl_estimator
         ctx = stablerl.Context(step=int(self.state.global_step), state=self._stablerl_store.slot(ADVANTAGE_ESTIMATOR, name))
+        extras = {}
+        if components is not None:
+            extras = {"reward_components": components.to(mask.device),
+                      "reward_weights": self.reward_weights.to(mask.device)}
         adv, _ = stablerl.compute_advantage(
-            name, token_level_rewards=token_rewards, response_mask=mask, index=index, ctx=ctx, **self._stablerl_adv_params
+            name, token_level_rewards=token_rewards, response_mask=mask, index=index, ctx=ctx,
+            **({"extras": extras} if extras else {}), **self._stablerl_adv_params
         )
         adv = torch.where(unscorable.unsqueeze(-1), torch.zeros_like(adv), adv)
         per_seq = adv.gather(1, last.unsqueeze(-1)).squeeze(-1)

@@ -51,7 +51,7 @@ import stablerl
 from stablerl import ADVANTAGE_ESTIMATOR, BATCH_FILTER, REWARD_SHAPER, Context, MissingInputError, StableRLError
 from stablerl.adapters.verl._ledger import LEDGER
 from stablerl.contracts import OPTIONAL_INPUTS
-from stablerl.frameworks import apply_filter_result
+from stablerl.frameworks import apply_filter_result, check_shaper_and_components
 from stablerl.ops import last_valid_index
 from stablerl.state import StateStore
 from stablerl.params import UnknownNameError, build_params, unknown_name_message
@@ -113,10 +113,20 @@ SOURCES: dict[str, tuple[tuple[str, ...], str]] = {
         "a per-token 'turn_ids' batch field ([B, T] ints), written by your agent loop; no stock verl component "
         "writes it (only the per-sample __num_turns__), and v1 does not fetch it",
     ),
+    "anchor_ids": (
+        ("anchor_ids",),
+        "a per-row 'anchor_ids' batch or non-tensor field ([B] ints, one row per agent step), written by your agent "
+        "loop (verl-agent-style step rows); no stock verl component writes it",
+    ),
+    "step_returns": (
+        ("step_returns",),
+        "a per-row 'step_returns' batch or non-tensor field ([B] floats: the discounted return from the step), "
+        "written by your agent loop; no stock verl component writes it",
+    ),
 }
 
 #: declared inputs of estimators that only a customised pipeline puts in verl's batch (see SOURCES)
-BATCH_FIELD_INPUTS = frozenset({"entropy", "turn_ids"})
+BATCH_FIELD_INPUTS = frozenset({"entropy", "turn_ids", "anchor_ids", "step_returns"})
 
 #: optional per-response extras an estimator reads when present (not declared: the estimator works
 #: without them or raises its own message): taken from the batch / non-tensor batch by this name
@@ -346,6 +356,30 @@ def _shape(data, config, name: str, params: dict) -> dict[str, float]:
     return metrics
 
 
+def _reward_components(data, config, extras: dict) -> dict[str, Any]:
+    """verl's own GDPO keys: ``algorithm.gdpo_reward_keys`` names the reward function's extra fields (one value
+    per response) that are the reward components, ``algorithm.gdpo_reward_weights`` their weights; handed to
+    any stablerl estimator as ``reward_components`` / ``reward_weights`` (unless a batch field of that name
+    already gave them)."""
+    keys = _cfg(config, "gdpo_reward_keys", None)
+    if not keys or "reward_components" in extras:
+        return {}
+    keys = [str(k) for k in (keys if not isinstance(keys, str) else [keys])]
+    missing = [k for k in keys if _field(data, k) is None]
+    if missing:
+        raise VerlAdvantageInputError(
+            f"algorithm.gdpo_reward_keys names {missing}, which verl's batch does not have; they are the reward "
+            f"function's extra fields (return {{'score': ..., '{missing[0]}': ...}} from compute_score)"
+        )
+    mask = data.batch["response_mask"]
+    out: dict[str, Any] = {"reward_components": {k: _as_tensor(_field(data, k), mask.shape[0], mask.device)
+                                                 for k in keys}}
+    weights = _cfg(config, "gdpo_reward_weights", None)
+    if weights is not None:
+        out["reward_weights"] = [float(w) for w in weights]
+    return out
+
+
 def _estimate(data, config, name: str) -> None:
     from ._translate import estimator_hyperparameters
 
@@ -362,6 +396,7 @@ def _estimate(data, config, name: str) -> None:
             value = gather_one(key, data)
             if value is not None:
                 extras[key] = value
+    extras.update(_reward_components(data, config, extras))
     advantages, returns = stablerl.compute_advantage(
         name,
         token_level_rewards=data.batch["token_level_rewards"],
@@ -422,6 +457,11 @@ def _wrap(original):
 
             data.batch["response_mask"] = compute_response_mask(data)
         metrics: dict[str, float] = {}
+        if chosen["shaper"] is not None and name is not None:
+            check_shaper_and_components(
+                chosen["shaper"][0], stablerl.get_spec(ADVANTAGE_ESTIMATOR, name),
+                bool(_cfg(config, "gdpo_reward_keys", None)) or _field(data, "reward_components") is not None,
+                "algorithm.gdpo_reward_keys or a 'reward_components' batch field")
         if chosen["shaper"] is not None:
             metrics.update(_shape(data, config, *chosen["shaper"]))
         if name is not None:

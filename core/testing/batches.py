@@ -76,6 +76,10 @@ def _synth_input(name: str, B: int, T: int, g: torch.Generator, dtype: torch.dty
         return torch.randn(B, T, 8, generator=g, dtype=dtype)
     if name == "lm_head_weight":  # [V=1000, H=8]: covers the synthesised token_ids
         return 0.5 * torch.randn(1000, 8, generator=g, dtype=dtype)
+    if name == "anchor_ids":  # [B] GiGPO anchor states: 3 ids, so that groups share some
+        return torch.randint(0, 3, (B,), generator=g)
+    if name == "step_returns":  # [B] discounted returns of agent steps
+        return torch.randn(B, generator=g, dtype=dtype)
     return None
 
 

@@ -137,3 +137,61 @@ def test_unknown_hyper_parameter_names_the_valid_ones():
     exps = make_experiences(seed=5)
     with pytest.raises(stablerl.UnknownNameError, match="quantile_k"):
         _stable("qae", exps, {"quantile": 0.4})
+
+
+def test_gdpo_reads_the_reward_components_named_on_the_command_line():
+    """--algo.advantage.stablerl_reward_components acc fmt (+ weights): the reward function's extra_logs, which
+    OpenRLHF copies into experience.info, reach gdpo as reward_components in rollout order; the advantages are
+    the Python API's on the same rows (kl_coef 0, no clip)."""
+    exps = make_experiences(seed=21)
+    g = torch.Generator().manual_seed(5)
+    for e in exps:
+        e.info["acc"] = torch.randint(0, 2, (len(e.index),), generator=g).float()
+        e.info["fmt"] = torch.rand(len(e.index), generator=g) * 3
+    sel = Selection(advantage_estimator="gdpo", reward_components=("acc", "fmt"), reward_weights=(1.0, 0.5)).validate()
+    args = make_args(estimator="gdpo", stablerl=sel)
+    adapter.instrument(now=True)
+    out = RemoteExperienceMaker.compute_advantages_and_returns(make_maker(args, "gdpo", 0.0), clone(exps))
+    T = max(e.action_mask.shape[1] for e in exps)
+    pad = torch.nn.functional.pad
+    mask = torch.cat([pad(e.action_mask.float(), (0, T - e.action_mask.shape[1])) for e in exps])
+    index = torch.tensor([i for e in exps for i in e.index]) // 4
+    comps = {k: torch.cat([e.info[k] for e in exps]) for k in ("acc", "fmt")}
+    expected, _ = stablerl.compute_advantage("gdpo", token_level_rewards=torch.zeros_like(mask), response_mask=mask,
+                                             index=index, extras={"reward_components": comps,
+                                                                  "reward_weights": [1.0, 0.5]})
+    got = torch.cat([pad(e.advantages, (0, T - e.advantages.shape[1])) for e in out])
+    torch.testing.assert_close(got, expected.to(got.dtype), rtol=1e-5, atol=1e-6)
+    assert got.abs().max() > 0.5
+    # the rewards themselves are not what gdpo normalised here
+    plain = RemoteExperienceMaker.compute_advantages_and_returns(
+        make_maker(make_args(estimator="gdpo", stablerl=Selection(advantage_estimator="gdpo")), "gdpo", 0.0),
+        clone(exps))
+    assert not torch.allclose(torch.cat([pad(e.advantages, (0, T - e.advantages.shape[1])) for e in plain]), got)
+    with pytest.raises(stablerl.MissingInputError, match=r"'typo'.*extra_logs"):
+        RemoteExperienceMaker.compute_advantages_and_returns(
+            make_maker(make_args(estimator="gdpo", stablerl=Selection(advantage_estimator="gdpo",
+                                                                      reward_components=("acc", "typo"))),
+                       "gdpo", 0.0), clone(exps))
+    with pytest.raises(stablerl.StableRLError, match="has 1 values for 2"):
+        Selection(advantage_estimator="gdpo", reward_components=("acc", "fmt"), reward_weights=(1.0,)).validate()
+
+
+def test_reward_component_flags_reach_the_selection(monkeypatch):
+    from orlhf_helpers import dry_run
+
+    args, _ = dry_run(monkeypatch, [
+        "--actor.model_name_or_path", "Qwen/Qwen3-0.6B", "--rollout.n_samples_per_prompt", "4",
+        "--algo.advantage.estimator", "gdpo", "--algo.advantage.stablerl_params", "form=trl",
+        "--algo.advantage.stablerl_reward_components", "acc", "fmt",
+        "--algo.advantage.stablerl_reward_weights", "1", "0.5",
+    ])
+    sel = args.stablerl
+    assert (sel.advantage_estimator, sel.advantage_params) == ("gdpo", {"form": "trl"})
+    assert sel.reward_components == ("acc", "fmt") and sel.reward_weights == (1.0, 0.5)
+
+
+def test_gdpo_components_with_a_reward_shaper_are_refused():
+    with pytest.raises(stablerl.StableRLError, match="shaping would be lost"):
+        Selection(advantage_estimator="gdpo", reward_components=("acc",), reward_shaper="redit").validate()
+    Selection(advantage_estimator="gdpo", reward_shaper="redit").validate()  # no components: the outcome score

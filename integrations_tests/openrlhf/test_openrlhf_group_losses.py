@@ -103,7 +103,7 @@ def _key(sequence, attention_mask) -> tuple:
     return tuple(sequence[attention_mask.bool()].tolist())
 
 
-@pytest.mark.parametrize("loss", ["pacs", "gvpo", "gtpo"])
+@pytest.mark.parametrize("loss", ["pacs", "gvpo", "gtpo", "rebel"])
 def test_group_loss_sees_whole_groups_and_equals_the_python_api(monkeypatch, loss):
     assert frameworks.reach(frameworks.get_framework("openrlhf"), stablerl.get_spec(stablerl.POLICY_LOSS, loss))[0] \
         == "partial"

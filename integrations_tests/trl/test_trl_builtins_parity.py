@@ -11,6 +11,8 @@ test_trl_parity.py (float64 model, num_iterations=2, GA=2, parameters compared a
 
 import pytest
 import torch
+
+import stablerl
 from test_trl_parity import _compare, _pair
 
 
@@ -67,3 +69,67 @@ def test_trl_delta_sets_clip_ratio_c_and_warns_only_where_a_loss_has_none():
     assert as_params(loss_settings(args, "vanilla"))["clip_ratio_c"] == 2.5
     with pytest.warns(UserWarning, match="no counterpart in the stablerl loss 'gpg'"):
         GRPOConfig(loss_type="gpg", delta=2.5, **cpu)
+
+
+def _length_reward(prompts, completions, **kwargs):
+    """A second, continuous reward on another scale: the completion's length in words."""
+    return [float(len(c.split())) for c in completions]
+
+
+def _partial_reward(prompts, completions, **kwargs):
+    """A reward function that declines (None) every third completion: TRL's NaN component."""
+    return [None if i % 3 == 0 else float(bool(c.split()) and c.split()[0].isdigit()) for i, c in enumerate(completions)]
+
+
+def _gdpo_pair(tmp_path, trl_kwargs, stablerl_kwargs):
+    import trl
+    import trl_helpers as H
+
+    from stablerl.adapters.trl import GRPOConfig, GRPOTrainer
+
+    from test_trl_parity import DTYPE, STEPS
+
+    rewards = [H.copy_reward, _length_reward, _partial_reward]
+    common = dict(max_steps=STEPS, reward_weights=[1.0, 0.5, 2.0], loss_type="dapo")
+    ref = H.train(trl.GRPOTrainer, trl.GRPOConfig(**H.base_kwargs(tmp_path / "trl", **common, **trl_kwargs)),
+                  reward=rewards, dtype=DTYPE)
+    cand = H.train(GRPOTrainer, GRPOConfig(**H.base_kwargs(tmp_path / "srl", **common, **stablerl_kwargs)),
+                   reward=rewards, dtype=DTYPE)
+    return ref, cand
+
+
+def test_gdpo_trl_form_equals_trl_normalize_then_sum(tmp_path):
+    """TRL's GDPO (multi_objective_aggregation='normalize_then_sum': three reward functions, weights, one that
+    declines some completions) == stablerl's gdpo, which TRL's own setting switches to form='trl'."""
+    ref, cand = _gdpo_pair(tmp_path, dict(multi_objective_aggregation="normalize_then_sum"),
+                           dict(multi_objective_aggregation="normalize_then_sum", advantage_estimator="gdpo"))
+    _compare(ref, cand, rtol=1e-5, atol=1e-6)
+    # and the other aggregation is a different run: the comparison can fail
+    other, _ = _gdpo_pair(tmp_path / "sum", dict(multi_objective_aggregation="sum_then_normalize"), dict())
+    assert not torch.allclose(other[1].params[-1], ref[1].params[-1], rtol=1e-5, atol=1e-6)
+
+
+def test_gdpo_form_follows_trls_multi_objective_aggregation():
+    from stablerl.adapters.trl import GRPOConfig
+    from stablerl.adapters.trl.trainer import advantage_settings
+    from stablerl.frameworks import as_params
+
+    cpu = dict(output_dir="/tmp/stablerl-trl-builtins-test", use_cpu=True, bf16=False, report_to="none")
+    args = GRPOConfig(advantage_estimator="gdpo", multi_objective_aggregation="normalize_then_sum", **cpu)
+    assert as_params(advantage_settings(args, "gdpo"))["form"] == "trl"
+    args = GRPOConfig(advantage_estimator="gdpo", **cpu)
+    assert "form" not in as_params(advantage_settings(args, "gdpo"))  # the default, verl's form
+    args = GRPOConfig(advantage_estimator="gdpo", multi_objective_aggregation="normalize_then_sum",
+                      stablerl_advantage_params={"form": "verl"}, **cpu)
+    assert as_params(advantage_settings(args, "gdpo"))["form"] == "verl"  # an explicit stablerl key wins
+
+
+def test_gdpo_with_a_reward_shaper_is_refused():
+    """TRL's adapter always hands gdpo every reward function's reward; a shaper's change to the summed reward would
+    be lost, so the combination is refused at config time."""
+    from stablerl.adapters.trl import GRPOConfig
+
+    cpu = dict(output_dir="/tmp/stablerl-trl-builtins-test", use_cpu=True, bf16=False, report_to="none")
+    with pytest.raises(stablerl.StableRLError, match="shaping would be lost"):
+        GRPOConfig(advantage_estimator="gdpo", reward_shaper="redit", **cpu)
+    GRPOConfig(advantage_estimator="grpo", reward_shaper="redit", **cpu)  # estimators on the summed reward: fine

@@ -52,7 +52,7 @@ def test_inputs_trl_cannot_feed_are_refused_at_config_time():
 
 
 def test_estimator_refuses_normalize_then_sum():
-    with pytest.raises(stablerl.StableRLError, match="sum_then_normalize"):
+    with pytest.raises(stablerl.StableRLError, match="multi_objective_aggregation='normalize_then_sum' has no effect"):
         GRPOConfig(advantage_estimator="grpo", multi_objective_aggregation="normalize_then_sum", **CPU)
 
 

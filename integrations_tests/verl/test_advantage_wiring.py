@@ -237,3 +237,21 @@ def test_shaper_inputs_from_reward_function_fields(adapter, site, rewards_batch)
     torch.testing.assert_close((out.batch["token_level_rewards"] * mask).sum(-1), shaped.float(), rtol=0, atol=1e-6)
     with pytest.raises(stablerl.MissingInputError, match=r"'flawed'.*reward_extra_info"):
         _compute(_data(rewards, mask, index), "qae", cfg)
+
+
+def test_gigpo_gets_anchor_ids_and_step_returns_from_the_batch(adapter, site):
+    """An agent loop that writes one row per step with 'anchor_ids' and 'step_returns' (as verl-agent does) runs
+    stablerl's gigpo at verl's call site, with the Python API's numbers; without the fields it says which."""
+    adapter.register_batch_field_estimators()
+    assert adapter.VERL_NAMES["advantage_estimator"].get("gigpo") == "gigpo"
+    rewards, mask, index, _, _ = _multi_turn(seed=3)
+    anchors = torch.tensor([0, 1, 0, 2, 0, 0, 1, 1])
+    step_returns = torch.linspace(0.1, 0.8, 8)
+    out = _compute(_data(rewards, mask, index, anchor_ids=anchors, step_returns=step_returns), "gigpo",
+                   _algorithm(mode="mean_std_norm"))
+    expected, _ = stablerl.compute_advantage("gigpo", token_level_rewards=rewards, response_mask=mask, index=index,
+                                             anchor_ids=anchors, step_returns=step_returns, mode="mean_std_norm")
+    torch.testing.assert_close(out.batch["advantages"], expected.float(), rtol=0, atol=1e-6)
+    assert out.batch["advantages"].abs().max() > 0.5
+    with pytest.raises(stablerl.MissingInputError, match=r"'anchor_ids'.*agent loop"):
+        _compute(_data(rewards, mask, index, step_returns=step_returns), "gigpo", _algorithm())

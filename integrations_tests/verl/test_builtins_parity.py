@@ -12,8 +12,10 @@ import numpy as np
 import pytest
 import torch
 from test_parity import MODES, SEEDS, _assert_parity, _loss_and_grad, _with_info
+from conftest import _rewards_batch
 
 import stablerl
+from stablerl.ops import scores_on_last_token
 
 
 def _info(cfg):
@@ -240,3 +242,154 @@ def test_optimal_token_baseline_through_verls_compute_advantage(adapter, core_al
                                rtol=1e-6, atol=1e-6)
     with pytest.raises(stablerl.MissingInputError, match="calculate_sum_pi_squared"):
         run("stablerl_optimal_token_baseline", with_spp=False)
+
+
+def _gdpo_inputs(seed, T=7):
+    """Contiguous padded responses (verl's GDPO places each component on the last token from the attention
+    mask) and two reward components on different scales; groups of 4, 3, 1 and 4 (one constant component)."""
+    rewards, mask, index = _rewards_batch(seed=seed, T=T)
+    g = torch.Generator().manual_seed(200 + seed)
+    B = mask.shape[0]
+    acc = torch.randint(0, 2, (B,), generator=g).to(torch.float32)
+    fmt = (torch.rand(B, generator=g) * 5).to(torch.float32)
+    fmt[index == "d"] = 0.25  # a group whose second component has no spread
+    return rewards, mask, index, {"acc": acc.numpy(), "fmt": fmt.numpy()}
+
+
+def _verl_gdpo_batch(mask, prompt_len=3):
+    B = mask.shape[0]
+    attn = torch.cat([torch.ones(B, prompt_len, dtype=torch.long), mask.long()], 1)
+    return {"prompts": torch.zeros(B, prompt_len, dtype=torch.long), "attention_mask": attn}
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize("weights", [None, [1.0, 0.5]])
+@pytest.mark.parametrize("std", [True, False])
+def test_gdpo(adapter, core_algos, seed, weights, std):
+    rewards, mask, index, comps = _gdpo_inputs(seed)
+    cfg = {"gdpo_reward_keys": ["acc", "fmt"], "gdpo_reward_weights": weights}
+    ref, ref_ret = core_algos.compute_gdpo_outcome_advantage(
+        rewards, mask, index, norm_adv_by_std_in_grpo=std, config=cfg, non_tensor_batch=comps,
+        batch=_verl_gdpo_batch(mask))
+    extras = {"reward_components": {k: torch.as_tensor(v) for k, v in comps.items()}}
+    if weights is not None:
+        extras["reward_weights"] = weights
+    ours, ours_ret = stablerl.compute_advantage("gdpo", token_level_rewards=rewards, response_mask=mask, index=index,
+                                                norm_adv_by_std_in_grpo=std, extras=extras)
+    # verl normalises its float32 components in float32
+    torch.testing.assert_close(ours, ref.to(ours.dtype), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(ours_ret, ref_ret.to(ours.dtype), rtol=1e-5, atol=1e-6)
+    assert ref.abs().max() > 0.5
+    # not GRPO on the summed reward: the decoupling changes the numbers
+    summed = stablerl.compute_advantage("grpo", token_level_rewards=scores_on_last_token(
+        torch.as_tensor(comps["acc"] + comps["fmt"]).double(), mask), response_mask=mask, index=index)[0]
+    assert not torch.allclose(summed, ours, atol=1e-3)
+
+
+def test_gdpo_without_components_is_verls_fallback(adapter, core_algos, rewards_batch):
+    """No gdpo_reward_keys: verl normalises token_level_rewards as the one component; so does stablerl."""
+    rewards, mask, index = rewards_batch(seed=2, T=6)
+    ref, _ = core_algos.compute_gdpo_outcome_advantage(rewards, mask, index)
+    ours, _ = stablerl.compute_advantage("gdpo", token_level_rewards=rewards, response_mask=mask, index=index)
+    # verl's group of one divides by float32(1 + 1e-6) (its std is a float32 0-dim tensor): ~6e-8 relative
+    torch.testing.assert_close(ours, ref, rtol=1e-6, atol=1e-7)
+    assert ref.abs().max() > 0.5
+
+
+def test_gdpo_through_verls_compute_advantage(adapter, core_algos):
+    """stablerl_gdpo at verl's real call site reads verl's own algorithm.gdpo_reward_keys / gdpo_reward_weights
+    (the reward function's extra fields in the non-tensor batch) and gives verl's gdpo's numbers."""
+    from omegaconf import OmegaConf
+    from verl import DataProto
+    from verl.trainer.ppo.ray_trainer import compute_advantage
+
+    rewards, mask, index, comps = _gdpo_inputs(seed=1)
+
+    def run(name, keys=("acc", "fmt")):
+        tensors = {"token_level_rewards": rewards.float(), "response_mask": mask.float(), **_verl_gdpo_batch(mask)}
+        data = DataProto.from_dict(tensors=tensors, non_tensors={"uid": index, **comps})
+        config = OmegaConf.create({"_target_": "verl.trainer.config.AlgoConfig", "gamma": 1.0, "lam": 1.0,
+                                   "adv_estimator": name, "norm_adv_by_std_in_grpo": True, "use_kl_in_reward": False,
+                                   "gdpo_reward_keys": list(keys), "gdpo_reward_weights": [2.0, 0.5]})
+        return compute_advantage(data, name, config=config).batch["advantages"]
+
+    torch.testing.assert_close(run("stablerl_gdpo"), run("gdpo"), rtol=1e-5, atol=1e-6)
+    with pytest.raises(stablerl.MissingInputError, match=r"gdpo_reward_keys names \['typo'\]"):
+        run("stablerl_gdpo", keys=("acc", "typo"))
+
+
+def _tir_inputs(seed, T=9):
+    """Multi-turn traces: response tokens, then a masked observation span of varying position and length, then
+    more response tokens; groups of 4, 3, 1 and 4; one response without any valid token."""
+    rewards, mask, index = _rewards_batch(seed=seed, T=T)
+    g = torch.Generator().manual_seed(300 + seed)
+    rewards = rewards + 0.2 * torch.randn(rewards.shape, generator=g, dtype=rewards.dtype)
+    mask = mask.clone()
+    for i in range(mask.shape[0]):
+        start = int(torch.randint(1, T - 2, (1,), generator=g))
+        mask[i, start:start + int(torch.randint(1, 3, (1,), generator=g))] = 0
+    mask[int(np.flatnonzero(index == "a")[0])] = 0  # an empty response in a group of four
+    rewards = rewards * (mask.sum(-1, keepdim=True) > 0)
+    old = -torch.rand(mask.shape, generator=g, dtype=torch.float64) * 2 - 0.05
+    spp = torch.rand(mask.shape, generator=g, dtype=torch.float64) * 0.9 + 0.05
+    return rewards, mask, index, old, spp
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize("zero_tail", [True, False])
+def test_tir_optimal_token_baseline(adapter, core_algos, seed, zero_tail):
+    rewards, mask, index, old, spp = _tir_inputs(seed)
+    ref = core_algos.compute_multi_turn_optimal_token_baseline_advantage(
+        rewards, mask, index, old_log_probs=old, sum_pi_squared=spp, handle_zero_tail=zero_tail)
+    ours = stablerl.compute_advantage("tir_optimal_token_baseline", token_level_rewards=rewards, response_mask=mask,
+                                      index=index, old_log_prob=old, sum_pi_squared=spp, handle_zero_tail=zero_tail)
+    torch.testing.assert_close(ours[0], ref[0], rtol=1e-12, atol=1e-12)
+    # returns: verl leaves them unmasked inside observation spans; on response tokens they are equal
+    torch.testing.assert_close(ours[1], ref[1] * mask, rtol=1e-12, atol=1e-12)
+    assert ref[0].abs().max() > 0.1
+    # the packing matters: the plain optimal_token_baseline gives other numbers on these traces
+    plain = stablerl.compute_advantage("optimal_token_baseline", token_level_rewards=rewards, response_mask=mask,
+                                       index=index, old_log_prob=old, sum_pi_squared=spp, handle_zero_tail=zero_tail)
+    assert not torch.allclose(plain[0], ours[0], atol=1e-6)
+
+
+def test_tir_optimal_token_baseline_through_verls_compute_advantage(adapter, core_algos):
+    from omegaconf import OmegaConf
+    from verl import DataProto
+    from verl.trainer.ppo.ray_trainer import compute_advantage
+
+    rewards, mask, index, old, spp = _tir_inputs(seed=2)
+
+    def run(name):
+        tensors = {"token_level_rewards": rewards.float(), "response_mask": mask.float(), "old_log_probs": old.float(),
+                   "sum_pi_squared": spp.float()}
+        data = DataProto.from_dict(tensors=tensors, non_tensors={"uid": index})
+        config = OmegaConf.create({"_target_": "verl.trainer.config.AlgoConfig", "gamma": 1.0, "lam": 1.0,
+                                   "adv_estimator": name, "norm_adv_by_std_in_grpo": True, "use_kl_in_reward": False})
+        return compute_advantage(data, name, config=config).batch["advantages"]
+
+    torch.testing.assert_close(run("stablerl_tir_optimal_token_baseline"), run("tir_optimal_token_baseline"),
+                               rtol=1e-6, atol=1e-6)
+
+
+def test_gdpo_with_a_reward_shaper_is_refused_when_components_are_given(adapter, core_algos):
+    """A shaper changes the summed reward, which gdpo does not read when it has components: refused, not dropped."""
+    from omegaconf import OmegaConf
+    from verl import DataProto
+    from verl.trainer.ppo.ray_trainer import compute_advantage
+
+    rewards, mask, index, comps = _gdpo_inputs(seed=3)
+    tensors = {"token_level_rewards": rewards.float(), "response_mask": mask.float(), **_verl_gdpo_batch(mask)}
+
+    def config(**extra):
+        return OmegaConf.create({"_target_": "verl.trainer.config.AlgoConfig", "gamma": 1.0, "lam": 1.0,
+                                 "adv_estimator": "stablerl_gdpo", "norm_adv_by_std_in_grpo": True,
+                                 "use_kl_in_reward": False, "stablerl_reward_shaper": "redit", **extra})
+
+    with pytest.raises(stablerl.StableRLError, match="shaping would be lost"):
+        compute_advantage(DataProto.from_dict(tensors=dict(tensors), non_tensors={"uid": index, **comps}),
+                          "stablerl_gdpo", config=config(gdpo_reward_keys=["acc", "fmt"]))
+    # without components gdpo normalises the (shaped) outcome score: allowed
+    out = compute_advantage(DataProto.from_dict(tensors=dict(tensors), non_tensors={"uid": index}),
+                            "stablerl_gdpo", config=config())
+    assert torch.isfinite(out.batch["advantages"]).all()

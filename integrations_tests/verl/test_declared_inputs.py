@@ -148,6 +148,7 @@ CASES = [
     ("decoupled_ppo", ("rollout_log_prob",), CLIP, {}),
     ("pacs", ("scores", "index"), {}, {"labels": True}),
     ("gvpo", ("scores", "index"), {}, {}),
+    ("rebel", ("scores", "index"), {}, {}),
 ]
 
 
