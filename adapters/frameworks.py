@@ -11,7 +11,7 @@ written once, here, and `stablerl describe`, the generated docs and the adapters
 from __future__ import annotations
 
 from stablerl.contracts import (ADVANTAGE_ESTIMATOR, BATCH_FILTER, CONTROLLER, POLICY_LOSS, REWARD_SHAPER,
-                                AlgorithmSpec)
+                                TRAINER_HOOK, AlgorithmSpec)
 from stablerl.frameworks import CALL_OPTIONS, FrameworkKey, FrameworkSpec
 from stablerl.hookspecs import hookimpl
 
@@ -72,6 +72,14 @@ _VERL_NO_ENTROPY_AT_ADVANTAGE = (
     "legacy trainer keeps no per-token entropy there"
 )
 
+_VERL_NO_TRAINER_HOOK = (
+    "a trainer hook acts between optimizer passes inside the actor worker (verl's update_actor runs "
+    "ppo_epochs passes of DataParallelPPOActor.update_policy in one remote call, with no callback between passes, "
+    "and the engine workers step the optimizer inside the engine) or inside the rollout loop (a fixed rollout.n per "
+    "prompt, generated in one call): SFPO needs a second worker method (the authors ship a verl fork for it), "
+    "an adaptive sampler a new rollout loop; the TRL adapter runs sfpo"
+)
+
 VERL = FrameworkSpec(
     name="verl",
     distribution="verl",
@@ -96,7 +104,9 @@ VERL = FrameworkSpec(
             "policy_version": "the worker's loss call does not know the current policy version / step",
             "router_log_prob": "verl's loss gets no router log-probs",
             "old_router_log_prob": "verl's loss gets no router log-probs",
-            "pos_count": "no verl trainer counts samples per prompt over sampling rounds",
+            "pos_count": "no verl trainer counts samples per prompt over sampling rounds (the adapter passes a "
+            "per-response batch or non-tensor field 'pos_count' / 'neg_count' to estimators when a customised "
+            "pipeline writes one)",
             "neg_count": "no verl trainer counts samples per prompt over sampling rounds",
             "hidden_states": "verl's model output at ppo_loss carries log-probs (and entropy), not the last hidden states",
             "lm_head_weight": "verl's ppo_loss gets no handle on the model (its LM-head weight)",
@@ -125,6 +135,7 @@ VERL = FrameworkSpec(
         CONTROLLER: "an entropy controller must change the rollout temperature or add a loss term every step and be "
         "checkpointed with the trainer, and verl 0.9.1 has no hook for either (+algorithm.stablerl_entropy_controller "
         "is refused saying so; the TRL adapter runs them)",
+        TRAINER_HOOK: _VERL_NO_TRAINER_HOOK,
     },
     selection_keys={
         POLICY_LOSS: _POLICY_LOSS + "loss_mode",
@@ -187,6 +198,8 @@ TRL = FrameworkSpec(
         # filters may also take entropy: the TRL adapter runs one extra no-grad forward for it
         REWARD_SHAPER: _EXTENSION_INPUTS | {"pos_count", "neg_count"},
         BATCH_FILTER: _EXTENSION_INPUTS | {"pos_count", "neg_count", "entropy"},
+        # the adapter runs num_iterations optimizer passes over each generation batch and calls the hook between them
+        TRAINER_HOOK: frozenset({"params_view"}),
     },
     why_not={
         "*": {
@@ -204,6 +217,13 @@ TRL = FrameworkSpec(
             "sum_pi_squared": "TRL's old-log-prob pass keeps no vocabulary statistics (sum of squared probabilities)",
             "hidden_states": "TRL's forward in _compute_loss returns log-probs and entropies, not the last hidden states",
             "lm_head_weight": "TRL's loss computation does not expose the LM-head weight to the loss",
+            "sampling_rounds": "TRL's GRPOTrainer generates exactly num_generations completions per prompt in one "
+            "call per generation batch (RepeatSampler fixes the batch layout), so it cannot draw more for a prompt",
+        },
+        ADVANTAGE_ESTIMATOR: {
+            "pos_count": "TRL's GRPOTrainer samples num_generations per prompt in one round: nothing counts samples "
+            "over rounds, and the adapter passes no per-prompt counts to estimators",
+            "neg_count": "TRL's GRPOTrainer samples num_generations per prompt in one round",
         },
     },
     conditions={
@@ -219,6 +239,7 @@ TRL = FrameworkSpec(
         REWARD_SHAPER: "reward_shaper",
         BATCH_FILTER: "batch_filter",
         CONTROLLER: "entropy_controller",
+        TRAINER_HOOK: "trainer_hook",
     },
     hyperparameter_keys={
         POLICY_LOSS: {
@@ -242,6 +263,7 @@ TRL = FrameworkSpec(
         REWARD_SHAPER: 'stablerl_reward_shaper_params={{"{name}": {value}}}',
         BATCH_FILTER: 'stablerl_batch_filter_params={{"{name}": {value}}}',
         CONTROLLER: 'stablerl_entropy_controller_params={{"{name}": {value}}}',
+        TRAINER_HOOK: 'stablerl_trainer_hook_params={{"{name}": {value}}}',
     },
     usage="from stablerl.adapters.trl import GRPOTrainer, GRPOConfig  (instead of trl's)",
     switches={"rollout_correction": "vllm_importance_sampling_correction",
@@ -296,6 +318,9 @@ OPENRLHF = FrameworkSpec(
             "lm_head_weight": "OpenRLHF's loss call gets no handle on the model (its LM-head weight)",
             "reward_baselines": "OpenRLHF generates no greedy baseline response per prompt (ReMax)",
             "sum_pi_squared": "OpenRLHF's old-log-prob pass returns log-probs only (no sum of squared probabilities)",
+            "pos_count": "OpenRLHF samples --rollout.n_samples_per_prompt per prompt in one round: nothing counts "
+            "samples over rounds, and the adapter passes no per-prompt counts to estimators",
+            "neg_count": "OpenRLHF samples --rollout.n_samples_per_prompt per prompt in one round",
         },
         ADVANTAGE_ESTIMATOR: {"entropy": _ORLHF_OLD_ENTROPY + ", at compute_advantages_and_returns"},
         REWARD_SHAPER: {"entropy": _ORLHF_OLD_ENTROPY + ", at compute_advantages_and_returns"},
@@ -312,6 +337,10 @@ OPENRLHF = FrameworkSpec(
         CONTROLLER: "an entropy controller must change the rollout temperature or add a loss term every step and be "
         "checkpointed with the trainer; the OpenRLHF adapter does not wire one into its trainer loop (the TRL "
         "adapter runs them)",
+        TRAINER_HOOK: "a trainer hook acts between optimizer passes inside the Ray actor (PolicyModelActor's "
+        "ppo_train loops over --actor.max_epochs passes and steps the optimizer in training_step, with no callback "
+        "between passes) or inside the rollout loop (a fixed --rollout.n_samples_per_prompt, generated in one "
+        "call): the OpenRLHF adapter does not replace either loop; the TRL adapter runs sfpo",
     },
     selection_keys={
         POLICY_LOSS: "--actor.policy_loss_type",
@@ -379,14 +408,17 @@ def _verl_lines(spec: AlgorithmSpec) -> list[str]:
 
 def _trl_lines(spec: AlgorithmSpec) -> list[str]:
     fields = list(spec.defaults())
-    if spec.kind in (REWARD_SHAPER, BATCH_FILTER, CONTROLLER):
-        key = {REWARD_SHAPER: "reward_shaper", BATCH_FILTER: "batch_filter", CONTROLLER: "entropy_controller"}[spec.kind]
+    if spec.kind in (REWARD_SHAPER, BATCH_FILTER, CONTROLLER, TRAINER_HOOK):
+        key = {REWARD_SHAPER: "reward_shaper", BATCH_FILTER: "batch_filter", CONTROLLER: "entropy_controller",
+               TRAINER_HOOK: "trainer_hook"}[spec.kind]
         lines = ["from stablerl.adapters.trl import GRPOTrainer, GRPOConfig", f'GRPOConfig({key}="{spec.name}", ...)']
         if fields:
             example = ", ".join(f'"{f}": <value>' for f in fields)
             lines.append(f"GRPOConfig(..., stablerl_{key}_params={{{example}}})")
         if spec.kind == REWARD_SHAPER:
             lines.append('(needs a stablerl advantage_estimator, e.g. "grpo")')
+        if spec.name == "sfpo":
+            lines.append("(num_iterations = inner_steps + 1, e.g. 4; steps_per_generation = gradient_accumulation_steps)")
         return lines
     key = TRL.selection_keys[spec.kind]
     params_key = "stablerl_loss_params" if spec.kind == POLICY_LOSS else "stablerl_advantage_params"
