@@ -1,0 +1,138 @@
+"""Trainer hooks through TRL 1.16 (tiny model, CPU): SFPO's fast passes, reposition and slow pass.
+
+Checks: after the K-th fast pass the parameters are exactly theta0 + alpha (theta_K - theta0); the whole
+run equals, bit for bit, a run of the same trainer without the hook whose test callback does the
+reposition by hand (so the slow pass is one ordinary step from the repositioned weights on the same batch);
+the stop rule switches to one pass (one generation) per step; the state is checkpointed; refusals.
+"""
+
+import math
+import os
+
+import pytest
+import torch
+from transformers import TrainerCallback
+
+import trl_helpers as H  # noqa: I001
+
+import stablerl
+from stablerl.adapters.trl import GRPOConfig, GRPOTrainer
+
+K, ALPHA = 2, 0.6
+
+
+def cfg(tmp_path, **kw):
+    base = dict(num_iterations=K + 1, gradient_accumulation_steps=1, max_steps=2 * (K + 1))
+    base.update(kw)
+    return GRPOConfig(**H.base_kwargs(tmp_path, **base))
+
+
+def flat(model):
+    return torch.cat([p.detach().reshape(-1).clone() for p in model.parameters()])
+
+
+class Spy(GRPOTrainer):
+    """Records theta0 at each batch start, the parameters right after each hook call, and the generations."""
+
+    def __init__(self, *a, **k):
+        super().__init__(*a, **k)
+        self.slow, self.after_hook, self.generations = [], [], 0
+
+    def _ext_hook_before_pass(self):
+        starts = self._ext_hook_pass is None and self.model.training
+        super()._ext_hook_before_pass()
+        if starts:
+            self.slow.append(flat(self.model))
+
+    def _ext_hook_after_pass(self):
+        super()._ext_hook_after_pass()
+        self.after_hook.append(flat(self.model))
+
+    def _generate_and_score_completions(self, inputs):
+        self.generations += 1
+        return super()._generate_and_score_completions(inputs)
+
+
+class HandReposition(TrainerCallback):
+    """The reference schedule written literally: theta0 at each batch start, reposition after fast pass K."""
+
+    def __init__(self, model):
+        self.model, self.step, self.theta0 = model, 0, None
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        if self.step % (K + 1) == 0:
+            self.theta0 = [p.detach().clone() for p in self.model.parameters() if p.requires_grad]
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.step += 1
+        if self.step % (K + 1) == K:
+            with torch.no_grad():
+                for p, p0 in zip([p for p in self.model.parameters() if p.requires_grad], self.theta0):
+                    p.copy_(p0 + ALPHA * (p - p0))
+
+
+def sfpo_params(**kw):
+    return {"inner_steps": K, "alpha": ALPHA, **kw}
+
+
+def test_sfpo_reposition_and_slow_pass(tmp_path):
+    trainer, rec, initial = H.train(Spy, cfg(tmp_path / "a", trainer_hook="sfpo", stablerl_trainer_hook_params=sfpo_params()),
+                                    reward=H.binary_digit_reward)
+    assert trainer.generations == 2  # one generation per K + 1 passes
+    assert len(trainer.slow) == 2 and torch.equal(trainer.slow[0], initial)
+    for b in range(2):
+        theta0 = trainer.slow[b]
+        fast = rec.params[b * (K + 1) + K - 1]  # the Recorder runs before the hook: theta_K
+        assert not torch.equal(fast, theta0)
+        repositioned = trainer.after_hook[b * (K + 1) + K - 1]
+        assert torch.equal(repositioned, theta0 + ALPHA * (fast - theta0))
+        slow_step = rec.params[b * (K + 1) + K]
+        assert not torch.equal(slow_step, repositioned)  # the slow pass moved the weights
+    assert torch.equal(trainer.slow[1], rec.params[K])  # the next batch starts from the slow pass's result
+    logs = rec.logs[K - 1]
+    assert logs["stablerl/sfpo/repositioned"] == 1.0
+
+    # the same run without the hook, repositioned by hand: identical weights at every step
+    model = H.tiny_model(0)
+    hand = HandReposition(model)
+    ref = GRPOTrainer(model=model, reward_funcs=H.binary_digit_reward, args=cfg(tmp_path / "b"),
+                      train_dataset=H.build_dataset(64, seed=0), processing_class=H.TOKENIZER, callbacks=[hand])
+    ref.train()
+    assert torch.equal(flat(ref.model), rec.params[-1])
+
+
+def test_sfpo_stop_rule_switches_to_one_pass(tmp_path):
+    # window 2, threshold -1e9: the z-score exists from the 2nd batch on and always passes the threshold
+    params = sfpo_params(zscore_window=2, zscore_threshold=-1e9)
+    trainer, rec, _ = H.train(Spy, cfg(tmp_path, trainer_hook="sfpo", stablerl_trainer_hook_params=params,
+                                       max_steps=2 * (K + 1) + 2), reward=H.binary_digit_reward)
+    hook = trainer._ext_hook
+    assert hook.stopped and trainer.num_iterations == 1
+    assert trainer.generations == 2 + 2  # two SFPO batches, then one generation per step
+    assert len(hook.entropy_history) == 2  # window 2 (one slow-pass entropy per batch; later ones roll in)
+    assert hook.batches == 4
+    assert rec.logs[-1]["stablerl/sfpo/active"] == 0.0
+    assert all(math.isfinite(log["loss"]) for log in rec.logs)
+
+
+def test_sfpo_state_in_checkpoint(tmp_path):
+    trainer, rec, _ = H.train(Spy, cfg(tmp_path, trainer_hook="sfpo", stablerl_trainer_hook_params=sfpo_params(),
+                                       save_strategy="steps", save_steps=K + 1), reward=H.binary_digit_reward)
+    state = torch.load(os.path.join(tmp_path, f"checkpoint-{2 * (K + 1)}", "stablerl_state.pt"), weights_only=False)
+    saved = state["objects"]["trainer_hook"]["sfpo"]
+    assert saved == trainer._ext_hook.state_dict()
+    assert saved["batches"] == 2 and len(saved["entropy_history"]) == 2
+    assert saved["entropy_history"][-1] == pytest.approx(rec.logs[-1]["entropy"], rel=1e-6)
+
+
+def test_trainer_hook_refusals(tmp_path):
+    with pytest.raises(stablerl.StableRLError, match="num_iterations=3"):
+        H.train(GRPOTrainer, cfg(tmp_path, trainer_hook="sfpo", num_iterations=2,
+                                 stablerl_trainer_hook_params=sfpo_params()))
+    with pytest.raises(stablerl.StableRLError, match="steps_per_generation"):
+        H.train(GRPOTrainer, cfg(tmp_path, trainer_hook="sfpo", steps_per_generation=2,
+                                 stablerl_trainer_hook_params=sfpo_params()))
+    with pytest.raises(stablerl.StableRLError, match="sampling_rounds"):
+        cfg(tmp_path, trainer_hook="reinforce_ada_sampler")
+    with pytest.raises(stablerl.StableRLError, match="alpha"):
+        cfg(tmp_path, trainer_hook="sfpo", stablerl_trainer_hook_params={"alpha": 1.5})
