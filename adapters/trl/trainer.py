@@ -941,6 +941,11 @@ class GRPOTrainer(_trl.GRPOTrainer):
                 raise stablerl.MissingInputError(
                     f"entropy_controller {self._ext_controller_name!r} needs statistic(s) {needed} that TRL does not "
                     "provide (TRL gives the mean entropy of each optimizer step)")
+            if self._ext_controller_name == "adaptive_entropy" and (
+                    getattr(cfg, "use_adaptive_entropy", False) or getattr(cfg, "entropy_coef", 0.0)):
+                raise StableRLError(
+                    "entropy_controller='adaptive_entropy' adds its own entropy bonus: leave TRL's use_adaptive_entropy "
+                    "False and entropy_coef 0 (set the initial coefficient in stablerl_entropy_controller_params)")
             self._ext_controller = ctrl
             self._stablerl_store.track(CONTROLLER, self._ext_controller_name, _ControllerState(self))
             penalty = getattr(ctrl, "penalty", None)

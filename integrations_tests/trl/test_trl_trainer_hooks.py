@@ -136,3 +136,39 @@ def test_trainer_hook_refusals(tmp_path):
         cfg(tmp_path, trainer_hook="reinforce_ada_sampler")
     with pytest.raises(stablerl.StableRLError, match="alpha"):
         cfg(tmp_path, trainer_hook="sfpo", stablerl_trainer_hook_params={"alpha": 1.5})
+
+
+# ----------------------------------------------------------------------------- adaptive entropy vs TRL's own
+
+
+@pytest.mark.parametrize("target", [100.0, 0.5])  # always below target (c rises) / always above (c falls to 0)
+def test_adaptive_entropy_controller_equals_trl(tmp_path, target):
+    """The adaptive_entropy controller against TRL 1.16's use_adaptive_entropy: same coefficient after every
+    step, same weights (float64; GA=1 so both take the same entropy mean)."""
+    trl_params = dict(entropy_coef=0.2, entropy_target=target, entropy_coef_delta=0.05, entropy_coef_min=0.0,
+                      entropy_coef_max=0.3)
+    common = dict(num_iterations=1, gradient_accumulation_steps=1, max_steps=3)
+    native, rec_native, _ = H.train(GRPOTrainer, cfg(tmp_path / "trl", use_adaptive_entropy=True, **trl_params, **common),
+                                    reward=H.binary_digit_reward, dtype=torch.float64)
+    ours, rec_ours, _ = H.train(
+        GRPOTrainer, cfg(tmp_path / "ours", entropy_controller="adaptive_entropy", stablerl_entropy_controller_params=trl_params,
+                         **common), reward=H.binary_digit_reward, dtype=torch.float64)
+    trl_coefs = [log["entropy_coef"] for log in rec_native.logs]
+    our_coefs = [log["stablerl/adaptive_entropy/entropy_coef"] for log in rec_ours.logs]
+    expected = [0.25, 0.3, 0.3] if target == 100.0 else [0.15, 0.1, 0.05]
+    assert trl_coefs == pytest.approx(expected, abs=1e-12)
+    assert our_coefs == pytest.approx(trl_coefs, abs=1e-12)
+    assert ours._ext_controller.last_entropy == pytest.approx(native._last_world_entropy, rel=1e-9)
+    for a, b in zip(rec_native.params, rec_ours.params):
+        torch.testing.assert_close(b, a, rtol=1e-10, atol=1e-12)
+    # the bonus acted: without it the weights differ
+    plain, rec_plain, _ = H.train(GRPOTrainer, cfg(tmp_path / "plain", **common), reward=H.binary_digit_reward,
+                                  dtype=torch.float64)
+    if target == 100.0:
+        assert not torch.allclose(rec_plain.params[-1], rec_ours.params[-1], rtol=0, atol=1e-9)
+
+
+def test_adaptive_entropy_refuses_trl_double_bonus(tmp_path):
+    with pytest.raises(stablerl.StableRLError, match="use_adaptive_entropy"):
+        H.train(GRPOTrainer, cfg(tmp_path, entropy_controller="adaptive_entropy", use_adaptive_entropy=True,
+                                 num_iterations=1))
