@@ -75,9 +75,10 @@ def sfpo_params(**kw):
     return {"inner_steps": K, "alpha": ALPHA, **kw}
 
 
-def test_sfpo_reposition_and_slow_pass(tmp_path):
-    trainer, rec, initial = H.train(Spy, cfg(tmp_path / "a", trainer_hook="sfpo", stablerl_trainer_hook_params=sfpo_params()),
-                                    reward=H.binary_digit_reward)
+@pytest.mark.parametrize("ga", [1, 2])  # GA = steps_per_generation: each pass is one optimizer step of GA micro-batches
+def test_sfpo_reposition_and_slow_pass(tmp_path, ga):
+    trainer, rec, initial = H.train(Spy, cfg(tmp_path / "a", trainer_hook="sfpo", stablerl_trainer_hook_params=sfpo_params(),
+                                             gradient_accumulation_steps=ga), reward=H.binary_digit_reward)
     assert trainer.generations == 2  # one generation per K + 1 passes
     assert len(trainer.slow) == 2 and torch.equal(trainer.slow[0], initial)
     for b in range(2):
@@ -95,7 +96,7 @@ def test_sfpo_reposition_and_slow_pass(tmp_path):
     # the same run without the hook, repositioned by hand: identical weights at every step
     model = H.tiny_model(0)
     hand = HandReposition(model)
-    ref = GRPOTrainer(model=model, reward_funcs=H.binary_digit_reward, args=cfg(tmp_path / "b"),
+    ref = GRPOTrainer(model=model, reward_funcs=H.binary_digit_reward, args=cfg(tmp_path / "b", gradient_accumulation_steps=ga),
                       train_dataset=H.build_dataset(64, seed=0), processing_class=H.TOKENIZER, callbacks=[hand])
     ref.train()
     assert torch.equal(flat(ref.model), rec.params[-1])
