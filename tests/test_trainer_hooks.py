@@ -190,3 +190,59 @@ def test_adaptive_entropy_controller_steps_and_penalty():
     assert restored.coef == c.coef and restored.last_entropy == 3.0
     with pytest.raises(stablerl.StableRLError, match="entropy_coef_min"):
         stablerl.make_controller("adaptive_entropy", entropy_coef_min=2.0)
+
+
+# ----------------------------------------------------------------------------- conformance of trainer hooks
+
+
+class _Broken(TrainerHook):
+    def __init__(self, params):
+        super().__init__(params)
+        self.seen = []
+
+    def after_pass(self, view, pass_index, **stats):
+        self.seen.append(stats.get("entropy"))
+        return {}
+
+    def state_dict(self):
+        return {"seen": list(self.seen)}
+
+    def load_state_dict(self, state):
+        self.seen = list(state["seen"])
+
+
+class _BadPasses(_Broken):
+    def passes_per_batch(self):
+        return 0
+
+
+class _Random(_Broken):
+    def before_batch(self, view):
+        with torch.no_grad():
+            for w in view.parameters():
+                w.add_(torch.rand(()))  # unseeded: two runs differ
+
+
+class _Forgets(_Broken):
+    def load_state_dict(self, state):
+        self.seen = []
+
+
+class _Live(_Broken):
+    def state_dict(self):
+        return {"seen": self.seen}  # the live list: an earlier snapshot changes
+
+
+@pytest.mark.parametrize("cls,prop", [(_BadPasses, "output"), (_Random, "deterministic"), (_Forgets, "state_round_trip"),
+                                      (_Live, "state_snapshot")])
+def test_trainer_hook_conformance_catches_broken_hooks(monkeypatch, cls, prop):
+    from stablerl.contracts import TRAINER_HOOK, AlgorithmSpec
+    from stablerl.testing import ConformanceError, check_trainer_hook
+
+    reg = stablerl.get_registry()
+    spec = AlgorithmSpec(name="broken_hook", kind=TRAINER_HOOK, fn=cls, paper="2500.00000", title="t", formula="f",
+                         requires=("params_view",))
+    monkeypatch.setitem(reg.specs, (TRAINER_HOOK, "broken_hook"), spec)
+    with pytest.raises(ConformanceError, match=f"'broken_hook' fails '{prop}'"):
+        check_trainer_hook("broken_hook")
+    check_trainer_hook("sfpo", zscore_window=2)  # the built-in passes, also with its stop rule firing
