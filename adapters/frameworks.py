@@ -337,10 +337,12 @@ OPENRLHF = FrameworkSpec(
         CONTROLLER: "an entropy controller must change the rollout temperature or add a loss term every step and be "
         "checkpointed with the trainer; the OpenRLHF adapter does not wire one into its trainer loop (the TRL "
         "adapter runs them)",
-        TRAINER_HOOK: "a trainer hook acts between optimizer passes inside the Ray actor (PolicyModelActor's "
-        "ppo_train loops over --actor.max_epochs passes and steps the optimizer in training_step, with no callback "
-        "between passes) or inside the rollout loop (a fixed --rollout.n_samples_per_prompt, generated in one "
-        "call): the OpenRLHF adapter does not replace either loop; the TRL adapter runs sfpo",
+        TRAINER_HOOK: "a trainer hook acts between optimizer passes inside the Ray actor (ActorPPOTrainer.ppo_train "
+        "loops over --actor.max_epochs passes with no callback between them) and OpenRLHF always trains with "
+        "DeepSpeed, whose optimizer keeps the fp32 master weights in its own flat partitions and copies them over the "
+        "model's parameters after every step, so a reposition of the parameters (SFPO) would be overwritten; an "
+        "adaptive sampler needs a rollout loop that draws more for a prompt (OpenRLHF draws a fixed "
+        "--rollout.n_samples_per_prompt in one call); the TRL adapter runs sfpo",
     },
     selection_keys={
         POLICY_LOSS: "--actor.policy_loss_type",

@@ -1161,10 +1161,12 @@ class GRPOTrainer(_trl.GRPOTrainer):
                 f"trainer_hook={name!r} needs one optimizer step per pass over the generation batch: "
                 f"steps_per_generation ({cfg.steps_per_generation}) must equal gradient_accumulation_steps "
                 f"({cfg.gradient_accumulation_steps})")
-        plugin = getattr(self.accelerator.state, "deepspeed_plugin", None)
-        if getattr(self, "is_deepspeed_enabled", False) and plugin is not None and getattr(plugin, "zero_stage", 0) == 3:
-            raise StableRLError(f"trainer_hook={name!r} changes the parameters in place between passes; DeepSpeed "
-                                "ZeRO-3 partitions them outside model.parameters(): use ZeRO-2, FSDP or DDP")
+        if getattr(self, "is_deepspeed_enabled", False):
+            # ZeRO keeps the fp32 master weights in the optimizer's own flat partitions and copies them over the
+            # model's parameters after every step (ZeRO-3 also partitions the parameters themselves)
+            raise StableRLError(f"trainer_hook={name!r} changes the parameters in place between passes; under "
+                                "DeepSpeed the next optimizer step would overwrite them from its fp32 master "
+                                "partitions: use DDP or FSDP (the optimizer then steps the parameters themselves)")
 
     def _ext_params_view(self) -> ParamsView:
         model = self.model
