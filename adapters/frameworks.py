@@ -72,13 +72,7 @@ _VERL_NO_ENTROPY_AT_ADVANTAGE = (
     "legacy trainer keeps no per-token entropy there"
 )
 
-_VERL_NO_TRAINER_HOOK = (
-    "a trainer hook acts between optimizer passes inside the actor worker (verl's update_actor runs "
-    "ppo_epochs passes of DataParallelPPOActor.update_policy in one remote call, with no callback between passes, "
-    "and the engine workers step the optimizer inside the engine) or inside the rollout loop (a fixed rollout.n per "
-    "prompt, generated in one call): SFPO needs a second worker method (the authors ship a verl fork for it), "
-    "an adaptive sampler a new rollout loop; the TRL adapter runs sfpo"
-)
+_VERL_HOOK_TARGET = _POLICY_LOSS + "_target_=stablerl.adapters.verl.StablePolicyLossConfig"
 
 VERL = FrameworkSpec(
     name="verl",
@@ -96,9 +90,13 @@ VERL = FrameworkSpec(
                                         "sum_pi_squared"}),
         REWARD_SHAPER: _EXTENSION_INPUTS,
         BATCH_FILTER: _EXTENSION_INPUTS,
+        # the adapter wraps ActorRolloutRefWorker.update_actor: one call = one pass over the batch
+        TRAINER_HOOK: frozenset({"params_view"}),
     },
     why_not={
         "*": {
+            "sampling_rounds": "verl's rollout generates a fixed rollout.n responses per prompt in one call per "
+            "batch; no verl trainer draws more for a prompt",
             "turn_ids": "verl's batch has no per-token turn ids (only the per-sample num_turns)",
             "versions": "verl's batch has no per-token policy versions",
             "policy_version": "the worker's loss call does not know the current policy version / step",
@@ -124,6 +122,9 @@ VERL = FrameworkSpec(
         },
     },
     conditions={
+        # verl's actor config rejects unknown keys: the hook is selected on the stablerl policy-loss config
+        TRAINER_HOOK: {"params_view": _VERL_HOOK_TARGET + " (the key lives on the stablerl policy-loss config; any "
+                       "loss_mode)"},
         POLICY_LOSS: {
             "entropy": "actor_rollout_ref.actor.calculate_entropy=True (verl computes the update's entropy only then, "
             "or with entropy_coeff != 0)",
@@ -135,13 +136,13 @@ VERL = FrameworkSpec(
         CONTROLLER: "an entropy controller must change the rollout temperature or add a loss term every step and be "
         "checkpointed with the trainer, and verl 0.9.1 has no hook for either (+algorithm.stablerl_entropy_controller "
         "is refused saying so; the TRL adapter runs them)",
-        TRAINER_HOOK: _VERL_NO_TRAINER_HOOK,
     },
     selection_keys={
         POLICY_LOSS: _POLICY_LOSS + "loss_mode",
         ADVANTAGE_ESTIMATOR: "algorithm.adv_estimator",
         REWARD_SHAPER: "+algorithm.stablerl_reward_shaper",
         BATCH_FILTER: "+algorithm.stablerl_batch_filter",
+        TRAINER_HOOK: "+" + _POLICY_LOSS + "stablerl_trainer_hook",
     },
     hyperparameter_keys={
         POLICY_LOSS: {
@@ -168,6 +169,7 @@ VERL = FrameworkSpec(
         ADVANTAGE_ESTIMATOR: "+algorithm.{name}={value}",
         REWARD_SHAPER: "+algorithm.stablerl_reward_shaper_params.{name}={value}",
         BATCH_FILTER: "+algorithm.stablerl_batch_filter_params.{name}={value}",
+        TRAINER_HOOK: "+" + _POLICY_LOSS + "stablerl_trainer_hook_params={{{name}:{value}}}",
     },
     usage='pip install "stablerl[verl]"; select with verl\'s own config keys (entry point verl.plugins)',
     switches={"rollout_correction": "algorithm.rollout_correction.rollout_is",
@@ -387,6 +389,13 @@ OPENRLHF = FrameworkSpec(
 def _verl_lines(spec: AlgorithmSpec) -> list[str]:
     fields = list(spec.defaults())
     name = _first_name(VERL, spec)
+    if spec.kind == TRAINER_HOOK:
+        lines = [_VERL_HOOK_TARGET, f"{VERL.selection_keys[TRAINER_HOOK]}={spec.name}"]
+        if fields:
+            lines.append(f"+{_POLICY_LOSS}stablerl_trainer_hook_params={{" + ",".join(f"{f}:<value>" for f in fields) + "}")
+        if spec.name == "sfpo":
+            lines.append("(actor_rollout_ref.actor.calculate_entropy=True feeds its entropy stop rule)")
+        return lines
     if spec.kind in (REWARD_SHAPER, BATCH_FILTER):
         key = "reward_shaper" if spec.kind == REWARD_SHAPER else "batch_filter"
         return [f"+algorithm.stablerl_{key}={spec.name}"] + [f"+algorithm.stablerl_{key}_params.{f}=<value>" for f in fields]

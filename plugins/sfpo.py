@@ -65,6 +65,7 @@ class SFPOHook(TrainerHook):
         self.batches = 0
         self._slow: Optional[list[torch.Tensor]] = None
         self._passes = 1
+        self.last_fast_drift = 0.0
 
     def passes_per_batch(self) -> int:
         return 1 if self.stopped else self.params.inner_steps + 1
@@ -84,10 +85,13 @@ class SFPOHook(TrainerHook):
         if len(params) != len(self._slow):
             raise StableRLError(f"sfpo: the view has {len(params)} parameters, {len(self._slow)} were saved")
         alpha = self.params.alpha
+        drift = 0.0
         with torch.no_grad():
             for p, slow in zip(params, self._slow):
+                drift += float((p - slow).double().pow(2).sum())
                 p.copy_(slow + alpha * (p - slow))
         self._slow = None
+        self.last_fast_drift = math.sqrt(drift)
 
     def after_pass(self, view: ParamsView, pass_index: int, entropy: Any = None, **unused: Any) -> dict[str, Any]:
         if not 0 <= pass_index < self._passes:
@@ -96,6 +100,7 @@ class SFPOHook(TrainerHook):
         if self._passes > 1 and pass_index == self.params.inner_steps - 1:
             self.reposition(view)
             out["repositioned"] = True
+            out["fast_drift"] = self.last_fast_drift  # ||theta_K - theta0|| over this rank's parameters
         if pass_index == self._passes - 1:
             self.batches += 1
             if entropy is not None:
@@ -135,7 +140,7 @@ def register_trainer_hooks(register):
         "from theta~; stop for good at z = (H - mean_w H)/(std_w H + 1e-9) >= 1.0 (w = 30); K = 3, alpha = 0.8",
         status=EXPERIMENTAL,
         requires=("params_view",),
-        metrics=("repositioned", "zscore", "active", "alpha"),
+        metrics=("repositioned", "fast_drift", "zscore", "active", "alpha"),
         reference="Urheen/SFPO (authors' verl fork, read, not run): Demo/fsdp_workers.py::sfpo_update_actor, "
         "Code/SFPO/verl/trainer/ppo/ray_trainer.py (entropy_container z-score), train-scripts/*_sfpo.sh",
         notes=(
