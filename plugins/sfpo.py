@@ -149,8 +149,8 @@ def register_trainer_hooks(register):
             "on through the reposition, nothing is reset or interpolated; the stop rule is one-sided z >= threshold "
             "on the window of the last w slow-pass entropies, population std + 1e-9, latched), but it was not run "
             "against that code. Differences by framework design: the reference steps the LR scheduler once per "
-            "batch, a framework that steps it once per optimizer step (TRL) advances it K+1 times per batch (same "
-            "result with a constant LR). The paper's main setting is alpha = 0.8 (Qwen3-4B script: 0.9); K = 7 needs "
+            "batch; the adapters step it once per pass (TRL: per optimizer step; verl: per update_actor call), K+1 "
+            "times per batch (the same result with a constant LR). The paper's main setting is alpha = 0.8 (Qwen3-4B script: 0.9); K = 7 needs "
             "alpha ~ 0.2."
         ),
     )

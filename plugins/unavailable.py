@@ -40,7 +40,8 @@ UNAVAILABLE_LOSSES = (
         notes=(
             "SFPO (arXiv 2510.04072) is a training-loop schedule (K fast passes, a reposition of the weights, "
             "one slow pass, an entropy stop rule), not a loss: select it as the trainer hook 'sfpo' (kind "
-            "trainer_hook; TRL: GRPOConfig(trainer_hook='sfpo', num_iterations=4)) with your usual loss."
+            "trainer_hook; TRL: GRPOConfig(trainer_hook='sfpo', num_iterations=4); verl: "
+            "+actor_rollout_ref.actor.policy_loss.stablerl_trainer_hook=sfpo) with your usual loss."
         ),
     ),
 )

@@ -213,3 +213,35 @@ def test_entropic_state_and_step_continue_after_resume(workdir):
         f"EntroPIC's integral did not continue from the checkpoint: {i3} vs {i2} + {h3} - {TARGET_ENTROPY}"
         f" (a fresh state gives {h3 - TARGET_ENTROPY})")
     assert abs(i3 - (h3 - TARGET_ENTROPY)) > 1.0  # the check can tell a restored state from a fresh one
+
+
+SFPO = [
+    "actor_rollout_ref.actor.policy_loss._target_=stablerl.adapters.verl.StablePolicyLossConfig",
+    "actor_rollout_ref.actor.calculate_entropy=true", "algorithm.adv_estimator=grpo",
+    "trainer.total_training_steps=2", "trainer.save_freq=-1",
+]
+
+
+def _sfpo(alpha: float) -> list[str]:
+    return [*SFPO, "+actor_rollout_ref.actor.policy_loss.stablerl_trainer_hook=sfpo",
+            f"+actor_rollout_ref.actor.policy_loss.stablerl_trainer_hook_params={{inner_steps:1,alpha:{alpha},zscore_window:2}}"]
+
+
+def test_sfpo_alpha_one_equals_two_epochs_and_alpha_moves_the_weights(workdir):
+    """SFPO with K=1 and alpha=1 is two plain passes over the batch: the same weights as verl's ppo_epochs=2
+    (seen in step 2: its rollout and old-policy entropy come from the weights after step 1); alpha=0.5
+    gives other weights. Each SFPO step runs 2 passes, repositions once, and feeds the entropy rule."""
+    _, sfpo = run_main_ppo(workdir, "sfpo_a1", _sfpo(1.0))
+    _, epochs = run_main_ppo(workdir, "epochs2", [*SFPO, "actor_rollout_ref.actor.ppo_epochs=2"])
+    _, half = run_main_ppo(workdir, "sfpo_a05", _sfpo(0.5))
+    for rows in (sfpo, epochs, half):
+        _assert_steps_and_reward(rows, [1, 2])
+    for rows in (sfpo, half):
+        for r in rows:
+            d = r["data"]
+            assert d["actor/stablerl/sfpo/passes"] == 2.0 and d["actor/stablerl/sfpo/repositioned"] == 1.0, sorted(d)
+            assert d["actor/stablerl/sfpo/fast_drift"] > 0.0  # the fast pass moved the parameters the hook sees
+    assert abs(sfpo[1]["data"]["actor/stablerl/sfpo/zscore"]) == pytest.approx(1.0)  # window 2: (H2 - mean)/std = +-1
+    step2 = {name: rows[1]["data"]["actor/entropy"] for name, rows in (("sfpo", sfpo), ("epochs", epochs), ("half", half))}
+    assert step2["sfpo"] == pytest.approx(step2["epochs"], rel=1e-5), step2
+    assert step2["half"] != pytest.approx(step2["epochs"], rel=1e-5), step2
