@@ -65,7 +65,7 @@ class SFPOHook(TrainerHook):
         self.batches = 0
         self._slow: Optional[list[torch.Tensor]] = None
         self._passes = 1
-        self.last_fast_drift = 0.0
+        self.last_fast_drift = self.last_shift = 0.0
 
     def passes_per_batch(self) -> int:
         return 1 if self.stopped else self.params.inner_steps + 1
@@ -85,13 +85,16 @@ class SFPOHook(TrainerHook):
         if len(params) != len(self._slow):
             raise StableRLError(f"sfpo: the view has {len(params)} parameters, {len(self._slow)} were saved")
         alpha = self.params.alpha
-        drift = 0.0
+        drift = shift = 0.0
         with torch.no_grad():
             for p, slow in zip(params, self._slow):
                 drift += float((p - slow).double().pow(2).sum())
-                p.copy_(slow + alpha * (p - slow))
+                if alpha != 1.0:  # alpha = 1 keeps theta_K exactly (theta0 + (theta_K - theta0) may round)
+                    fast = p.detach().clone()
+                    p.copy_(slow + alpha * (p - slow))
+                    shift += float((p - fast).double().pow(2).sum())  # measured on the parameter after the copy
         self._slow = None
-        self.last_fast_drift = math.sqrt(drift)
+        self.last_fast_drift, self.last_shift = math.sqrt(drift), math.sqrt(shift)
 
     def after_pass(self, view: ParamsView, pass_index: int, entropy: Any = None, **unused: Any) -> dict[str, Any]:
         if not 0 <= pass_index < self._passes:
@@ -101,6 +104,7 @@ class SFPOHook(TrainerHook):
             self.reposition(view)
             out["repositioned"] = True
             out["fast_drift"] = self.last_fast_drift  # ||theta_K - theta0|| over this rank's parameters
+            out["reposition_shift"] = self.last_shift  # ||theta~ - theta_K||: (1 - alpha) fast_drift
         if pass_index == self._passes - 1:
             self.batches += 1
             if entropy is not None:
@@ -140,7 +144,7 @@ def register_trainer_hooks(register):
         "from theta~; stop for good at z = (H - mean_w H)/(std_w H + 1e-9) >= 1.0 (w = 30); K = 3, alpha = 0.8",
         status=EXPERIMENTAL,
         requires=("params_view",),
-        metrics=("repositioned", "fast_drift", "zscore", "active", "alpha"),
+        metrics=("repositioned", "fast_drift", "reposition_shift", "zscore", "active", "alpha"),
         reference="Urheen/SFPO (authors' verl fork, read, not run): Demo/fsdp_workers.py::sfpo_update_actor, "
         "Code/SFPO/verl/trainer/ppo/ray_trainer.py (entropy_container z-score), train-scripts/*_sfpo.sh",
         notes=(

@@ -55,6 +55,8 @@ def test_sfpo_schedule_equals_the_unified_form_under_sgd():
         if k == K - 1:
             assert out["repositioned"] is True
             torch.testing.assert_close(w.detach(), tilde, rtol=1e-12, atol=1e-12)
+            assert out["fast_drift"] == pytest.approx(float((theta - theta0).norm()), rel=1e-12)
+            assert out["reposition_shift"] == pytest.approx((1 - alpha) * out["fast_drift"], rel=1e-9)
     torch.testing.assert_close(w.detach(), expected, rtol=1e-12, atol=1e-12)
     assert hook.batches == 1 and hook.entropy_history == [1.0]
 

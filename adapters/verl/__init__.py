@@ -38,6 +38,11 @@ MoE routing replay on verl's FSDP engine (:mod:`stablerl.adapters.verl._routing_
     +actor_rollout_ref.actor.fsdp_config.router_replay.mode=R3   # or R2
     actor_rollout_ref.rollout.enable_rollout_routing_replay=True  # R3 only
 
+Trainer hooks (SFPO) around the worker's ``update_actor`` (:mod:`stablerl.adapters.verl._trainer_hook`)::
+
+    actor_rollout_ref.actor.policy_loss._target_=stablerl.adapters.verl.StablePolicyLossConfig
+    +actor_rollout_ref.actor.policy_loss.stablerl_trainer_hook=sfpo
+
 Fallback when entry points are disabled (``VERL_USE_EXTERNAL_PLUGINS=none``):
 ``actor_rollout_ref.model.external_lib=stablerl.adapters.verl`` or
 ``VERL_USE_EXTERNAL_MODULES=stablerl.adapters.verl``.
@@ -455,4 +460,5 @@ __all__ = [
     "routing_replay",
     "engine",
     "checkpoint_state",
+    "trainer_hook",
 ]
