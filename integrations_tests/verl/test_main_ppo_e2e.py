@@ -6,7 +6,8 @@ trainer needs TransferQueue, which the verl session does not install; not tried 
 
 * ``m2po`` (a loss with a batch statistic) + ``qae`` (estimator) + ``dynamic_sampling`` (batch filter);
 * ``entropic`` (a loss that keeps state) + ``qae``, 2 steps, checkpoint at step 2;
-* the same run resumed in a new process to step 3: step counter and EntroPIC's integral continue.
+* the same run resumed in a new process to step 3: step counter and EntroPIC's integral continue;
+* SFPO as a trainer hook (K=1, alpha 1 and 0.5, 2 steps each): passes, reposition and entropy window.
 
 Everything is asserted from verl's file logger (``trainer.logger=[console,file]``) and console.
 Real: Hydra config + validation, Ray, TaskRunner, legacy RayPPOTrainer, FSDP2 workers on gloo, the
