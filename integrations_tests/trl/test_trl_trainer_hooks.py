@@ -173,3 +173,17 @@ def test_adaptive_entropy_refuses_trl_double_bonus(tmp_path):
     with pytest.raises(stablerl.StableRLError, match="use_adaptive_entropy"):
         H.train(GRPOTrainer, cfg(tmp_path, entropy_controller="adaptive_entropy", use_adaptive_entropy=True,
                                  num_iterations=1))
+
+
+def test_trainer_hook_refuses_deepspeed():
+    """Under DeepSpeed ZeRO the optimizer copies its fp32 master partitions over the parameters after each step,
+    which would undo a reposition: refused (checked on the adapter's check, no DeepSpeed engine on CPU here)."""
+    from types import SimpleNamespace
+
+    fake = SimpleNamespace(args=SimpleNamespace(num_iterations=3, steps_per_generation=1, gradient_accumulation_steps=1),
+                           accelerator=SimpleNamespace(state=SimpleNamespace(deepspeed_plugin=SimpleNamespace(zero_stage=2))),
+                           is_deepspeed_enabled=True, _ext_hook_name="sfpo")
+    with pytest.raises(stablerl.StableRLError, match="DeepSpeed"):
+        GRPOTrainer._ext_hook_check(fake, 3)
+    fake.is_deepspeed_enabled = False
+    GRPOTrainer._ext_hook_check(fake, 3)  # DDP / single process: fine
