@@ -7,7 +7,8 @@ the workers see too::
     +actor_rollout_ref.actor.policy_loss.stablerl_trainer_hook=sfpo
     +actor_rollout_ref.actor.policy_loss.stablerl_trainer_hook_params={inner_steps:3,alpha:0.8}
 
-The adapter wraps ``ActorRolloutRefWorker.update_actor`` (the engine workers, legacy and v1 trainer): one
+The adapter wraps ``ActorRolloutRefWorker.update_actor`` (engine workers; the legacy trainer,
+``trainer.use_v1=false``: under v1 the batch arrives as TransferQueue metadata and is refused): one
 call of verl's own ``update_actor`` is one pass over the batch (``ppo_epochs`` epochs of its mini-batches,
 each an optimizer step, then one LR-scheduler step). The wrapper runs ``hook.passes_per_batch()`` such
 passes on copies of the same batch and calls the hook between them with the actor's trainable parameters
@@ -129,10 +130,13 @@ def run_passes(worker: Any, hook: Any, update: Any, data: Any, args: tuple, kwar
     from stablerl import ParamsView
     from stablerl.params import StableRLError
 
-    copy = getattr(data, "copy", None)
-    if not callable(copy):
-        raise StableRLError(f"stablerl trainer hook: update_actor got a {type(data).__name__}, which cannot be "
-                            "copied for another pass (expected verl's TensorDict)")
+    from tensordict import TensorDict
+
+    if not isinstance(data, TensorDict):
+        raise StableRLError(
+            f"stablerl trainer hook: update_actor got a {type(data).__name__}, not verl's TensorDict: trainer hooks "
+            "run with verl's legacy trainer (trainer.use_v1=false); under the v1 trainer update_actor receives "
+            "TransferQueue metadata, which the adapter does not copy for another pass (untested)")
     engine = worker.actor.engine
     module = engine.module
     view = ParamsView(parameters=lambda: [p for p in module.parameters() if p.requires_grad],

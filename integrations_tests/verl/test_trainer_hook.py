@@ -138,3 +138,12 @@ def test_no_hook_is_verls_update_actor(adapter):
     wrapped = adapter.trainer_hook._wrap_update_actor(lambda self, data: calls.append(data) or "out")
     worker = type("W", (), {"config": OmegaConf.create({"actor": {"policy_loss": {"loss_mode": "vanilla"}}})})()
     assert wrapped(worker, "batch") == "out" and calls == ["batch"]
+
+
+def test_a_batch_that_is_not_a_tensordict_is_refused(adapter):
+    adapter.trainer_hook._HOOKS.clear()
+    worker = _Worker({"inner_steps": 1})
+    wrapped = adapter.trainer_hook._wrap_update_actor(_fake_update_actor)
+    with pytest.raises(stablerl.StableRLError, match="use_v1=false"):
+        wrapped(worker, {"not": "a TensorDict"})
+    adapter.trainer_hook._HOOKS.clear()
