@@ -11,7 +11,7 @@ written once, here, and `stablerl describe`, the generated docs and the adapters
 from __future__ import annotations
 
 from stablerl.contracts import (ADVANTAGE_ESTIMATOR, BATCH_FILTER, CONTROLLER, POLICY_LOSS, REWARD_SHAPER,
-                                AlgorithmSpec)
+                                TRAINER_HOOK, AlgorithmSpec)
 from stablerl.frameworks import CALL_OPTIONS, FrameworkKey, FrameworkSpec
 from stablerl.hookspecs import hookimpl
 
@@ -72,6 +72,8 @@ _VERL_NO_ENTROPY_AT_ADVANTAGE = (
     "legacy trainer keeps no per-token entropy there"
 )
 
+_VERL_HOOK_TARGET = _POLICY_LOSS + "_target_=stablerl.adapters.verl.StablePolicyLossConfig"
+
 VERL = FrameworkSpec(
     name="verl",
     distribution="verl",
@@ -88,9 +90,13 @@ VERL = FrameworkSpec(
                                         "sum_pi_squared"}),
         REWARD_SHAPER: _EXTENSION_INPUTS,
         BATCH_FILTER: _EXTENSION_INPUTS,
+        # the adapter wraps ActorRolloutRefWorker.update_actor: one call = one pass over the batch
+        TRAINER_HOOK: frozenset({"params_view"}),
     },
     why_not={
         "*": {
+            "sampling_rounds": "verl's rollout generates a fixed rollout.n responses per prompt in one call per "
+            "batch; no verl trainer draws more for a prompt",
             "turn_ids": "verl's batch has no per-token turn ids (only the per-sample num_turns)",
             "anchor_ids": "verl's trainers keep one row per response, not per agent step, and no anchor-state ids",
             "step_returns": "verl's trainers keep one row per response, not per agent step, and no step returns",
@@ -98,7 +104,9 @@ VERL = FrameworkSpec(
             "policy_version": "the worker's loss call does not know the current policy version / step",
             "router_log_prob": "verl's loss gets no router log-probs",
             "old_router_log_prob": "verl's loss gets no router log-probs",
-            "pos_count": "no verl trainer counts samples per prompt over sampling rounds",
+            "pos_count": "no verl trainer counts samples per prompt over sampling rounds (the adapter passes a "
+            "per-response batch or non-tensor field 'pos_count' / 'neg_count' to estimators when a customised "
+            "pipeline writes one)",
             "neg_count": "no verl trainer counts samples per prompt over sampling rounds",
             "hidden_states": "verl's model output at ppo_loss carries log-probs (and entropy), not the last hidden states",
             "lm_head_weight": "verl's ppo_loss gets no handle on the model (its LM-head weight)",
@@ -121,6 +129,9 @@ VERL = FrameworkSpec(
         },
     },
     conditions={
+        # verl's actor config rejects unknown keys: the hook is selected on the stablerl policy-loss config
+        TRAINER_HOOK: {"params_view": _VERL_HOOK_TARGET + " (the key lives on the stablerl policy-loss config; any "
+                       "loss_mode)"},
         POLICY_LOSS: {
             "entropy": "actor_rollout_ref.actor.calculate_entropy=True (verl computes the update's entropy only then, "
             "or with entropy_coeff != 0)",
@@ -138,6 +149,7 @@ VERL = FrameworkSpec(
         ADVANTAGE_ESTIMATOR: "algorithm.adv_estimator",
         REWARD_SHAPER: "+algorithm.stablerl_reward_shaper",
         BATCH_FILTER: "+algorithm.stablerl_batch_filter",
+        TRAINER_HOOK: "+" + _POLICY_LOSS + "stablerl_trainer_hook",
     },
     hyperparameter_keys={
         POLICY_LOSS: {
@@ -164,6 +176,7 @@ VERL = FrameworkSpec(
         ADVANTAGE_ESTIMATOR: "+algorithm.{name}={value}",
         REWARD_SHAPER: "+algorithm.stablerl_reward_shaper_params.{name}={value}",
         BATCH_FILTER: "+algorithm.stablerl_batch_filter_params.{name}={value}",
+        TRAINER_HOOK: "+" + _POLICY_LOSS + "stablerl_trainer_hook_params={{{name}:{value}}}",
     },
     usage='pip install "stablerl[verl]"; select with verl\'s own config keys (entry point verl.plugins)',
     switches={"rollout_correction": "algorithm.rollout_correction.rollout_is",
@@ -194,6 +207,8 @@ TRL = FrameworkSpec(
         # filters may also take entropy: the TRL adapter runs one extra no-grad forward for it
         REWARD_SHAPER: _EXTENSION_INPUTS | {"pos_count", "neg_count"},
         BATCH_FILTER: _EXTENSION_INPUTS | {"pos_count", "neg_count", "entropy"},
+        # the adapter runs num_iterations optimizer passes over each generation batch and calls the hook between them
+        TRAINER_HOOK: frozenset({"params_view"}),
     },
     why_not={
         "*": {
@@ -214,6 +229,13 @@ TRL = FrameworkSpec(
             "sum_pi_squared": "TRL's old-log-prob pass keeps no vocabulary statistics (sum of squared probabilities)",
             "hidden_states": "TRL's forward in _compute_loss returns log-probs and entropies, not the last hidden states",
             "lm_head_weight": "TRL's loss computation does not expose the LM-head weight to the loss",
+            "sampling_rounds": "TRL's GRPOTrainer generates exactly num_generations completions per prompt in one "
+            "call per generation batch (RepeatSampler fixes the batch layout), so it cannot draw more for a prompt",
+        },
+        ADVANTAGE_ESTIMATOR: {
+            "pos_count": "TRL's GRPOTrainer samples num_generations per prompt in one round: nothing counts samples "
+            "over rounds, and the adapter passes no per-prompt counts to estimators",
+            "neg_count": "TRL's GRPOTrainer samples num_generations per prompt in one round",
         },
     },
     conditions={
@@ -229,6 +251,7 @@ TRL = FrameworkSpec(
         REWARD_SHAPER: "reward_shaper",
         BATCH_FILTER: "batch_filter",
         CONTROLLER: "entropy_controller",
+        TRAINER_HOOK: "trainer_hook",
     },
     hyperparameter_keys={
         POLICY_LOSS: {
@@ -259,6 +282,7 @@ TRL = FrameworkSpec(
         REWARD_SHAPER: 'stablerl_reward_shaper_params={{"{name}": {value}}}',
         BATCH_FILTER: 'stablerl_batch_filter_params={{"{name}": {value}}}',
         CONTROLLER: 'stablerl_entropy_controller_params={{"{name}": {value}}}',
+        TRAINER_HOOK: 'stablerl_trainer_hook_params={{"{name}": {value}}}',
     },
     usage="from stablerl.adapters.trl import GRPOTrainer, GRPOConfig  (instead of trl's)",
     switches={"rollout_correction": "vllm_importance_sampling_correction",
@@ -316,6 +340,9 @@ OPENRLHF = FrameworkSpec(
             "lm_head_weight": "OpenRLHF's loss call gets no handle on the model (its LM-head weight)",
             "reward_baselines": "OpenRLHF generates no greedy baseline response per prompt (ReMax)",
             "sum_pi_squared": "OpenRLHF's old-log-prob pass returns log-probs only (no sum of squared probabilities)",
+            "pos_count": "OpenRLHF samples --rollout.n_samples_per_prompt per prompt in one round: nothing counts "
+            "samples over rounds, and the adapter passes no per-prompt counts to estimators",
+            "neg_count": "OpenRLHF samples --rollout.n_samples_per_prompt per prompt in one round",
         },
         ADVANTAGE_ESTIMATOR: {"entropy": _ORLHF_OLD_ENTROPY + ", at compute_advantages_and_returns"},
         REWARD_SHAPER: {"entropy": _ORLHF_OLD_ENTROPY + ", at compute_advantages_and_returns"},
@@ -332,6 +359,12 @@ OPENRLHF = FrameworkSpec(
         CONTROLLER: "an entropy controller must change the rollout temperature or add a loss term every step and be "
         "checkpointed with the trainer; the OpenRLHF adapter does not wire one into its trainer loop (the TRL "
         "adapter runs them)",
+        TRAINER_HOOK: "a trainer hook acts between optimizer passes inside the Ray actor (ActorPPOTrainer.ppo_train "
+        "loops over --actor.max_epochs passes with no callback between them) and OpenRLHF always trains with "
+        "DeepSpeed, whose optimizer keeps the fp32 master weights in its own flat partitions and copies them over the "
+        "model's parameters after every step, so a reposition of the parameters (SFPO) would be overwritten; an "
+        "adaptive sampler needs a rollout loop that draws more for a prompt (OpenRLHF draws a fixed "
+        "--rollout.n_samples_per_prompt in one call); the TRL adapter runs sfpo",
     },
     selection_keys={
         POLICY_LOSS: "--actor.policy_loss_type",
@@ -376,6 +409,13 @@ OPENRLHF = FrameworkSpec(
 def _verl_lines(spec: AlgorithmSpec) -> list[str]:
     fields = list(spec.defaults())
     name = _first_name(VERL, spec)
+    if spec.kind == TRAINER_HOOK:
+        lines = [_VERL_HOOK_TARGET, f"{VERL.selection_keys[TRAINER_HOOK]}={spec.name}"]
+        if fields:
+            lines.append(f"+{_POLICY_LOSS}stablerl_trainer_hook_params={{" + ",".join(f"{f}:<value>" for f in fields) + "}")
+        if spec.name == "sfpo":
+            lines.append("(actor_rollout_ref.actor.calculate_entropy=True feeds its entropy stop rule)")
+        return lines
     if spec.kind in (REWARD_SHAPER, BATCH_FILTER):
         key = "reward_shaper" if spec.kind == REWARD_SHAPER else "batch_filter"
         return [f"+algorithm.stablerl_{key}={spec.name}"] + [f"+algorithm.stablerl_{key}_params.{f}=<value>" for f in fields]
@@ -399,14 +439,17 @@ def _verl_lines(spec: AlgorithmSpec) -> list[str]:
 
 def _trl_lines(spec: AlgorithmSpec) -> list[str]:
     fields = list(spec.defaults())
-    if spec.kind in (REWARD_SHAPER, BATCH_FILTER, CONTROLLER):
-        key = {REWARD_SHAPER: "reward_shaper", BATCH_FILTER: "batch_filter", CONTROLLER: "entropy_controller"}[spec.kind]
+    if spec.kind in (REWARD_SHAPER, BATCH_FILTER, CONTROLLER, TRAINER_HOOK):
+        key = {REWARD_SHAPER: "reward_shaper", BATCH_FILTER: "batch_filter", CONTROLLER: "entropy_controller",
+               TRAINER_HOOK: "trainer_hook"}[spec.kind]
         lines = ["from stablerl.adapters.trl import GRPOTrainer, GRPOConfig", f'GRPOConfig({key}="{spec.name}", ...)']
         if fields:
             example = ", ".join(f'"{f}": <value>' for f in fields)
             lines.append(f"GRPOConfig(..., stablerl_{key}_params={{{example}}})")
         if spec.kind == REWARD_SHAPER:
             lines.append('(needs a stablerl advantage_estimator, e.g. "grpo")')
+        if spec.name == "sfpo":
+            lines.append("(num_iterations = inner_steps + 1, e.g. 4; steps_per_generation = gradient_accumulation_steps)")
         return lines
     key = TRL.selection_keys[spec.kind]
     params_key = "stablerl_loss_params" if spec.kind == POLICY_LOSS else "stablerl_advantage_params"

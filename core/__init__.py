@@ -16,6 +16,7 @@ from .api import (
     get_spec,
     list_algorithms,
     make_controller,
+    make_trainer_hook,
     shape_rewards,
 )
 from .context import Context, torch_distributed_context
@@ -31,6 +32,7 @@ from .contracts import (
     STABLE,
     UNAVAILABLE,
     ROLLOUT_CORRECTION,
+    TRAINER_HOOK,
     AdvantageBatch,
     AlgorithmSpec,
     Controller,
@@ -40,6 +42,9 @@ from .contracts import (
     NoParams,
     Params,
     PolicyLossBatch,
+    ParamsView,
+    PromptStats,
+    TrainerHook,
 )
 from .hookspecs import hookimpl
 from .params import MissingInputError, StableRLError, UnknownNameError
@@ -50,7 +55,7 @@ __version__ = "0.1.0"
 __all__ = [
     "compute_policy_loss", "compute_advantage", "shape_rewards", "filter_batch", "make_controller",
     "list_algorithms", "get_spec", "Context", "Controller", "RewardBatch", "FilterBatch", "FilterResult",
-    "ROLLOUT_CORRECTION",
+    "ROLLOUT_CORRECTION", "TRAINER_HOOK", "TrainerHook", "ParamsView", "PromptStats", "make_trainer_hook",
     "torch_distributed_context", "AlgorithmSpec", "Params", "NoParams", "PolicyLossBatch", "AdvantageBatch",
     "hookimpl", "StableRLError", "UnknownNameError", "MissingInputError", "get_registry", "reload_registry",
     "POLICY_LOSS", "ADVANTAGE_ESTIMATOR", "AGGREGATION", "REWARD_SHAPER", "BATCH_FILTER", "CONTROLLER",

@@ -21,8 +21,10 @@ from .contracts import (
     OPTIONAL_INPUTS,
     POLICY_LOSS,
     ROLLOUT_CORRECTION,
+    TRAINER_HOOK,
     UNAVAILABLE,
     AdvantageBatch,
+    TrainerHook,
     AlgorithmSpec,
     PolicyLossBatch,
 )
@@ -571,6 +573,15 @@ def filter_batch(
         raise StableRLError(f"batch filter {name!r} must return a FilterResult, got {type(result).__name__}")
     result.metrics = as_floats(result.metrics)
     return result
+
+
+def make_trainer_hook(name: str, **params: Any) -> TrainerHook:
+    """A fresh instance of the registered trainer hook ``name`` (its ``fn`` is the class)."""
+    spec = get_spec(TRAINER_HOOK, name)
+    hook = spec.fn(build_params(spec, params))
+    if not isinstance(hook, TrainerHook):
+        raise StableRLError(f"trainer hook {name!r} must build a stablerl TrainerHook, got {type(hook).__name__}")
+    return hook
 
 
 def make_controller(name: str, **params: Any) -> Controller:

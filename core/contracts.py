@@ -23,9 +23,10 @@ BATCH_FILTER = "batch_filter"
 CONTROLLER = "controller"
 ROUTER_FAMILY = "router_family"
 ROLLOUT_CORRECTION = "rollout_correction"
+TRAINER_HOOK = "trainer_hook"
 KINDS = (
     POLICY_LOSS, ADVANTAGE_ESTIMATOR, AGGREGATION, REWARD_SHAPER, BATCH_FILTER, CONTROLLER, ROUTER_FAMILY,
-    ROLLOUT_CORRECTION,
+    ROLLOUT_CORRECTION, TRAINER_HOOK,
 )
 
 # Status of an algorithm: checked against a reference implementation, implemented with stated
@@ -82,6 +83,11 @@ OPTIONAL_INPUTS: dict[str, str] = {
     "hashes the observation)",
     "step_returns": "per-row discounted return from that agent step on, [B]: G_t = r_t + gamma G_{t+1} within "
     "its trajectory (GiGPO Eq. 5; the agent loop computes it from the step rewards)",
+    # what a trainer hook needs from the trainer loop (not tensors: capabilities an adapter provides)
+    "params_view": "the policy's trainable parameters and optimizer between optimizer passes over one rollout "
+    "batch, and control of how many passes run (a trainer hook's ParamsView and passes_per_batch)",
+    "sampling_rounds": "a rollout loop that draws more responses for a prompt in further rounds when a trainer "
+    "hook's samples_per_prompt asks for them",
 }
 
 # inputs every policy loss receives anyway that an advantage estimator may declare (AdvantageBatch fields)
@@ -151,6 +157,9 @@ class AlgorithmSpec:
     # function of its hyper-parameters returning that mode ("" when they make it follow the caller).
     # Core then refuses loss_agg_params and warns once when another loss_agg_mode is asked for.
     aggregation: Any = ""
+    # inputs the DEFAULT settings need, each with the setting that removes the need (e.g. reinforce_ada:
+    # {"pos_count": "global_stat_est=False"}); `stablerl list` shows the algorithm as "partial" at most
+    requires_unless: dict[str, str] = field(default_factory=dict)
     plugin: str = ""  # filled by the registry: which plugin registered it
 
     def fixed_aggregation(self, params: Any = None) -> str:
@@ -178,6 +187,9 @@ class AlgorithmSpec:
             raise ValueError(f"{self.name!r}: output must be 'per_token' or 'scalar'")
         if not (isinstance(self.params, type) and issubclass(self.params, Params)):
             raise TypeError(f"{self.name!r}: params must be a Params dataclass subclass")
+        for r in self.requires_unless:
+            if r not in OPTIONAL_INPUTS:
+                raise ValueError(f"{self.name!r}: requires_unless names unknown input {r!r}")
         if self.seq_advantages and self.kind != POLICY_LOSS:
             raise ValueError(f"{self.name!r}: only a policy loss may set seq_advantages")
 
@@ -348,3 +360,57 @@ class Controller:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:  # pragma: no cover - interface
         raise NotImplementedError
+
+
+@dataclass
+class ParamsView:
+    """The policy's trainable parameters (this rank's local shards under FSDP) and its optimizer, as an
+    adapter hands them to a :class:`TrainerHook`. ``parameters()`` yields the same tensors in the same
+    order on every call; a hook changes them in place under ``torch.no_grad()``."""
+
+    parameters: Callable[[], Any]  # () -> iterable of torch.Tensor (requires_grad ones)
+    optimizer: Any = None  # torch.optim.Optimizer or None where the framework hides it
+
+
+@dataclass
+class PromptStats:
+    """What an adaptive sampler knows about one prompt after a sampling round."""
+
+    drawn: int  # responses generated for the prompt so far (all rounds)
+    positive: int  # of which rewarded above the sampler's threshold
+    rounds: int  # sampling rounds done for the prompt
+
+
+class TrainerHook:
+    """Base of trainer-level techniques: what happens between optimizer passes over one rollout batch,
+    and how many responses to draw for a prompt.
+
+    Adapters keep one instance per run and, per rollout batch, call :meth:`passes_per_batch` (how many
+    full optimizer passes over the batch, each one pass of the framework's usual update), then
+    :meth:`before_batch` with a :class:`ParamsView`, then :meth:`after_pass` after each pass with the
+    view and the pass's all-reduced statistics (``entropy``: mean token entropy); they persist
+    :meth:`state_dict` with the framework's checkpoint. An adaptive sampler answers
+    :meth:`samples_per_prompt`. The defaults are a no-op hook (one pass, the framework's sample count).
+    """
+
+    def __init__(self, params: Params):
+        self.params = params
+
+    def passes_per_batch(self) -> int:
+        return 1
+
+    def before_batch(self, view: ParamsView) -> None:
+        return None
+
+    def after_pass(self, view: ParamsView, pass_index: int, **stats: Any) -> dict[str, Any]:
+        return {}
+
+    def samples_per_prompt(self, stats: PromptStats) -> int:
+        """How many more responses to draw for this prompt (0: done). Default: none beyond the first round."""
+        return 0
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        return None

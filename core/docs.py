@@ -28,6 +28,8 @@ PYTHON_USAGE = {
     "batch_filter": 'stablerl.filter_batch("{name}", advantages=..., response_mask=..., index=uids, <hyper-parameters>)',
     "controller": 'controller = stablerl.make_controller("{name}", <hyper-parameters>); controller.step(...); '
     "controller.state_dict()",
+    "trainer_hook": 'hook = stablerl.make_trainer_hook("{name}", <hyper-parameters>); hook.passes_per_batch(); '
+    "hook.before_batch(view); hook.after_pass(view, k, entropy=...); hook.state_dict()",
     "router_family": "with stablerl.routing_replay.capture(model) as rec: ...   # the family is detected per router module",
 }
 

@@ -160,6 +160,11 @@ def reach_conditions(framework: FrameworkSpec, spec: AlgorithmSpec) -> list[str]
         condition = framework.condition(kind, name)
         if condition:
             out.append(f"{name}: {condition}")
+    feedable = framework.feedable.get(spec.kind, ())
+    for name, unless in spec.requires_unless.items():
+        # the default settings need it: fed by the framework only when the user's pipeline supplies it
+        how = framework.condition(spec.kind, name) if name in feedable else None
+        out.append(f"{name} (its default settings need it): {how or framework.why(spec.kind, name)}; or {unless}")
     if on_loss:
         out.append(f"a stablerl policy loss ({framework.name}'s own losses do not call stablerl)")
     return out

@@ -51,6 +51,13 @@ def register_controllers(register):
 
 
 @hookspec
+def register_trainer_hooks(register):
+    """Register trainer hooks: a :class:`stablerl.contracts.TrainerHook` subclass whose instances act between
+    optimizer passes over a rollout batch (``before_batch`` / ``after_pass``) or decide how many samples to
+    draw per prompt (``samples_per_prompt``); ``fn`` is the class, built with the params dataclass."""
+
+
+@hookspec
 def register_router_families(register):
     """Register MoE router families for routing replay (see ``stablerl.routing_replay``)."""
 

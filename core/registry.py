@@ -40,6 +40,7 @@ HOOK_KINDS = {
     "register_controllers": "controller",
     "register_router_families": "router_family",
     "register_rollout_corrections": "rollout_correction",
+    "register_trainer_hooks": "trainer_hook",
 }
 FRAMEWORK_HOOK = "register_frameworks"
 

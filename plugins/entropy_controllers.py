@@ -11,6 +11,11 @@
   ``w = 1 - 0.2 (1 - exp(-2e/(E/2)))`` for ``e <= E/2``, else ``0.8 exp(-3 (e - E/2)/(E/2))``;
   loss term ``c_ent * c_smooth * w * agg(P)``.
 
+* ``adaptive_entropy`` — Skywork-OR1's adaptive entropy control (He et al., arXiv 2505.22312), as TRL 1.16
+  ships it (``use_adaptive_entropy``): after each step ``c <- min(c + delta, c_max)`` if the step's entropy
+  ``H <= target`` else ``max(c - delta, c_min)``; the loss term is ``-c agg(H)`` while the last step's
+  ``H <= target``, else 0.
+
 Controllers never reduce anything themselves: every rank must feed them the same, already
 all-reduced statistics, so their state stays identical across ranks.
 """
@@ -277,6 +282,78 @@ class EPOController(Controller):
         self.epoch = int(state.get("epoch", 0))
 
 
+# ----------------------------------------------------------------------------- adaptive entropy (Skywork-OR1)
+
+
+@dataclass
+class AdaptiveEntropyParams(Params):
+    """TRL 1.16's GRPOConfig defaults: initial coefficient, target entropy (nats), step and bounds."""
+
+    entropy_coef: float = 0.0  # initial c
+    entropy_target: float = 0.2
+    entropy_coef_delta: float = 0.005
+    entropy_coef_min: float = 0.0
+    entropy_coef_max: float = 1.0
+
+    def validate(self) -> None:
+        check(math.isfinite(self.entropy_target), f"entropy_target must be finite, got {self.entropy_target}")
+        check(self.entropy_coef_delta >= 0, f"entropy_coef_delta must be >= 0, got {self.entropy_coef_delta}")
+        check(0 <= self.entropy_coef_min <= self.entropy_coef_max,
+              f"need 0 <= entropy_coef_min <= entropy_coef_max, got {self.entropy_coef_min}, {self.entropy_coef_max}")
+        check(math.isfinite(self.entropy_coef) and self.entropy_coef >= 0,
+              f"entropy_coef must be finite and >= 0, got {self.entropy_coef}")
+
+
+class AdaptiveEntropyController(Controller):
+    """``step(entropy=H)`` once per optimizer step with the step's all-reduced mean token entropy:
+    ``c <- min(c + delta, c_max)`` if ``H <= target`` else ``max(c - delta, c_min)``; remembers H.
+    ``penalty(entropy, response_mask)`` is the loss term ``-c agg(H)`` when the last recorded
+    ``H <= target`` (none recorded yet: inactive), else 0 — the coefficient of the previous step's end
+    for every micro-batch of the step, as TRL."""
+
+    def __init__(self, params: AdaptiveEntropyParams):
+        super().__init__(params)
+        self.coef = float(params.entropy_coef)
+        self.last_entropy = math.inf
+
+    @property
+    def applied_coef(self) -> float:
+        return self.coef if self.last_entropy <= self.params.entropy_target else 0.0
+
+    def step(self, entropy: Any = None, **unused: Any) -> dict[str, Any]:
+        if unused:
+            raise StableRLError(f"adaptive_entropy controller step() got unexpected statistics {sorted(unused)}; it takes entropy")
+        p = self.params
+        if entropy is not None:
+            h = _finite_float("entropy", entropy)
+            if h <= p.entropy_target:
+                self.coef = min(self.coef + p.entropy_coef_delta, p.entropy_coef_max)
+            else:
+                self.coef = max(self.coef - p.entropy_coef_delta, p.entropy_coef_min)
+            self.last_entropy = h
+        return {"entropy_coef": self.coef, "active": self.last_entropy <= p.entropy_target}
+
+    def penalty(self, entropy: torch.Tensor, response_mask: torch.Tensor, loss_agg_mode: str = "token-mean",
+                ctx=None) -> tuple[torch.Tensor, dict[str, float]]:
+        """``-c agg(H)`` (gradient through the entropy) with the coefficient in force this step."""
+        if entropy.dim() != 2 or tuple(response_mask.shape) != tuple(entropy.shape):
+            raise StableRLError(f"entropy and response_mask must be [B, T] of the same shape, got "
+                                f"{tuple(entropy.shape)} and {tuple(response_mask.shape)}")
+        c = self.applied_coef
+        mask = response_mask.to(entropy.dtype if entropy.is_floating_point() else torch.float32)
+        zero = torch.zeros((), dtype=entropy.dtype, device=entropy.device)
+        H = torch.where(mask.bool(), entropy, zero)
+        mean_H = aggregate(H, mask, loss_agg_mode, ctx)
+        return -c * mean_H, {"adaptive_entropy/applied_coef": c}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"entropy_coef": self.coef, "last_entropy": self.last_entropy}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.coef = float(state["entropy_coef"])
+        self.last_entropy = float(state.get("last_entropy", math.inf))
+
+
 @hookimpl
 def register_controllers(register):
     register(
@@ -325,5 +402,25 @@ def register_controllers(register):
             "P = 0 but stay in the aggregation denominator; max_steps = 50 is a placeholder for the "
             "environment's turn limit. The plain entropy bonus -c_ent agg(H) is the framework's entropy_coeff "
             "(include_entropy_bonus adds it here instead). turn_entropy fed to step() must be all-reduced."
+        ),
+    )
+    register(
+        name="adaptive_entropy",
+        fn=AdaptiveEntropyController,
+        params=AdaptiveEntropyParams,
+        paper="2505.22312",
+        title="Adaptive entropy control (Skywork-OR1): entropy bonus coefficient steered to a target entropy",
+        formula="c <- clip(c + delta sign(target - H), c_min, c_max) per step (H = target: +delta); L -= c agg(H) "
+        "while H_prev <= target; c0 = 0, target 0.2, delta 0.005, [0, 1]",
+        status=EXPERIMENTAL,
+        metrics=("entropy_coef", "active", "adaptive_entropy/applied_coef"),
+        reference="TRL 1.16 GRPOTrainer use_adaptive_entropy (_compute_loss; its parity test runs both trainers)",
+        notes=(
+            "Experimental: equal to TRL 1.16's use_adaptive_entropy (checked in the trl session: same coefficients "
+            "and weights over 3 steps); Skywork-OR1's own code was not read. The step's entropy is the mean of the "
+            "framework's per-micro-batch entropy means (TRL's controller uses the token-weighted mean over the "
+            "accumulation window: equal with gradient_accumulation_steps=1 or equal token counts). The loss term "
+            "is aggregated with the adapter's token-mean over the accumulation window (TRL: per-micro-batch mean / "
+            "GA). Selectable where controllers run (TRL); verl and OpenRLHF have their own static entropy_coeff."
         ),
     )

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from stablerl import EXPERIMENTAL, Params, hookimpl
+from stablerl import EXPERIMENTAL, Params, PromptStats, TrainerHook, hookimpl
 from stablerl.ops import group_stats
 from stablerl.params import MissingInputError, StableRLError, check
 
@@ -100,6 +100,8 @@ def register_advantage_estimators(register):
         formula="A_i = S_i - p_hat (norm_adv_by_std_in_grpo: /(max(std_hat, eps) + eps)), p_hat = pos/(pos+neg), "
         "std_hat = unbiased std of [1]*pos + [0]*neg; pos+neg <= 1: p_hat = 0, std_hat = 1",
         status=EXPERIMENTAL,
+        requires_unless={"pos_count": "global_stat_est=False (in-batch statistics: dr_grpo's / grpo's advantages)",
+                         "neg_count": "global_stat_est=False"},
         reference="authors' verl fork RLHFlow/Reinforce-Ada 05be605, core_algos.compute_grpo_outcome_advantage "
         "(_compute_with_global_stats, global_stat_est=True)",
         notes="Experimental: the paper's core, the multi-round adaptive sampler, is not provided, and no adapter "
@@ -116,4 +118,89 @@ def register_advantage_estimators(register):
         "adaptive sampler (round_repeat=8, max_rounds=4, 'balanced' / 'positive_focused' selection of the kept "
         "n responses), which is a trainer feature; groups may be smaller than n after it. "
         "S = sum of token rewards over response_mask. returns == advantages.",
+    )
+
+
+# ----------------------------------------------------------------------------- the adaptive sampler
+
+SAMPLER_MODES = ("balanced", "positive_focused")
+
+
+@dataclass
+class ReinforceAdaSamplerParams(Params):
+    """The released scripts' multi-round sampler: n kept, round_repeat new samples per round, max_rounds."""
+
+    n: int = 4  # responses kept per prompt (rollout.n)
+    round_repeat: int = 8
+    max_rounds: int = 4
+    positive_threshold: float = 0.7
+    mode: str = "balanced"
+
+    def validate(self) -> None:
+        check(isinstance(self.n, int) and self.n >= 1, f"n must be an integer >= 1, got {self.n}")
+        check(isinstance(self.round_repeat, int) and self.round_repeat >= 1,
+              f"round_repeat must be an integer >= 1, got {self.round_repeat}")
+        check(isinstance(self.max_rounds, int) and self.max_rounds >= 1,
+              f"max_rounds must be an integer >= 1, got {self.max_rounds}")
+        check(self.mode in SAMPLER_MODES, f"mode must be one of {list(SAMPLER_MODES)}, got {self.mode!r}")
+
+
+class ReinforceAdaSampler(TrainerHook):
+    """``samples_per_prompt(PromptStats) -> round_repeat`` while the prompt is unfinished and rounds remain,
+    else 0. Finished: ``balanced``: >= n/2 positives and >= n/2 negatives (of all samples drawn);
+    ``positive_focused``: >= 1 positive. A sample is positive iff its reward > positive_threshold.
+    :meth:`keep` picks the n responses to train on; the counts over all rounds are the estimator's
+    pos_count / neg_count."""
+
+    def finished(self, stats: PromptStats) -> bool:
+        p = self.params
+        if stats.positive < 0 or stats.positive > stats.drawn:
+            raise StableRLError(f"PromptStats: positive={stats.positive} must be in [0, drawn={stats.drawn}]")
+        negative = stats.drawn - stats.positive
+        if p.mode == "positive_focused":
+            return stats.positive >= 1
+        half = p.n / 2
+        return stats.positive >= half and negative >= half
+
+    def samples_per_prompt(self, stats: PromptStats) -> int:
+        if self.finished(stats) or stats.rounds >= self.params.max_rounds:
+            return 0
+        return self.params.round_repeat
+
+    def keep(self, rewards: torch.Tensor) -> torch.Tensor:
+        """Indices of the kept responses of one prompt (all its samples' rewards in draw order): balanced: the
+        first floor(n/2) positives then negatives, topped up from the other side when one is short; at most n."""
+        r = torch.as_tensor(rewards).reshape(-1)
+        positive = torch.nonzero(r > self.params.positive_threshold).reshape(-1)
+        negative = torch.nonzero(r <= self.params.positive_threshold).reshape(-1)
+        n = self.params.n
+        want_pos = n // 2 if self.params.mode == "balanced" else n
+        take_pos = min(want_pos, positive.numel())
+        take_neg = min(n - take_pos, negative.numel())
+        take_pos = min(n - take_neg, positive.numel())  # top up from the positives when negatives are short
+        return torch.cat([positive[:take_pos], negative[:take_neg]])
+
+
+@hookimpl
+def register_trainer_hooks(register):
+    register(
+        name="reinforce_ada_sampler",
+        fn=ReinforceAdaSampler,
+        params=ReinforceAdaSamplerParams,
+        paper="2510.04996",
+        title="Reinforce-Ada's adaptive sampler: more rounds for a prompt until it has positives and negatives",
+        formula="draw round_repeat (8) more for a prompt while not finished and rounds < max_rounds (4); balanced: "
+        "finished at >= n/2 positives and >= n/2 negatives (reward > 0.7); keep n (4), floor(n/2) positives first",
+        status=EXPERIMENTAL,
+        requires=("sampling_rounds",),
+        reference="RLHFlow/Reinforce-Ada 05be605 verl/trainer/ppo/ray_trainer.py multi-round sampler (read through "
+        "the catalogue, ADVANTAGES_AND_MOE.md 2.7)",
+        notes=(
+            "Experimental: the decision rule and the kept subset as the catalogue describes the reference; not run "
+            "against it. Runs only in a trainer whose rollout loop draws more responses per prompt on request; "
+            "none of verl 0.9.1, TRL 1.16 and OpenRLHF 0.11.2 has one (each generates a fixed number of responses "
+            "per prompt per batch), so every adapter refuses it saying so. A custom loop calls "
+            "samples_per_prompt(PromptStats(drawn, positive, rounds)) after each round, keep(rewards) at the end, "
+            "and passes the counts over all rounds to the reinforce_ada estimator as pos_count / neg_count."
+        ),
     )

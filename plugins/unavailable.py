@@ -41,10 +41,10 @@ UNAVAILABLE_LOSSES = (
         paper="2510.04072",
         title="SFPO: Slow-Fast Policy Optimization (reposition-before-update)",
         notes=(
-            "SFPO (arXiv 2510.04072) is a training-loop schedule (K fast inner steps, an "
-            "interpolation of the weights, one slow correction step, an entropy-triggered alpha latch), not a "
-            "loss, and its entropy-window constants (omega, tau) and the optimizer-state handling at the "
-            "reposition are unverified; no code was found."
+            "SFPO (arXiv 2510.04072) is a training-loop schedule (K fast passes, a reposition of the weights, "
+            "one slow pass, an entropy stop rule), not a loss: select it as the trainer hook 'sfpo' (kind "
+            "trainer_hook; TRL: GRPOConfig(trainer_hook='sfpo', num_iterations=4); verl: "
+            "+actor_rollout_ref.actor.policy_loss.stablerl_trainer_hook=sfpo) with your usual loss."
         ),
     ),
 )

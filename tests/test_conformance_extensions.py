@@ -16,6 +16,7 @@ from stablerl.contracts import (
     REWARD_SHAPER,
     ROLLOUT_CORRECTION,
     ROUTER_FAMILY,
+    TRAINER_HOOK,
     Controller,
     FilterResult,
 )
@@ -26,6 +27,7 @@ from stablerl.testing import (
     REWARD_SHAPER_PROPERTIES,
     ROLLOUT_CORRECTION_PROPERTIES,
     ROUTER_FAMILY_PROPERTIES,
+    TRAINER_HOOK_PROPERTIES,
     ConformanceError,
     check_batch_filter,
     check_controller,
@@ -35,7 +37,7 @@ from stablerl.testing import (
     conformance_cases,
 )
 
-KINDS = (REWARD_SHAPER, BATCH_FILTER, CONTROLLER, ROLLOUT_CORRECTION, ROUTER_FAMILY)
+KINDS = (REWARD_SHAPER, BATCH_FILTER, CONTROLLER, ROLLOUT_CORRECTION, ROUTER_FAMILY, TRAINER_HOOK)
 
 BY_DESIGN: dict[str, dict[str, str]] = {
     "redit": {"permutation": "ReDit adds independent noise to each response, drawn in row order from ctx.generator"},
@@ -66,7 +68,7 @@ def test_every_builtin_of_these_kinds_is_covered_and_the_exceptions_are_real():
     assert builtins == covered and {k for k, _ in builtins} == set(KINDS)
     names = {s.name for s in stablerl.list_algorithms()}
     properties = (set(REWARD_SHAPER_PROPERTIES) | set(BATCH_FILTER_PROPERTIES) | set(CONTROLLER_PROPERTIES)
-                  | set(ROLLOUT_CORRECTION_PROPERTIES) | set(ROUTER_FAMILY_PROPERTIES))
+                  | set(ROLLOUT_CORRECTION_PROPERTIES) | set(ROUTER_FAMILY_PROPERTIES) | set(TRAINER_HOOK_PROPERTIES))
     for name, props in BY_DESIGN.items():
         assert name in names and set(props) <= properties
 

@@ -51,7 +51,7 @@ import torch
 import stablerl
 from stablerl import routing_replay as rr
 from stablerl.contracts import (ADVANTAGE_ESTIMATOR, BATCH_FILTER, CONTROLLER, OPTIONAL_INPUTS, POLICY_LOSS,
-                                REWARD_SHAPER, ROLLOUT_CORRECTION)
+                                REWARD_SHAPER, ROLLOUT_CORRECTION, TRAINER_HOOK, ParamsView)
 from stablerl.frameworks import (UnsupportedVersionError, apply_filter_result, as_params, check_call_options,
                                  check_framework_keys_used, check_shaper_and_components, split_call_options,
                                  check_inputs, check_version, effective_hyperparameters, get_framework, log_effective_settings,
@@ -297,6 +297,16 @@ class GRPOConfig(_trl.GRPOConfig):
     stablerl_entropy_controller_params: Optional[Union[dict, str]] = field(
         default=None, metadata={"help": "Hyper-parameters of the entropy controller, a dict or a JSON object string."},
     )
+    trainer_hook: Optional[str] = field(
+        default=None,
+        metadata={"help": "stablerl trainer hook ('sfpo'): acts between the num_iterations optimizer passes over each "
+                  "generation batch (num_iterations must equal the hook's passes per batch, e.g. sfpo: inner_steps + 1, "
+                  "and steps_per_generation must equal gradient_accumulation_steps: one optimizer step per pass); its "
+                  "state is saved with each checkpoint (stablerl_state.pt)."},
+    )
+    stablerl_trainer_hook_params: Optional[Union[dict, str]] = field(
+        default=None, metadata={"help": "Hyper-parameters of the trainer hook, a dict or a JSON object string."},
+    )
     stablerl_rollout_correction: Optional[str] = field(
         default=None,
         metadata={"help": "stablerl training-inference mismatch correction of a stablerl loss ('tis', 'icepop', "
@@ -444,6 +454,7 @@ _EXT_PARAM_KEYS = {
     "reward_shaper": "stablerl_reward_shaper_params",
     "batch_filter": "stablerl_batch_filter_params",
     "entropy_controller": "stablerl_entropy_controller_params",
+    "trainer_hook": "stablerl_trainer_hook_params",
 }
 # per-response inputs the adapter computes itself: group ids, the (gathered) rewards, completion lengths
 # (tokens of the loss mask); batch filters also get the rollout policy's entropies (one extra no-grad forward)
@@ -486,7 +497,8 @@ def validate_stablerl_extensions(args) -> dict[str, Optional[str]]:
             if params:
                 raise StableRLError(f"{params_key} is set but {key} is not")
             continue
-        kind = {"reward_shaper": REWARD_SHAPER, "batch_filter": BATCH_FILTER, "entropy_controller": CONTROLLER}[key]
+        kind = {"reward_shaper": REWARD_SHAPER, "batch_filter": BATCH_FILTER, "entropy_controller": CONTROLLER,
+                "trainer_hook": TRAINER_HOOK}[key]
         if kind == CONTROLLER:
             if name not in stablerl.get_registry().names(kind):
                 raise UnknownNameError(unknown_name_message(key, name, stablerl.get_registry().names(kind)))
@@ -604,6 +616,7 @@ class _StablerlStateCallback(_TrainerCallback):
         self.trainer = trainer
 
     def on_step_end(self, args, state, control, **kwargs):
+        self.trainer._ext_hook_after_pass()
         self.trainer._ext_controller_step()
 
     def on_save(self, args, state, control, **kwargs):
@@ -630,6 +643,7 @@ class GRPOTrainer(_trl.GRPOTrainer):
     _ext_shaper: Optional[str] = None  # reward_shaper / batch_filter names and the penalty flag, set in __init__
     _ext_filter: Optional[str] = None
     _ext_penalty: bool = False
+    _ext_hook: Any = None  # trainer hook, set in _ext_setup
 
     def __init__(self, *args, **kwargs):
         _rr_check_rollout(args, kwargs)  # before TRL builds (or imports) vLLM
@@ -893,6 +907,8 @@ class GRPOTrainer(_trl.GRPOTrainer):
         return loss
 
     def training_step(self, model, inputs, num_items_in_batch):
+        if self._ext_hook is not None:
+            self._ext_hook_before_pass()
         if self._rr_mode is None:
             return super().training_step(model, inputs, num_items_in_batch)
         try:
@@ -925,6 +941,11 @@ class GRPOTrainer(_trl.GRPOTrainer):
                 raise stablerl.MissingInputError(
                     f"entropy_controller {self._ext_controller_name!r} needs statistic(s) {needed} that TRL does not "
                     "provide (TRL gives the mean entropy of each optimizer step)")
+            if self._ext_controller_name == "adaptive_entropy" and (
+                    getattr(cfg, "use_adaptive_entropy", False) or getattr(cfg, "entropy_coef", 0.0)):
+                raise StableRLError(
+                    "entropy_controller='adaptive_entropy' adds its own entropy bonus: leave TRL's use_adaptive_entropy "
+                    "False and entropy_coef 0 (set the initial coefficient in stablerl_entropy_controller_params)")
             self._ext_controller = ctrl
             self._stablerl_store.track(CONTROLLER, self._ext_controller_name, _ControllerState(self))
             penalty = getattr(ctrl, "penalty", None)
@@ -938,8 +959,16 @@ class GRPOTrainer(_trl.GRPOTrainer):
                     UserWarning,
                     stacklevel=3,
                 )
+        self._ext_hook = None
+        self._ext_hook_name = names["trainer_hook"]
+        self._ext_hook_pass: Optional[int] = None  # pass index within the current generation batch, None between
+        self._ext_step_entropy_cache: tuple = (None, None)
+        if self._ext_hook_name:
+            self._ext_hook = stablerl.make_trainer_hook(self._ext_hook_name, **self._ext_params["trainer_hook"])
+            self._ext_hook_check(self._ext_hook.passes_per_batch())
+            self._stablerl_store.track(TRAINER_HOOK, self._ext_hook_name, self._ext_hook)
         if self._ext_controller is not None or self._stablerl_loss or self._stablerl_estimator or self._ext_shaper \
-                or self._ext_filter:
+                or self._ext_filter or self._ext_hook is not None:
             self.add_callback(_StablerlStateCallback(self))
 
     def _ext_gather_user_inputs(self, inputs) -> dict[str, Any]:
@@ -1091,13 +1120,7 @@ class GRPOTrainer(_trl.GRPOTrainer):
         already reduced over processes by TRL, so every process computes the same update)."""
         if self._ext_controller is None:
             return
-        values = self._metrics["train"].get("entropy")
-        values = [] if values is None else values
-        seen, count = self._ext_entropy_seen
-        new = values[count:] if seen is values else values  # TRL's log() replaces the lists after logging
-        self._ext_entropy_seen = (values, len(values))
-        new = [v for v in new if not (isinstance(v, float) and v != v)]
-        entropy = sum(new) / len(new) if new else None
+        entropy = self._ext_step_entropy()
         stats = {"entropy": entropy, "turn_entropy": [float("nan") if entropy is None else entropy]}
         accepted = inspect.signature(self._ext_controller.step).parameters
         decision = self._ext_controller.step(**{k: v for k, v in stats.items() if k in accepted})
@@ -1107,6 +1130,77 @@ class GRPOTrainer(_trl.GRPOTrainer):
         for k, v in self._ext_decision.items():
             if isinstance(v, (bool, int, float)):
                 self._metrics["train"][f"stablerl/{self._ext_controller_name}/{k}"].append(float(v))
+
+    def _ext_step_entropy(self) -> Optional[float]:
+        """TRL's mean entropy of the micro-batches of the optimizer step that just ended (each value already
+        reduced over processes by TRL); read once per step, shared by the controller and the trainer hook."""
+        step = int(self.state.global_step)
+        if self._ext_step_entropy_cache[0] == step:
+            return self._ext_step_entropy_cache[1]
+        values = self._metrics["train"].get("entropy")
+        values = [] if values is None else values
+        seen, count = self._ext_entropy_seen
+        new = values[count:] if seen is values else values  # TRL's log() replaces the lists after logging
+        self._ext_entropy_seen = (values, len(values))
+        new = [v for v in new if not (isinstance(v, float) and v != v)]
+        entropy = sum(new) / len(new) if new else None
+        self._ext_step_entropy_cache = (step, entropy)
+        return entropy
+
+    # -- trainer hook (between optimizer passes over one generation batch) ---------------------
+
+    def _ext_hook_check(self, passes: int) -> None:
+        cfg = self.args
+        name = self._ext_hook_name
+        if cfg.num_iterations != passes:
+            raise StableRLError(
+                f"trainer_hook={name!r} runs {passes} optimizer passes over each generation batch: set "
+                f"num_iterations={passes} (TRL reuses a generation batch num_iterations times), got {cfg.num_iterations}")
+        if cfg.steps_per_generation != cfg.gradient_accumulation_steps:
+            raise StableRLError(
+                f"trainer_hook={name!r} needs one optimizer step per pass over the generation batch: "
+                f"steps_per_generation ({cfg.steps_per_generation}) must equal gradient_accumulation_steps "
+                f"({cfg.gradient_accumulation_steps})")
+        if getattr(self, "is_deepspeed_enabled", False):
+            # ZeRO keeps the fp32 master weights in the optimizer's own flat partitions and copies them over the
+            # model's parameters after every step (ZeRO-3 also partitions the parameters themselves)
+            raise StableRLError(f"trainer_hook={name!r} changes the parameters in place between passes; under "
+                                "DeepSpeed the next optimizer step would overwrite them from its fp32 master "
+                                "partitions: use DDP or FSDP (the optimizer then steps the parameters themselves)")
+
+    def _ext_params_view(self) -> ParamsView:
+        model = self.model
+        return ParamsView(parameters=lambda: [p for p in model.parameters() if p.requires_grad],
+                          optimizer=self.optimizer)
+
+    def _ext_hook_before_pass(self) -> None:
+        """At the first micro-batch of an optimizer step: a new generation batch starts when no pass is under way."""
+        if self._ext_hook is None or not self.model.training or self._ext_hook_pass is not None:
+            return
+        generate_every = self.args.steps_per_generation * self.num_iterations
+        if self._step % generate_every != 0:
+            raise StableRLError(f"trainer_hook={self._ext_hook_name!r}: a generation batch starts at micro-step "
+                                f"{self._step}, not a multiple of {generate_every} (resumed mid-batch?)")
+        self._ext_hook.before_batch(self._ext_params_view())
+        self._ext_hook_pass = 0
+
+    def _ext_hook_after_pass(self) -> None:
+        """After each optimizer step (one pass over the generation batch): the hook acts; after the batch's last
+        pass, the next batch's number of passes becomes TRL's num_iterations."""
+        if self._ext_hook is None or self._ext_hook_pass is None:
+            return
+        k = self._ext_hook_pass
+        out = self._ext_hook.after_pass(self._ext_params_view(), k, entropy=self._ext_step_entropy())
+        for key, v in (out or {}).items():
+            if isinstance(v, (bool, int, float)):
+                self._metrics["train"][f"stablerl/{self._ext_hook_name}/{key}"].append(float(v))
+        if k + 1 >= self.num_iterations:
+            self._ext_hook_pass = None
+            # e.g. sfpo after its stop rule: one pass per batch from now on. TRL's sampler still repeats each
+            # prompt batch for the num_iterations it was built with, so each repeat is generated afresh.
+            self.num_iterations = self._ext_hook.passes_per_batch()
+        else:
+            self._ext_hook_pass = k + 1
 
     def _ext_loss_with_penalty(self, model, inputs):
         """The controller's loss term (EPO), from the entropies of the training forward, added to the loss.

@@ -38,6 +38,11 @@ MoE routing replay on verl's FSDP engine (:mod:`stablerl.adapters.verl._routing_
     +actor_rollout_ref.actor.fsdp_config.router_replay.mode=R3   # or R2
     actor_rollout_ref.rollout.enable_rollout_routing_replay=True  # R3 only
 
+Trainer hooks (SFPO) around the worker's ``update_actor`` (:mod:`stablerl.adapters.verl._trainer_hook`)::
+
+    actor_rollout_ref.actor.policy_loss._target_=stablerl.adapters.verl.StablePolicyLossConfig
+    +actor_rollout_ref.actor.policy_loss.stablerl_trainer_hook=sfpo
+
 Fallback when entry points are disabled (``VERL_USE_EXTERNAL_PLUGINS=none``):
 ``actor_rollout_ref.model.external_lib=stablerl.adapters.verl`` or
 ``VERL_USE_EXTERNAL_MODULES=stablerl.adapters.verl``.
@@ -65,6 +70,7 @@ from stablerl.adapters.verl import _advantage as _adv_site  # noqa: E402  (impor
 from stablerl.adapters.verl import _engine as engine  # noqa: E402  (imports no verl)
 from stablerl.adapters.verl import _routing_replay as routing_replay  # noqa: E402
 from stablerl.adapters.verl import _state as checkpoint_state  # noqa: E402
+from stablerl.adapters.verl import _trainer_hook as trainer_hook  # noqa: E402  (imports no verl)
 from stablerl.adapters.verl._ledger import LEDGER as _LEDGER  # noqa: E402
 from stablerl.frameworks import UnsupportedVersionError, check_version, get_framework  # noqa: E402
 
@@ -218,8 +224,9 @@ def _check_policy_loss_config(cfg: Any) -> None:
     import stablerl
     from stablerl.params import build_params
 
+    trainer_hook.check_selection(cfg)  # a trainer hook (e.g. sfpo) may go with any loss, verl's own too
     name = VERL_NAMES["policy_loss"].get(getattr(cfg, "loss_mode", None))
-    extra = set(_REPORT["policy_loss_config_fields"])
+    extra = set(_REPORT["policy_loss_config_fields"]) - {trainer_hook.HOOK_KEY, trainer_hook.HOOK_PARAMS_KEY}
     if name is None:  # a verl loss (or one registered later): verl decides
         return
     spec = stablerl.get_spec(stablerl.POLICY_LOSS, name)
@@ -278,6 +285,7 @@ def registration_report() -> dict[str, Any]:
         "compute_advantage_patched": _adv_site.is_patched(),
         "engine": engine.status(),
         "routing_replay": routing_replay.status(),
+        "trainer_hook": trainer_hook.status(),
         "advantage_inputs": _adv_site.describe(),
         "ppo_loss_patched": _declared.is_patched(),
         "declared_inputs": _declared.describe(),
@@ -313,6 +321,7 @@ def _setup():
     engine.instrument()  # FSDP engine subclass, on import of its module
     routing_replay.instrument()  # worker switch for fsdp_config.router_replay.mode
     checkpoint_state.instrument()  # trainers' _save_checkpoint / _load_checkpoint: the driver's stablerl state
+    trainer_hook.instrument()  # ActorRolloutRefWorker.update_actor: passes and trainer hooks (SFPO)
     usable = [
         s
         for s in stablerl.list_algorithms(stablerl.POLICY_LOSS)
@@ -451,4 +460,5 @@ __all__ = [
     "routing_replay",
     "engine",
     "checkpoint_state",
+    "trainer_hook",
 ]

@@ -54,6 +54,11 @@ def hyperparameter_fields(specs, reserved: set[str]) -> tuple[list[tuple[str, An
         # (kl_cov_ratio, ...) whose verl field is verl's key: +...policy_loss.stablerl_params={kl_cov_ratio:0.002}
         fields.append(("stablerl_params", Optional[dict], dataclasses.field(default=None)))
         owners["stablerl_params"] = [spec.name for spec in specs]
+    # a trainer hook (stablerl_trainer_hook=sfpo): read by the adapter's update_actor wrapper in the workers
+    for name, typ in (("stablerl_trainer_hook", Optional[str]), ("stablerl_trainer_hook_params", Optional[dict])):
+        if name not in reserved:
+            fields.append((name, typ, dataclasses.field(default=None)))
+            owners[name] = ["(trainer hook)"]
     return fields, owners
 
 

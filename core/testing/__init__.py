@@ -88,11 +88,13 @@ from .extensions import (
     REWARD_SHAPER_PROPERTIES,
     ROLLOUT_CORRECTION_PROPERTIES,
     ROUTER_FAMILY_PROPERTIES,
+    TRAINER_HOOK_PROPERTIES,
     check_batch_filter,
     check_controller,
     check_reward_shaper,
     check_rollout_correction,
     check_router_family,
+    check_trainer_hook,
 )
 from .losses import POLICY_LOSS_PROPERTIES, check_policy_loss
 from .shared import uses_batch_reductions
@@ -123,4 +125,6 @@ __all__ = [
     "check_controller",
     "check_rollout_correction",
     "check_router_family",
+    "TRAINER_HOOK_PROPERTIES",
+    "check_trainer_hook",
 ]

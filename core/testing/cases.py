@@ -13,6 +13,7 @@ from ..contracts import (
     REWARD_SHAPER,
     ROLLOUT_CORRECTION,
     ROUTER_FAMILY,
+    TRAINER_HOOK,
     UNAVAILABLE,
     AlgorithmSpec,
 )
@@ -26,7 +27,7 @@ from .shared import uses_batch_reductions
 
 #: every kind the suite checks (aggregations are covered through the policy losses that use them)
 CONFORMANCE_KINDS = (POLICY_LOSS, ADVANTAGE_ESTIMATOR, REWARD_SHAPER, BATCH_FILTER, CONTROLLER, ROLLOUT_CORRECTION,
-                     ROUTER_FAMILY)
+                     ROUTER_FAMILY, TRAINER_HOOK)
 
 
 @dataclass

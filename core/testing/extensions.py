@@ -23,6 +23,10 @@ Each ``check_*`` runs the kind's properties on the registered algorithm ``name``
   non-negative weights broadcastable to ``[B, T]``, carrying no gradient); ``masked_tokens``
   (garbage in padded positions changes no valid weight); ``on_policy`` (rollout log-probs equal to
   the old ones give weight 1 on every valid token); ``deterministic``.
+* trainer hooks (:data:`TRAINER_HOOK_PROPERTIES`): ``spec``; ``output`` (``passes_per_batch`` an int >= 1,
+  ``after_pass`` a dict, ``samples_per_prompt`` an int >= 0, finite parameters after each batch);
+  ``deterministic`` (two fresh hooks on the same toy parameters and statistics agree bit for bit);
+  ``state_round_trip`` and ``state_snapshot`` as for controllers, between batches.
 * router families (:data:`ROUTER_FAMILY_PROPERTIES`): ``output`` (finite ``[N, k]`` weights);
   ``gradient`` (reaches ``router_logits``); ``slot_order`` (permuting the k recorded experts
   permutes their weights); ``deterministic``; ``module_attributes`` (``top_k`` / ``num_experts``
@@ -39,7 +43,7 @@ from typing import Any, Callable, Iterable, Mapping, Optional
 
 import torch
 
-from ..api import filter_batch, get_spec, make_controller, shape_rewards
+from ..api import filter_batch, get_spec, make_controller, make_trainer_hook, shape_rewards
 from ..context import Context
 from ..contracts import (
     BATCH_FILTER,
@@ -47,8 +51,11 @@ from ..contracts import (
     REWARD_SHAPER,
     ROLLOUT_CORRECTION,
     ROUTER_FAMILY,
+    TRAINER_HOOK,
     FilterResult,
+    ParamsView,
     PolicyLossBatch,
+    PromptStats,
 )
 from ..ops import as_floats
 from ..params import build_params
@@ -64,6 +71,7 @@ BATCH_FILTER_PROPERTIES = (
 CONTROLLER_PROPERTIES = ("spec", "output", "deterministic", "state_round_trip", "state_snapshot")
 ROLLOUT_CORRECTION_PROPERTIES = ("spec", "output", "masked_tokens", "on_policy", "deterministic")
 ROUTER_FAMILY_PROPERTIES = ("output", "gradient", "slot_order", "deterministic", "module_attributes")
+TRAINER_HOOK_PROPERTIES = ("spec", "output", "deterministic", "state_round_trip", "state_snapshot")
 
 # sizes of the synthetic batches: groups of 4, one group with continuous rewards
 B_EXT, T_EXT, GROUP_EXT = 12, 10, 4
@@ -363,6 +371,83 @@ def check_controller(name: str, *, stats: Optional[Callable[[int], Mapping[str, 
     ], skip)
 
 
+def check_trainer_hook(name: str, *, skip: Iterable[str] = (), batches: int = 6, **params: Any) -> None:
+    """Run every trainer-hook conformance property on the registered trainer hook ``name``: the hook drives
+    a toy parameter set through ``batches`` rollout batches (each pass a fixed pseudo-gradient step), fed a
+    decreasing entropy, and is asked ``samples_per_prompt`` for a few prompts."""
+    spec = get_spec(TRAINER_HOOK, name)
+    skip = _check_skip(skip, TRAINER_HOOK_PROPERTIES)
+    prompts = [PromptStats(drawn=d, positive=p, rounds=r) for d, p, r in ((4, 0, 1), (8, 4, 2), (8, 8, 1), (32, 1, 4))]
+
+    def run(hook, weights: list, start: int, stop: int) -> list:
+        view = ParamsView(parameters=lambda: weights)
+        outs = []
+        for b in range(start, stop):
+            passes = hook.passes_per_batch()
+            if not isinstance(passes, int) or isinstance(passes, bool) or passes < 1:
+                _fail(spec, "output", f"passes_per_batch() returned {passes!r}, expected an int >= 1")
+            hook.before_batch(view)
+            for k in range(passes):
+                with torch.no_grad():
+                    for i, w in enumerate(weights):  # a deterministic stand-in for an optimizer step
+                        w.sub_(0.01 * (i + 1) * torch.sin(w + b + k))
+                out = hook.after_pass(view, k, entropy=2.0 / (1 + b) + 0.1 * k)
+                if not isinstance(out, dict):
+                    _fail(spec, "output", f"after_pass() returned {type(out).__name__}, expected a dict")
+                outs.append(out)
+            if not all(bool(torch.isfinite(w).all()) for w in weights):
+                _fail(spec, "output", f"non-finite parameters after batch {b}")
+            for stats in prompts:
+                more = hook.samples_per_prompt(stats)
+                if not isinstance(more, int) or isinstance(more, bool) or more < 0:
+                    _fail(spec, "output", f"samples_per_prompt({stats}) returned {more!r}, expected an int >= 0")
+                outs.append(more)
+        return outs + [w.clone() for w in weights]
+
+    def fresh_weights() -> list:
+        g = torch.Generator().manual_seed(0)
+        return [torch.randn(3, 4, generator=g, dtype=torch.float64), torch.randn(5, generator=g, dtype=torch.float64)]
+
+    def output():
+        run(make_trainer_hook(name, **params), fresh_weights(), 0, batches)
+
+    def deterministic():
+        a = run(make_trainer_hook(name, **params), fresh_weights(), 0, batches)
+        b = run(make_trainer_hook(name, **params), fresh_weights(), 0, batches)
+        if not _same_state(a, b):
+            _fail(spec, "deterministic", "two fresh hooks on the same parameters and statistics differ")
+
+    def round_trip():
+        half = batches // 2
+        w1, w2 = fresh_weights(), None
+        original = make_trainer_hook(name, **params)
+        run(original, w1, 0, half)
+        w2 = [w.clone() for w in w1]
+        restored = make_trainer_hook(name, **params)
+        restored.load_state_dict(_through_checkpoint(original.state_dict()))
+        if not _same_state(original.state_dict(), restored.state_dict()):
+            _fail(spec, "state_round_trip", "load_state_dict(state_dict()) gives another state_dict")
+        if not _same_state(run(original, w1, half, batches), run(restored, w2, half, batches)):
+            _fail(spec, "state_round_trip", "after a checkpoint round trip the hook continues differently")
+
+    def snapshot():
+        hook, weights = make_trainer_hook(name, **params), fresh_weights()
+        run(hook, weights, 0, 1)
+        state = hook.state_dict()
+        frozen = copy.deepcopy(state)
+        run(hook, weights, 1, batches)
+        if not _same_state(state, frozen):
+            _fail(spec, "state_snapshot", "a state_dict() taken earlier changed when the hook ran on (return copies)")
+
+    _run_checks(spec, [
+        ("spec", lambda: _check_spec(spec)),
+        ("output", output),
+        ("deterministic", deterministic),
+        ("state_round_trip", round_trip),
+        ("state_snapshot", snapshot),
+    ], skip)
+
+
 def _same_state(a: Any, b: Any) -> bool:
     if isinstance(a, dict) and isinstance(b, dict):
         return a.keys() == b.keys() and all(_same_state(a[k], b[k]) for k in a)
@@ -510,4 +595,5 @@ EXTENSION_CHECKS: dict[str, Callable[..., None]] = {
     CONTROLLER: check_controller,
     ROLLOUT_CORRECTION: check_rollout_correction,
     ROUTER_FAMILY: check_router_family,
+    TRAINER_HOOK: check_trainer_hook,
 }

@@ -6,7 +6,8 @@ trainer needs TransferQueue, which the verl session does not install; not tried 
 
 * ``m2po`` (a loss with a batch statistic) + ``qae`` (estimator) + ``dynamic_sampling`` (batch filter);
 * ``entropic`` (a loss that keeps state) + ``qae``, 2 steps, checkpoint at step 2;
-* the same run resumed in a new process to step 3: step counter and EntroPIC's integral continue.
+* the same run resumed in a new process to step 3: step counter and EntroPIC's integral continue;
+* SFPO as a trainer hook (K=1, alpha 1 and 0.5, 2 steps each): passes, reposition and entropy window.
 
 Everything is asserted from verl's file logger (``trainer.logger=[console,file]``) and console.
 Real: Hydra config + validation, Ray, TaskRunner, legacy RayPPOTrainer, FSDP2 workers on gloo, the
@@ -213,3 +214,45 @@ def test_entropic_state_and_step_continue_after_resume(workdir):
         f"EntroPIC's integral did not continue from the checkpoint: {i3} vs {i2} + {h3} - {TARGET_ENTROPY}"
         f" (a fresh state gives {h3 - TARGET_ENTROPY})")
     assert abs(i3 - (h3 - TARGET_ENTROPY)) > 1.0  # the check can tell a restored state from a fresh one
+
+
+SFPO = [
+    "actor_rollout_ref.actor.policy_loss._target_=stablerl.adapters.verl.StablePolicyLossConfig",
+    "actor_rollout_ref.actor.calculate_entropy=true", "algorithm.adv_estimator=grpo",
+    "trainer.total_training_steps=2", "trainer.save_freq=-1",
+]
+
+
+def _sfpo(alpha: float) -> list[str]:
+    return [*SFPO, "+actor_rollout_ref.actor.policy_loss.stablerl_trainer_hook=sfpo",
+            f"+actor_rollout_ref.actor.policy_loss.stablerl_trainer_hook_params={{inner_steps:1,alpha:{alpha},zscore_window:2}}"]
+
+
+def test_sfpo_runs_its_passes_in_verls_trainer(workdir):
+    """verl's own main_ppo with SFPO (K=1): every step runs 2 passes of update_actor and repositions once; the
+    fast pass moved the parameters the hook sees (fast_drift > 0) and the reposition moved them by
+    (1 - alpha) of that (measured on the parameters); the stop rule's window holds verl's actor/entropy_loss.
+    The reposition's exact numbers are checked on verl's update contract in test_trainer_hook.py; runs of this
+    setup are not reproducible enough for a run-against-run reference (two identical ppo_epochs=2 runs gave
+    step-2 entropies 2.762153 and 2.763503, and step-1 rollouts differ between runs)."""
+    _, sfpo = run_main_ppo(workdir, "sfpo_a1", _sfpo(1.0))
+    _, half = run_main_ppo(workdir, "sfpo_a05", _sfpo(0.5))
+    for rows in (sfpo, half):
+        _assert_steps_and_reward(rows, [1, 2])
+        for r in rows:
+            d = r["data"]
+            assert d["actor/stablerl/sfpo/passes"] == 2.0 and d["actor/stablerl/sfpo/repositioned"] == 1.0, sorted(d)
+            assert d["actor/stablerl/sfpo/fast_drift"] > 0.0  # the fast pass moved the parameters the hook sees
+            assert d["actor/stablerl/sfpo/active"] == 1.0
+    # the stop rule's window holds verl's actor/entropy_loss of each step's slow pass (window 2: z is +-1, or 0
+    # when verl reports the same value twice, as its bf16 entropies often do on this tiny model)
+    from stablerl.plugins.sfpo import entropy_zscore
+
+    history = [r["data"]["actor/entropy_loss"] for r in sfpo]
+    assert sfpo[1]["data"]["actor/stablerl/sfpo/zscore"] == pytest.approx(entropy_zscore(history, 2), abs=1e-6)
+    # the reposition moved the weights by (1 - alpha) of the fast pass's drift (none for alpha = 1)
+    for rows, alpha in ((sfpo, 1.0), (half, 0.5)):
+        for r in rows:
+            d = r["data"]
+            assert d["actor/stablerl/sfpo/reposition_shift"] == pytest.approx(
+                (1 - alpha) * d["actor/stablerl/sfpo/fast_drift"], rel=1e-4)
