@@ -206,7 +206,7 @@ def test_suite_catches_broken_estimator(monkeypatch, prop):
 def test_skip_names_are_checked():
     with pytest.raises(ValueError, match="unknown conformance properties"):
         check_policy_loss("vanilla", skip=["masked_token"])
-    with pytest.raises(LookupError, match="no policy_loss/advantage_estimator/.*router_family registered by plugin 'nope'"):
+    with pytest.raises(LookupError, match="no policy_loss/advantage_estimator/.*/router_family/trainer_hook registered by plugin 'nope'"):
         conformance_cases(plugin="nope")
 
 
