@@ -32,6 +32,7 @@ from openrlhf.trainer.ppo_utils.length_penalty import apply_length_penalties
 
 from stablerl.frameworks import as_params, log_effective_settings
 
+from ._inputs import padded_old_entropy
 from ._names import advantage_settings
 from ._selection import Selection
 from ._spec import OPENRLHF
@@ -74,12 +75,16 @@ def stable_advantages_and_returns(maker, experiences, selection: Selection):
     settings = advantage_settings(selection)  # one precedence rule; printed once per process
     log_effective_settings(OPENRLHF, stablerl.get_spec(stablerl.ADVANTAGE_ESTIMATOR, selection.advantage_estimator),
                            settings)
+    spec = stablerl.get_spec(stablerl.ADVANTAGE_ESTIMATOR, selection.advantage_estimator)
+    # the old-log-prob pass's entropy, for an estimator that declares it (._inputs)
+    extra = {"entropy": padded_old_entropy(experiences, t_max)} if "entropy" in spec.requires else {}
     advantages, returns = stablerl.compute_advantage(
         selection.advantage_estimator,
         token_level_rewards=torch.cat(token_rewards),
         response_mask=mask_all,
         index=torch.div(indices, n, rounding_mode="floor"),  # OpenRLHF's prompt groups
         ctx=stablerl.Context(),
+        **extra,
         **as_params(settings),
     )
 
