@@ -62,6 +62,7 @@ def _worker_batch(b):
         "advantages": _nt(rows("advantages")),
         "rollout_log_probs": _nt(rows("rollout_log_prob")),
         "token_level_scores": _nt(token_scores),
+        "entropy": _nt(rows("old_entropy")),  # the v1 trainer's old-log-prob pass writes it under this key
     }, batch_size=[len(R)])
     data["uid"] = NonTensorStack.from_list([NonTensorData(f"g{int(i)}") for i in b["index"]])
     tu.assign_non_tensor(data, dp_size=1, batch_num_tokens=int(sum(R)), global_batch_size=len(R))
