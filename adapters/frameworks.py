@@ -199,8 +199,10 @@ TRL = FrameworkSpec(
     why_not={
         "*": {
             "turn_ids": "TRL marks tool tokens with tool_mask but gives no per-token turn ids",
-            "versions": "TRL's GRPOTrainer is synchronous: no per-token policy versions",
-            "policy_version": "TRL's GRPOTrainer is synchronous: no per-token policy versions",
+            "versions": "TRL's GRPOTrainer keeps no per-token policy versions (a trainer subclass that tracks them can "
+            "supply them through stablerl_extra_loss_inputs, as benchmarks/stability/_offpolicy_trainer.py does)",
+            "policy_version": "TRL's loss call is not given the current policy version (a trainer subclass can supply "
+            "it through stablerl_extra_loss_inputs)",
             "router_log_prob": "needs routing_replay='R2' or 'R3' on an MoE model (TRL's fused LM head drops router "
             "logits; stablerl records the router log-probs at the replayed experts)",
             "old_router_log_prob": "needs routing_replay='R2' or 'R3' on an MoE model (recorded in the old-log-prob pass)",
