@@ -68,8 +68,10 @@ def _openrlhf_loss_key(name: str, value) -> str:
     return f"--actor.stablerl_params '{text}'" if any(c in text for c in ' "{') else f"--actor.stablerl_params {text}"
 
 _VERL_NO_ENTROPY_AT_ADVANTAGE = (
-    "the adapter's advantage step gathers only the fields both verl trainers have at compute_advantage, and the "
-    "legacy trainer keeps no per-token entropy there"
+    "no per-token entropy reaches verl's compute_advantage: the legacy trainer pops the old-log-prob pass's "
+    "'entropys' before it, the v1 trainer keeps that pass's 'entropy' in its transfer queue but its "
+    "_compute_advantage fetches only uid, response_mask, rm_scores, rollout_log_probs, old_log_probs, ref_log_prob "
+    "and values (the adapter does not widen that fetch), and bypass mode runs no old-log-prob pass"
 )
 
 _VERL_HOOK_TARGET = _POLICY_LOSS + "_target_=stablerl.adapters.verl.StablePolicyLossConfig"
@@ -100,8 +102,11 @@ VERL = FrameworkSpec(
             "turn_ids": "verl's batch has no per-token turn ids (only the per-sample num_turns)",
             "anchor_ids": "verl's trainers keep one row per response, not per agent step, and no anchor-state ids",
             "step_returns": "verl's trainers keep one row per response, not per agent step, and no step returns",
-            "versions": "verl's batch has no per-token policy versions",
-            "policy_version": "the worker's loss call does not know the current policy version / step",
+            "versions": "verl's batch has no per-token policy versions: its trainers generate each batch with the "
+            "current weights (one version per batch) and its async recipes record none per token",
+            "policy_version": "verl's ppo_loss is not told how many optimizer steps the actor has taken on the current "
+            "batch (ppo_epochs x mini-batches), the staleness A-3PO would need in a synchronous trainer; with "
+            "rollout log-probs use decoupled_ppo (the recomputed old log-prob is the exact proximal policy)",
             "router_log_prob": "verl's loss gets no router log-probs",
             "old_router_log_prob": "verl's loss gets no router log-probs",
             "pos_count": "no verl trainer counts samples per prompt over sampling rounds (the adapter passes a "
@@ -200,8 +205,11 @@ TRL = FrameworkSpec(
     feedable={
         # rollout_log_prob only with use_vllm=True and vllm_importance_sampling_correction=True;
         # router log-probs only with routing_replay="R2"|"R3" (the adapter narrows per run)
+        # old_entropy: TRL's old-log-prob pass also computes entropies for a loss that declares it; where TRL
+        # skips that pass its old log-probs are the current policy's, and so is the old entropy
         POLICY_LOSS: frozenset(
-            {"rollout_log_prob", "entropy", "token_ids", "index", "scores", "router_log_prob", "old_router_log_prob"}
+            {"rollout_log_prob", "entropy", "token_ids", "index", "scores", "router_log_prob", "old_router_log_prob",
+             "old_entropy"}
         ),
         ADVANTAGE_ESTIMATOR: frozenset({"index"}),
         # filters may also take entropy: the TRL adapter runs one extra no-grad forward for it
@@ -212,13 +220,14 @@ TRL = FrameworkSpec(
     },
     why_not={
         "*": {
-            "old_entropy": "TRL computes no entropies in its old-log-prob pass",
             "turn_ids": "TRL marks tool tokens with tool_mask but gives no per-token turn ids",
             "anchor_ids": "TRL's GRPOTrainer has one row per completion (its tool calls stay inside it), no agent "
             "steps with anchor-state ids",
             "step_returns": "TRL's GRPOTrainer has one row per completion, no agent steps with step returns",
-            "versions": "TRL's GRPOTrainer is synchronous: no per-token policy versions",
-            "policy_version": "TRL's GRPOTrainer is synchronous: no per-token policy versions",
+            "versions": "TRL's GRPOTrainer keeps no per-token policy versions (a trainer subclass that tracks them can "
+            "supply them through stablerl_extra_loss_inputs, as benchmarks/stability/_offpolicy_trainer.py does)",
+            "policy_version": "TRL's loss call is not given the current policy version (a trainer subclass can supply "
+            "it through stablerl_extra_loss_inputs)",
             "router_log_prob": "needs routing_replay='R2' or 'R3' on an MoE model (TRL's fused LM head drops router "
             "logits; stablerl records the router log-probs at the replayed experts)",
             "old_router_log_prob": "needs routing_replay='R2' or 'R3' on an MoE model (recorded in the old-log-prob pass)",
@@ -288,6 +297,10 @@ TRL = FrameworkSpec(
     switches={"rollout_correction": "vllm_importance_sampling_correction",
               "routing_replay": 'GRPOConfig(routing_replay="R2", ...)  # or "R3" (with vLLM)'},
     algorithm_notes={
+        "erc": "old_entropy is the entropy of TRL's old-log-prob pass where TRL runs one (num_iterations > 1, "
+        "steps_per_generation > gradient_accumulation_steps, or vLLM importance-sampling correction), else the "
+        "current policy's detached (each micro-batch is then trained once, at the old policy: ratio 1, as TRL's "
+        "old log-probs)",
         "m2po": "old_log_prob is TRL's old_per_token_logps (recomputed when num_iterations > 1 or "
         "steps_per_generation > gradient_accumulation_steps), else the detached current policy (ratio 1); a "
         "trainer subclass can hand the behaviour policy's log-probs (stablerl_extra_loss_inputs)",
@@ -301,7 +314,6 @@ OPENRLHF_BUILTIN_POLICY_LOSSES = ("ppo", "gspo")
 OPENRLHF_BUILTIN_ADV_ESTIMATORS = ("gae", "reinforce", "rloo", "reinforce_baseline", "group_norm", "dr_grpo", "flash_reinforce")
 OPENRLHF_COMMAND = "python -m stablerl.adapters.openrlhf.train_ppo_ray <your OpenRLHF flags>"
 
-_ORLHF_OLD_ENTROPY = "OpenRLHF's old-log-prob pass (PolicyModelActor.forward) returns log-probs only, no entropy"
 OPENRLHF = FrameworkSpec(
     name="openrlhf",
     distribution="openrlhf",
@@ -316,17 +328,18 @@ OPENRLHF = FrameworkSpec(
     # step groups responses by prompt (index); shapers and filters run there on the whole rollout batch.
     # index (prompt groups) at the loss: the adapter carries the groups through the replay buffer in
     # Experience.info and its DataLoader keeps them whole per micro-batch (adapters/openrlhf/_groups.py).
+    # The old-log-prob pass's entropy (old_entropy at the loss; entropy at the advantage step): the adapter has
+    # that pass return it when a selected algorithm declares it and carries it in Experience.info (_inputs.py).
     feedable={
-        POLICY_LOSS: frozenset({"rollout_log_prob", "entropy", "token_ids", "scores", "index"}),
-        ADVANTAGE_ESTIMATOR: frozenset({"index"}),
-        REWARD_SHAPER: _EXTENSION_INPUTS,
-        BATCH_FILTER: _EXTENSION_INPUTS,
+        POLICY_LOSS: frozenset({"rollout_log_prob", "entropy", "token_ids", "scores", "index", "old_entropy"}),
+        ADVANTAGE_ESTIMATOR: frozenset({"index", "entropy"}),
+        REWARD_SHAPER: _EXTENSION_INPUTS | {"entropy"},
+        BATCH_FILTER: _EXTENSION_INPUTS | {"entropy"},
     },
     why_not={
         "*": {
             "rollout_log_prob": "set --algo.advantage.is_correction_level token|seq (OpenRLHF requests vLLM "
             "log-probs only then)",
-            "old_entropy": _ORLHF_OLD_ENTROPY,
             "turn_ids": "OpenRLHF's experiences carry no per-token turn ids",
             "anchor_ids": "OpenRLHF's experiences are one per sample (its agent mode keeps a whole episode in one), "
             "with no anchor-state ids",
@@ -344,10 +357,7 @@ OPENRLHF = FrameworkSpec(
             "samples over rounds, and the adapter passes no per-prompt counts to estimators",
             "neg_count": "OpenRLHF samples --rollout.n_samples_per_prompt per prompt in one round",
         },
-        ADVANTAGE_ESTIMATOR: {"entropy": _ORLHF_OLD_ENTROPY + ", at compute_advantages_and_returns"},
-        REWARD_SHAPER: {"entropy": _ORLHF_OLD_ENTROPY + ", at compute_advantages_and_returns"},
-        BATCH_FILTER: {"entropy": _ORLHF_OLD_ENTROPY + ", at compute_advantages_and_returns"},
-    },
+        },
     conditions={
         "*": {"rollout_log_prob": "--algo.advantage.is_correction_level token|seq"},
         POLICY_LOSS: {
@@ -397,6 +407,9 @@ OPENRLHF = FrameworkSpec(
     switches={"rollout_correction": "--algo.advantage.is_correction_level",
               "routing_replay": "--actor.stablerl_routing_replay R2  # or R3 (vLLM >= 0.14)"},
     algorithm_notes={
+        "d3s": "OpenRLHF's advantage step does not know the run's total number of steps: the N/K schedule "
+        "(n_init != n_final or k_init != k_final) is refused at the first step; set n_init == n_final and "
+        "k_init == k_final",
         "m2po": "old_log_prob is the actor's recomputed old-log-prob pass; OpenRLHF offers no way to give the "
         "behaviour (vLLM) policy as the old policy",
     },
@@ -471,6 +484,8 @@ def _openrlhf_lines(spec: AlgorithmSpec) -> list[str]:
             lines.append(f"  --algo.advantage.stablerl_{key}_params " + " ".join(f"{f}=<value>" for f in fields))
         if spec.kind == BATCH_FILTER:
             lines.append("  (dropped rows get action_mask 0; filters that repeat rows are refused)")
+        if "entropy" in spec.requires:
+            lines.append("  (entropy: the adapter has OpenRLHF's old-log-prob pass return it; no flag needed)")
         return lines
     loss = spec.kind == POLICY_LOSS
     flag, params_flag = (
@@ -487,6 +502,9 @@ def _openrlhf_lines(spec: AlgorithmSpec) -> list[str]:
         lines.append("  --algo.advantage.is_correction_level token   # OpenRLHF passes vLLM log-probs only then")
     if loss and "entropy" in spec.requires:
         lines.append("  (entropy: the adapter has OpenRLHF's training forward return it; no flag needed)")
+    if "old_entropy" in spec.requires or (not loss and "entropy" in spec.requires):
+        lines.append("  (old-log-prob pass entropy: the adapter has that pass return it and carries it with the rows; "
+                     "no flag needed)")
     if loss and "index" in spec.requires:
         lines.append("  (index: the adapter carries prompt groups through the replay buffer and shuffles whole groups)")
     return lines

@@ -46,12 +46,14 @@ def test_list_table(capsys):
     pacs = next(line.split() for line in out.splitlines() if line.startswith("pacs "))
     assert pacs[-3:] == ["yes", "yes", "partial"]
     erc = next(line.split() for line in out.splitlines() if line.startswith("erc "))
-    assert erc[-3:] == ["partial", "no", "no"]
+    assert erc[-3:] == ["partial", "yes", "yes"]
+    d3s = next(line.split() for line in out.splitlines() if line.startswith("d3s "))
+    assert d3s[-3:] == ["no", "yes", "yes"]
     # every partial says what to set, every refusal why, per framework
     assert "  partial  pacs: needs index: --train.micro_batch_size" in out
-    assert "  refused  erc: needs old_entropy (old_entropy: TRL computes no entropies in its old-log-prob pass)" in out
+    assert "  refused  d3s: needs entropy (entropy: no per-token entropy reaches verl's compute_advantage" in out
     code, brief, _ = run_cli(capsys, "list", "--brief")
-    assert "refused  erc" not in brief and "reach: verl" in brief
+    assert "refused  d3s" not in brief and "reach: verl" in brief
 
 
 def test_list_json_reach_per_framework(capsys):
@@ -79,8 +81,9 @@ def test_readme_table_is_generated_from_the_reach_rows():
     table = text[text.index(docs.README_BEGIN):text.index(docs.README_END)]
     assert "| [`pacs`](docs/algorithms/policy_loss/pacs.md) | policy_loss | " in table
     assert "| yes | yes | partial |" in table.split("`pacs`")[1].splitlines()[0]
-    page = docs.page(stablerl.get_spec("policy_loss", "erc"))
-    assert "| trl | refused | needs old_entropy (old_entropy: TRL computes no entropies" in page
+    page = docs.page(stablerl.get_spec("policy_loss", "a3po"))
+    assert "| verl | refused | needs versions, policy_version (versions: verl's batch has no per-token" in page
+    assert "| trl | selectable | as `erc` |" in docs.page(stablerl.get_spec("policy_loss", "erc"))
 
 
 def test_describe_shows_formula_defaults_and_config_keys(capsys):

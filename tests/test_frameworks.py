@@ -42,13 +42,16 @@ def test_one_name_rule_in_every_framework():
 
 
 def test_refusals_say_why_in_the_frameworks_words():
-    with pytest.raises(stablerl.MissingInputError, match=r"old_entropy: OpenRLHF's old-log-prob pass .* returns "
-                                                          r"log-probs only"):
-        F.resolve("openrlhf", POLICY_LOSS, "erc")
-    status, why = F.reach(F.get_framework("trl"), stablerl.get_spec(POLICY_LOSS, "erc"))
-    assert status == "refused" and "old_entropy: TRL computes no entropies in its old-log-prob pass" in why
-    assert F.selectable_in(stablerl.get_spec(POLICY_LOSS, "erc")) == ["verl"]
+    with pytest.raises(stablerl.MissingInputError, match=r"turn_ids: OpenRLHF's experiences carry no per-token turn ids"):
+        F.resolve("openrlhf", POLICY_LOSS, "turn_ppo")
+    status, why = F.reach(F.get_framework("verl"), stablerl.get_spec(POLICY_LOSS, "a3po"))
+    assert status == "refused" and "policy_version: verl's ppo_loss is not told how many optimizer steps" in why
+    status, why = F.reach(F.get_framework("verl"), stablerl.get_spec("batch_filter", "d3s"))
+    assert status == "refused" and "the legacy trainer pops the old-log-prob pass's 'entropys'" in why
+    # the old-log-prob pass's entropy: every framework feeds it to erc (verl: under a setting)
+    assert F.selectable_in(stablerl.get_spec(POLICY_LOSS, "erc")) == ["verl", "trl", "openrlhf"]
     assert F.selectable_in(stablerl.get_spec(POLICY_LOSS, "m2po")) == ["verl", "trl", "openrlhf"]
+    assert F.selectable_in(stablerl.get_spec("batch_filter", "gtpo_entropy_filter")) == ["trl", "openrlhf"]
 
 
 def test_partial_reach_says_what_the_user_must_set():
@@ -65,7 +68,8 @@ def test_partial_reach_says_what_the_user_must_set():
     assert row["reach"]["openrlhf"]["status"] == "partial" and "needs" in row["reach"]["openrlhf"]
     assert row["reach"]["verl"] == {"status": "selectable", "name": "pacs"}
     erc = next(r for r in F.reach_table([stablerl.get_spec(POLICY_LOSS, "erc")]))
-    assert erc["reach"]["trl"]["status"] == "refused" and "old_entropy" in erc["reach"]["trl"]["why"]
+    assert erc["reach"]["verl"]["status"] == "partial" and any("old_entropy" in n for n in erc["reach"]["verl"]["needs"])
+    assert erc["reach"]["trl"] == erc["reach"]["openrlhf"] == {"status": "selectable", "name": "erc"}
     counts = F.reach_counts(F.reach_table([pacs]))
     assert counts["openrlhf"] == {"selectable": 0, "partial": 1, "refused": 0}
 
@@ -154,8 +158,8 @@ def test_describe_framework_prints_the_effective_settings(capsys):
     out = capsys.readouterr().out
     assert "verl: select with actor_rollout_ref.actor.policy_loss.loss_mode=stablerl_gspo" in out
     assert "clip_ratio_low  = 0.0003" in out and "One precedence rule in every framework" in out
-    assert main(["describe", "erc", "--framework", "openrlhf"]) == 0
-    assert "openrlhf: 'erc' cannot be selected: needs old_entropy" in capsys.readouterr().out
+    assert main(["describe", "a3po", "--framework", "openrlhf"]) == 0
+    assert "openrlhf: 'a3po' cannot be selected: needs" in capsys.readouterr().out
     assert main(["describe", "gspo", "--framework", "jax"]) == 2
     assert "unknown framework 'jax'" in capsys.readouterr().err
 

@@ -32,6 +32,7 @@ from openrlhf.trainer.ppo_utils.length_penalty import apply_length_penalties
 
 from stablerl.frameworks import as_params, log_effective_settings
 
+from ._inputs import padded_old_entropy
 from ._names import advantage_settings
 from ._selection import Selection
 from ._spec import OPENRLHF
@@ -72,8 +73,10 @@ def stable_advantages_and_returns(maker, experiences, selection: Selection):
         token_rewards.append(scores_on_last_token(experience.rewards.to(mask.dtype), mask) * mask)
     mask_all = torch.cat(masks)
     settings = advantage_settings(selection)  # one precedence rule; printed once per process
-    log_effective_settings(OPENRLHF, stablerl.get_spec(stablerl.ADVANTAGE_ESTIMATOR, selection.advantage_estimator),
-                           settings)
+    spec = stablerl.get_spec(stablerl.ADVANTAGE_ESTIMATOR, selection.advantage_estimator)
+    log_effective_settings(OPENRLHF, spec, settings)
+    # the old-log-prob pass's entropy, for an estimator that declares it (._inputs)
+    extra = {"entropy": padded_old_entropy(experiences, t_max)} if "entropy" in spec.requires else {}
     extras = {}
     if selection.reward_components:  # the reward function's extra_logs named on the command line (GDPO)
         from ._shape_filter import _from_info
@@ -89,6 +92,7 @@ def stable_advantages_and_returns(maker, experiences, selection: Selection):
         response_mask=mask_all,
         index=torch.div(indices, n, rounding_mode="floor"),  # OpenRLHF's prompt groups
         ctx=stablerl.Context(),
+        **extra,
         **({"extras": extras} if extras else {}),
         **as_params(settings),
     )

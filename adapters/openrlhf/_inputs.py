@@ -19,7 +19,20 @@ same one verl's adapter uses); nothing is computed for a loss that does not decl
   use it as a weight); when OpenRLHF did not ask for it itself, ``output.entropy`` is detached too,
   so the softmax is not kept for backward;
 * ``index``: the rows' prompt groups, carried through the replay buffer in ``experience.info`` and kept
-  whole per micro-batch by the adapter's DataLoader (``._groups``).
+  whole per micro-batch by the adapter's DataLoader (``._groups``);
+* ``old_entropy`` (and the ``entropy`` of reward shapers / batch filters at the advantage step): the
+  old-log-prob pass's per-token entropy. Only when a selected algorithm declares it
+  (:func:`needs_old_pass_entropy`): ``ActorPPOTrainer.__init__`` marks the policy ``Actor``
+  (:data:`WANTS_OLD_ENTROPY`); its eval-mode, no-grad forward (``PolicyModelActor.forward``, the
+  old-log-prob pass) then runs with ``return_entropy=True`` (:func:`old_pass_forward`), slices the
+  entropy ``[:, -A:]`` and masks it as OpenRLHF masks the log-probs, and hands it back on the CPU
+  log-prob tensor (attribute :data:`ENTROPY_ON_LOG_PROBS`, the channel routing replay's routes use;
+  ``RAY_ENABLE_ZERO_COPY_TORCH_TENSORS=0`` keeps it through Ray). ``RemoteExperienceMaker.make_experience``
+  moves it into ``experience.info[OLD_ENTROPY_KEY]`` (:func:`attach_old_entropy`), where the advantage
+  step reads it (:func:`padded_old_entropy`) and which the replay buffer splits and re-batches row by
+  row; ``training_step`` pops it (OpenRLHF would log it as a metric) and hands it to a loss that
+  declares ``old_entropy``, cut or zero-padded to the micro-batch's width. Not carried past the
+  advantage step when no loss asks for it.
 """
 
 from __future__ import annotations
@@ -30,7 +43,14 @@ from typing import Iterator, Optional
 from stablerl.frameworks import loss_inputs, pending_loss_inputs
 
 #: Inputs this module feeds (with ``rollout_log_prob``, which OpenRLHF passes itself).
-FED_INPUTS = ("entropy", "token_ids", "scores", "index")
+FED_INPUTS = ("entropy", "token_ids", "scores", "index", "old_entropy")
+
+#: ``Experience.info`` key of the old-log-prob pass's per-token entropy ([B, A]; per row after the buffer's split)
+OLD_ENTROPY_KEY = "stablerl_old_entropy"
+#: attribute of the old-log-prob tensor that carries the entropy from the actor worker to the experience maker
+ENTROPY_ON_LOG_PROBS = "stablerl_old_entropy"
+#: attribute of the policy ``Actor`` (set in ActorPPOTrainer.__init__): its old-log-prob pass also returns entropy
+WANTS_OLD_ENTROPY = "_stablerl_old_entropy"
 
 
 def wanted(loss_fn) -> frozenset:
@@ -46,19 +66,20 @@ def step_inputs(trainer, experience) -> Iterator[Optional[dict]]:
 
     loss_fn = getattr(trainer, "actor_loss_fn", None)
     index = pop_index(experience, "index" in wanted(loss_fn))  # the group keys never reach OpenRLHF's metrics
+    old_entropy = (experience.info or {}).pop(OLD_ENTROPY_KEY, None)  # nor the old-pass entropy
     if getattr(loss_fn, "stablerl_name", None) is None:
         yield None
         return
     loss_fn.metrics_sink = experience.info
     try:
-        with _fed(loss_fn, experience, index) as inputs:
+        with _fed(loss_fn, experience, index, old_entropy) as inputs:
             yield inputs
     finally:
         loss_fn.metrics_sink = None
 
 
 @contextlib.contextmanager
-def _fed(loss_fn, experience, index) -> Iterator[Optional[dict]]:
+def _fed(loss_fn, experience, index, old_entropy=None) -> Iterator[Optional[dict]]:
     need = wanted(loss_fn)
     if not need:
         yield None
@@ -77,6 +98,10 @@ def _fed(loss_fn, experience, index) -> Iterator[Optional[dict]]:
         inputs["index"] = index
     if "entropy" in need:
         inputs["entropy"] = None  # asked for: train_forward computes it in the training forward
+    if "old_entropy" in need:
+        if old_entropy is None:
+            raise MissingInputError(_NO_OLD_ENTROPY.format(where="the micro-batch (experience.info)"))
+        inputs["old_entropy"] = _to_width(old_entropy, experience.action_mask)
     with loss_inputs(loss_fn.stablerl_name, inputs):
         yield inputs
 
@@ -97,4 +122,111 @@ def train_forward(forward, actor, *args, **kwargs):
     return log_probs, output
 
 
-__all__ = ["FED_INPUTS", "wanted", "step_inputs", "train_forward"]
+_NO_OLD_ENTROPY = (
+    "{where} carries no old-log-prob entropy (info['" + OLD_ENTROPY_KEY + "']): the stablerl patches of "
+    "ActorPPOTrainer.__init__ / Actor.forward (actor workers) and RemoteExperienceMaker.make_experience (driver) put "
+    "it there. Is the stablerl setup hook active in every Ray worker (python -m "
+    "stablerl.adapters.openrlhf.train_ppo_ray), and RAY_ENABLE_ZERO_COPY_TORCH_TENSORS=0 in the workers (Ray's "
+    "zero-copy tensor serializer drops the entropy carried on the log-prob tensor; the wrapper and add_setup_hook "
+    "set 0)?"
+)
+
+
+def needs_old_pass_entropy(selection) -> bool:
+    """Whether a selected algorithm reads the old-log-prob pass's entropy: a policy loss declaring
+    ``old_entropy``, or an estimator, reward shaper or batch filter declaring ``entropy`` (they run at
+    ``compute_advantages_and_returns``, after that pass)."""
+    import stablerl
+
+    for kind, name, what in ((stablerl.POLICY_LOSS, selection.policy_loss, "old_entropy"),
+                             (stablerl.ADVANTAGE_ESTIMATOR, selection.advantage_estimator, "entropy"),
+                             (stablerl.REWARD_SHAPER, selection.reward_shaper, "entropy"),
+                             (stablerl.BATCH_FILTER, selection.batch_filter, "entropy")):
+        if name is not None and what in stablerl.get_spec(kind, name).requires:
+            return True
+    return False
+
+
+def loss_needs_old_entropy(selection) -> bool:
+    """Whether the selected policy loss declares ``old_entropy`` (the entropy then rides the replay buffer)."""
+    import stablerl
+
+    return selection.policy_loss is not None and "old_entropy" in stablerl.get_spec(
+        stablerl.POLICY_LOSS, selection.policy_loss).requires
+
+
+def old_pass_forward(forward, actor, *args, **kwargs):
+    """The old-log-prob ``Actor.forward`` of a marked actor: also ``return_entropy=True``; the action tokens'
+    entropy (masked like the log-probs) rides back on the CPU log-prob tensor. Unmarked: ``forward`` as is."""
+    if not actor.__dict__.get(WANTS_OLD_ENTROPY) or kwargs.get("return_output"):
+        return forward(actor, *args, **kwargs)
+    from stablerl.params import StableRLError
+
+    action_mask = kwargs.get("action_mask", args[1] if len(args) > 1 else None)
+    if action_mask is None:
+        raise StableRLError("the old-log-prob pass got no action_mask: OpenRLHF's PolicyModelActor.forward passes one")
+    log_probs, output = forward(actor, *args, **{**kwargs, "return_output": True, "return_entropy": True})
+    entropy = output.entropy[:, -log_probs.shape[1]:].detach() * action_mask.to(output.entropy.dtype)
+    out = log_probs.cpu()  # PolicyModelActor.forward's .to("cpu") then keeps this tensor and its attribute
+    setattr(out, ENTROPY_ON_LOG_PROBS, entropy.cpu())
+    return out
+
+
+def attach_old_entropy(samples_list) -> None:
+    """In the experience maker: the entropy from the old log-probs into ``experience.info[OLD_ENTROPY_KEY]``."""
+    from stablerl.params import MissingInputError, StableRLError
+
+    for i, samples in enumerate(samples_list):
+        entropy = getattr(samples.action_log_probs, ENTROPY_ON_LOG_PROBS, None)
+        if entropy is None:
+            raise MissingInputError(_NO_OLD_ENTROPY.format(where=f"the actor's old-log-prob pass (experience {i})"))
+        delattr(samples.action_log_probs, ENTROPY_ON_LOG_PROBS)
+        if entropy.shape != samples.action_mask.shape:
+            raise StableRLError(f"old-log-prob entropy of shape {tuple(entropy.shape)} for an action mask of shape "
+                                f"{tuple(samples.action_mask.shape)} (experience {i})")
+        samples.info[OLD_ENTROPY_KEY] = entropy
+
+
+def drop_old_entropy(experiences) -> None:
+    """After the advantage step, when no loss reads it: not carried through the replay buffer."""
+    for experience in experiences:
+        (experience.info or {}).pop(OLD_ENTROPY_KEY, None)
+
+
+def _to_width(value, action_mask):
+    """The rows' entropy ([B, A'] tensor, or per-row tensors after the buffer's re-batch) as ``[B, A]`` for the
+    micro-batch's ``action_mask``: the buffer unpads each row from the right, so a row's first tokens align."""
+    import torch
+
+    from stablerl.params import StableRLError
+
+    rows = list(value) if not isinstance(value, torch.Tensor) else list(value.unbind(0))
+    n, width = action_mask.shape
+    if len(rows) != n:
+        raise StableRLError(f"old-log-prob entropy for {len(rows)} rows in a micro-batch of {n}")
+    out = torch.zeros(n, width, dtype=rows[0].dtype if rows else torch.float32, device=action_mask.device)
+    for i, row in enumerate(rows):
+        k = min(width, row.shape[-1])
+        out[i, :k] = row.reshape(-1)[:k].to(out.device, out.dtype)
+    return out * action_mask.to(out.dtype)
+
+
+def padded_old_entropy(experiences, width: int):
+    """The old-log-prob pass's entropy of every experience as one ``[N, width]`` batch (advantage step)."""
+    import torch
+
+    from stablerl.params import MissingInputError
+
+    rows = []
+    for i, experience in enumerate(experiences):
+        entropy = (experience.info or {}).get(OLD_ENTROPY_KEY)
+        if entropy is None:
+            raise MissingInputError(_NO_OLD_ENTROPY.format(where=f"experience {i} at compute_advantages_and_returns"))
+        mask = torch.nn.functional.pad(experience.action_mask.float(), (0, width - experience.action_mask.shape[1]))
+        rows.append(_to_width(entropy, mask))
+    return torch.cat(rows)
+
+
+__all__ = ["FED_INPUTS", "OLD_ENTROPY_KEY", "wanted", "step_inputs", "train_forward", "needs_old_pass_entropy",
+           "loss_needs_old_entropy", "old_pass_forward", "attach_old_entropy", "drop_old_entropy",
+           "padded_old_entropy"]

@@ -60,6 +60,10 @@ def _patch_actor_module(module) -> None:
             from ._routing_replay import arm
 
             arm(self, sel.routing_replay)
+        from . import _inputs
+
+        if _inputs.needs_old_pass_entropy(sel):  # its old-log-prob pass also returns entropy (._inputs)
+            setattr(self.actor, _inputs.WANTS_OLD_ENTROPY, True)
 
     __init__.__wrapped__ = original
     __init__.__doc__ = original.__doc__
@@ -141,7 +145,11 @@ def _patch_maker_module(module) -> None:
             experiences = advantages_with_extensions(self, experiences, sel, estimate)
         else:
             experiences = estimate(experiences)
+        from . import _inputs
         from ._groups import tag_groups, wants_groups
+
+        if not _inputs.loss_needs_old_entropy(sel):  # used by the advantage step only: not sent to the actors
+            _inputs.drop_old_entropy(experiences)
 
         if wants_groups(sel.policy_loss):  # the loss's prompt groups, through the replay buffer (._groups)
             tag_groups(experiences, int(self.strategy.args.rollout.n_samples_per_prompt))

@@ -322,7 +322,8 @@ def patch_actor_module(module, set_patch) -> None:
     """``ActorPPOTrainer.training_step`` and ``Actor.forward`` (both plain classes, shipped by reference).
 
     Besides routing replay, these two patches feed a stablerl loss's declared ``entropy``,
-    ``token_ids`` and ``scores`` (``._inputs``); both do nothing when neither is in use."""
+    ``token_ids``, ``scores`` and ``old_entropy``, and the old-log-prob pass's entropy for the advantage step
+    (``._inputs``); both do nothing when neither is in use."""
     trainer_cls = module.ActorPPOTrainer
     training_step = trainer_cls.__dict__["training_step"]
 
@@ -345,20 +346,25 @@ def patch_actor_module(module, set_patch) -> None:
 
     @functools.wraps(forward)
     def forward_recording(self, *args, **kwargs):
-        state = self.__dict__.get(ARMED)
         # the old-log-prob pass: PolicyModelActor.forward runs the policy in eval mode under no_grad
-        if state is None or self.training or torch.is_grad_enabled():
+        if self.training or torch.is_grad_enabled():
             return loss_inputs.train_forward(forward, self, *args, **kwargs)  # entropy for the loss, if declared
+        # the old-pass entropy, if a selected algorithm declares it (rides on the log-probs, as the routes do)
+        old_pass = functools.partial(loss_inputs.old_pass_forward, forward)
+        state = self.__dict__.get(ARMED)
+        if state is None:
+            return old_pass(self, *args, **kwargs)
         if state.mode == "R3":
-            return _replaying_forward(forward, self, state, *args, **kwargs)
-        return _recording_forward(forward, self, state, *args, **kwargs)
+            return _replaying_forward(old_pass, self, state, *args, **kwargs)
+        return _recording_forward(old_pass, self, state, *args, **kwargs)
 
     forward_recording.__wrapped__ = forward
     set_patch("Actor.forward", actor_cls, "forward", forward_recording)
 
 
 def patch_maker_module(module, set_patch, selection_from_args) -> None:
-    """``RemoteExperienceMaker.make_experience``: routes into the experiences (R2: recorded; R3: converted)."""
+    """``RemoteExperienceMaker.make_experience``: routes into the experiences (R2: recorded; R3: converted);
+    the same patch moves the old-log-prob pass's entropy into them when an algorithm declares it (``._inputs``)."""
     cls = module.RemoteExperienceMaker
     make_experience = cls.__dict__["make_experience"]
 
@@ -374,6 +380,8 @@ def patch_maker_module(module, set_patch, selection_from_args) -> None:
         out = make_experience(self, samples_list)
         if mode is not None:
             _attach(out)
+        if loss_inputs.needs_old_pass_entropy(selection_from_args(self.strategy.args)):
+            loss_inputs.attach_old_entropy(out)  # the old-pass entropy, into experience.info (._inputs)
         return out
 
     make_experience_with_routes.__wrapped__ = make_experience

@@ -198,18 +198,31 @@ def _load_callable(path: str):
 ZERO_COPY_ENV = "RAY_ENABLE_ZERO_COPY_TORCH_TENSORS"
 
 
-def keep_tensor_attributes(env_vars: dict) -> None:
-    """Routing replay: the workers' routes ride on a log-prob tensor as an attribute, which Ray's zero-copy
-    tensor serializer drops. OpenRLHF 0.11.2's ``train()`` turns it on by default (``env_vars``
-    ``RAY_ENABLE_ZERO_COPY_TORCH_TENSORS`` = ``$RAY_ENABLE_ZERO_COPY_TORCH_TENSORS`` or "1"): switched off here,
-    said on stderr."""
+def keep_tensor_attributes(env_vars: dict, old_pass_entropy: bool = False) -> None:
+    """Routing replay / the old-pass entropy: the workers' routes or entropy ride on a log-prob tensor as an
+    attribute, which Ray's zero-copy tensor serializer drops. OpenRLHF 0.11.2's ``train()`` turns it on by
+    default (``env_vars`` ``RAY_ENABLE_ZERO_COPY_TORCH_TENSORS`` = ``$RAY_ENABLE_ZERO_COPY_TORCH_TENSORS`` or
+    "1"): switched off here, said on stderr."""
     import sys
 
+    why, what = (("the old-log-prob pass's entropy", "entropy") if old_pass_entropy else ("routing replay", "routes"))
     if env_vars.get(ZERO_COPY_ENV, "0") != "0":
-        print(f"stablerl/openrlhf: routing replay sets {ZERO_COPY_ENV}=0 for the Ray workers (was "
-              f"{env_vars[ZERO_COPY_ENV]!r}): Ray's zero-copy tensor serializer drops the routes carried on the "
+        print(f"stablerl/openrlhf: {why} sets {ZERO_COPY_ENV}=0 for the Ray workers (was "
+              f"{env_vars[ZERO_COPY_ENV]!r}): Ray's zero-copy tensor serializer drops the {what} carried on the "
               "log-prob tensors", file=sys.stderr, flush=True)
     env_vars[ZERO_COPY_ENV] = "0"
+
+
+def _reads_old_pass_entropy(extensions: Selection) -> bool:
+    """The no-wrapper route's selection (STABLERL_* variables) reads the old-log-prob pass's entropy."""
+    import stablerl
+
+    from ._inputs import needs_old_pass_entropy
+
+    sel = Selection(policy_loss=resolve(stablerl.POLICY_LOSS, os.environ.get(ENV_POLICY_LOSS) or None),
+                    advantage_estimator=resolve(stablerl.ADVANTAGE_ESTIMATOR, os.environ.get(ENV_ADVANTAGE) or None),
+                    reward_shaper=extensions.reward_shaper, batch_filter=extensions.batch_filter)
+    return needs_old_pass_entropy(sel)
 
 
 def add_setup_hook(runtime_env: Optional[dict] = None) -> dict:
@@ -218,7 +231,7 @@ def add_setup_hook(runtime_env: Optional[dict] = None) -> dict:
     Also forwards the STABLERL_* selection variables to every worker, keeps a user's own
     ``worker_process_setup_hook`` (chained through ``$STABLERL_CHAINED_SETUP_HOOK``) and calls a
     previous ``RAY_RUNTIME_ENV_HOOK`` saved in ``$STABLERL_PREVIOUS_RAY_RUNTIME_ENV_HOOK``."""
-    Selection(**extensions_from_env()).validate()  # a bad shaper / filter fails here, before Ray starts
+    extensions = Selection(**extensions_from_env()).validate()  # a bad shaper / filter fails here, before Ray starts
     previous = os.environ.get(ENV_PREVIOUS_RUNTIME_ENV_HOOK)
     if previous and previous != "stablerl.adapters.openrlhf.add_setup_hook":
         runtime_env = _load_callable(previous)(runtime_env)
@@ -238,6 +251,8 @@ def add_setup_hook(runtime_env: Optional[dict] = None) -> dict:
             env_vars[key] = os.environ[key]
     if os.environ.get(ENV_ROUTING_REPLAY):
         keep_tensor_attributes(env_vars)
+    elif _reads_old_pass_entropy(extensions):
+        keep_tensor_attributes(env_vars, old_pass_entropy=True)
     if env_vars:
         env["env_vars"] = env_vars
     return env

@@ -21,8 +21,10 @@ estimator or a stablerl one, see ``_advantage``), on the whole rollout batch:
 Inputs (``AlgorithmSpec.requires``): ``index`` (prompt groups), ``scores``, ``lengths``
 (``action_mask.sum(-1)``) and per-response values of the user's reward function: OpenRLHF copies the
 ``extra_logs`` dict a ``--reward.remote_url`` function / agent returns into ``experience.info``, one
-value per response (``correct``, ``flawed``, ``void_turn``). Per-token inputs such as ``entropy`` are
-refused before Ray starts (``stablerl.adapters.openrlhf.resolve_extension``).
+value per response (``correct``, ``flawed``, ``void_turn``), and ``entropy`` ``[N, T]``: the old-log-prob
+pass's per-token entropy, which the adapter has that pass return when a selected algorithm declares it
+(``._inputs``; the current policy's at the start of the step, as the filters' papers use it). Other
+per-token inputs are refused before Ray starts (``stablerl.adapters.openrlhf.resolve_extension``).
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ from stablerl.frameworks import apply_filter_result
 from stablerl.state import StateStore
 from openrlhf.trainer.ppo_utils.length_penalty import apply_length_penalties
 
+from ._inputs import padded_old_entropy
 from ._selection import Selection
 from ._spec import REWARD_FUNCTION_INPUTS
 
@@ -100,6 +103,8 @@ def _inputs(kind: str, name: str, experiences, skip=()) -> dict[str, torch.Tenso
             continue
         if what == "lengths":
             out[what] = torch.cat([e.action_mask.sum(-1) for e in experiences]).float()
+        elif what == "entropy":  # the old-log-prob pass's, [N, T_max] (._inputs)
+            out[what] = padded_old_entropy(experiences, max(int(e.action_mask.shape[1]) for e in experiences))
         else:  # resolve_extension refused everything that is neither here nor a reward-function value
             out[what] = _from_info(what, experiences, kind, name)
     for what in REWARD_FUNCTION_INPUTS:

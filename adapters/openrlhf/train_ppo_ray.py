@@ -23,9 +23,10 @@ sees a change):
    starts); it reaches every model actor inside the pickled ``DeepspeedStrategy``;
 3. ``ray.init``: adds ``worker_process_setup_hook="stablerl.adapters.openrlhf.instrument"`` to
    OpenRLHF's ``runtime_env``, so every Ray worker arms the stablerl patches; under R3 it also
-   forwards ``STABLERL_ROUTING_REPLAY=R3`` (the vLLM rollout workers get no ``args``); under R2 and R3 it
+   forwards ``STABLERL_ROUTING_REPLAY=R3`` (the vLLM rollout workers get no ``args``); under R2 and R3, and
+   when an algorithm reads the old-log-prob pass's entropy (``erc``, ``d3s``, ``gtpo_entropy_filter``), it
    sets ``RAY_ENABLE_ZERO_COPY_TORCH_TENSORS=0`` for the workers (OpenRLHF's default "1" would drop the
-   routes carried on the log-prob tensors).
+   routes / entropy carried on the log-prob tensors).
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ import stablerl
 from stablerl.params import StableRLError
 
 from . import _routing_replay
+from ._inputs import needs_old_pass_entropy
 from ._names import extension_choices, openrlhf_choices, resolve, resolve_extension
 from ._selection import Selection, add_setup_hook, keep_tensor_attributes, parse_params
 from ._spec import (COMPONENT_WEIGHTS_FLAG, COMPONENTS_FLAG, FILTER_FLAG, OPENRLHF_ADV_ESTIMATORS,
@@ -154,6 +156,8 @@ class _ScriptRun:
     def __init__(self):
         self.parser: Optional[argparse.ArgumentParser] = None
         self.routing_replay: Optional[str] = None
+        #: the workers hand data back on tensor attributes (routing replay's routes, the old-pass entropy)
+        self.tensor_attributes = False
 
     def error(self, message: str):
         if self.parser is not None:
@@ -181,6 +185,7 @@ class _ScriptRun:
             except StableRLError as e:
                 self.error(str(e))
             self.routing_replay = out.stablerl.routing_replay
+            self.tensor_attributes = self.routing_replay is not None or needs_old_pass_entropy(out.stablerl)
             if out.stablerl.routing_replay == "R3":  # add_setup_hook forwards it to the vLLM workers (no args there)
                 os.environ[_routing_replay.ENV_MODE] = "R3"
             return out
@@ -190,9 +195,9 @@ class _ScriptRun:
     def _ray(self, module: types.ModuleType) -> types.ModuleType:
         def init(*args, **kwargs):
             env = add_setup_hook(kwargs.get("runtime_env"))
-            if self.routing_replay is not None:  # R2 too (only R3 sets the environment variable)
+            if self.tensor_attributes:  # R2 too (only R3 sets the environment variable), and the old-pass entropy
                 env["env_vars"] = dict(env.get("env_vars") or {})
-                keep_tensor_attributes(env["env_vars"])
+                keep_tensor_attributes(env["env_vars"], old_pass_entropy=self.routing_replay is None)
             kwargs["runtime_env"] = env
             return module.init(*args, **kwargs)
 

@@ -686,6 +686,9 @@ class GRPOTrainer(_trl.GRPOTrainer):
         self._stablerl_rewards: Optional[torch.Tensor] = None
         needs = set(self._stablerl_spec.requires) if self._stablerl_spec else set()
         self._stablerl_needs_rows = bool(needs & {"index", "scores"})
+        # erc: the old-log-prob pass also computes entropies (only then); its sink while a batch is generated
+        self._stablerl_wants_old_entropy = "old_entropy" in needs
+        self._stablerl_old_entropy: Optional[dict] = None
         per_process = cfg.per_device_train_batch_size * cfg.steps_per_generation
         if "index" in needs and (cfg.steps_per_generation > 1 or per_process % cfg.num_generations):
             warnings.warn(
@@ -1276,11 +1279,31 @@ class GRPOTrainer(_trl.GRPOTrainer):
             self._ext_inputs = self._ext_gather_user_inputs(inputs)
         return rewards_per_func
 
+    def _trl_runs_old_pass(self) -> bool:
+        """TRL's own condition for its old-log-prob pass in ``_generate_and_score_completions``."""
+        every = self.args.steps_per_generation * self.num_iterations
+        return self.args.gradient_accumulation_steps % every != 0 or bool(
+            self.use_vllm and self.vllm_importance_sampling_correction)
+
     def _generate_and_score_completions(self, inputs):
-        if self._rr_mode is None:
-            out = super()._generate_and_score_completions(inputs)
-        else:
-            out = self._rr_generate_and_score(inputs)
+        # old_entropy (erc): TRL's old-log-prob pass, when TRL runs one, also computes entropies (see
+        # _get_per_token_logps_and_entropies); they travel batch-first with their rows as stablerl_old_entropy.
+        # Without that pass TRL's old log-probs are the current policy's (ratio 1): the loss then takes the
+        # current entropy as the old one (_stablerl_policy_loss), the same rule.
+        sink = {"armed": True} if self._stablerl_wants_old_entropy and self._trl_runs_old_pass() else None
+        self._stablerl_old_entropy = sink
+        try:
+            if self._rr_mode is None:
+                out = super()._generate_and_score_completions(inputs)
+            else:
+                out = self._rr_generate_and_score(inputs)
+        finally:
+            self._stablerl_old_entropy = None
+        if sink is not None:
+            if sink.get("entropies") is None:
+                raise StableRLError(f"policy loss {self._stablerl_loss!r} needs the old-log-prob pass's entropies, "
+                                    "but TRL's old-log-prob pass did not run through _get_per_token_logps_and_entropies")
+            out["stablerl_old_entropy"] = sink["entropies"]
         if not (self._stablerl_estimator or self._stablerl_needs_rows or self._ext_filter):
             self._stablerl_rewards = None
             return out
@@ -1349,6 +1372,20 @@ class GRPOTrainer(_trl.GRPOTrainer):
     # -- loss ------------------------------------------------------------------------------
 
     def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, *args, **kwargs):
+        old_entropy = self._stablerl_old_entropy
+        # TRL's old-log-prob pass is the first pass of the policy while a batch is generated (the ref pass of a
+        # PEFT policy comes after it); it asks for no entropies: for erc it computes them too
+        record_old_entropy = bool(old_entropy and old_entropy["armed"] and not kwargs.get("compute_entropy")
+                                  and self.accelerator.unwrap_model(model) is self.accelerator.unwrap_model(self.model))
+        if record_old_entropy:
+            old_entropy["armed"] = False
+            kwargs["compute_entropy"] = True
+        out = self._stablerl_logps_and_entropies(model, input_ids, attention_mask, logits_to_keep, *args, **kwargs)
+        if record_old_entropy:
+            old_entropy["entropies"] = out[1].detach()
+        return out
+
+    def _stablerl_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, *args, **kwargs):
         if self._rr_mode is None:
             out = super()._get_per_token_logps_and_entropies(model, input_ids, attention_mask, logits_to_keep, *args,
                                                              **kwargs)
@@ -1499,6 +1536,10 @@ class GRPOTrainer(_trl.GRPOTrainer):
             extra["rollout_correction"] = self._stablerl_correction
             if self._stablerl_correction_params:
                 extra["rollout_correction_params"] = self._stablerl_correction_params
+        if "old_entropy" in spec.requires:
+            # TRL's old-log-prob pass's entropies; without that pass old == current, as for TRL's old log-probs
+            old_entropy = inputs.get("stablerl_old_entropy")
+            extra["old_entropy"] = entropies.detach() if old_entropy is None else old_entropy
         if "token_ids" in spec.requires:
             extra["token_ids"] = inputs["completion_ids"]
         if "index" in spec.requires:

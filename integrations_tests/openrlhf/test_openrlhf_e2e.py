@@ -143,3 +143,29 @@ def test_m2po_with_rollout_routing_replay_on_a_moe_model(cluster, tmp_path):
     assert 0 <= run["steps"][2]["stablerl/m2po/trust_region_fraction"] <= 1, run["steps"][2]
     loss = harness.settings_table(run["output"], "policy loss 'm2po'")
     assert loss["m2_threshold"][0] == 0.05 and loss["m2_threshold"][1] != "paper default", loss
+
+
+def test_erc_and_gtpo_filter_get_the_old_pass_entropy_through_ray(cluster, tmp_path):
+    """erc (old_entropy) and gtpo_entropy_filter (entropy at the advantage step): the old-log-prob pass's entropy
+    comes back from the PolicyModelActor through Ray on the log-prob tensor (zero-copy off), into the filter and,
+    through the replay buffer, the loss; 2 steps."""
+    assets = harness.make_assets(tmp_path, n_prompts=N_PROMPTS * STEPS)
+    argv = base_flags(assets, tmp_path) + [
+        "--algo.advantage.estimator", "group_norm", "--actor.policy_loss_type", "erc",
+        "--algo.advantage.stablerl_batch_filter", "gtpo_entropy_filter",
+        "--algo.advantage.stablerl_batch_filter_params", "ent_threshold=100"]  # keep every row: a learning signal
+    run = harness.launch(argv, cluster.env, tmp_path / "run.log")
+    _ok(run)
+    assert sorted(run["steps"]) == [1, 2]
+    assert "the old-log-prob pass's entropy sets RAY_ENABLE_ZERO_COPY_TORCH_TENSORS=0" in run["output"]
+    for status in run["steps"].values():
+        # the filter's mean entropy: a tiny random model over the demo vocabulary is near uniform (> 1 nat)
+        assert 1.0 < status["stablerl/gtpo_filter/entropy_mean"] < 20.0, status
+        assert 0.0 < status["stablerl/erc/entropy_frac"] <= 1.0, status
+        assert math.isfinite(status["stablerl/erc/entropy_ratio_mean"]), status
+        assert not any(k.startswith("stablerl_old_entropy") for k in status)  # carried, never logged
+    print("[erc + gtpo_entropy_filter e2e] " + "; ".join(
+        f"step {n}: " + ", ".join(f"{k}={status[k]:.4f}" for k in ("stablerl/gtpo_filter/entropy_mean",
+                                                                    "stablerl/erc/entropy_frac",
+                                                                    "stablerl/erc/entropy_ratio_mean", "reward"))
+        for n, status in sorted(run["steps"].items())))

@@ -211,10 +211,12 @@ def test_what_openrlhf_can_and_cannot_feed():
         lines = frameworks.config_lines(stablerl.get_spec(kind, name))["openrlhf"]
         assert f"  --actor.policy_loss_type {name}" in lines
     assert frameworks.get_framework("openrlhf").feedable[kind] == {"rollout_log_prob", "entropy", "token_ids", "scores",
-                                                                   "index"}
-    for name in ("pacs", "gvpo", "gtpo"):  # prompt groups through the replay buffer (test_openrlhf_group_losses)
+                                                                   "index", "old_entropy"}
+    # prompt groups through the replay buffer (test_openrlhf_group_losses); erc: the old-log-prob pass's entropy
+    # (test_openrlhf_old_entropy)
+    for name in ("pacs", "gvpo", "gtpo", "erc"):
         assert adapter.resolve(kind, name) == name and name in adapter.openrlhf_choices(kind)
-    for name, reason in (("erc", "returns log-probs only"), ("turn_ppo", "no per-token turn ids")):
+    for name, reason in (("a3po", "no per-token policy versions"), ("turn_ppo", "no per-token turn ids")):
         with pytest.raises(stablerl.MissingInputError, match=reason):
             adapter.resolve(kind, name)
         assert name not in adapter.openrlhf_choices(kind)

@@ -248,13 +248,13 @@ def test_no_extension_is_the_plain_path():
 def test_selection_validation_and_static_refusals():
     with pytest.raises(stablerl.UnknownNameError, match="did you mean 'fapo'"):
         adapter.resolve_extension(stablerl.REWARD_SHAPER, "fap")
-    with pytest.raises(stablerl.MissingInputError, match="entropy: OpenRLHF's old-log-prob pass"):
-        adapter.resolve_extension(stablerl.BATCH_FILTER, "gtpo_entropy_filter")
+    # per-token entropy: the old-log-prob pass's (test_openrlhf_old_entropy)
+    assert adapter.resolve_extension(stablerl.BATCH_FILTER, "gtpo_entropy_filter") == "gtpo_entropy_filter"
     with pytest.raises(stablerl.UnknownNameError, match="keep_singletons"):
         Selection(batch_filter="dynamic_sampling", batch_filter_params={"keep_singleton": False}).validate()
     with pytest.raises(stablerl.StableRLError, match="stablerl_reward_shaper_params given"):
         Selection(reward_shaper_params={"scale": 0.1}).validate()
-    assert "d3s" not in adapter.extension_choices(stablerl.BATCH_FILTER)
+    assert {"d3s", "gtpo_entropy_filter"} <= set(adapter.extension_choices(stablerl.BATCH_FILTER))
     assert adapter.extension_choices(stablerl.REWARD_SHAPER) == ["fapo", "grpo_lambda", "redit"]
 
 
@@ -271,8 +271,11 @@ def test_env_route(monkeypatch):
     monkeypatch.setenv(adapter.ENV_REWARD_SHAPER_PARAMS, "scal=0.2")
     with pytest.raises(stablerl.UnknownNameError, match="did you mean 'scale'"):
         adapter.add_setup_hook({})  # in the driver, before Ray starts
-    monkeypatch.setenv(adapter.ENV_BATCH_FILTER, "d3s")
-    with pytest.raises(stablerl.MissingInputError, match="entropy"):
+    monkeypatch.setenv(adapter.ENV_REWARD_SHAPER_PARAMS, "scale=0.2")
+    monkeypatch.setenv(adapter.ENV_BATCH_FILTER, "d3s")  # reads the old-log-prob pass's entropy
+    assert adapter.add_setup_hook({})["env_vars"]["RAY_ENABLE_ZERO_COPY_TORCH_TENSORS"] == "0"
+    monkeypatch.setenv(adapter.ENV_BATCH_FILTER_PARAMS, "scop=batch")
+    with pytest.raises(stablerl.UnknownNameError, match="did you mean 'scope'"):
         adapter.add_setup_hook({})
 
 
@@ -300,7 +303,8 @@ def test_cli_attaches_shaper_and_filter(monkeypatch):
     [
         (["--algo.advantage.stablerl_reward_shaper", "fap"], ["'fap'", "did you mean 'fapo'"]),
         (["--algo.advantage.stablerl_batch_filter", "dynamic_samplin"], ["did you mean 'dynamic_sampling'"]),
-        (["--algo.advantage.stablerl_batch_filter", "d3s"], ["entropy: OpenRLHF's old-log-prob pass"]),
+        (["--algo.advantage.stablerl_batch_filter", "d3s", "--algo.advantage.stablerl_batch_filter_params",
+          "k_inti=0.3"], ["did you mean 'k_init'"]),
         (["--algo.advantage.stablerl_reward_shaper", "redit", "--algo.advantage.stablerl_reward_shaper_params",
           "scael=0.1"], ["did you mean 'scale'"]),
         (["--algo.advantage.stablerl_batch_filter_params", "keep_singletons=false"],
@@ -357,7 +361,10 @@ def test_describe_names_the_openrlhf_flags():
                          "  --algo.advantage.stablerl_reward_shaper_params flawed_reward_penalty=<value>"]
     assert "  --algo.advantage.stablerl_batch_filter dynamic_sampling" in frameworks.config_lines(
         stablerl.get_spec(stablerl.BATCH_FILTER, "dynamic_sampling"))["openrlhf"]
-    assert "openrlhf" not in frameworks.config_lines(stablerl.get_spec(stablerl.BATCH_FILTER, "d3s"))
+    d3s = frameworks.config_lines(stablerl.get_spec(stablerl.BATCH_FILTER, "d3s"))["openrlhf"]
+    assert "  --algo.advantage.stablerl_batch_filter d3s" in d3s
+    assert "  (entropy: the adapter has OpenRLHF's old-log-prob pass return it; no flag needed)" in d3s
+    assert any("set n_init == n_final and k_init == k_final" in line for line in d3s)  # the schedule needs total steps
     for kind in (stablerl.REWARD_SHAPER, stablerl.BATCH_FILTER):  # one source: describe and the wrapper agree
         runnable = [s.name for s in stablerl.list_algorithms(kind) if "openrlhf" in frameworks.selectable_in(s)]
         assert runnable == adapter.extension_choices(kind)

@@ -134,7 +134,8 @@ VOCAB = 5  # few token ids: responses of a group share tokens (GTPO's conflicts)
 def loss_batch() -> dict[str, Any]:
     """The deterministic fp32 loss batch ``[B, T]`` (padding holds zeros): log-probs (half the rows near
     the old policy, half far, so both tight and loose clip bounds are crossed), old and rollout log-probs,
-    one advantage per response broadcast over its tokens, entropies, token ids, group ids, scores."""
+    one advantage per response broadcast over its tokens, entropies (current and old-pass), token ids, group ids,
+    scores."""
     g = torch.Generator().manual_seed(1234)
     B, T = len(RESPONSE_LENGTHS), max(RESPONSE_LENGTHS)
     lengths = torch.tensor(RESPONSE_LENGTHS)
@@ -147,6 +148,9 @@ def loss_batch() -> dict[str, Any]:
     scores = torch.tensor([1.0, 0.0, 1.0, 0.0, 1.0, 0.0, 0.0, 1.0])
     entropy = torch.rand(B, T, generator=g) * 2.0
     token_ids = torch.randint(0, VOCAB, (B, T), generator=g)
+    # the old-log-prob pass's entropy (erc): within +-10% of the current one, so erc's band (0.95, 1.05) cuts
+    # some tokens (its own generator: the draws above are unchanged)
+    old_entropy = entropy * (1 + 0.1 * (2 * torch.rand(B, T, generator=torch.Generator().manual_seed(4321)) - 1))
     zero = torch.zeros(())
     batch = {
         "log_prob": torch.where(mask, log_prob, zero),
@@ -156,6 +160,7 @@ def loss_batch() -> dict[str, Any]:
         "seq_advantages": seq_adv,
         "response_mask": mask,
         "entropy": torch.where(mask, entropy, zero),
+        "old_entropy": torch.where(mask, old_entropy, zero),
         "token_ids": token_ids * mask,
         "index": torch.arange(B) // GROUP_SIZE,
         "scores": scores,

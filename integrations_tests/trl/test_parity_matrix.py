@@ -94,6 +94,7 @@ def _trainer(loss=None, estimator=None, params=None, *, rollout=False, mode="tok
     t._stablerl_store = StateStore(holds="trainer")  # fresh algorithm state, as the core call has
     t._stablerl_capture = None
     t._rr_router_lp = False
+    t._stablerl_old_entropy = None  # no generation here: nothing armed in the old-log-prob pass
     return t
 
 
@@ -121,6 +122,8 @@ def _through_compute_loss(monkeypatch, name, b, mode, params):
         # extra per-row keys the adapter adds at its advantage step for losses that read groups / scores
         "stablerl_index": b["index"],
         "stablerl_scores": b["scores"],
+        # TRL's old-log-prob pass's entropies, which the adapter carries with the rows for erc
+        "stablerl_old_entropy": b["old_entropy"],
     }
     if rollout:
         inputs["sampling_per_token_logps"] = b["rollout_log_prob"]

@@ -37,9 +37,11 @@ def _nt(rows):
     return torch.nested.as_nested_tensor(rows, layout=torch.jagged)
 
 
-def _worker_batch(b):
+def _worker_batch(b, old_entropy=False):
     """What an engine worker hands to ``ppo_loss``: jagged response fields, uids, global batch info,
-    and the model output (log-probs and entropies over prompt + response) with its leaves."""
+    and the model output (log-probs and entropies over prompt + response) with its leaves.
+    ``old_entropy``: also the v1 trainer's old-log-prob pass entropy (only for a loss that requires it: verl
+    would also hand it to steer, which reads it when present and which TRL and OpenRLHF do not give it)."""
     from tensordict import TensorDict
     from tensordict.tensorclass import NonTensorData, NonTensorStack
     from verl.utils import tensordict_utils as tu
@@ -54,6 +56,7 @@ def _worker_batch(b):
                 enumerate(zip(P, R))]
 
     token_scores = [F.pad(torch.zeros(r - 1), (0, 1), value=float(b["scores"][i])) for i, r in enumerate(R)]
+    old_pass = {"entropy": _nt(rows("old_entropy"))} if old_entropy else {}  # v1's old-log-prob pass writes it
     data = TensorDict({
         "prompts": _nt([torch.arange(p) + 1 for p in P]),
         "responses": _nt(rows("token_ids")),
@@ -62,6 +65,7 @@ def _worker_batch(b):
         "advantages": _nt(rows("advantages")),
         "rollout_log_probs": _nt(rows("rollout_log_prob")),
         "token_level_scores": _nt(token_scores),
+        **old_pass,
     }, batch_size=[len(R)])
     data["uid"] = NonTensorStack.from_list([NonTensorData(f"g{int(i)}") for i in b["index"]])
     tu.assign_non_tensor(data, dp_size=1, batch_num_tokens=int(sum(R)), global_batch_size=len(R))
@@ -106,7 +110,7 @@ def _through_ppo_loss(adapter, name, b, mode, params):
 
     adapter.instrument()  # registers the names and wraps verl's call sites (idempotent; the entry point does it)
     _inputs.STATE.clear()  # fresh controller state, as the core call has
-    data, model_output, leaves = _worker_batch(b)
+    data, model_output, leaves = _worker_batch(b, "old_entropy" in stablerl.get_spec(M.POLICY_LOSS, name).requires)
     loss, _ = ppo_loss(_actor_config(adapter, name, mode, params), model_output, data)
     grads = torch.autograd.grad(loss, leaves, allow_unused=True)
     grads = [torch.zeros_like(leaf) if g is None else g for g, leaf in zip(grads, leaves)]
