@@ -29,8 +29,8 @@ def digit_reward(prompts, completions, **kwargs):
 class Checked(GRPOTrainer):
     compared = 0
 
-    def _stablerl_advantages(self, out, rewards, unscorable, group, rows, mode):
-        ours = super()._stablerl_advantages(out, rewards, unscorable, group, rows, mode)
+    def _stablerl_advantages(self, out, rewards, unscorable, group, rows, mode, **kwargs):
+        ours = super()._stablerl_advantages(out, rewards, unscorable, group, rows, mode, **kwargs)
         trl_adv = out["advantages"]  # TRL's own, still in place: (n_local,)
         per_seq = ours.gather(1, (out["completion_mask"].sum(1, keepdim=True) - 1).clamp(min=0)).squeeze(1)
         torch.testing.assert_close(per_seq, trl_adv, rtol=1e-6, atol=1e-6)
