@@ -69,11 +69,15 @@ def test_engine_logprobs_are_the_samplers(precision, low, high):
     assert torch.allclose(torch.tensor([lp[0] for lp in logprobs[0]]), expected, atol=1e-5)
 
 
-def test_stablerl_correction_gets_the_engines_logprobs_in_trl():
+@pytest.mark.parametrize("spelling", ["key", "alias"])
+def test_stablerl_correction_gets_the_engines_logprobs_in_trl(spelling):
     """Through the real TRL trainer (use_vllm=True, engine replaced): the correction's logged k1 KL equals the
-    engine's own measure of the same generation (one micro-batch = the whole generation)."""
+    engine's own measure of the same generation (one micro-batch = the whole generation), whether it is set by
+    stablerl_rollout_correction or by its alias in stablerl_loss_params."""
     record = {"step": [], "metrics": {}}
-    args = mismatch.make_config("/tmp/stablerl-trl-mismatch-test", "tis", steps=2, seed=0, lr=1e-3)
+    overrides = {} if spelling == "key" else {"stablerl_rollout_correction": None,
+                                               "stablerl_loss_params": {"rollout_correction": "tis"}}
+    args = mismatch.make_config("/tmp/stablerl-trl-mismatch-test", "tis", steps=2, seed=0, lr=1e-3, **overrides)
     trainer = mismatch.make_trainer(args, "int2", callbacks=[demo._recorder_callback(record, None)])
     trainer.train()
     engine = mismatch.rollout_of(trainer)
