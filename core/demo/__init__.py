@@ -472,8 +472,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         config.update(losses=names)
     (out / "results.json").write_text(json.dumps({"config": config, ("arms" if mismatch_scenario else "losses"):
                                                   results}, indent=1))
-    title = (f"rollout {precision} weights, completions <= {args.completion_length} tokens, fp32 training "
-             f"(seed {args.seed})" if mismatch_scenario
+    title = (f"{precision} rollout, <= {args.completion_length} tokens, seed {args.seed}" if mismatch_scenario
              else "copy the digit")
     plot(results, out / "curves.png", title=title)
     total = time.perf_counter() - t0

@@ -329,7 +329,8 @@ def verdict(results: dict[str, dict], *, seed: int, precision: str, lr: float, s
     for a in arms:
         finals = ", ".join(f"{DEMO_RECORD[a][s][0]:.2f}" for s in others)
         n_failed = sum(recorded_failed(*DEMO_RECORD[a][s]) for s in others)
-        lines.append(f"  {a:<8} {finals}  (failed on {n_failed} of {len(others)})")
+        n_high = sum(DEMO_RECORD[a][s][0] >= 0.9 for s in others)
+        lines.append(f"  {a:<8} {finals}  (failed on {n_failed} of {len(others)}; >= 0.9 on {n_high} of {len(others)})")
     for a in DEMO_RECORD:
         if a not in results:  # recorded arms this run left out (e.g. `none` with the default arms)
             seeds = sorted(DEMO_RECORD[a])
