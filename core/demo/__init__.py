@@ -310,8 +310,8 @@ def plot(results: dict[str, dict], path: Path, title: str = "copy the digit") ->
 
 SCENARIOS = {
     "mismatch": "training-inference mismatch: rollouts of up to 16 tokens sampled by a 2-bit-quantized copy of the "
-                "policy through TRL's vLLM path, trained in fp32; TRL's default correction vs stablerl's tis vs no "
-                "correction",
+                "policy through TRL's vLLM path, trained in fp32; TRL's default correction vs stablerl's tis (no "
+                "correction: --arms trl_is,tis,none)",
     "basic": "three policy losses (dapo, m2po, gspo) on copy-the-digit, on-policy fp32; no stability claim",
 }
 DEFAULT_SCENARIO = "mismatch"
