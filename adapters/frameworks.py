@@ -11,7 +11,7 @@ written once, here, and `stablerl describe`, the generated docs and the adapters
 from __future__ import annotations
 
 from stablerl.contracts import (ADVANTAGE_ESTIMATOR, BATCH_FILTER, CONTROLLER, POLICY_LOSS, REWARD_SHAPER,
-                                TRAINER_HOOK, AlgorithmSpec)
+                                ROLLOUT_CORRECTION, TRAINER_HOOK, AlgorithmSpec)
 from stablerl.frameworks import CALL_OPTIONS, FrameworkKey, FrameworkSpec
 from stablerl.hookspecs import hookimpl
 
@@ -217,6 +217,8 @@ TRL = FrameworkSpec(
         BATCH_FILTER: _EXTENSION_INPUTS | {"pos_count", "neg_count", "entropy"},
         # the adapter runs num_iterations optimizer passes over each generation batch and calls the hook between them
         TRAINER_HOOK: frozenset({"params_view"}),
+        # stablerl_rollout_correction: the engine's sampling log-probs, with TRL's own IS correction off
+        ROLLOUT_CORRECTION: frozenset({"rollout_log_prob"}),
     },
     why_not={
         "*": {
@@ -253,6 +255,10 @@ TRL = FrameworkSpec(
             "router_log_prob": "routing_replay='R2' or 'R3' on an MoE model",
             "old_router_log_prob": "routing_replay='R2' or 'R3' on an MoE model",
         },
+        ROLLOUT_CORRECTION: {
+            "rollout_log_prob": "use_vllm=True (or a rollout_func returning logprobs) and "
+            "vllm_importance_sampling_correction=False",
+        },
     },
     selection_keys={
         POLICY_LOSS: "loss_type",
@@ -261,6 +267,8 @@ TRL = FrameworkSpec(
         BATCH_FILTER: "batch_filter",
         CONTROLLER: "entropy_controller",
         TRAINER_HOOK: "trainer_hook",
+        # its own key (stablerl_loss_params' rollout_correction is an alias): it replaces TRL's vLLM IS correction
+        ROLLOUT_CORRECTION: "stablerl_rollout_correction",
     },
     hyperparameter_keys={
         POLICY_LOSS: {
@@ -292,6 +300,7 @@ TRL = FrameworkSpec(
         BATCH_FILTER: 'stablerl_batch_filter_params={{"{name}": {value}}}',
         CONTROLLER: 'stablerl_entropy_controller_params={{"{name}": {value}}}',
         TRAINER_HOOK: 'stablerl_trainer_hook_params={{"{name}": {value}}}',
+        ROLLOUT_CORRECTION: 'stablerl_rollout_correction_params={{"{name}": {value}}}',
     },
     usage="from stablerl.adapters.trl import GRPOTrainer, GRPOConfig  (instead of trl's)",
     switches={"rollout_correction": "vllm_importance_sampling_correction",

@@ -154,7 +154,8 @@ def reach_conditions(framework: FrameworkSpec, spec: AlgorithmSpec) -> list[str]
     only under a setting (``FrameworkSpec.conditions``); for an aggregation or rollout correction (set
     through the loss's params), also that the policy loss must be a stablerl one."""
     on_loss = spec.kind in CALL_OPTION_OF_KIND
-    kind = POLICY_LOSS_KIND if on_loss else spec.kind
+    # set through the loss's params: the loss's conditions; by a dedicated key: that kind's own
+    kind = POLICY_LOSS_KIND if on_loss and spec.kind not in framework.selection_keys else spec.kind
     out = []
     for name in spec.requires:
         condition = framework.condition(kind, name)
@@ -179,6 +180,12 @@ def reach(framework: FrameworkSpec, spec: AlgorithmSpec) -> tuple[str, str]:
     if spec.kind == "router_family" and "routing_replay" in framework.switches:
         # no key names a family: routing replay detects it per router module of the model
         return SELECTABLE, framework.switches["routing_replay"]
+    if spec.kind in framework.selection_keys and spec.kind in CALL_OPTION_OF_KIND:
+        # a dedicated key (TRL's stablerl_rollout_correction): still on a stablerl policy loss, so partial
+        missing = missing_inputs(framework, spec)
+        if missing:
+            return REFUSED, f"needs {', '.join(missing)} ({why_missing(framework, spec, missing)})"
+        return PARTIAL, f'{framework.selection_keys[spec.kind]}="{spec.name}"'
     if spec.kind in CALL_OPTION_OF_KIND and POLICY_LOSS_KIND in framework.params_keys:
         # selected through the stablerl policy loss's params channel; a correction needs the loss's rollout log-probs
         missing = missing_inputs(framework, spec, feedable=framework.feedable.get(POLICY_LOSS_KIND, ()))
@@ -291,8 +298,15 @@ def resolve(framework: FrameworkSpec | str, kind: str, name: Optional[str], extr
 def _option_lines(fw: FrameworkSpec, spec: AlgorithmSpec) -> list[str]:
     """An aggregation / rollout correction: set in the stablerl policy loss's params (:data:`CALL_OPTIONS`)."""
     option = CALL_OPTION_OF_KIND[spec.kind]
-    lines = [stablerl_key(fw, POLICY_LOSS_KIND, option, spec.name)]
     fields = list(spec.defaults())
+    dedicated = fw.selection_keys.get(spec.kind)
+    if dedicated:  # its own key, and its parameters in one dict (the params_keys template of its kind)
+        lines = [f'{dedicated}="{spec.name}"']
+        if fields:
+            lines.append(stablerl_key(fw, spec.kind, fields[0], "<value>").split("=", 1)[0] + "={"
+                         + ", ".join(f'"{f}": <value>' for f in fields) + "}")
+        return lines
+    lines = [stablerl_key(fw, POLICY_LOSS_KIND, option, spec.name)]
     if fields:
         lines.append(stablerl_key(fw, POLICY_LOSS_KIND, option.replace("_mode", "") + "_params",
                                   "{" + ", ".join(f'"{f}": <value>' for f in fields) + "}"))
@@ -411,7 +425,8 @@ class Setting:
 
 
 def stablerl_key(framework: FrameworkSpec, kind: str, name: str, value: Any = "<value>") -> str:
-    if kind in CALL_OPTION_OF_KIND:  # an aggregation's / correction's parameters: inside the loss's params key
+    if kind in CALL_OPTION_OF_KIND and kind not in framework.params_keys:
+        # an aggregation's / correction's parameters: inside the loss's params key (unless the kind has its own)
         option = CALL_OPTION_OF_KIND[kind].replace("_mode", "") + "_params"
         return stablerl_key(framework, POLICY_LOSS_KIND, option, f'{{"{name}": {value}}}')
     template = framework.params_keys.get(kind)

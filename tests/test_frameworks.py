@@ -221,7 +221,8 @@ def test_a_framework_difference_by_design_is_shown_with_the_config_lines():
 
 def test_aggregations_and_rollout_corrections_by_the_loss_params_key():
     """delta_l and stablerl's rollout corrections are set through each framework's stablerl loss-params key
-    (CALL_OPTIONS): partial everywhere (they act on a stablerl loss), checked up front, shown as settings."""
+    (CALL_OPTIONS), or a dedicated key where the framework declares one (TRL's stablerl_rollout_correction):
+    partial everywhere (they act on a stablerl loss), checked up front, shown as settings."""
     tis = stablerl.get_spec("rollout_correction", "tis")
     delta_l = stablerl.get_spec("aggregation", "delta_l")
     vanilla = stablerl.get_spec(POLICY_LOSS, "vanilla")
@@ -230,8 +231,15 @@ def test_aggregations_and_rollout_corrections_by_the_loss_params_key():
     assert F.reach(F.get_framework("openrlhf"), delta_l)[1] == "--actor.stablerl_params loss_agg_mode=delta_l"
     assert F.reach(F.get_framework("verl"), tis)[1] == \
         "+actor_rollout_ref.actor.policy_loss.stablerl_params={rollout_correction:tis}"
-    assert "rollout_log_prob: use_vllm=True and vllm_importance_sampling_correction=True" in \
-        F.reach_conditions(F.get_framework("trl"), tis)
+    # TRL: a dedicated key (stablerl_loss_params' rollout_correction is its alias), with TRL's own correction off
+    trl = F.get_framework("trl")
+    assert F.reach(trl, tis)[1] == 'stablerl_rollout_correction="tis"'
+    assert ("rollout_log_prob: use_vllm=True (or a rollout_func returning logprobs) and "
+            "vllm_importance_sampling_correction=False") in F.reach_conditions(trl, tis)
+    assert F.config_lines(tis)["trl"][:2] == ['stablerl_rollout_correction="tis"',
+                                             'stablerl_rollout_correction_params={"threshold": <value>, "level": <value>}']
+    assert [s.key for s in F.effective_hyperparameters("trl", tis, {}, {})][0] == \
+        'stablerl_rollout_correction_params={"threshold": <value>}'
     settings = F.effective_hyperparameters("openrlhf", vanilla, {"loss_agg_mode": "delta_l", "clip_ratio_c": 3.0})
     hyper, options = F.split_call_options(F.as_params(settings))
     assert options == {"loss_agg_mode": "delta_l"} and hyper == {"clip_ratio_c": 3.0}

@@ -312,7 +312,8 @@ class GRPOConfig(_trl.GRPOConfig):
         metadata={"help": "stablerl training-inference mismatch correction of a stablerl loss ('tis', 'icepop', "
                   "'seq_mis', 'geo_rs', 'opsm'), from the rollout engine's sampling log-probs (use_vllm=True or a "
                   "rollout_func returning logprobs). Replaces TRL's own: needs "
-                  "vllm_importance_sampling_correction=False."},
+                  "vllm_importance_sampling_correction=False. stablerl_loss_params={'rollout_correction': ..., "
+                  "'rollout_correction_params': {...}} is an alias of this key and its params (one of the two)."},
     )
     stablerl_rollout_correction_params: Optional[Union[dict, str]] = field(
         default=None, metadata={"help": "Hyper-parameters of the rollout correction, a dict or a JSON object string, "
@@ -368,8 +369,9 @@ def validate_stablerl_args(args, warn: bool = True) -> tuple[Optional[str], Opti
         hyper, options = split_call_options(as_params(loss_settings(args, loss)))
         build_params(spec, hyper)
         vllm_is = bool(args.use_vllm and args.vllm_importance_sampling_correction)
-        check_call_options(TRL, spec, options, hyper, feedable=TRL.feedable[POLICY_LOSS] - (
-            set() if vllm_is else _LOSS_INPUTS_VLLM_IS))
+        # the rollout correction, by either spelling, is checked once below (check_rollout_correction)
+        check_call_options(TRL, spec, without_rollout_correction(options), hyper,
+                           feedable=TRL.feedable[POLICY_LOSS] - (set() if vllm_is else _LOSS_INPUTS_VLLM_IS))
         if agg not in AGG_MODES:
             raise UnknownNameError(unknown_name_message("stablerl_loss_agg_mode", agg, AGG_MODES))
         check_loss_inputs(loss, bool(args.use_vllm and args.vllm_importance_sampling_correction),
@@ -393,11 +395,38 @@ def validate_stablerl_args(args, warn: bool = True) -> tuple[Optional[str], Opti
     return loss, estimator or None
 
 
-def check_rollout_correction(args, loss: Optional[str]) -> Optional[str]:
-    """``stablerl_rollout_correction``: a registered correction of a stablerl loss, its parameters valid, and
-    TRL's own vLLM importance-sampling correction off (one correction, never two). Returns the name or None."""
+_CORRECTION_OPTIONS = ("rollout_correction", "rollout_correction_params")
+
+
+def without_rollout_correction(options: dict) -> dict:
+    """The call options of ``stablerl_loss_params`` less the rollout correction (which has its own path)."""
+    return {k: v for k, v in options.items() if k not in _CORRECTION_OPTIONS}
+
+
+def rollout_correction_setting(args) -> tuple[Optional[str], dict]:
+    """``(name, params)`` of the stablerl rollout correction: ``stablerl_rollout_correction`` /
+    ``stablerl_rollout_correction_params``, or their alias ``stablerl_loss_params={"rollout_correction": ...,
+    "rollout_correction_params": {...}}`` (the spelling of verl's and OpenRLHF's adapters). Both behave the
+    same; setting the correction (or its params) by both spellings at once is refused."""
     name = getattr(args, "stablerl_rollout_correction", None) or None
     params = _as_dict(getattr(args, "stablerl_rollout_correction_params", None), "stablerl_rollout_correction_params")
+    loss_params = _as_dict(getattr(args, "stablerl_loss_params", None), "stablerl_loss_params")
+    alias = {k: loss_params[k] for k in _CORRECTION_OPTIONS if loss_params.get(k) not in (None, {})}
+    if alias:
+        if name is not None or params:
+            raise StableRLError(
+                f"the rollout correction is set twice: stablerl_rollout_correction(_params) and stablerl_loss_params' "
+                f"{', '.join(sorted(alias))} (an alias of the same setting); keep one")
+        name = alias.get("rollout_correction") or None
+        params = _as_dict(alias.get("rollout_correction_params"), "stablerl_loss_params' rollout_correction_params")
+    return name, params
+
+
+def check_rollout_correction(args, loss: Optional[str]) -> Optional[str]:
+    """The stablerl rollout correction (:func:`rollout_correction_setting`, either spelling): a registered
+    correction of a stablerl loss, its parameters valid, and TRL's own vLLM importance-sampling correction off
+    (one correction, never two). Returns the name or None."""
+    name, params = rollout_correction_setting(args)
     if name is None:
         if params:
             raise StableRLError("stablerl_rollout_correction_params is set but stablerl_rollout_correction is not")
@@ -655,24 +684,23 @@ class GRPOTrainer(_trl.GRPOTrainer):
         self._stablerl_loss, self._stablerl_estimator = validate_stablerl_args(cfg, warn=not isinstance(cfg, GRPOConfig))
         # the effective hyper-parameters (one precedence rule), printed once at start-up with their sources
         self._stablerl_loss_params, self._stablerl_adv_params = {}, {}
-        self._stablerl_call_options: dict = {}  # loss_agg_mode / rollout_correction from stablerl_loss_params
+        self._stablerl_call_options: dict = {}  # loss_agg_mode (+ params) from stablerl_loss_params
         if self._stablerl_loss:
             settings = loss_settings(cfg, self._stablerl_loss)
             log_effective_settings(TRL, stablerl.get_spec(POLICY_LOSS, self._stablerl_loss), settings)
-            self._stablerl_loss_params, self._stablerl_call_options = split_call_options(as_params(settings))
+            self._stablerl_loss_params, options = split_call_options(as_params(settings))
+            self._stablerl_call_options = without_rollout_correction(options)  # the correction: below, either spelling
         if self._stablerl_estimator:
             settings = advantage_settings(cfg, self._stablerl_estimator)
             log_effective_settings(TRL, stablerl.get_spec(ADVANTAGE_ESTIMATOR, self._stablerl_estimator), settings)
             self._stablerl_adv_params = as_params(settings)
         self._stablerl_agg_mode = getattr(cfg, "stablerl_loss_agg_mode", "token-mean")
         self._stablerl_correction = check_rollout_correction(cfg, self._stablerl_loss)
-        self._stablerl_correction_params = {}
+        self._stablerl_correction_params = rollout_correction_setting(cfg)[1]
         if self._stablerl_correction:
             if not (self.use_vllm or self.rollout_func is not None):
                 raise StableRLError(f"stablerl_rollout_correction={self._stablerl_correction!r} needs the rollout "
                                     "engine's sampling log-probs: use_vllm=True or a rollout_func returning logprobs")
-            self._stablerl_correction_params = _as_dict(getattr(cfg, "stablerl_rollout_correction_params", None),
-                                                        "stablerl_rollout_correction_params")
             correction_spec = stablerl.get_spec(ROLLOUT_CORRECTION, self._stablerl_correction)
             log_effective_settings(TRL, correction_spec, effective_hyperparameters(
                 TRL, correction_spec, self._stablerl_correction_params, {}))
@@ -1495,10 +1523,10 @@ class GRPOTrainer(_trl.GRPOTrainer):
             weights.append(self.get_high_entropy_mask(entropies, mask, 1 - self.top_entropy_quantile).to(logps.dtype))
         rollout_log_prob = None
         if use_vllm_is:
-            if "rollout_log_prob" in spec.requires or self._stablerl_call_options.get("rollout_correction"):
-                # the algorithm (or stablerl's rollout correction) corrects for the sampler itself (like TRL's
-                # vespo): give it the sampler's log-probs (NaN = unscored by vLLM -> no mismatch) and do not
-                # apply TRL's ratio on top
+            if "rollout_log_prob" in spec.requires or self._stablerl_correction:
+                # the algorithm corrects for the sampler itself (like TRL's vespo): give it the sampler's
+                # log-probs (NaN = unscored by vLLM -> no mismatch) and do not apply TRL's ratio on top (a
+                # stablerl rollout correction with TRL's on is refused at config time; never both here either)
                 sampling = inputs["sampling_per_token_logps"]
                 rollout_log_prob = torch.where(torch.isnan(sampling), old, sampling)
             else:

@@ -33,22 +33,46 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common as C  # noqa: E402
 
 
-def train(arm: str, precision: str, *, steps: int, seed: int, lr: float, out_dir: Path) -> dict:
+def train(arm: str, precision: str, *, steps: int, seed: int, lr: float, out_dir: Path,
+          completion_length: int = 4) -> dict:
     from stablerl import demo
     from stablerl.demo import mismatch
 
     record: dict = {"step": [], "metrics": {}}
-    args = mismatch.make_config(str(out_dir / f"{arm}-{precision}-s{seed}"), arm, steps=steps, seed=seed, lr=lr)
+    args = mismatch.make_config(str(out_dir / f"{arm}-{precision}-s{seed}"), arm, steps=steps, seed=seed, lr=lr,
+                                max_completion_length=completion_length)
     trainer = mismatch.make_trainer(args, precision, callbacks=[demo._recorder_callback(record, None)], seed=seed)
     t0 = time.perf_counter()
     trainer.train()
     elapsed = time.perf_counter() - t0
-    r = summarize(record, arm=arm, precision=precision, seed=seed, lr=lr, steps=steps, time_s=elapsed)
-    history = mismatch.rollout_of(trainer).history
+    r = summarize(record, arm=arm, precision=precision, seed=seed, lr=lr, steps=steps, time_s=elapsed,
+                  completion_length=completion_length)
+    history = list(mismatch.rollout_of(trainer).history)
+    # after training: the trained policy's own reward (fp32 sampler) next to its rollout engine's
+    r["eval_reward"] = {p: evaluate(trainer.model, p, completion_length=completion_length, seed=seed)
+                        for p in dict.fromkeys(("fp32", precision))}
     r["rollout_mismatch"] = history
     r["mismatch_kl"] = sum(h["kl"] for h in history) / max(1, len(history))
     r["mismatch_out_of_2x"] = sum(h["ratio_out_of_2x"] for h in history) / max(1, len(history))
     return r
+
+
+def evaluate(model, precision: str, *, completion_length: int, seed: int, prompts_per_digit: int = 16) -> float:
+    """Mean copy reward of completions sampled (temperature 1) from ``model`` rounded to ``precision`` (fp32:
+    the trained policy itself), 16 prompts per digit; after training, so it changes no training run."""
+    import torch
+
+    from stablerl import demo
+    from stablerl.demo import mismatch
+
+    tokenizer = demo.build_tokenizer()
+    engine = mismatch.LowPrecisionRollout(model, tokenizer, precision=precision, max_completion_length=completion_length)
+    digits = [d for d in demo.DIGITS for _ in range(prompts_per_digit)]
+    torch.manual_seed(10_000 + seed)
+    _, completions, _, _ = engine.generate([tokenizer(f"copy {d} :")["input_ids"] for d in digits], None, 1)
+    texts = tokenizer.batch_decode(completions, skip_special_tokens=True)
+    rewards = demo.copy_reward(None, texts, digits)
+    return sum(rewards) / len(rewards)
 
 
 def summarize(record: dict, **fields) -> dict:
@@ -74,7 +98,8 @@ def summarize(record: dict, **fields) -> dict:
 
 
 def setting_key(r: dict) -> tuple:
-    return (r["precision"], float(r["lr"]), int(r.get("steps", 0)))
+    """(precision, lr, steps, longest completion): one table section (completions <= 4 tokens: the demo's)."""
+    return (r["precision"], float(r["lr"]), int(r.get("steps", 0)), int(r.get("completion_length", 4)))
 
 
 def write_table(runs: list[dict], config: dict, name: str) -> Path:
@@ -86,10 +111,12 @@ def write_table(runs: list[dict], config: dict, name: str) -> Path:
     settings: dict[tuple, list[dict]] = {}
     for r in runs:
         settings.setdefault(setting_key(r), []).append(r)
-    for (precision, lr, steps), group in settings.items():
-        lines += [f"## rollout {precision}, lr {lr:g}, {steps} steps", "",
-                  "| arm | seeds | final reward per seed | best per seed | failed | final entropy | mismatch KL(roll‖train), run mean | time/run |",
-                  "|---|---|---|---|---|---|---|---|"]
+    for (precision, lr, steps, length), group in settings.items():
+        lines += [f"## rollout {precision}, lr {lr:g}, {steps} steps"
+                  + (f", completions <= {length} tokens" if length != 4 else ""), "",
+                  "| arm | seeds | final reward per seed | best per seed | failed | final entropy | mismatch KL(roll‖train), run mean "
+                  "| after training: trained policy (fp32) / engine reward | time/run |",
+                  "|---|---|---|---|---|---|---|---|---|"]
         arms: dict[str, list[dict]] = {}
         for r in group:
             # runs of the first, seed-0 search (an ad-hoc loop with the same config as arms none / trl_is)
@@ -102,10 +129,13 @@ def write_table(runs: list[dict], config: dict, name: str) -> Path:
             mismatch_cell = (C.fmt(sum(kl) / len(kl)) if kl else
                              f"mean abs Δlog p {sum(trl_abs) / len(trl_abs):.3f}" if trl_abs else "-")
             times = [r["time_s"] for r in rs if r.get("time_s") == r.get("time_s") and r.get("time_s") is not None]
+            evals = [r.get("eval_reward") or {} for r in rs]
+            eval_cell = ", ".join(f"{e['fp32']:.2f} / {e.get(r['precision'], e['fp32']):.2f}" if "fp32" in e else "-"
+                                  for e, r in zip(evals, rs)) if any(evals) else "-"
             lines.append(
                 f"| {arm} | {','.join(str(r['seed']) for r in rs)} | {', '.join(C.fmt(r['final_reward']) for r in rs)} | "
                 f"{', '.join(C.fmt(r['best_reward']) for r in rs)} | {sum(r['failed'] for r in rs)}/{len(rs)} | "
-                f"{', '.join(C.fmt(r['final_entropy']) for r in rs)} | {mismatch_cell} | "
+                f"{', '.join(C.fmt(r['final_entropy']) for r in rs)} | {mismatch_cell} | {eval_cell} | "
                 f"{f'{sum(times) / len(times):.0f}s' if times else '-'} |")
         lines.append("")
     path = C.DOCS / f"{name}.md"
@@ -127,12 +157,15 @@ def plot(runs: list[dict], setting: tuple, arms: list[str], name: str) -> Path:
             for r in group:
                 if r["arm"] == arm and r["seed"] == seed:
                     pts = [(x, y) for x, y in zip(r["steps_logged"], r["reward"]) if y is not None]
-                    ax.plot(*zip(*pts), label=arm, lw=1.2)
+                    ax.plot(*zip(*pts), lw=1.2, color=f"C{arms.index(arm)}")  # one colour per arm on every panel
         ax.set(title=f"seed {seed}", xlabel="step", ylim=(-0.02, 1.02))
         ax.grid(alpha=0.3)
     axes[0][0].set_ylabel("mean reward (rollout engine's samples)")
-    axes[0][-1].legend(fontsize=8)
-    fig.suptitle(f"rollout {setting[0]} weights, fp32 training, lr {setting[1]:g}")
+    from matplotlib.lines import Line2D
+
+    axes[0][0].legend([Line2D([], [], color=f"C{i}") for i in range(len(arms))], arms, fontsize=8)
+    fig.suptitle(f"rollout {setting[0]} weights, fp32 training, lr {setting[1]:g}, {setting[2]} steps"
+                 + (f", completions <= {setting[3]} tokens" if setting[3] != 4 else ""))
     fig.tight_layout()
     path = C.DOCS / f"{name}.png"
     fig.savefig(path, dpi=110)
@@ -149,11 +182,13 @@ def main() -> int:
     ap.add_argument("--seeds", default="0,1,2")
     ap.add_argument("--arms", default=",".join(mismatch.ARMS))
     ap.add_argument("--steps", type=int, default=150)
+    ap.add_argument("--completion-lengths", default="4", help="max_completion_length values (a grid axis)")
     ap.add_argument("--budget-min", type=float, default=60.0)
     ap.add_argument("--out", default=str(C.DOCS), help="directory for the PNG / table / JSON")
     ap.add_argument("--name", default="rollout_mismatch")
     ap.add_argument("--append", action="store_true", help="keep the runs already in <name>.json")
-    ap.add_argument("--plot", default=None, help="PRECISION:LR:STEPS of the plotted setting (default: the last run)")
+    ap.add_argument("--plot", default=None,
+                    help="PRECISION:LR:STEPS[:LENGTH] of the plotted setting (default: the last run)")
     ap.add_argument("--plot-arms", default=None, help="arms in the plot (default: all of that setting)")
     ap.add_argument("--from-json", action="store_true", help="only rewrite the table and plot from <name>.json")
     a = ap.parse_args()
@@ -170,16 +205,17 @@ def main() -> int:
             mismatch.check_precision(s)
         for seed in [int(s) for s in a.seeds.split(",")]:
             for precision in a.precisions.split(","):
-                for lr in [float(x) for x in a.lrs.split(",")]:
+                for lr, length in [(float(x), int(n)) for x in a.lrs.split(",") for n in a.completion_lengths.split(",")]:
                     for arm in arms:
                         if not budget.allows():
-                            skipped.append({"arm": arm, "precision": precision, "lr": lr, "seed": seed})
+                            skipped.append({"arm": arm, "precision": precision, "lr": lr, "seed": seed,
+                                            "completion_length": length})
                             continue
-                        r = train(arm, precision, steps=a.steps, seed=seed, lr=lr, out_dir=tmp)
+                        r = train(arm, precision, steps=a.steps, seed=seed, lr=lr, out_dir=tmp, completion_length=length)
                         runs.append(r)
                         # after every run: a crash or a cut budget keeps what was measured
                         C.write_json(a.name, {"config": {"partial": True}, "runs": runs, "skipped": skipped})
-                        C.log(f"{precision} lr {lr:g} seed {seed} {arm:>8}: final {r['final_reward']:.2f} "
+                        C.log(f"{precision} lr {lr:g} len {length} seed {seed} {arm:>8}: final {r['final_reward']:.2f} "
                               f"best {r['best_reward']:.2f} {'FAILED' if r['failed'] else ''} ({r['time_s']:.0f}s)")
     config = {"task": "copy the digit", "steps": a.steps, "num_iterations": 1, "machine": C.machine(),
               "arms": {k: [v[0], v[1]] for k, v in mismatch.ARMS.items()}}
@@ -187,8 +223,8 @@ def main() -> int:
     write_table(runs, config, a.name)
     if runs:
         if a.plot:
-            p, lr, steps = a.plot.split(":")
-            setting = (p, float(lr), int(steps))
+            p, lr, steps, *length = a.plot.split(":")
+            setting = (p, float(lr), int(steps), int(length[0]) if length else 4)
         else:
             setting = setting_key(runs[-1])
         plot_arms = a.plot_arms.split(",") if a.plot_arms else list(dict.fromkeys(

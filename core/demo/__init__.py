@@ -210,9 +210,11 @@ def _window_mean(values: list, frac: float = 0.1, head: bool = False) -> float:
 
 
 def run_one(loss: str, *, steps: int, seed: int, out_dir: Path, estimator: Optional[str], lr: float,
-            num_iterations: int, progress: bool = True, precision: Optional[str] = None) -> dict:
+            num_iterations: int, progress: bool = True, precision: Optional[str] = None,
+            completion_length: int = 4) -> dict:
     """Train one loss (``basic``), or one arm of the mismatch scenario when ``precision`` is given (``loss``
-    is then the arm's name); return its per-step record and summary."""
+    is then the arm's name); return its per-step record and summary. ``completion_length``: TRL's
+    ``max_completion_length``."""
     from tqdm.auto import tqdm
 
     record: dict[str, Any] = {"step": [], "metrics": {}}
@@ -220,13 +222,14 @@ def run_one(loss: str, *, steps: int, seed: int, out_dir: Path, estimator: Optio
                file=sys.stdout, dynamic_ncols=True)
     if precision is None:
         args = make_config(str(out_dir / "runs" / loss), loss, steps=steps, seed=seed, lr=lr,
-                           num_iterations=num_iterations, estimator=estimator)
+                           num_iterations=num_iterations, estimator=estimator, max_completion_length=completion_length)
         trainer = make_trainer(args, callbacks=[_recorder_callback(record, bar)], seed=seed)
     else:
         from stablerl.demo import mismatch
 
         args = mismatch.make_config(str(out_dir / "runs" / loss), loss, steps=steps, seed=seed, lr=lr,
-                                    num_iterations=num_iterations, advantage_estimator=estimator)
+                                    num_iterations=num_iterations, advantage_estimator=estimator,
+                                    max_completion_length=completion_length)
         trainer = mismatch.make_trainer(args, precision, callbacks=[_recorder_callback(record, bar)], seed=seed)
     start, cpu_start = time.perf_counter(), time.process_time()
     trainer.train()
@@ -306,13 +309,14 @@ def plot(results: dict[str, dict], path: Path, title: str = "copy the digit") ->
 
 
 SCENARIOS = {
-    "mismatch": "training-inference mismatch: rollouts sampled by a 2-bit-quantized copy of the policy through "
-                "TRL's vLLM path, trained in fp32; TRL's default correction vs stablerl's tis vs no correction",
+    "mismatch": "training-inference mismatch: rollouts of up to 16 tokens sampled by a 2-bit-quantized copy of the "
+                "policy through TRL's vLLM path, trained in fp32; TRL's default correction vs stablerl's tis (no "
+                "correction: --arms trl_is,tis,none)",
     "basic": "three policy losses (dapo, m2po, gspo) on copy-the-digit, on-policy fp32; no stability claim",
 }
 DEFAULT_SCENARIO = "mismatch"
 # the basic scenario's defaults (the demo before scenarios existed)
-_BASIC_DEFAULTS = {"steps": DEFAULT_STEPS, "lr": 5e-4, "num_iterations": 2}
+_BASIC_DEFAULTS = {"steps": DEFAULT_STEPS, "lr": 5e-4, "num_iterations": 2, "completion_length": 4}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -341,6 +345,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "scenario's)")
     p.add_argument("--out", default="stablerl-demo", help="output directory (default: %(default)s)")
     p.add_argument("--lr", type=float, default=None, help="learning rate (default: the scenario's)")
+    p.add_argument("--completion-length", type=int, default=None,
+                   help="longest completion in tokens (TRL max_completion_length; default: the scenario's)")
     p.add_argument("--num-iterations", type=int, default=None,
                    help="updates per generated batch (TRL num_iterations; >1 makes the ratio differ from 1) "
                    "(default: the scenario's)")
@@ -356,12 +362,13 @@ def _list_scenarios() -> None:
         print(f"{name}{' (default)' if name == DEFAULT_SCENARIO else ''}: {text}")
         if name == "mismatch":
             d = mismatch.DEMO
-            print(f"    defaults: arms {','.join(d['arms'])}, rollout {d['precision']}, lr {d['lr']}, "
-                  f"{d['steps']} steps, seed {d['seed']}, num_iterations 1")
+            print(f"    defaults: arms {','.join(d['arms'])}, rollout {d['precision']}, completions <= "
+                  f"{d['completion_length']} tokens, lr {d['lr']}, {d['steps']} steps, seed {d['seed']}, "
+                  "num_iterations 1")
             for arm, text in mismatch.ARM_HELP.items():
                 print(f"    arm {arm:<8} {text}")
         else:
-            print(f"    defaults: losses {','.join(DEFAULT_LOSSES)}, lr {_BASIC_DEFAULTS['lr']}, "
+            print(f"    defaults: losses {','.join(DEFAULT_LOSSES)}, completions <= 4 tokens, lr {_BASIC_DEFAULTS['lr']}, "
                   f"{_BASIC_DEFAULTS['steps']} steps, seed 0, num_iterations {_BASIC_DEFAULTS['num_iterations']}")
 
 
@@ -386,15 +393,15 @@ def main(argv: Optional[list[str]] = None) -> int:
             return 2
         defaults = {**_BASIC_DEFAULTS, "seed": 0}
         names = [s.strip() for s in (args.losses or ",".join(DEFAULT_LOSSES)).split(",") if s.strip()]
-    for key in ("steps", "lr", "num_iterations", "seed"):
+    for key in ("steps", "lr", "num_iterations", "seed", "completion_length"):
         if getattr(args, key) is None:
             setattr(args, key, defaults[key])
     precision = (args.precision or defaults["precision"]) if mismatch_scenario else None
     if not names:
         print(f"stablerl demo: --{'arms' if mismatch_scenario else 'losses'} is empty", file=sys.stderr)
         return 2
-    if args.steps < 1:
-        print("stablerl demo: --steps must be >= 1", file=sys.stderr)
+    if args.steps < 1 or args.completion_length < 1:
+        print("stablerl demo: --steps and --completion-length must be >= 1", file=sys.stderr)
         return 2
 
     t0 = time.perf_counter()
@@ -428,16 +435,19 @@ def main(argv: Optional[list[str]] = None) -> int:
             if mismatch_scenario:
                 mismatch.check_precision(precision)
                 mismatch.make_config(str(out / "runs" / name), name, steps=args.steps, seed=args.seed, lr=args.lr,
-                                     num_iterations=args.num_iterations, advantage_estimator=args.estimator)
+                                     num_iterations=args.num_iterations, advantage_estimator=args.estimator,
+                                     max_completion_length=args.completion_length)
             else:
                 make_config(str(out / "runs" / name), name, steps=args.steps, seed=args.seed, lr=args.lr,
-                            num_iterations=args.num_iterations, estimator=args.estimator)
+                            num_iterations=args.num_iterations, estimator=args.estimator,
+                            max_completion_length=args.completion_length)
     except StableRLError as e:
         print(f"stablerl demo: {e}", file=sys.stderr)
         return 2
     what = (f"scenario mismatch: rollouts from {precision} weights through TRL's vLLM path, training in fp32; "
             f"{len(names)} arm(s)" if mismatch_scenario else f"scenario basic: {len(names)} run(s)")
-    print(f"stablerl demo: {what} x {args.steps} steps, 8 prompts x 8 generations, "
+    print(f"stablerl demo: {what} x {args.steps} steps, 8 prompts x 8 generations of <= {args.completion_length} "
+          "tokens, "
           f"lr {args.lr}, num_iterations {args.num_iterations}, estimator {args.estimator or 'TRL (group)'}, "
           f"seed {args.seed}, {torch.get_num_threads()} thread(s); imports took {time.perf_counter() - t0:.1f}s")
 
@@ -445,23 +455,24 @@ def main(argv: Optional[list[str]] = None) -> int:
     for name in names:
         results[name] = run_one(name, steps=args.steps, seed=args.seed, out_dir=out, estimator=args.estimator,
                                 lr=args.lr, num_iterations=args.num_iterations, progress=not args.no_progress,
-                                precision=precision)
+                                precision=precision, completion_length=args.completion_length)
     print()
     print_table(results, label="arm" if mismatch_scenario else "loss_type")
     config = {k: getattr(args, k) for k in ("scenario", "steps", "seed", "estimator", "lr", "num_iterations",
                                             "threads")}
-    config.update(task="copy the digit", prompts_per_step=8, generations=8, max_completion_length=4,
+    config.update(task="copy the digit", prompts_per_step=8, generations=8, max_completion_length=args.completion_length,
                   model="Qwen2 hidden 128, 2 layers, word-level vocab of %d" % len(VOCAB))
     if mismatch_scenario:
         config.update(arms=names, rollout_precision=precision)
         print()
-        for line in mismatch.verdict(results, seed=args.seed, precision=precision, lr=args.lr, steps=args.steps):
+        for line in mismatch.verdict(results, seed=args.seed, precision=precision, lr=args.lr, steps=args.steps,
+                                     completion_length=args.completion_length):
             print(line)
     else:
         config.update(losses=names)
     (out / "results.json").write_text(json.dumps({"config": config, ("arms" if mismatch_scenario else "losses"):
                                                   results}, indent=1))
-    title = (f"rollout {precision} weights, fp32 training (seed {args.seed})" if mismatch_scenario
+    title = (f"{precision} rollout, <= {args.completion_length} tokens, seed {args.seed}" if mismatch_scenario
              else "copy the digit")
     plot(results, out / "curves.png", title=title)
     total = time.perf_counter() - t0

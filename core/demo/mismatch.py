@@ -36,26 +36,39 @@ from typing import Any, Optional
 
 PRECISIONS = ("fp32", "bf16", "fp16", "fp8", "int8", "int4", "int3", "int2",
               "int8-tensor", "int4-tensor", "int3-tensor", "int2-tensor", "fp8-logits")
+# also intN-rowsK (N in 2..8, K >= 1): one absmax scale per block of K output rows, between per-row (K = 1)
+# and per-tensor (K >= the matrix's rows)
+_INT = re.compile(r"int([2-8])(?:-(tensor)|-rows([1-9]\d*))?")
 
 
 def check_precision(precision: str) -> str:
-    if precision not in PRECISIONS:
+    if precision not in PRECISIONS and not _INT.fullmatch(str(precision)):
         from stablerl.params import StableRLError
 
-        raise StableRLError(f"rollout precision {precision!r} is not one of {', '.join(PRECISIONS)}")
+        raise StableRLError(f"rollout precision {precision!r} is not one of {', '.join(PRECISIONS)} "
+                            "(or intN-rowsK: one scale per K output rows)")
     return precision
 
 
 def round_weight(weight, precision: str):
-    """``weight`` rounded to ``precision`` and returned in fp32 (int*: per-output-row absmax scale)."""
+    """``weight`` rounded to ``precision`` and returned in fp32 (intN: symmetric absmax, one scale per output
+    row; ``-tensor``: per matrix; ``-rowsK``: per block of K output rows)."""
     import torch
 
     if precision == "fp8":
         return weight.to(torch.float8_e4m3fn).to(torch.float32)
-    bits = re.fullmatch(r"int(\d)(-tensor)?", precision)
+    bits = _INT.fullmatch(precision)
     if bits:
         levels = 2 ** (int(bits.group(1)) - 1) - 1
-        absmax = weight.abs().amax() if bits.group(2) else weight.abs().amax(dim=-1, keepdim=True)
+        if bits.group(2):
+            absmax = weight.abs().amax()
+        elif bits.group(3):
+            rows = int(bits.group(3))
+            per_row = weight.abs().amax(dim=-1)
+            padded = torch.nn.functional.pad(per_row, (0, (-len(per_row)) % rows))
+            absmax = padded.view(-1, rows).amax(dim=1).repeat_interleave(rows)[:len(per_row)].unsqueeze(-1)
+        else:
+            absmax = weight.abs().amax(dim=-1, keepdim=True)
         scale = absmax.clamp_min(1e-12) / levels
         return (weight / scale).round().clamp(-levels, levels) * scale
     return weight.to(torch.float32)
@@ -250,18 +263,20 @@ def make_trainer(args, precision: str, callbacks=None, seed: int = 0):
 
 # ----------------------------------------------------------------------------- the demo's setting
 
-# `stablerl demo` (scenario "mismatch") runs these; the multi-seed record is docs/stability/rollout_mismatch.md
-DEMO: dict[str, Any] = {"arms": ("trl_is", "tis", "none"), "precision": "int2", "lr": 1e-3, "steps": 150, "seed": 0}
-# final rewards per seed of DEMO's setting (benchmarks/stability/rollout_mismatch.py; every run with its curve
-# in docs/stability/rollout_mismatch.json), for the demo's "other seeds" line
-DEMO_RECORD: dict[str, dict[int, float]] = {
-    "none": {0: 0.964, 1: 0.984, 2: 0.993},
-    "tis": {0: 0.984, 1: 0.881, 2: 0.917},
-    "trl_is": {0: 0.504, 1: 0.566, 2: 0.720},
-    "icepop": {0: 0.893, 1: 0.867, 2: 0.825},
-    "seq_mis": {0: 0.21},
+# `stablerl demo` (scenario "mismatch") runs these; the multi-seed record is docs/stability/rollout_mismatch.md.
+# Completions of up to 16 tokens: a sequence's summed log-ratio is what sequence-level IS sees and what an
+# uncorrected gradient accumulates (the toy's 16 tokens x ~0.15 nats stand for thousands x ~0.001-0.01)
+# two arms by default (the failure and its fix, in about 3 minutes); `--arms trl_is,tis,none` adds no correction
+DEMO: dict[str, Any] = {"arms": ("trl_is", "tis"), "precision": "int2", "lr": 1e-3, "steps": 200,
+                        "completion_length": 16, "seed": 0}
+# (final, best) reward per seed of DEMO's setting, 10%-window means (benchmarks/stability/rollout_mismatch.py;
+# every run with its curve in docs/stability/rollout_mismatch.json; a test checks they match), for the demo's
+# "other seeds" lines
+DEMO_RECORD: dict[str, dict[int, tuple[float, float]]] = {
+    "tis": {0: (0.959, 0.959), 1: (0.965, 0.965), 2: (0.717, 0.907)},
+    "trl_is": {0: (0.1, 0.118), 1: (0.364, 0.377), 2: (0.361, 0.366)},
+    "none": {0: (0.25, 0.383), 1: (0.685, 0.731), 2: (0.493, 0.577)},
 }
-AGREE_GAP = 0.1  # "agrees": the same arm ends higher by at least this much
 
 
 def failed(result: dict) -> bool:
@@ -277,28 +292,51 @@ def failed(result: dict) -> bool:
     return final < 0.5 or final < 0.5 * best
 
 
-def verdict(results: dict[str, dict], *, seed: int, precision: str, lr: float, steps: int) -> list[str]:
-    """Which arms failed on this seed, the gap between the best and the worst arm, and how many of the
-    recorded other seeds of the same setting show the same gap (DEMO_RECORD)."""
+def recorded_failed(final: float, best: float) -> bool:
+    """:func:`failed` on a recorded (final, best) pair."""
+    return final < 0.5 or final < 0.5 * best
+
+
+def verdict(results: dict[str, dict], *, seed: int, precision: str, lr: float, steps: int,
+            completion_length: int = 4) -> list[str]:
+    """Which arms failed on this seed, the gap between the best and the worst arm, and, for the recorded
+    setting (:data:`DEMO`), how many of the other recorded seeds agree: the same arms fail and the same hold
+    (:data:`DEMO_RECORD`, the finals of docs/stability/rollout_mismatch.json)."""
     lines = [f"on seed {seed} (failed = final reward < 0.5 or < half of the run's best):"]
+    verdicts = {arm: failed(r) for arm, r in results.items()}
     for arm, r in results.items():
-        lines.append(f"  {arm:<8} {'FAILED' if failed(r) else 'held  '}  final {r['final_reward']:.2f}  "
+        lines.append(f"  {arm:<8} {'FAILED' if verdicts[arm] else 'held  '}  final {r['final_reward']:.2f}  "
                      f"({ARM_HELP.get(arm, arm)})")
-    if len(results) < 2:
-        return lines
-    ranked = sorted(results, key=lambda a: results[a]["final_reward"])
-    low, high = ranked[0], ranked[-1]
-    gap = results[high]["final_reward"] - results[low]["final_reward"]
-    lines.append(f"largest difference: {high} ends {gap:+.2f} above {low}")
-    default = (precision == DEMO["precision"] and lr == DEMO["lr"] and steps == DEMO["steps"])
-    if not default:
+    if len(results) >= 2:
+        ranked = sorted(results, key=lambda a: results[a]["final_reward"])
+        low, high = ranked[0], ranked[-1]
+        gap = results[high]["final_reward"] - results[low]["final_reward"]
+        lines.append(f"largest difference: {high} ends {gap:+.2f} above {low}")
+    recorded = (precision == DEMO["precision"] and lr == DEMO["lr"] and steps == DEMO["steps"]
+                and completion_length == DEMO["completion_length"])
+    if not recorded:
         lines.append("other seeds: not the recorded setting (see docs/stability/rollout_mismatch.md); run "
                      "benchmarks/stability/rollout_mismatch.py for them")
         return lines
-    others = sorted(set(DEMO_RECORD.get(low, {})) & set(DEMO_RECORD.get(high, {})) - {seed})
-    agree = [s for s in others if DEMO_RECORD[high][s] - DEMO_RECORD[low][s] >= AGREE_GAP]
-    lines.append(f"other seeds: {len(agree)} of {len(others)} recorded ({', '.join(map(str, others)) or 'none'}) also "
-                 f"have {high} >= {AGREE_GAP} above {low} "
-                 f"({', '.join(f'{DEMO_RECORD[high][s]:.2f} vs {DEMO_RECORD[low][s]:.2f}' for s in others)}); "
-                 "every seed: docs/stability/rollout_mismatch.md")
+    arms = [a for a in results if a in DEMO_RECORD]
+    others = sorted(set.intersection(*(set(DEMO_RECORD[a]) for a in arms)) - {seed}) if arms else []
+    if not others:
+        lines.append("other seeds: none recorded for these arms (docs/stability/rollout_mismatch.md)")
+        return lines
+    agree = [s for s in others if all(recorded_failed(*DEMO_RECORD[a][s]) == verdicts[a] for a in arms)]
+    lines.append(f"other seeds: {len(agree)} of {len(others)} recorded ({', '.join(map(str, others))}) agree "
+                 "(the same arms fail, the same hold); their finals:")
+    for a in arms:
+        finals = ", ".join(f"{DEMO_RECORD[a][s][0]:.2f}" for s in others)
+        n_failed = sum(recorded_failed(*DEMO_RECORD[a][s]) for s in others)
+        n_high = sum(DEMO_RECORD[a][s][0] >= 0.9 for s in others)
+        lines.append(f"  {a:<8} {finals}  (failed on {n_failed} of {len(others)}; >= 0.9 on {n_high} of {len(others)})")
+    for a in DEMO_RECORD:
+        if a not in results:  # recorded arms this run left out (e.g. `none` with the default arms)
+            seeds = sorted(DEMO_RECORD[a])
+            n_failed = sum(recorded_failed(*DEMO_RECORD[a][s]) for s in seeds)
+            lines.append(f"  {a:<8} not run here; recorded on seeds {', '.join(map(str, seeds))}: "
+                         f"{', '.join(f'{DEMO_RECORD[a][s][0]:.2f}' for s in seeds)} (failed on {n_failed} of "
+                         f"{len(seeds)}; --arms {','.join(list(results) + [a])})")
+    lines.append("every run and curve: docs/stability/rollout_mismatch.md")
     return lines

@@ -35,20 +35,23 @@ ALGORITHMS = M.matrix_algorithms()
 results = M.Results.fixture(FRAMEWORK)
 
 
-def _trainer(loss=None, estimator=None, params=None, *, rollout=False, mode="token-mean"):
+def _trainer(loss=None, estimator=None, params=None, *, rollout=False, correction_by_trl=True, mode="token-mean",
+             **extra_args):
     """A stablerl ``GRPOTrainer`` without ``__init__``: the attributes ``_compute_loss`` (TRL's and the
-    adapter's) and ``_stablerl_advantages`` read, for one process and GA = 1."""
+    adapter's) and ``_stablerl_advantages`` read, for one process and GA = 1. ``rollout``: vLLM on (its
+    log-probs in the batch), with TRL's IS correction on unless ``correction_by_trl=False``."""
     from trl import GRPOConfig as TRLConfig
 
     from stablerl.adapters.trl import GRPOConfig, GRPOTrainer
-    from stablerl.adapters.trl.trainer import advantage_settings, loss_settings
+    from stablerl.adapters.trl.trainer import (advantage_settings, loss_settings, rollout_correction_setting,
+                                                without_rollout_correction)
     from stablerl.frameworks import as_params, get_framework, split_call_options
     from stablerl.state import StateStore
 
     defaults = {f.name: f.default for f in dataclasses.fields(TRLConfig) if f.default is not dataclasses.MISSING}
     ours = {f.name: f.default for f in dataclasses.fields(GRPOConfig) if f.default is not dataclasses.MISSING}
     args = {**defaults, **ours, "steps_per_generation": 1, "gradient_accumulation_steps": 1, "beta": 0.0,
-            "stablerl_loss_agg_mode": mode}
+            "stablerl_loss_agg_mode": mode, **extra_args}
     params = dict(params or {})
     if params.pop(M.NO_STD_KNOB, False):
         args["scale_rewards"] = "none"
@@ -69,7 +72,7 @@ def _trainer(loss=None, estimator=None, params=None, *, rollout=False, mode="tok
     t.top_entropy_quantile = 1.0
     t.off_policy_mask_threshold = None
     t.use_vllm = rollout  # TRL passes rollout (vLLM) log-probs only with vLLM and its IS correction on
-    t.vllm_importance_sampling_correction = rollout
+    t.vllm_importance_sampling_correction = rollout and correction_by_trl
     t.aux_loss_enabled = False
     t._entropy_bonus_enabled = False
     t.max_completion_length = None
@@ -86,11 +89,11 @@ def _trainer(loss=None, estimator=None, params=None, *, rollout=False, mode="tok
     t._stablerl_spec = stablerl.get_spec(M.POLICY_LOSS, loss) if loss else None
     t._stablerl_estimator = estimator
     # the effective hyper-parameters, as the adapter's __init__ resolves them (one precedence rule)
-    t._stablerl_loss_params, t._stablerl_call_options = (
-        split_call_options(as_params(loss_settings(t.args, loss))) if loss else ({}, {}))
+    t._stablerl_loss_params, options = split_call_options(as_params(loss_settings(t.args, loss))) if loss else ({}, {})
+    t._stablerl_call_options = without_rollout_correction(options)
     t._stablerl_adv_params = as_params(advantage_settings(t.args, estimator)) if estimator else {}
     t._stablerl_agg_mode = mode
-    t._stablerl_correction, t._stablerl_correction_params = None, {}  # stablerl_rollout_correction: off
+    t._stablerl_correction, t._stablerl_correction_params = rollout_correction_setting(t.args)
     t._stablerl_store = StateStore(holds="trainer")  # fresh algorithm state, as the core call has
     t._stablerl_capture = None
     t._rr_router_lp = False
@@ -150,18 +153,20 @@ def test_parity_matrix(monkeypatch, results, kind, name):
 
 
 def test_delta_l_and_rollout_correction_by_stablerl_loss_params(monkeypatch):
-    """stablerl_loss_params={"loss_agg_mode": "delta_l"} / {"rollout_correction": "tis"} reach compute_policy_loss
-    through the adapter's real _compute_loss; with stablerl's correction TRL's own vLLM IS ratio is not applied."""
+    """stablerl_loss_params={"loss_agg_mode": "delta_l"} reaches compute_policy_loss through the adapter's real
+    _compute_loss; the rollout correction gives the same loss by its key (stablerl_rollout_correction) and by
+    its alias ({"rollout_correction": "tis"} in stablerl_loss_params), and TRL's own vLLM IS ratio is not applied."""
     import trl
 
     from stablerl.adapters.trl import GRPOConfig
+    from stablerl.adapters.trl.trainer import rollout_correction_setting
 
     b = M.loss_batch()
     mask = b["response_mask"]
     B, T = mask.shape
 
-    def run(params, rollout):
-        t = _trainer(loss="vanilla", params=params, rollout=rollout)
+    def run(params, rollout, **extra_args):
+        t = _trainer(loss="vanilla", params=params, rollout=rollout, correction_by_trl=False, **extra_args)
         t.loss_type = "stablerl_vanilla"
         t.max_completion_length = T
         leaf = b["log_prob"].clone().requires_grad_(True)
@@ -187,12 +192,26 @@ def test_delta_l_and_rollout_correction_by_stablerl_loss_params(monkeypatch):
     assert abs(float(ref) - float(token_mean)) > 1e-4
     ref, _ = stablerl.compute_policy_loss("vanilla", **common, rollout_log_prob=b["rollout_log_prob"],
                                           rollout_correction="tis", rollout_correction_params={"threshold": 1.5}, ctx=ctx)
-    got = run({"rollout_correction": "tis", "rollout_correction_params": {"threshold": 1.5}}, rollout=True)
-    torch.testing.assert_close(got, ref.to(got.dtype), rtol=1e-6, atol=1e-7)
-    # refused up front: no vLLM log-probs without TRL's IS correction; an unknown aggregation by name
+    by_alias = run({"rollout_correction": "tis", "rollout_correction_params": {"threshold": 1.5}}, rollout=True)
+    by_key = run({}, rollout=True, stablerl_rollout_correction="tis",
+                 stablerl_rollout_correction_params={"threshold": 1.5})
+    torch.testing.assert_close(by_alias, ref.to(by_alias.dtype), rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(by_key, by_alias, rtol=0, atol=0)
+    assert abs(float(ref) - float(token_mean)) > 1e-4  # the correction changed the loss
+    # the same checks for both spellings, up front: TRL's IS on as well (twice), both spellings at once, bad
+    # params, an unknown aggregation by name
     cpu = dict(output_dir="/tmp/stablerl-trl-options", use_cpu=True, report_to="none")
-    with pytest.raises(stablerl.MissingInputError, match=r"rollout_correction='tis' needs input\(s\) trl cannot "
-                                                         r"provide.*vllm_importance_sampling_correction"):
-        GRPOConfig(loss_type="vanilla", stablerl_loss_params={"rollout_correction": "tis"}, **cpu)
+    for spelling in ({"stablerl_loss_params": {"rollout_correction": "tis"}}, {"stablerl_rollout_correction": "tis"}):
+        with pytest.raises(stablerl.StableRLError, match=r"rollout_correction='tis' and TRL's "
+                                                         r"vllm_importance_sampling_correction=True.*twice"):
+            GRPOConfig(loss_type="vanilla", use_vllm=True, vllm_importance_sampling_correction=True, **spelling, **cpu)
+        config = GRPOConfig(loss_type="vanilla", vllm_importance_sampling_correction=False, **spelling, **cpu)
+        assert rollout_correction_setting(config) == ("tis", {})
+    with pytest.raises(stablerl.StableRLError, match=r"threshold"):
+        GRPOConfig(loss_type="vanilla", vllm_importance_sampling_correction=False, stablerl_loss_params={
+            "rollout_correction": "tis", "rollout_correction_params": {"threshold": -1.0}}, **cpu)
+    with pytest.raises(stablerl.StableRLError, match=r"set twice.*alias"):
+        GRPOConfig(loss_type="vanilla", vllm_importance_sampling_correction=False, stablerl_rollout_correction="tis",
+                   stablerl_loss_params={"rollout_correction": "icepop"}, **cpu)
     with pytest.raises(stablerl.StableRLError, match=r"loss_agg_mode.*'delta_ll'"):
         GRPOConfig(loss_type="vanilla", stablerl_loss_params={"loss_agg_mode": "delta_ll"}, **cpu)

@@ -45,8 +45,14 @@ def test_round_weight_grids():
     assert torch.allclose(q.abs().amax(dim=1), w.abs().amax(dim=1))  # the row's absmax is on the grid
     assert len(mismatch.round_weight(w, "int2-tensor").unique()) <= 3
     assert torch.equal(mismatch.round_weight(w, "fp8"), w.to(torch.float8_e4m3fn).float())
-    with pytest.raises(stablerl.StableRLError, match="int5"):
-        mismatch.check_precision("int5")
+    # one scale per block of K rows: K = 1 is per row, K >= the rows is per tensor, in between a block's absmax
+    assert torch.equal(mismatch.round_weight(w, "int2-rows1"), mismatch.round_weight(w, "int2"))
+    assert torch.equal(mismatch.round_weight(w, "int2-rows8"), mismatch.round_weight(w, "int2-tensor"))
+    q = mismatch.round_weight(w, "int3-rows4")
+    assert torch.allclose(q[:4].abs().amax(), w[:4].abs().amax()) and torch.allclose(q[4:].abs().amax(), w[4:].abs().amax())
+    for bad in ("int9", "int2-rows0", "int2-row4"):
+        with pytest.raises(stablerl.StableRLError, match=bad):
+            mismatch.check_precision(bad)
 
 
 @pytest.mark.parametrize("precision,low,high", [("fp32", 0.0, 1e-5), ("int2", 1e-2, 10.0)])
@@ -69,11 +75,15 @@ def test_engine_logprobs_are_the_samplers(precision, low, high):
     assert torch.allclose(torch.tensor([lp[0] for lp in logprobs[0]]), expected, atol=1e-5)
 
 
-def test_stablerl_correction_gets_the_engines_logprobs_in_trl():
+@pytest.mark.parametrize("spelling", ["key", "alias"])
+def test_stablerl_correction_gets_the_engines_logprobs_in_trl(spelling):
     """Through the real TRL trainer (use_vllm=True, engine replaced): the correction's logged k1 KL equals the
-    engine's own measure of the same generation (one micro-batch = the whole generation)."""
+    engine's own measure of the same generation (one micro-batch = the whole generation), whether it is set by
+    stablerl_rollout_correction or by its alias in stablerl_loss_params."""
     record = {"step": [], "metrics": {}}
-    args = mismatch.make_config("/tmp/stablerl-trl-mismatch-test", "tis", steps=2, seed=0, lr=1e-3)
+    overrides = {} if spelling == "key" else {"stablerl_rollout_correction": None,
+                                               "stablerl_loss_params": {"rollout_correction": "tis"}}
+    args = mismatch.make_config("/tmp/stablerl-trl-mismatch-test", "tis", steps=2, seed=0, lr=1e-3, **overrides)
     trainer = mismatch.make_trainer(args, "int2", callbacks=[demo._recorder_callback(record, None)])
     trainer.train()
     engine = mismatch.rollout_of(trainer)
@@ -90,6 +100,7 @@ def test_demo_mismatch_smoke(tmp_path, capsys):
     assert "scenario mismatch" in out and "on seed 0" in out and "other seeds" in out
     results = json.loads((tmp_path / "results.json").read_text())
     assert results["config"]["scenario"] == "mismatch" and list(results["arms"]) == ["none", "tis", "trl_is"]
+    assert results["config"]["max_completion_length"] == mismatch.DEMO["completion_length"]
     arms = results["arms"]
     assert arms["tis"]["stablerl_rollout_correction"] == "tis" and not arms["tis"]["trl_importance_sampling"]
     assert arms["trl_is"]["trl_importance_sampling"] and arms["none"]["stablerl_rollout_correction"] is None
@@ -133,3 +144,34 @@ def test_engine_refuses_sampling_settings_it_does_not_implement():
     args = mismatch.make_config("/tmp/stablerl-trl-mismatch-test", "none", steps=1, seed=0, lr=1e-3, top_p=0.9)
     with pytest.raises(stablerl.StableRLError, match="top_p"):
         mismatch.make_trainer(args, "int4")
+
+
+def test_demo_record_is_the_recorded_json():
+    """The demo's "other seeds" line reads DEMO_RECORD: it must be the benchmark's record of DEMO's setting
+    (docs/stability/rollout_mismatch.json), every recorded arm and seed, finals and bests to 3 decimals."""
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "docs" / "stability" / "rollout_mismatch.json"
+    d = mismatch.DEMO
+    runs = [r for r in json.loads(path.read_text())["runs"]
+            if (r["precision"], r["lr"], r["steps"], r.get("completion_length", 4), r.get("source")) ==
+            (d["precision"], d["lr"], d["steps"], d["completion_length"], None)]
+    record: dict = {}
+    for r in runs:
+        record.setdefault(r["arm"], {})[r["seed"]] = (round(r["final_reward"], 3), round(r["best_reward"], 3))
+    assert record == mismatch.DEMO_RECORD
+    assert set(d["arms"]) <= set(record) and all(len(record[a]) >= 3 for a in d["arms"])
+
+
+def test_verdict_counts_the_other_seeds_that_agree():
+    fail, hold = {"reward": [0.5] * 10 + [0.1] * 10, "final_reward": 0.1}, {"reward": [0.95] * 20, "final_reward": 0.95}
+    d = mismatch.DEMO
+    setting = dict(precision=d["precision"], lr=d["lr"], steps=d["steps"], completion_length=d["completion_length"])
+    lines = mismatch.verdict({"trl_is": fail, "tis": hold}, seed=0, **setting)
+    assert "  trl_is   FAILED  final 0.10" in lines[1] and "  tis      held    final 0.95" in lines[2]
+    others = sorted(set(mismatch.DEMO_RECORD["trl_is"]) & set(mismatch.DEMO_RECORD["tis"]) - {0})
+    agree = [s for s in others if mismatch.recorded_failed(*mismatch.DEMO_RECORD["trl_is"][s])
+             and not mismatch.recorded_failed(*mismatch.DEMO_RECORD["tis"][s])]
+    assert f"other seeds: {len(agree)} of {len(others)} recorded" in "\n".join(lines)
+    lines = mismatch.verdict({"trl_is": fail, "tis": hold}, seed=0, **{**setting, "steps": 3})
+    assert "not the recorded setting" in lines[-1]
