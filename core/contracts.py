@@ -139,6 +139,10 @@ class AlgorithmSpec:
     # function of its hyper-parameters returning that mode ("" when they make it follow the caller).
     # Core then refuses loss_agg_params and warns once when another loss_agg_mode is asked for.
     aggregation: Any = ""
+    # policy losses: an optional fused form of ``fn`` (``stablerl.fused``): the same value and metrics
+    # without an autograd graph and a closed-form backward, returning a FusedLoss (or None when it has
+    # no fused form for this batch); core uses it where safe unless STABLERL_FUSED=0
+    fused: Optional[Callable[..., Any]] = None
     plugin: str = ""  # filled by the registry: which plugin registered it
 
     def fixed_aggregation(self, params: Any = None) -> str:

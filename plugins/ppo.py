@@ -14,7 +14,8 @@ from typing import Optional
 import torch
 
 from stablerl import STABLE, Params, hookimpl
-from stablerl.ops import clamped_log_ratio, masked_mean, masked_sum
+from stablerl.fused import FusedLoss, sign_of
+from stablerl.ops import LOG_RATIO_BOUND, all_within, clamped_log_ratio, masked_mean, masked_sum
 from stablerl.params import check
 
 
@@ -73,6 +74,86 @@ def ppo_clip_terms(ratio, advantages, mask, low: float, high: float, dual_c: Opt
     return torch.where(neg, clip_pg_losses2, clip_pg_losses1), metrics
 
 
+def ppo_clip_fused(ratio, advantages, mask, low: float, high: float, dual_c: Optional[float]):
+    """:func:`ppo_clip_terms` without autograd, for a fused form: the same per-token loss and metrics
+    bit for bit (the metrics' 0/1 counts are exact integer sums either way), and the factor ``F`` in
+    {0, 1/4, 1/2, 1} such that autograd's gradient of the eager loss with respect to ``ratio`` is
+    ``F * (g * -A)`` for an upstream gradient ``g``.
+
+    Autograd's rules reproduced: ``maximum(x, y)`` gives x ``g`` where x > y, ``g/2`` where x == y,
+    0 below (y alike); ``minimum`` mirrored; ``clamp`` passes the gradient on its closed range; the
+    ``where(A < 0, ...)`` picks one branch. ``-A * clamp(r)`` takes ``-A * r`` exactly when ``r`` is in
+    range, so ``F_max = (1 + s + inr) / 2`` with ``s = sign(pg1 - pg2)`` and ``inr`` in {0, 1}. For
+    A >= 0 the dual-clip bound ``|A| c`` is >= 0 >= ``max(pg1, pg2)``, so ``minimum(max(pg1, pg2),
+    |A| c)`` is the eager ``where`` (one select fewer) and its gradient factor ``(1 + sign(|A| c -
+    max))/2`` is 1 there (A = 0 has a zero gradient whatever the factor). Every step is a vectorised
+    float pass (no ``torch.where``, no bool -> float casts)."""
+    neg_adv = -advantages
+    pg_losses1 = neg_adv * ratio
+    clamped = torch.clamp(ratio, 1.0 - low, 1.0 + high)
+    pg_losses2 = neg_adv * clamped
+    clip_pg_losses1 = torch.maximum(pg_losses1, pg_losses2)
+    s12 = sign_of(pg_losses1 - pg_losses2)  # -1: the clipped branch is the larger loss
+    side = sign_of(clamped - ratio)  # +1: ratio below the range, -1: above, 0: in range
+    grad_factor = (s12 + 1.0).add_(1.0 - side.abs()).mul_(0.5)
+    count = mask.sum().clamp(min=1)
+    adv_sign = sign_of(advantages)
+    pos, neg = torch.relu(adv_sign), torch.relu(-adv_sign)  # 0/1 floats: A > 0, A < 0
+
+    def fraction(indicator):  # an exact 0/1 count (a float dot product of 0/1 values below 2**24)
+        if indicator.shape != mask.shape:
+            indicator = indicator.expand_as(mask)
+        return torch.dot(indicator.reshape(-1).to(mask.dtype), mask.reshape(-1)) / count
+
+    metrics = {
+        "pg_clipfrac": fraction(torch.relu(-s12)),
+        "clip_high": fraction(pos * torch.relu(-side)),
+        "clip_low": fraction(neg * torch.relu(side)),
+    }
+    if dual_c is None:
+        metrics["pg_clipfrac_lower"] = torch.zeros((), device=ratio.device)
+        return clip_pg_losses1, metrics, grad_factor
+    pg_losses3 = advantages.abs() * dual_c  # = -A c where A < 0
+    s3 = sign_of(pg_losses3 - clip_pg_losses1)  # -1: the dual clip is active (A < 0 only)
+    metrics["pg_clipfrac_lower"] = fraction(torch.relu(-s3))
+    grad_factor.mul_((s3 + 1.0).mul_(0.5))
+    return torch.minimum(clip_pg_losses1, pg_losses3), metrics, grad_factor
+
+
+def _ratio_backward(grad, neg_adv, ratio_factor):
+    # autograd's order: (g * -A) reaches the ratio, exp's backward multiplies by the ratio; the
+    # factor F (a power of two or 0) is folded into the saved ratio, which is exact
+    return (grad * neg_adv) * ratio_factor
+
+
+def fused_log_ratio(log_prob: torch.Tensor, old_log_prob: torch.Tensor):
+    """:func:`stablerl.ops.clamped_log_ratio`'s value, and the 0/1 factor of its backward (the clamp
+    passes the gradient on ``[-bound, bound]``); None when the clamp is skipped (every log-ratio
+    within the bound, the usual case)."""
+    raw = log_prob - old_log_prob
+    if all_within(raw, -LOG_RATIO_BOUND, LOG_RATIO_BOUND):
+        return raw, None
+    clamped = torch.clamp(raw, -LOG_RATIO_BOUND, LOG_RATIO_BOUND)
+    return clamped, 1.0 - sign_of(clamped - raw).abs()
+
+
+def vanilla_fused(b, p: ClipParams, ctx) -> FusedLoss:
+    """:func:`vanilla_loss` as a fused form: gradient ``(g * -A) * (F r)``, saving ``-A`` and ``F r``."""
+    with torch.no_grad():
+        log_ratio, in_range = fused_log_ratio(b.log_prob, b.old_log_prob)
+        ratio = torch.exp(log_ratio)
+        adv = b.broadcast_advantages
+        pg_losses, metrics, factor = ppo_clip_fused(
+            ratio, adv, b.response_mask, p.clip_ratio_low, p.clip_ratio_high, p.clip_ratio_c)
+        metrics["ppo_kl"] = masked_mean(-log_ratio, b.response_mask)
+        ratio_factor = factor.mul_(ratio)
+        if in_range is not None:
+            ratio_factor.mul_(in_range)
+    # [B, T] advantages are zero on padding (core cleans them), so is the loss
+    return FusedLoss(pg_losses, metrics, _ratio_backward, (-adv, ratio_factor),
+                     zero_padded=b.seq_advantages is None)
+
+
 def vanilla_loss(b, p: ClipParams, ctx):
     log_ratio = clamped_log_ratio(b.log_prob, b.old_log_prob)
     ratio = torch.exp(log_ratio)
@@ -91,6 +172,7 @@ def register_policy_losses(register):
     register(
         name="vanilla",
         fn=vanilla_loss,
+        fused=vanilla_fused,
         params=ClipParams,
         paper="2503.14476",
         title="DAPO: PPO clip with clip-higher (decoupled bounds) and dual clip",

@@ -1,0 +1,118 @@
+"""Fused policy losses: the forward computed without an autograd graph, and a closed-form backward.
+
+A policy loss may register a ``fused`` form next to its eager function (``AlgorithmSpec.fused``).
+It receives the same batch, with ``log_prob`` already cleaned but detached, computes under
+``torch.no_grad`` the same value and metrics as the eager function (the same operations in the same
+order, so the same bits) and returns a :class:`FusedLoss`: the value, the metrics, the tensors its
+backward needs, and the backward itself, the per-token derivative of the loss written out in the
+plugin next to the formula. Core attaches the value to ``log_prob`` through :class:`_Fused`, so the
+rest (IS weights, aggregation) stays ordinary autograd.
+
+Why: an eager PPO-family loss records a graph whose backward is dominated by ``torch.where`` and
+``masked_fill`` (the subgradient bookkeeping of ``maximum``/``minimum``/``clamp``), which are not
+vectorised on CPU, and keeps several fp32 intermediates for backward (for bf16 inputs, fp32 copies
+the caller never asked for). The fused form reads the inputs once in forward, keeps one or two fp32
+per-token factors, and backward is one or two multiplications.
+
+Exactness: each fused backward reproduces autograd's arithmetic on the eager formula, rounding step
+by rounding step: products by a per-token factor in {0, 1/4, 1/2, 1} (autograd's tie splitting in
+``maximum``/``minimum``, the pass/stop of ``clamp``) are exact, so they can be moved to the saved
+factor. The loss, the metrics and the gradient are the eager path's values (tests/test_fused.py);
+the sign of a zero may differ (``-0.0`` where eager gives ``+0.0``), and a gradient below the
+smallest normal float may differ in its last bits (a halving is then not exact).
+
+``STABLERL_FUSED=0`` (or ``compute_policy_loss(..., fused=False)``) switches it off.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+import torch
+from torch.autograd.function import once_differentiable
+
+from .ops import is_functorch_wrapped
+
+FUSED_ENV = "STABLERL_FUSED"
+
+
+@dataclass
+class FusedLoss:
+    """What a fused form returns.
+
+    ``value``: the eager loss, bit for bit (the per-token ``[B, T]`` loss for a per-token loss, the
+    scalar for a scalar one). ``backward(grad, *saved)``: the gradient with respect to the cleaned,
+    compute-dtype ``log_prob`` (zero or ``-0.0`` on padding) given the gradient of ``value``.
+    ``saved``: the tensors ``backward`` reads (kept by autograd until backward, and counted as such).
+    ``zero_padded``: ``value`` is finite and exactly zero on padding, so core's aggregation may skip
+    the mask product (``stablerl.ops.aggregate(zero_padded=True)``: the same sums bit for bit)."""
+
+    value: torch.Tensor
+    metrics: dict
+    backward: Callable[..., torch.Tensor]
+    saved: tuple = field(default_factory=tuple)
+    zero_padded: bool = False
+
+
+def fused_requested(fused: Optional[bool]) -> bool:
+    """The switch: the keyword when given, else ``STABLERL_FUSED`` (on unless ``0``/``false``)."""
+    if fused is None:
+        return os.environ.get(FUSED_ENV, "1") not in ("0", "false", "False", "off")
+    return bool(fused)
+
+
+def has_forward_tangent(t: torch.Tensor) -> bool:
+    """Whether ``t`` carries a forward-mode AD tangent (``torch.autograd.forward_ad``)."""
+    try:
+        from torch.autograd import forward_ad
+
+        return forward_ad.unpack_dual(t).tangent is not None
+    except Exception:  # noqa: BLE001 - no dual level active
+        return False
+
+
+def fusable(log_prob: torch.Tensor) -> bool:
+    """Where a fused form is safe: reverse-mode autograd on a plain tensor (no ``torch.func``
+    transform, no forward-mode tangent; the fused backward is not differentiable again, and says
+    so if asked)."""
+    return (
+        log_prob.requires_grad
+        and torch.is_grad_enabled()
+        and not is_functorch_wrapped(log_prob)
+        and not has_forward_tangent(log_prob)
+    )
+
+
+class _Fused(torch.autograd.Function):
+    """``value`` as a function of ``log_prob`` with the fused form's backward; the gradient is cast
+    to ``log_prob``'s dtype (what autograd does for the eager path's upcast)."""
+
+    @staticmethod
+    def forward(fctx, log_prob: torch.Tensor, fused: FusedLoss) -> torch.Tensor:
+        fctx.backward_fn = fused.backward
+        fctx.dtype = log_prob.dtype
+        fctx.save_for_backward(*fused.saved)
+        return fused.value
+
+    @staticmethod
+    @once_differentiable
+    def backward(fctx, grad: torch.Tensor):
+        g = fctx.backward_fn(grad, *fctx.saved_tensors)
+        return (g if g.dtype == fctx.dtype else g.to(fctx.dtype)), None
+
+
+def attach(log_prob: torch.Tensor, fused: FusedLoss) -> torch.Tensor:
+    """``fused.value`` with gradient flowing to ``log_prob`` through ``fused.backward``."""
+    return _Fused.apply(log_prob, fused)
+
+
+def sign_of(x: torch.Tensor) -> torch.Tensor:
+    """``torch.sign(x)`` for float ``x`` (-1, 0 or 1; NaN stays NaN; ``-0.0`` stays ``-0.0``) in three
+    vectorised passes: the smallest subnormal times two factors of the largest power of two reaches
+    1, and the clamp saturates. ``torch.sign`` itself is several times slower on CPU."""
+    big = 2.0**127 if x.dtype == torch.float32 else 2.0**1023 if x.dtype == torch.float64 else None
+    if big is None:
+        return torch.sign(x)
+    return torch.clamp(x * big * big, -1.0, 1.0)
