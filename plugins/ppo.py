@@ -14,7 +14,7 @@ from typing import Optional
 import torch
 
 from stablerl import STABLE, Params, hookimpl
-from stablerl.fused import FusedLoss, sign_of
+from stablerl.fused import FusedLoss, sign_of, sign_of_
 from stablerl.ops import LOG_RATIO_BOUND, all_within, clamped_log_ratio, masked_mean, masked_sum
 from stablerl.params import check
 
@@ -76,48 +76,54 @@ def ppo_clip_terms(ratio, advantages, mask, low: float, high: float, dual_c: Opt
 
 def ppo_clip_fused(ratio, advantages, mask, low: float, high: float, dual_c: Optional[float]):
     """:func:`ppo_clip_terms` without autograd, for a fused form: the same per-token loss and metrics
-    bit for bit (the metrics' 0/1 counts are exact integer sums either way), and the factor ``F`` in
+    (the metrics' 0/1 counts are exact integer sums either way), ``-A``, and the factor ``F`` in
     {0, 1/4, 1/2, 1} such that autograd's gradient of the eager loss with respect to ``ratio`` is
-    ``F * (g * -A)`` for an upstream gradient ``g``.
+    ``F * (g * -A)`` for an upstream gradient ``g``. Returns ``(loss, metrics, -A, F)``.
 
     Autograd's rules reproduced: ``maximum(x, y)`` gives x ``g`` where x > y, ``g/2`` where x == y,
     0 below (y alike); ``minimum`` mirrored; ``clamp`` passes the gradient on its closed range; the
-    ``where(A < 0, ...)`` picks one branch. ``-A * clamp(r)`` takes ``-A * r`` exactly when ``r`` is in
+    ``where(A < 0, ...)`` picks one branch. ``-A * clamp(r)`` equals ``-A * r`` when ``r`` is in
     range, so ``F_max = (1 + s + inr) / 2`` with ``s = sign(pg1 - pg2)`` and ``inr`` in {0, 1}. For
     A >= 0 the dual-clip bound ``|A| c`` is >= 0 >= ``max(pg1, pg2)``, so ``minimum(max(pg1, pg2),
-    |A| c)`` is the eager ``where`` (one select fewer) and its gradient factor ``(1 + sign(|A| c -
-    max))/2`` is 1 there (A = 0 has a zero gradient whatever the factor). Every step is a vectorised
-    float pass (no ``torch.where``, no bool -> float casts)."""
+    |A| c)`` is the eager ``where`` (one select fewer) and its factor ``(1 + sign(|A| c - max))/2``
+    is 1 there (A = 0 has a zero gradient whatever the factor). Every step is a vectorised float
+    pass, in place where the operand is a temporary (no ``torch.where``, no bool -> float casts, few
+    fresh [B, T] allocations)."""
     neg_adv = -advantages
     pg_losses1 = neg_adv * ratio
     clamped = torch.clamp(ratio, 1.0 - low, 1.0 + high)
-    pg_losses2 = neg_adv * clamped
-    clip_pg_losses1 = torch.maximum(pg_losses1, pg_losses2)
-    s12 = sign_of(pg_losses1 - pg_losses2)  # -1: the clipped branch is the larger loss
-    side = sign_of(clamped - ratio)  # +1: ratio below the range, -1: above, 0: in range
-    grad_factor = (s12 + 1.0).add_(1.0 - side.abs()).mul_(0.5)
+    side = sign_of_(clamped - ratio)  # +1: ratio below the range, -1: above, 0: in range
+    pg_losses2 = clamped.mul_(neg_adv) if clamped.shape == torch.broadcast_shapes(clamped.shape, neg_adv.shape) \
+        else clamped * neg_adv
+    s12 = sign_of_(pg_losses1 - pg_losses2)  # -1: the clipped branch is the larger loss
+    clip_pg_losses1 = torch.maximum(pg_losses1, pg_losses2, out=pg_losses1)
     count = mask.sum().clamp(min=1)
-    adv_sign = sign_of(advantages)
-    pos, neg = torch.relu(adv_sign), torch.relu(-adv_sign)  # 0/1 floats: A > 0, A < 0
+    flat_mask = mask.reshape(-1)
 
-    def fraction(indicator):  # an exact 0/1 count (a float dot product of 0/1 values below 2**24)
+    def negative_count(indicator):  # minus the number of -1 entries of a {-1, 0} tensor on valid tokens
         if indicator.shape != mask.shape:
             indicator = indicator.expand_as(mask)
-        return torch.dot(indicator.reshape(-1).to(mask.dtype), mask.reshape(-1)) / count
+        # an exact count: a float dot product of 0/-1 values (exact below 2**24 tokens)
+        return torch.dot(indicator.reshape(-1).to(mask.dtype), flat_mask)
 
+    adv_sign = sign_of_(advantages * 1.0)
     metrics = {
-        "pg_clipfrac": fraction(torch.relu(-s12)),
-        "clip_high": fraction(pos * torch.relu(-side)),
-        "clip_low": fraction(neg * torch.relu(side)),
+        "pg_clipfrac": negative_count(torch.clamp(s12, max=0.0)) / -count,
+        # A > 0 and ratio above the range: relu(sign A) * side == -1
+        "clip_high": negative_count((torch.relu(adv_sign) * side).clamp_(max=0.0)) / -count,
+        # A < 0 and ratio below the range: min(sign A, 0) * side == -1
+        "clip_low": negative_count((torch.clamp(adv_sign, max=0.0) * side).clamp_(max=0.0)) / -count,
     }
+    grad_factor = s12.add_(1.0).add_(1.0).sub_(side.abs_()).mul_(0.5)
     if dual_c is None:
         metrics["pg_clipfrac_lower"] = torch.zeros((), device=ratio.device)
-        return clip_pg_losses1, metrics, grad_factor
-    pg_losses3 = advantages.abs() * dual_c  # = -A c where A < 0
-    s3 = sign_of(pg_losses3 - clip_pg_losses1)  # -1: the dual clip is active (A < 0 only)
-    metrics["pg_clipfrac_lower"] = fraction(torch.relu(-s3))
-    grad_factor.mul_((s3 + 1.0).mul_(0.5))
-    return torch.minimum(clip_pg_losses1, pg_losses3), metrics, grad_factor
+        return clip_pg_losses1, metrics, neg_adv, grad_factor
+    pg_losses3 = advantages.abs().mul_(dual_c)  # = -A c where A < 0
+    s3 = sign_of_(pg_losses3 - clip_pg_losses1)  # -1: the dual clip is active (A < 0 only)
+    metrics["pg_clipfrac_lower"] = negative_count(torch.clamp(s3, max=0.0)) / -count
+    grad_factor.mul_(s3.add_(1.0).mul_(0.5))
+    out = pg_losses3 if pg_losses3.shape == clip_pg_losses1.shape else None
+    return torch.minimum(clip_pg_losses1, pg_losses3, out=out), metrics, neg_adv, grad_factor
 
 
 def _ratio_backward(grad, neg_adv, ratio_factor):
@@ -134,7 +140,7 @@ def fused_log_ratio(log_prob: torch.Tensor, old_log_prob: torch.Tensor):
     if all_within(raw, -LOG_RATIO_BOUND, LOG_RATIO_BOUND):
         return raw, None
     clamped = torch.clamp(raw, -LOG_RATIO_BOUND, LOG_RATIO_BOUND)
-    return clamped, 1.0 - sign_of(clamped - raw).abs()
+    return clamped, sign_of_(clamped - raw).abs_().neg_().add_(1.0)
 
 
 def vanilla_fused(b, p: ClipParams, ctx) -> FusedLoss:
@@ -143,14 +149,14 @@ def vanilla_fused(b, p: ClipParams, ctx) -> FusedLoss:
         log_ratio, in_range = fused_log_ratio(b.log_prob, b.old_log_prob)
         ratio = torch.exp(log_ratio)
         adv = b.broadcast_advantages
-        pg_losses, metrics, factor = ppo_clip_fused(
+        pg_losses, metrics, neg_adv, factor = ppo_clip_fused(
             ratio, adv, b.response_mask, p.clip_ratio_low, p.clip_ratio_high, p.clip_ratio_c)
         metrics["ppo_kl"] = masked_mean(-log_ratio, b.response_mask)
         ratio_factor = factor.mul_(ratio)
         if in_range is not None:
             ratio_factor.mul_(in_range)
     # [B, T] advantages are zero on padding (core cleans them), so is the loss
-    return FusedLoss(pg_losses, metrics, _ratio_backward, (-adv, ratio_factor),
+    return FusedLoss(pg_losses, metrics, _ratio_backward, (neg_adv, ratio_factor),
                      zero_padded=b.seq_advantages is None)
 
 
