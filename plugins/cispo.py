@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from stablerl import STABLE, Params, hookimpl
+from stablerl.fused import FusedLoss
 from stablerl.ops import clamped_log_ratio, masked_sum
 from stablerl.params import check
 
@@ -31,6 +32,23 @@ class CISPOParams(Params):
 
 
 def cispo_loss(b, p: CISPOParams, ctx):
+    weighted_adv, metrics = _weighted_advantages(b, p)
+    # = -weight * A * lp bit for bit (negation is exact); -A is [B, 1] for sequence-level advantages
+    return weighted_adv * b.log_prob, metrics
+
+
+def cispo_fused(b, p: CISPOParams, ctx):
+    """:func:`cispo_loss` as a fused form: the gradient of ``(w * -A) * lp`` is ``g * (w * -A)``."""
+    with torch.no_grad():
+        weighted_adv, metrics = _weighted_advantages(b, p)
+        pg_losses = weighted_adv * b.log_prob
+    # [B, T] advantages are zero on padding (core cleans them): so are w * -A, the loss and its
+    # gradient; [B, 1] ones are not, and the aggregation's mask product stops the gradient there
+    return FusedLoss(pg_losses, metrics, torch.mul, (weighted_adv,), zero_padded=b.seq_advantages is None)
+
+
+def _weighted_advantages(b, p: CISPOParams):
+    """``sg(w) * -A`` and the metrics."""
     mask = b.response_mask
     # sequence-level advantages stay [B, 1] and broadcast (core's aggregation masks the padding)
     adv = b.broadcast_advantages
@@ -60,9 +78,7 @@ def cispo_loss(b, p: CISPOParams, ctx):
             # = masked_mean(-log_ratio, mask); 0.0 - s (not -s) so an empty sum stays +0.0
             "ppo_kl": (0.0 - masked_sum(log_ratio, mask)) / count,
         }
-    # = -weight * A * lp bit for bit (negation is exact); -A is [B, 1] for sequence-level advantages
-    pg_losses = weight * -adv * b.log_prob
-    return pg_losses, metrics
+    return weight * -adv, metrics
 
 
 @hookimpl
@@ -70,6 +86,7 @@ def register_policy_losses(register):
     register(
         name="cispo",
         fn=cispo_loss,
+        fused=cispo_fused,
         params=CISPOParams,
         paper="2506.13585",
         title="CISPO: clipped, detached IS weight times the REINFORCE log-prob gradient (MiniMax-M1)",

@@ -126,7 +126,7 @@ def ppo_clip_fused(ratio, advantages, mask, low: float, high: float, dual_c: Opt
     return torch.minimum(clip_pg_losses1, pg_losses3, out=out), metrics, neg_adv, grad_factor
 
 
-def _ratio_backward(grad, neg_adv, ratio_factor):
+def ratio_backward(grad, neg_adv, ratio_factor):
     # autograd's order: (g * -A) reaches the ratio, exp's backward multiplies by the ratio; the
     # factor F (a power of two or 0) is folded into the saved ratio, which is exact
     return (grad * neg_adv) * ratio_factor
@@ -156,7 +156,7 @@ def vanilla_fused(b, p: ClipParams, ctx) -> FusedLoss:
         if in_range is not None:
             ratio_factor.mul_(in_range)
     # [B, T] advantages are zero on padding (core cleans them), so is the loss
-    return FusedLoss(pg_losses, metrics, _ratio_backward, (neg_adv, ratio_factor),
+    return FusedLoss(pg_losses, metrics, ratio_backward, (neg_adv, ratio_factor),
                      zero_padded=b.seq_advantages is None)
 
 
