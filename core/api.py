@@ -284,7 +284,7 @@ def compute_policy_loss(
         if hidden.dim() != 3 or tuple(hidden.shape[:2]) != tuple(shape):
             raise StableRLError(f"hidden_states must have shape [B, T, H] with [B, T] = {tuple(shape)}, got {tuple(hidden.shape)}")
 
-    from .fused import attach, fusable, fused_requested
+    from .fused import FusedInputs, attach, fusable, fused_requested
 
     fused_form = spec.fused if spec.fused is not None and fused_requested(fused) and fusable(log_prob) else None
 
@@ -373,10 +373,15 @@ def compute_policy_loss(
         if correction is not None:
             weights, correction_metrics = correction.fn(batch, correction_params, ctx)
             batch.is_weights = weights.detach()
-        fused_out = fused_form(batch, params, ctx) if fused_form is not None else None
+        fused_out = None
+        if fused_form is not None:
+            batch.fused_inputs = FusedInputs(lp.detach(), old_log_prob.detach(), advantages.detach(), valid)
+            fused_out = fused_form(batch, params, ctx)
         zero_padded = False
         if fused_out is not None:
             out, metrics = attach(lp, fused_out), fused_out.metrics
+            if fused_out.then is not None:
+                out = fused_out.then(out)
             zero_padded = fused_out.zero_padded and loss_agg_mode in AGG_MODES
         else:
             if fused_form is not None:  # no fused form for this batch: the eager path, with lp's gradient

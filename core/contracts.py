@@ -218,6 +218,9 @@ class PolicyLossBatch:
     # per-token loss formed with it is nonzero there, which core's aggregation masks (a loss that
     # aggregates itself must pass the mask product, not ``zero_padded=True``).
     seq_advantages: Optional[torch.Tensor] = None
+    # the caller's tensors (stablerl.fused.FusedInputs), set by core for a fused form only: its
+    # backward may recompute a factor from them instead of keeping it
+    fused_inputs: Any = None
     # bool [B, T], True where response_mask is 1: the mask core's aggregation keeps for backward, so a
     # loss that masks with it adds no mask of its own (set by core; None when a batch is built by hand).
     # It may be the caller's own tensor: never modify it in place; a batch copied with another

@@ -47,13 +47,18 @@ class FusedLoss:
     compute-dtype ``log_prob`` (zero or ``-0.0`` on padding) given the gradient of ``value``.
     ``saved``: the tensors ``backward`` reads (kept by autograd until backward, and counted as such).
     ``zero_padded``: ``value`` is finite and exactly zero on padding, so core's aggregation may skip
-    the mask product (``stablerl.ops.aggregate(zero_padded=True)``: the same sums bit for bit)."""
+    the mask product (``stablerl.ops.aggregate(zero_padded=True)``: the same sums bit for bit).
+    ``then``: for a scalar-output loss, the rest of its computation (e.g. its aggregation) from the
+    attached per-token value, run with autograd."""
 
     value: torch.Tensor
     metrics: dict
     backward: Callable[..., torch.Tensor]
     saved: tuple = field(default_factory=tuple)
     zero_padded: bool = False
+    # scalar-output losses: the rest of the loss (its own aggregation), applied by core to the
+    # attached value with ordinary autograd
+    then: Optional[Callable[[torch.Tensor], torch.Tensor]] = None
 
 
 def fused_requested(fused: Optional[bool]) -> bool:
@@ -124,3 +129,29 @@ def sign_of_(x: torch.Tensor) -> torch.Tensor:
     if big is None:
         return torch.sign(x, out=x)
     return x.mul_(big).mul_(big).clamp_(-1.0, 1.0)
+
+
+@dataclass
+class FusedInputs:
+    """The caller's tensors, for a fused form whose backward recomputes a factor from them instead of
+    keeping it (they are alive anyway: nothing is added to what backward holds). ``clean(t)`` is
+    core's clean-up of an input (fp32 for half precision, +0.0 on padding), value for value."""
+
+    log_prob: torch.Tensor
+    old_log_prob: torch.Tensor
+    advantages: torch.Tensor
+    valid: torch.Tensor  # bool [B, T]
+
+    def clean(self, t: torch.Tensor, valid: Optional[torch.Tensor] = None) -> torch.Tensor:
+        return clean_input(t, self.valid if valid is None else valid)
+
+
+def clean_input(t: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """``torch.where(valid, t, +0.0)`` in the compute dtype (fp32 for half precision), as core's
+    clean-up computes it (through the integer bit pattern on CPU, which gives the same bits)."""
+    t = t.float() if t.dtype in (torch.float16, torch.bfloat16) else t
+    int_type = {torch.float32: torch.int32, torch.float64: torch.int64}.get(t.dtype)
+    if int_type is None or t.device.type != "cpu":
+        return torch.where(valid, t, torch.zeros((), dtype=t.dtype, device=t.device))
+    bits = valid.view(torch.uint8).to(int_type).neg_()
+    return (t.view(int_type) & bits).view(t.dtype)
