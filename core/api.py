@@ -307,6 +307,7 @@ def compute_policy_loss(
             # so neither the loss nor its gradient can pick up a NaN from a masked position
             if t is None:
                 return None
+            source = t
             t = _as_compute_dtype(t.detach() if detach else t)
             int_type = _SAME_WIDTH_INT.get(t.dtype)
             if int_type is None or t.numel() < _BIT_PATH_MIN_NUMEL or t.device.type != "cpu":  # e.g. integer advantages
@@ -316,6 +317,10 @@ def compute_policy_loss(
                 bits = bit_masks[int_type] = valid.view(torch.uint8).to(int_type).neg_()
             if not detach:  # log_prob: may carry a gradient, a forward-mode tangent or a torch.func wrapper
                 return _ZeroPadding.apply(t, valid, bits)
+            if t is not source.detach() and t.data_ptr() != source.data_ptr() and not is_functorch_wrapped(t):
+                # a fresh upcast copy (half precision in): zero its padding in place, no second [B, T] tensor
+                t.view(int_type).bitwise_and_(bits)
+                return t
             return _zero_padding_bits(t, bits)
 
         # sequence-level advantages ([B], or [B, T] expanded along T) for a loss that opted in: a cleaned

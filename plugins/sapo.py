@@ -131,14 +131,16 @@ def sapo_fused(b, p: SAPOParams, ctx):
     adv = b.broadcast_advantages
     with torch.no_grad():
         log_ratio, in_range = fused_log_ratio(b.log_prob, b.old_log_prob)
-        ratio = torch.exp(log_ratio)
-        tau = _temperatures(adv, p.tau_pos, p.tau_neg, ratio.dtype)
-        s = torch.sigmoid(tau * (ratio - 1.0))
-        four_over_tau = 4.0 / tau
-        pg_losses = (s * four_over_tau).mul_(-adv)
-        if in_range is not None:
-            ratio = ratio * in_range  # the clamp's pass factor (0/1), exact; applied last in backward
         metrics = _sapo_metrics(log_ratio, mask)
+        # in place on temporaries: each fresh [B, T] tensor costs its page faults on CPU
+        ratio = torch.exp(log_ratio, out=log_ratio) if in_range is None else torch.exp(log_ratio)
+        tau = _temperatures(adv, p.tau_pos, p.tau_neg, ratio.dtype)
+        s = torch.sub(ratio, 1.0).mul_(tau).sigmoid_()  # = sigmoid(tau * (r - 1)) (the product commutes)
+        four_over_tau = 4.0 / tau
+        gate = four_over_tau.mul_(s) if four_over_tau.shape == s.shape else s * four_over_tau
+        pg_losses = gate.mul_(-adv)  # = (s * (4 / tau)) * -A
+        if in_range is not None:
+            ratio = ratio.mul_(in_range)  # the clamp's pass factor (0/1), exact; applied last in backward
     taus = (p.tau_pos, p.tau_neg)
     half = b.fused_inputs is not None and b.fused_inputs.log_prob.dtype in (torch.float16, torch.bfloat16)
     if per_row or not half:  # keep -A (fp32: 12 bytes a token, verl's sapo keeps 20)
