@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from stablerl import STABLE, Params, hookimpl
+from stablerl.fused import FusedLoss, sign_of_
 from stablerl.ops import LOG_RATIO_BOUND, aggregate, all_within, masked_sum, seq_mean
 from stablerl.params import check
 
@@ -33,26 +34,30 @@ class GMPOParams(Params):
 
 
 def gmpo_loss(b, p: GMPOParams, ctx):
-    mask = b.response_mask
-    # a bool mask gives the same sums (x * True = x, integer counts), and autograd keeps 1 byte
-    # per token for backward instead of a 4-byte float mask
-    valid = b.bool_mask
-    adv = b.advantages
     log_ratio = b.log_prob - b.old_log_prob
     # = clamped_log_ratio(lp, lp_old); within the bound the clamp is the identity (value and gradient) and
     # is skipped, which also spares its backward (two comparisons and a select over [B, T])
     within = all_within(log_ratio, -LOG_RATIO_BOUND, LOG_RATIO_BOUND)
     d = log_ratio if within else torch.clamp(log_ratio, -LOG_RATIO_BOUND, LOG_RATIO_BOUND)
-    sign = torch.sign(adv)
+    sign = torch.sign(b.advantages)
     # with bounds inside +-20, clamping the raw log-ratio gives the same values and gradient as
     # clamping d, and autograd then keeps one saved log-ratio for both clamps instead of two
     inner = log_ratio if max(p.clip_ratio_low, p.clip_ratio_high) <= LOG_RATIO_BOUND else d
     d_clamped = torch.clamp(inner, -p.clip_ratio_low, p.clip_ratio_high)
     d_eff = sign * torch.minimum(sign * d, sign * d_clamped)
+    return _sequence_loss(b, d_eff, ctx), _gmpo_metrics(b, p, d.detach(), d_clamped.detach())
+
+
+def _sequence_loss(b, d_eff, ctx):
+    """From the clipped token log-ratios ``d_eff`` to the loss (with autograd through ``d_eff``)."""
+    mask = b.response_mask
+    # a bool mask gives the same sums (x * True = x, integer counts), and autograd keeps 1 byte
+    # per token for backward instead of a 4-byte float mask
+    valid = b.bool_mask
     # seq_mean(x, valid) with the row lengths counted once (same values)
     lengths = mask.sum(-1).clamp(min=1)
     ratio = torch.exp(masked_sum(d_eff, valid, dim=-1) / lengths)  # [B] geometric mean of the clipped token ratios
-    seq_adv = masked_sum(adv, valid, dim=-1) / lengths  # sequence-level advantage (0 for an all-masked row)
+    seq_adv = masked_sum(b.advantages, valid, dim=-1) / lengths  # sequence-level advantage (0 for an all-masked row)
     seq_loss = -seq_adv * ratio
     if b.is_weights is not None:
         # per-sequence geometric mean of the framework's token IS weights (verl's convention)
@@ -60,16 +65,18 @@ def gmpo_loss(b, p: GMPOParams, ctx):
     # sequence mean over the (global) number of sequences (seq_count from ctx; by default the rows
     # with a valid token): the per-sequence loss aggregated as a one-token "sequence" each
     has_tokens = (mask.sum(-1, keepdim=True) > 0).to(seq_loss.dtype)
-    loss = aggregate(seq_loss.unsqueeze(-1), has_tokens, "seq-mean-token-sum", ctx)
+    return aggregate(seq_loss.unsqueeze(-1), has_tokens, "seq-mean-token-sum", ctx)
 
+
+def _gmpo_metrics(b, p: GMPOParams, d_det, d_clamped):
+    mask, adv = b.response_mask, b.advantages
     with torch.no_grad():
-        d_det = d.detach()
         count = mask.sum().clamp(min=1)  # one token count shared by every metric
-        clipped = d_det != d_clamped.detach()
+        clipped = d_det != d_clamped
         pos, neg = adv > 0, adv < 0
         # bool conditions enter the masked sums as uint8 views: the same 0/1 factors as a float
         # cast (same sums), several times faster on CPU
-        metrics = {
+        return {
             # verl's definitions: any token outside the log band, split by the sign of A
             "pg_clipfrac": masked_sum((clipped & pos).view(torch.uint8), mask) / count,
             "pg_clipfrac_lower": masked_sum((clipped & neg).view(torch.uint8), mask) / count,
@@ -79,7 +86,36 @@ def gmpo_loss(b, p: GMPOParams, ctx):
             # = masked_mean(-d, mask); 0.0 - s (not -s) so an empty sum stays +0.0
             "ppo_kl": (0.0 - masked_sum(d_det, mask)) / count,
         }
-    return loss, metrics
+
+
+def gmpo_fused(b, p: GMPOParams, ctx):
+    """:func:`gmpo_loss` as a fused form around the clipped token log-ratio ``d_eff = sA min(sA d,
+    sA clamp(d))`` (the sequence sum, exp and aggregation after it stay autograd, on [B] tensors).
+    Autograd gives ``d`` the gradient of ``d_eff`` times ``F = sA^2 (M_a + M_c inr)``: ``M`` are
+    ``minimum``'s shares (1, 1/2 on a tie, 0) and ``inr`` the clamp's pass factor, all exact, so the
+    backward is one product with the saved ``F`` (4 bytes a token)."""
+    with torch.no_grad():
+        log_ratio = b.log_prob - b.old_log_prob
+        within = all_within(log_ratio, -LOG_RATIO_BOUND, LOG_RATIO_BOUND)
+        d = log_ratio if within else torch.clamp(log_ratio, -LOG_RATIO_BOUND, LOG_RATIO_BOUND)
+        sign = sign_of_(b.advantages * 1.0)  # torch.sign's values (a zero's sign aside), faster
+        inner_is_d = max(p.clip_ratio_low, p.clip_ratio_high) > LOG_RATIO_BOUND
+        inner = d if inner_is_d else log_ratio
+        d_clamped = torch.clamp(inner, -p.clip_ratio_low, p.clip_ratio_high)
+        a, c = sign * d, sign * d_clamped
+        d_eff = sign * torch.minimum(a, c)
+        share_a = sign_of_(c - a).add_(1.0).mul_(0.5)  # minimum's share for a: 1 where a < c, 1/2 on a tie
+        share_c = 1.0 - share_a
+        in_range = sign_of_(d_clamped - inner).abs_().neg_().add_(1.0)  # clamp passes on [-low, high]
+        factor = share_c.mul_(in_range)
+        if not within:  # the +-20 clamp's pass factor, on both paths when the inner clamp reads d
+            in20 = sign_of_(d - log_ratio).abs_().neg_().add_(1.0)
+            share_a.mul_(in20)
+            if inner_is_d:
+                factor.mul_(in20)
+        factor.add_(share_a).mul_(sign.mul_(sign))
+        metrics = _gmpo_metrics(b, p, d, d_clamped)
+    return FusedLoss(d_eff, metrics, torch.mul, (factor,), then=lambda out: _sequence_loss(b, out, ctx))
 
 
 @hookimpl
@@ -88,6 +124,7 @@ def register_policy_losses(register):
         name="gmpo",
         aggregation="sequence mean (seq-mean-token-sum of the per-sequence loss)",
         fn=gmpo_loss,
+        fused=gmpo_fused,
         params=GMPOParams,
         paper="2507.20673",
         title="GMPO: Geometric-Mean Policy Optimization (token clip in log space, sequence objective)",
