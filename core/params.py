@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import typing
 from typing import Any, Iterable, Mapping
 
@@ -67,6 +68,13 @@ def build_params(spec: AlgorithmSpec, overrides: Mapping[str, Any] | None = None
 
 
 def _type_hints(params_cls: type) -> dict:
+    # resolved once per class (typing.get_type_hints evaluates the string annotations on every call,
+    # a fixed cost of every loss call); a copy, so a caller cannot change the cached dict
+    return dict(_resolved_type_hints(params_cls))
+
+
+@functools.lru_cache(maxsize=None)
+def _resolved_type_hints(params_cls: type) -> dict:
     import typing
 
     try:

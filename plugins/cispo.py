@@ -14,9 +14,10 @@ from dataclasses import dataclass
 import torch
 
 from stablerl import STABLE, Params, hookimpl
-from stablerl.fused import FusedLoss
+from stablerl.fused import FusedLoss, masked_count, sign_of_
 from stablerl.ops import clamped_log_ratio, masked_sum
 from stablerl.params import check
+from stablerl.plugins.ppo import fused_log_ratio
 
 
 @dataclass
@@ -38,9 +39,31 @@ def cispo_loss(b, p: CISPOParams, ctx):
 
 
 def cispo_fused(b, p: CISPOParams, ctx):
-    """:func:`cispo_loss` as a fused form: the gradient of ``(w * -A) * lp`` is ``g * (w * -A)``."""
+    """:func:`cispo_loss` as a fused form: the gradient of ``(w * -A) * lp`` is ``g * (w * -A)``. The
+    metrics' 0/1 counts from float passes (the same integer counts as the eager bool masks)."""
+    mask = b.response_mask
+    adv = b.broadcast_advantages
     with torch.no_grad():
-        weighted_adv, metrics = _weighted_advantages(b, p)
+        log_ratio, _ = fused_log_ratio(b.log_prob, b.old_log_prob)
+        count = mask.sum().clamp(min=1)
+        ppo_kl = (0.0 - masked_sum(log_ratio, mask)) / count
+        ratio = torch.exp(log_ratio, out=log_ratio)
+        weight = torch.clamp(ratio, 1.0 - p.clip_ratio_low, 1.0 + p.clip_ratio_high)
+        side = sign_of_(weight - ratio)  # -1: ratio above the cap, +1: below the lower bound, 0: kept
+        adv_sign = sign_of_(adv * 1.0)
+        zero = torch.zeros((), dtype=mask.dtype, device=mask.device)
+        metrics = {
+            # A > 0 and above the cap: relu(sign A) * side == -1
+            "clip_high": masked_count((torch.relu(adv_sign) * side).clamp_(max=0.0), mask) / -count,
+            "pg_clipfrac_lower": zero,
+            "ppo_kl": ppo_kl,
+        }
+        if 1.0 - p.clip_ratio_low > 0:  # A < 0 and below the lower bound: min(sign A, 0) * side == -1
+            metrics["clip_low"] = masked_count((adv_sign.clamp_(max=0.0) * side).clamp_(max=0.0), mask) / -count
+        else:  # the ratio is never below a bound <= 0
+            metrics["clip_low"] = zero
+        metrics["pg_clipfrac"] = masked_count(side.abs_(), mask) / count  # the weight was truncated
+        weighted_adv = weight.mul_(-adv)  # = weight * -A
         pg_losses = weighted_adv * b.log_prob
     # [B, T] advantages are zero on padding (core cleans them): so are w * -A, the loss and its
     # gradient; [B, 1] ones are not, and the aggregation's mask product stops the gradient there

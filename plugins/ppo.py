@@ -14,7 +14,7 @@ from typing import Optional
 import torch
 
 from stablerl import STABLE, Params, hookimpl
-from stablerl.fused import FusedLoss, sign_of, sign_of_
+from stablerl.fused import FusedLoss, masked_count, sign_of_
 from stablerl.ops import LOG_RATIO_BOUND, all_within, clamped_log_ratio, masked_mean, masked_sum
 from stablerl.params import check
 
@@ -98,13 +98,9 @@ def ppo_clip_fused(ratio, advantages, mask, low: float, high: float, dual_c: Opt
     s12 = sign_of_(pg_losses1 - pg_losses2)  # -1: the clipped branch is the larger loss
     clip_pg_losses1 = torch.maximum(pg_losses1, pg_losses2, out=pg_losses1)
     count = mask.sum().clamp(min=1)
-    flat_mask = mask.reshape(-1)
 
     def negative_count(indicator):  # minus the number of -1 entries of a {-1, 0} tensor on valid tokens
-        if indicator.shape != mask.shape:
-            indicator = indicator.expand_as(mask)
-        # an exact count: a float dot product of 0/-1 values (exact below 2**24 tokens)
-        return torch.dot(indicator.reshape(-1).to(mask.dtype), flat_mask)
+        return masked_count(indicator, mask)
 
     adv_sign = sign_of_(advantages * 1.0)
     metrics = {
