@@ -317,7 +317,7 @@ def compute_policy_loss(
                 bits = bit_masks[int_type] = valid.view(torch.uint8).to(int_type).neg_()
             if not detach:  # log_prob: may carry a gradient, a forward-mode tangent or a torch.func wrapper
                 return _ZeroPadding.apply(t, valid, bits)
-            if t is not source.detach() and t.data_ptr() != source.data_ptr() and not is_functorch_wrapped(t):
+            if t.dtype != source.dtype and not is_functorch_wrapped(t):
                 # a fresh upcast copy (half precision in): zero its padding in place, no second [B, T] tensor
                 t.view(int_type).bitwise_and_(bits)
                 return t
@@ -384,7 +384,10 @@ def compute_policy_loss(
             fused_out = fused_form(batch, params, ctx)
         zero_padded = False
         if fused_out is not None:
-            out, metrics = attach(lp, fused_out), fused_out.metrics
+            if fused_out.value.shape != shape:
+                raise StableRLError(
+                    f"the fused form of {name!r} returned shape {tuple(fused_out.value.shape)}, expected {tuple(shape)}")
+            out, metrics = attach(lp, fused_out, valid), fused_out.metrics
             if fused_out.then is not None:
                 out = fused_out.then(out)
             zero_padded = fused_out.zero_padded and loss_agg_mode in AGG_MODES

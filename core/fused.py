@@ -95,22 +95,25 @@ class _Fused(torch.autograd.Function):
     to ``log_prob``'s dtype (what autograd does for the eager path's upcast)."""
 
     @staticmethod
-    def forward(fctx, log_prob: torch.Tensor, fused: FusedLoss) -> torch.Tensor:
+    def forward(fctx, log_prob: torch.Tensor, fused: FusedLoss, valid: torch.Tensor) -> torch.Tensor:
         fctx.backward_fn = fused.backward
         fctx.dtype = log_prob.dtype
-        fctx.save_for_backward(*fused.saved)
+        fctx.save_for_backward(valid, *fused.saved)
         return fused.value
 
     @staticmethod
     @once_differentiable
     def backward(fctx, grad: torch.Tensor):
-        g = fctx.backward_fn(grad, *fctx.saved_tensors)
-        return (g if g.dtype == fctx.dtype else g.to(fctx.dtype)), None
+        valid, *saved = fctx.saved_tensors
+        # +0.0 on padding whatever the formula gives there, as core's eager clean-up (_ZeroPadding)
+        g = clean_input(fctx.backward_fn(grad, *saved), valid)
+        return (g if g.dtype == fctx.dtype else g.to(fctx.dtype)), None, None
 
 
-def attach(log_prob: torch.Tensor, fused: FusedLoss) -> torch.Tensor:
-    """``fused.value`` with gradient flowing to ``log_prob`` through ``fused.backward``."""
-    return _Fused.apply(log_prob, fused)
+def attach(log_prob: torch.Tensor, fused: FusedLoss, valid: torch.Tensor) -> torch.Tensor:
+    """``fused.value`` with gradient flowing to ``log_prob`` through ``fused.backward`` (and +0.0 on
+    the padding, ``valid`` False)."""
+    return _Fused.apply(log_prob, fused, valid)
 
 
 def sign_of(x: torch.Tensor) -> torch.Tensor:

@@ -54,12 +54,12 @@ def cispo_fused(b, p: CISPOParams, ctx):
         zero = torch.zeros((), dtype=mask.dtype, device=mask.device)
         metrics = {
             # A > 0 and above the cap: relu(sign A) * side == -1
-            "clip_high": masked_count((torch.relu(adv_sign) * side).clamp_(max=0.0), mask) / -count,
+            "clip_high": (0.0 - masked_count((torch.relu(adv_sign) * side).clamp_(max=0.0), mask)) / count,
             "pg_clipfrac_lower": zero,
             "ppo_kl": ppo_kl,
         }
         if 1.0 - p.clip_ratio_low > 0:  # A < 0 and below the lower bound: min(sign A, 0) * side == -1
-            metrics["clip_low"] = masked_count((adv_sign.clamp_(max=0.0) * side).clamp_(max=0.0), mask) / -count
+            metrics["clip_low"] = (0.0 - masked_count((adv_sign.clamp_(max=0.0) * side).clamp_(max=0.0), mask)) / count
         else:  # the ratio is never below a bound <= 0
             metrics["clip_low"] = zero
         metrics["pg_clipfrac"] = masked_count(side.abs_(), mask) / count  # the weight was truncated

@@ -117,6 +117,9 @@ def gspo_fused(b, p: GSPOParams, ctx):
         metrics["gspo/seq_ratio_mean"] = masked_mean(s_i, valid_rows.to(s_i.dtype))
         zero = s_i.new_zeros(1)
         metrics["gspo/seq_ratio_max"] = torch.cat([torch.where(valid_rows, s_i, zero), zero]).max()
+    # per-token, as the eager token form: [B, 1] advantages with the [B, 1] ratio give one value a row,
+    # and the gradient must reach every token (with IS weights it differs token by token)
+    pg_losses = pg_losses.expand_as(mask)
     return FusedLoss(pg_losses, metrics, ratio_backward, (neg_adv, ratio_factor), zero_padded=b.seq_advantages is None)
 
 

@@ -99,16 +99,16 @@ def ppo_clip_fused(ratio, advantages, mask, low: float, high: float, dual_c: Opt
     clip_pg_losses1 = torch.maximum(pg_losses1, pg_losses2, out=pg_losses1)
     count = mask.sum().clamp(min=1)
 
-    def negative_count(indicator):  # minus the number of -1 entries of a {-1, 0} tensor on valid tokens
-        return masked_count(indicator, mask)
+    def negative_count(indicator):  # the number of -1 entries of a {-1, 0} tensor on valid tokens
+        return 0.0 - masked_count(indicator, mask)  # 0.0 - x: a zero count is +0.0, as eager's
 
     adv_sign = sign_of_(advantages * 1.0)
     metrics = {
-        "pg_clipfrac": negative_count(torch.clamp(s12, max=0.0)) / -count,
+        "pg_clipfrac": negative_count(torch.clamp(s12, max=0.0)) / count,
         # A > 0 and ratio above the range: relu(sign A) * side == -1
-        "clip_high": negative_count((torch.relu(adv_sign) * side).clamp_(max=0.0)) / -count,
+        "clip_high": negative_count((torch.relu(adv_sign) * side).clamp_(max=0.0)) / count,
         # A < 0 and ratio below the range: min(sign A, 0) * side == -1
-        "clip_low": negative_count((torch.clamp(adv_sign, max=0.0) * side).clamp_(max=0.0)) / -count,
+        "clip_low": negative_count((torch.clamp(adv_sign, max=0.0) * side).clamp_(max=0.0)) / count,
     }
     grad_factor = s12.add_(1.0).add_(1.0).sub_(side.abs_()).mul_(0.5)
     if dual_c is None:
@@ -116,7 +116,7 @@ def ppo_clip_fused(ratio, advantages, mask, low: float, high: float, dual_c: Opt
         return clip_pg_losses1, metrics, neg_adv, grad_factor
     pg_losses3 = advantages.abs().mul_(dual_c)  # = -A c where A < 0
     s3 = sign_of_(pg_losses3 - clip_pg_losses1)  # -1: the dual clip is active (A < 0 only)
-    metrics["pg_clipfrac_lower"] = negative_count(torch.clamp(s3, max=0.0)) / -count
+    metrics["pg_clipfrac_lower"] = negative_count(torch.clamp(s3, max=0.0)) / count
     grad_factor.mul_(s3.add_(1.0).mul_(0.5))
     out = pg_losses3 if pg_losses3.shape == clip_pg_losses1.shape else None
     return torch.minimum(clip_pg_losses1, pg_losses3, out=out), metrics, neg_adv, grad_factor

@@ -85,6 +85,7 @@ def assert_same(name, inputs, **kw):
     assert torch.equal(g0, g1), (name, diff.abs().max().item(), int((diff != 0).sum()))
 
 
+@pytest.mark.filterwarnings("ignore:.*always aggregates with")  # gmpo, sapo: their own aggregation
 @pytest.mark.parametrize("name", FUSED_LOSSES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
 @pytest.mark.parametrize("per_sequence", [False, True])
@@ -94,8 +95,10 @@ def test_fused_equals_eager_on_corner_cases(name, dtype, per_sequence, mode):
 
 
 @pytest.mark.parametrize("name", FUSED_LOSSES)
-def test_fused_equals_eager_with_is_weights_and_hyper_parameters(name):
-    inputs = corner_inputs(seed=3)
+@pytest.mark.parametrize("per_sequence", [False, True])
+def test_fused_equals_eager_with_is_weights_and_hyper_parameters(name, per_sequence):
+    # per-sequence advantages with IS weights: gspo's token form with a [B, 1] ratio
+    inputs = corner_inputs(seed=3, per_sequence=per_sequence)
     w = torch.rand(inputs["log_prob"].shape, generator=torch.Generator().manual_seed(1)) * 2
     spec = stablerl.get_spec("policy_loss", name)
     params = {}
