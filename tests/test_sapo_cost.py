@@ -93,10 +93,11 @@ def test_sapo_keeps_four_token_tensors_for_backward(monkeypatch):
     assert saved == 4 * B * T * 4 + B * 4 + 8 + 4
 
 
-@pytest.mark.parametrize("dtype,tensors", [(torch.float32, 3), (torch.bfloat16, 2)])
-def test_sapo_fused_keeps_three_fp32_token_tensors_or_two_for_half_inputs(dtype, tensors):
-    # the fused path keeps the sigmoid, the ratio and -A (fp32 in); for bf16 in, -A is rebuilt in
-    # backward from the caller's advantages (verl's bf16 sapo keeps 10 bytes a token, this 8)
+@pytest.mark.parametrize("dtype,tensors", [(torch.float32, 4), (torch.bfloat16, 2)])
+def test_sapo_fused_keeps_four_fp32_token_tensors_or_two_for_half_inputs(dtype, tensors):
+    # the fused path keeps the sigmoid, the ratio, -A and tau (fp32 in: verl keeps 20 bytes a token,
+    # this 16); for bf16 in, -A and tau are rebuilt in backward from the caller's advantages (verl's
+    # bf16 sapo keeps 10 bytes a token, this 8)
     B, T = 4, 32
     inputs = bench.make_inputs(B, T, dtype)
     saved = bench.saved_bytes(bench.ours_fn("sapo", inputs), inputs)
