@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from stablerl import STABLE, Params, hookimpl
-from stablerl.fused import FusedLoss, sign_of_
+from stablerl.fused import FusedLoss, masked_count, sign_of_
 from stablerl.ops import LOG_RATIO_BOUND, aggregate, all_within, masked_sum, seq_mean
 from stablerl.params import check
 
@@ -88,6 +88,28 @@ def _gmpo_metrics(b, p: GMPOParams, d_det, d_clamped):
         }
 
 
+def _gmpo_metrics_from_side(b, side, sign, d):
+    """:func:`_gmpo_metrics`'s values from float passes, when the band clamp reads ``d``: ``side``
+    (sign of ``clamp(d) - d``) and ``sign`` (of A) in {-1, 0, 1}. Counts of the four conditions from
+    four exact dot products: with ``u = min(sign * side, 0)``, ``sum(u) = -(high + low)`` and
+    ``sum(u * side) = high - low``; with ``v = sign * |side|``, ``sum(v) = pos - neg`` and
+    ``sum(|v|) = pos + neg`` (0/1 integer sums, exact below 2**24 tokens)."""
+    mask = b.response_mask
+    count = mask.sum().clamp(min=1)
+    u = (sign * side).clamp_(max=0.0)
+    s1, s2 = masked_count(u, mask), masked_count(u.mul_(side), mask)
+    v = side.abs().mul_(sign)
+    pv, qv = masked_count(v, mask), masked_count(v.abs_(), mask)
+    return {
+        "pg_clipfrac": ((pv + qv) * 0.5 + 0.0) / count,  # clipped, A > 0
+        "pg_clipfrac_lower": ((qv - pv) * 0.5 + 0.0) / count,  # clipped, A < 0
+        "clip_high": ((s2 - s1) * 0.5 + 0.0) / count,  # A > 0 above the band
+        "clip_low": ((0.0 - s1 - s2) * 0.5 + 0.0) / count,  # A < 0 below the band
+        # = masked_mean(-d, mask); 0.0 - s (not -s) so an empty sum stays +0.0
+        "ppo_kl": (0.0 - masked_sum(d, mask)) / count,
+    }
+
+
 def gmpo_fused(b, p: GMPOParams, ctx):
     """:func:`gmpo_loss` as a fused form around the clipped token log-ratio ``d_eff = sA min(sA d,
     sA clamp(d))`` (the sequence sum, exp and aggregation after it stay autograd, on [B] tensors).
@@ -106,7 +128,10 @@ def gmpo_fused(b, p: GMPOParams, ctx):
         d_eff = sign * torch.minimum(a, c)
         share_a = sign_of_(c - a).add_(1.0).mul_(0.5)  # minimum's share for a: 1 where a < c, 1/2 on a tie
         share_c = 1.0 - share_a
-        in_range = sign_of_(d_clamped - inner).abs_().neg_().add_(1.0)  # clamp passes on [-low, high]
+        side = sign_of_(d_clamped - inner)  # -1: above the band, +1: below, 0: inside
+        if within:  # inner is d: the metrics from side (else today's code, below)
+            metrics = _gmpo_metrics_from_side(b, side, sign, d)
+        in_range = side.abs_().neg_().add_(1.0)  # clamp passes on [-low, high]
         factor = share_c.mul_(in_range)
         if not within:  # the +-20 clamp's pass factor, on both paths when the inner clamp reads d
             in20 = sign_of_(d - log_ratio).abs_().neg_().add_(1.0)
@@ -114,7 +139,8 @@ def gmpo_fused(b, p: GMPOParams, ctx):
             if inner_is_d:
                 factor.mul_(in20)
         factor.add_(share_a).mul_(sign.mul_(sign))
-        metrics = _gmpo_metrics(b, p, d, d_clamped)
+        if not within:
+            metrics = _gmpo_metrics(b, p, d, d_clamped)
     return FusedLoss(d_eff, metrics, torch.mul, (factor,), then=lambda out: _sequence_loss(b, out, ctx))
 
 

@@ -27,7 +27,7 @@ def test_the_five_ratio_losses_have_a_fused_form():
     assert {"vanilla", "gspo", "gmpo", "cispo", "sapo"} <= set(FUSED_LOSSES)
 
 
-def corner_inputs(B=8, T=300, dtype=torch.float32, seed=0, per_sequence=False):
+def corner_inputs(B=8, T=300, dtype=torch.float32, seed=0, per_sequence=False, beyond_clamp=True):
     g = torch.Generator().manual_seed(seed)
     old = -torch.rand(B, T, generator=g, dtype=torch.float64) * 3
     # log-ratios dense around the log of every bound a loss uses (PPO 0.8/1.28, dual clip 3, GSPO
@@ -39,7 +39,8 @@ def corner_inputs(B=8, T=300, dtype=torch.float32, seed=0, per_sequence=False):
     pick = centres[torch.randint(0, len(centres), (B, T), generator=g)]
     noise = torch.randn(B, T, generator=g, dtype=torch.float64) * 0.3
     lr = torch.where(torch.rand(B, T, generator=g) < 0.7, pick + k, noise)
-    lr[0, :3] = torch.tensor([25.0, -25.0, 20.0])
+    if beyond_clamp:  # else every log-ratio is within +-20 (the fused forms' common path)
+        lr[0, :3] = torch.tensor([25.0, -25.0, 20.0])
     lp = old + lr
     lengths = torch.randint(1, T + 1, (B,), generator=g)
     lengths[0] = T
@@ -90,8 +91,10 @@ def assert_same(name, inputs, **kw):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
 @pytest.mark.parametrize("per_sequence", [False, True])
 @pytest.mark.parametrize("mode", MODES)
-def test_fused_equals_eager_on_corner_cases(name, dtype, per_sequence, mode):
-    assert_same(name, corner_inputs(dtype=dtype, per_sequence=per_sequence), loss_agg_mode=mode)
+@pytest.mark.parametrize("beyond_clamp", [True, False])
+def test_fused_equals_eager_on_corner_cases(name, dtype, per_sequence, mode, beyond_clamp):
+    inputs = corner_inputs(dtype=dtype, per_sequence=per_sequence, beyond_clamp=beyond_clamp)
+    assert_same(name, inputs, loss_agg_mode=mode)
 
 
 @pytest.mark.parametrize("name", FUSED_LOSSES)
