@@ -384,7 +384,7 @@ def compute_policy_loss(
             fused_out = fused_form(batch, params, ctx)
         zero_padded = False
         if fused_out is not None:
-            if fused_out.value.shape != shape:
+            if spec.output == "per_token" and fused_out.value.shape != shape:
                 raise StableRLError(
                     f"the fused form of {name!r} returned shape {tuple(fused_out.value.shape)}, expected {tuple(shape)}")
             out, metrics = attach(lp, fused_out, valid), fused_out.metrics
