@@ -40,7 +40,8 @@ def cispo_loss(b, p: CISPOParams, ctx):
 
 def cispo_fused(b, p: CISPOParams, ctx):
     """:func:`cispo_loss` as a fused form: the gradient of ``(w * -A) * lp`` is ``g * (w * -A)``. The
-    metrics' 0/1 counts from float passes (the same integer counts as the eager bool masks)."""
+    metrics' 0/1 counts from float passes and exact dot products (the same integer counts as the
+    eager bool masks), in place on temporaries."""
     mask = b.response_mask
     adv = b.broadcast_advantages
     with torch.no_grad():
@@ -50,20 +51,23 @@ def cispo_fused(b, p: CISPOParams, ctx):
         ratio = torch.exp(log_ratio, out=log_ratio)
         weight = torch.clamp(ratio, 1.0 - p.clip_ratio_low, 1.0 + p.clip_ratio_high)
         side = sign_of_(weight - ratio)  # -1: ratio above the cap, +1: below the lower bound, 0: kept
+        # A > 0 above the cap (clip_high) and A < 0 below the lower bound (clip_low) are the -1s of
+        # t = sign(A) * side; u = min(t, 0): sum(u) = -(high + low), sum(u * side) = high - low
         adv_sign = sign_of_(adv * 1.0)
+        t = adv_sign.mul_(side) if adv_sign.shape == side.shape else side * adv_sign
+        u = t.clamp_(max=0.0)
+        s1 = masked_count(u, mask)
+        s2 = masked_count(u.mul_(side), mask)
         zero = torch.zeros((), dtype=mask.dtype, device=mask.device)
         metrics = {
-            # A > 0 and above the cap: relu(sign A) * side == -1
-            "clip_high": (0.0 - masked_count((torch.relu(adv_sign) * side).clamp_(max=0.0), mask)) / count,
+            "pg_clipfrac": masked_count(side.abs_(), mask) / count,  # the weight was truncated
             "pg_clipfrac_lower": zero,
+            "clip_high": ((s2 - s1) * 0.5 + 0.0) / count,
+            # never below a bound <= 0 (ratio > 0): eager's constant zero
+            "clip_low": ((0.0 - s1 - s2) * 0.5 + 0.0) / count if 1.0 - p.clip_ratio_low > 0 else zero,
             "ppo_kl": ppo_kl,
         }
-        if 1.0 - p.clip_ratio_low > 0:  # A < 0 and below the lower bound: min(sign A, 0) * side == -1
-            metrics["clip_low"] = (0.0 - masked_count((adv_sign.clamp_(max=0.0) * side).clamp_(max=0.0), mask)) / count
-        else:  # the ratio is never below a bound <= 0
-            metrics["clip_low"] = zero
-        metrics["pg_clipfrac"] = masked_count(side.abs_(), mask) / count  # the weight was truncated
-        weighted_adv = weight.mul_(-adv)  # = weight * -A
+        weighted_adv = weight.mul_(adv).neg_()  # = weight * -A (negation is exact)
         pg_losses = weighted_adv * b.log_prob
     # [B, T] advantages are zero on padding (core cleans them): so are w * -A, the loss and its
     # gradient; [B, 1] ones are not, and the aggregation's mask product stops the gradient there
