@@ -118,7 +118,8 @@ def _temperatures(adv, tau_pos: float, tau_neg: float, dtype):
     """``where(A > 0, tau_pos, tau_neg)`` in ``dtype`` without ``torch.where`` (not vectorised on
     CPU): ``pos * tau_pos + (1 - pos) * tau_neg`` with ``pos`` in {0, 1} is exact (``1 * t + 0 == t``)."""
     pos = torch.relu_(sign_of_(adv.to(dtype) * 1.0))
-    return (pos * tau_pos).add_((1.0 - pos).mul_(tau_neg))
+    other = (1.0 - pos).mul_(tau_neg)
+    return pos.mul_(tau_pos).add_(other)
 
 
 def sapo_fused(b, p: SAPOParams, ctx):
