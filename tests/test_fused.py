@@ -84,6 +84,9 @@ def assert_same(name, inputs, **kw):
     assert g1.dtype == g0.dtype
     diff = g0.double() - g1.double()
     assert torch.equal(g0, g1), (name, diff.abs().max().item(), int((diff != 0).sum()))
+    # padding (garbage in log_prob there): exactly +0.0, as the eager path's clean-up gives
+    pad = ~inputs["response_mask"]
+    assert torch.equal(g1[pad].float().view(torch.int32), torch.zeros(int(pad.sum()), dtype=torch.int32))
 
 
 @pytest.mark.filterwarnings("ignore:.*always aggregates with")  # gmpo, sapo: their own aggregation
