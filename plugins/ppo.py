@@ -74,7 +74,7 @@ def ppo_clip_terms(ratio, advantages, mask, low: float, high: float, dual_c: Opt
     return torch.where(neg, clip_pg_losses2, clip_pg_losses1), metrics
 
 
-def ppo_clip_fused(ratio, advantages, mask, low: float, high: float, dual_c: Optional[float]):
+def ppo_clip_fused(ratio, advantages, mask, low: float, high: float, dual_c: Optional[float], bounds=None):
     """:func:`ppo_clip_terms` without autograd, for a fused form: the same per-token loss and metrics
     (the metrics' 0/1 counts are exact integer sums either way), ``-A``, and the factor ``F`` in
     {0, 1/4, 1/2, 1} such that autograd's gradient of the eager loss with respect to ``ratio`` is
@@ -88,10 +88,11 @@ def ppo_clip_fused(ratio, advantages, mask, low: float, high: float, dual_c: Opt
     |A| c)`` is the eager ``where`` (one select fewer) and its factor ``(1 + sign(|A| c - max))/2``
     is 1 there (A = 0 has a zero gradient whatever the factor). Every step is a vectorised float
     pass, in place where the operand is a temporary (no ``torch.where``, no bool -> float casts, few
-    fresh [B, T] allocations)."""
+    fresh [B, T] allocations). ``bounds=(lower, upper)`` replaces ``(1 - low, 1 + high)`` (explicit
+    ratio bounds, e.g. BAPO's searched 0-dim tensors; ``lower <= upper``)."""
     neg_adv = -advantages
     pg_losses1 = neg_adv * ratio
-    clamped = torch.clamp(ratio, 1.0 - low, 1.0 + high)
+    clamped = torch.clamp(ratio, *bounds) if bounds is not None else torch.clamp(ratio, 1.0 - low, 1.0 + high)
     side = sign_of_(clamped - ratio)  # +1: ratio below the range, -1: above, 0: in range
     pg_losses2 = clamped.mul_(neg_adv) if clamped.shape == torch.broadcast_shapes(clamped.shape, neg_adv.shape) \
         else clamped * neg_adv
