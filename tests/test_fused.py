@@ -24,7 +24,7 @@ MODES = ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"]
 
 
 def test_the_ratio_losses_have_a_fused_form():
-    assert {"vanilla", "gspo", "gmpo", "cispo", "sapo", "bapo"} <= set(FUSED_LOSSES)
+    assert {"vanilla", "gspo", "gmpo", "cispo", "sapo", "bapo", "a3po", "decoupled_ppo"} <= set(FUSED_LOSSES)
 
 
 def corner_inputs(B=8, T=300, dtype=torch.float32, seed=0, per_sequence=False, beyond_clamp=True):
@@ -69,8 +69,23 @@ def test_corner_inputs_hit_the_ties():
     assert int((((-A * r) == (-A * cl)) & (cl != r) & (A != 0) & m).sum()) > 0
 
 
+def declared_inputs(name, inputs):
+    """The extra inputs a loss requires (decoupled_ppo, a3po: behaviour log-probs, policy versions)."""
+    requires = stablerl.get_spec("policy_loss", name).requires
+    old = inputs["old_log_prob"]
+    B, T = old.shape
+    g = torch.Generator().manual_seed(7)
+    extra = {
+        "rollout_log_prob": (old.double() + 0.2 * torch.randn(B, T, generator=g, dtype=torch.float64)).to(old.dtype),
+        "versions": (4 - torch.randint(0, 4, (B, 1), generator=g)).expand(B, T).contiguous(),
+        "policy_version": 4,
+    }
+    return {k: extra[k] for k in requires}
+
+
 def run(name, inputs, fused, **kw):
     lp = inputs["log_prob"].detach().clone().requires_grad_(True)
+    kw = {**declared_inputs(name, inputs), **kw}
     loss, metrics = stablerl.compute_policy_loss(name, **{**inputs, "log_prob": lp}, fused=fused, **kw)
     loss.backward()
     return loss.detach(), metrics, lp.grad
@@ -111,7 +126,13 @@ def test_fused_equals_eager_with_is_weights_and_hyper_parameters(name, per_seque
     names = spec.params.field_names()
     params = {k: v for k, v in {"clip_ratio_low": 0.1, "clip_ratio_high": 0.5, "clip_ratio_c": 1.3}.items()
               if k in names and "clip_ratio_c" in names}
-    assert_same(name, inputs, is_weights=w, **params)
+    if "rollout_log_prob" in spec.requires:  # decoupled_ppo, a3po: their own behaviour weight, no is_weights
+        with pytest.raises(StableRLError, match="do not also pass is_weights"):
+            run(name, inputs, True, is_weights=w)
+        assert_same(name, inputs, behave_imp_weight_cap=1.1, behave_imp_weight_floor=0.9, **params)
+        assert_same(name, inputs, behave_imp_weight_mode="clamp", behave_imp_weight_cap=1.1, **params)
+    else:
+        assert_same(name, inputs, is_weights=w, **params)
     if "clip_ratio_c" in spec.params.field_names():
         assert_same(name, inputs, clip_ratio_c=None)
 
