@@ -217,3 +217,15 @@ def test_sign_of_is_torch_sign():
         assert torch.equal(sign_of(x.to(dtype)), torch.sign(x.to(dtype)))
         assert torch.equal(sign_of_(x.to(dtype).clone()), torch.sign(x.to(dtype)))
     assert torch.equal(sign_of(torch.tensor([5e-324, -5e-324], dtype=torch.float64)), torch.tensor([1.0, -1.0], dtype=torch.float64))
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(-3, 40), st.lists(st.integers(-5, 40), min_size=1, max_size=50),
+       st.sampled_from([torch.int64, torch.int32, torch.float32]))
+def test_a3po_alpha_table_equals_the_per_token_formula(policy_version, values, vdtype):
+    from stablerl.plugins.decoupled import a3po_alpha, a3po_alpha_as
+
+    versions = torch.tensor(values).to(vdtype).reshape(1, -1)
+    for dtype in (torch.float32, torch.float64):
+        assert torch.equal(a3po_alpha_as(versions, policy_version, dtype),
+                           a3po_alpha(versions, policy_version).to(dtype))
