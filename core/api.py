@@ -214,8 +214,8 @@ def compute_policy_loss(
     (``torch.utils.checkpoint``): the loss and the gradient are bit for bit those of the fp32
     computation, with nothing but the scalar loss held for backward, for one more forward.
 
-    A loss with a fused form (``vanilla``, ``gspo``, ``gmpo``, ``cispo``, ``sapo``; see
-    :mod:`stablerl.fused`) runs it whenever ``log_prob`` needs a reverse-mode gradient and no
+    A loss with a fused form (``vanilla``, ``gspo``, ``gmpo``, ``cispo``, ``sapo``, ``bapo``,
+    ``decoupled_ppo``, ``a3po``; see :mod:`stablerl.fused`) runs it whenever ``log_prob`` needs a reverse-mode gradient and no
     ``torch.func`` transform or forward-mode tangent is involved: the same loss, metrics and gradient
     values, without an autograd graph for the formula, keeping one or two fp32 per-token factors
     (for any input dtype) instead of the eager intermediates. ``fused=False`` or ``STABLERL_FUSED=0``
