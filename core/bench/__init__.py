@@ -35,7 +35,7 @@ Nothing is written unless ``--out`` is given.
 ``stablerl:vanilla``), ``time_ratio`` and ``mem_ratio`` (worst case over shapes/dtypes of the
 median per-repeat ratio), and the per-case details (for a loss with a fused form, the case's
 headline numbers are the fused path's, ``path`` says which path ran, and ``eager`` holds the same
-adapter call with ``STABLERL_FUSED=0`` against the same baseline); ``trl.losses.<label>`` the same against TRL
+call with ``STABLERL_FUSED=0`` against the same baseline, itself on the eager path for ``vanilla``); ``trl.losses.<label>`` the same against TRL
 (``baseline`` ``trl:<loss_type>``, ``ours`` ``stablerl:<name>``; ``trl`` is ``{"skipped": reason}``
 without TRL); ``routing_replay`` has the forward-time ratio
 replay on / off on a tiny Qwen3-MoE and the bytes per token of the stored routes (when
@@ -570,6 +570,13 @@ def run(
                         ours = ours_fn(name, inputs)
                         entry["baseline"] = "stablerl:vanilla"
                         row = compare(ours, vanilla_ours, inputs, device, repeats, max_s=max_s)
+                        row["path"] = "fused" if fused_on and stablerl.get_spec(POLICY_LOSS, name).fused else "eager"
+                        if row["path"] == "fused":
+                            # both on the eager path (the baseline vanilla too)
+                            again = compare(eager(ours), eager(vanilla_ours), inputs, device, repeats, max_s=max_s)
+                            row["eager"] = {k: again[k] for k in (
+                                "time_ratio", "time_ratio_min", "time_ratio_best", "mem_ratio", "ours_ms_min",
+                                "ours_ms_median", "ours_mem_mb")}
                 except Exception as e:  # noqa: BLE001 - one broken loss must not stop the bench
                     row = {"error": f"{type(e).__name__}: {e}"}
                 entry["cases"][case] = row

@@ -33,3 +33,13 @@ def test_fused_path_off_in_the_environment(monkeypatch):
                        use_trl=False, estimators=False)
     row = result["losses"]["vanilla"]["cases"]["B4xT64/fp32"]
     assert result["config"]["fused"] is False and row["path"] == "eager" and "eager" not in row
+
+
+def test_relative_table_reports_both_paths_for_a_fused_loss_without_a_twin(monkeypatch):
+    monkeypatch.delenv("STABLERL_FUSED", raising=False)
+    result = bench.run(shapes=[("B4xT64", 4, 64)], dtypes=("fp32",), repeats=3, losses=["a3po", "gpg"],
+                       use_trl=False, estimators=False)
+    a3po = result["losses"]["a3po"]["cases"]["B4xT64/fp32"]
+    assert result["losses"]["a3po"]["baseline"] == "stablerl:vanilla"
+    assert a3po["path"] == "fused" and a3po["eager"]["time_ratio"] > 0
+    assert result["losses"]["gpg"]["cases"]["B4xT64/fp32"]["path"] == "eager"
