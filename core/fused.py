@@ -33,7 +33,7 @@ from typing import Callable, Optional
 import torch
 from torch.autograd.function import once_differentiable
 
-from .ops import is_functorch_wrapped
+from .ops import LOG_RATIO_BOUND, all_within, is_functorch_wrapped
 
 FUSED_ENV = "STABLERL_FUSED"
 
@@ -167,3 +167,14 @@ def masked_count(indicator: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     if indicator.shape != mask.shape:
         indicator = indicator.expand_as(mask)
     return torch.dot(indicator.reshape(-1).to(mask.dtype), mask.reshape(-1))
+
+
+def fused_log_ratio(log_prob: torch.Tensor, old_log_prob: torch.Tensor):
+    """:func:`stablerl.ops.clamped_log_ratio`'s value, and the 0/1 factor of its backward (the clamp
+    passes the gradient on ``[-bound, bound]``); None when the clamp is skipped (every log-ratio
+    within the bound, the usual case)."""
+    raw = log_prob - old_log_prob
+    if all_within(raw, -LOG_RATIO_BOUND, LOG_RATIO_BOUND):
+        return raw, None
+    clamped = torch.clamp(raw, -LOG_RATIO_BOUND, LOG_RATIO_BOUND)
+    return clamped, sign_of_(clamped - raw).abs_().neg_().add_(1.0)

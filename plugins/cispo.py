@@ -14,10 +14,9 @@ from dataclasses import dataclass
 import torch
 
 from stablerl import STABLE, Params, hookimpl
-from stablerl.fused import FusedLoss, masked_count, sign_of_
+from stablerl.fused import FusedLoss, fused_log_ratio, masked_count, sign_of_
 from stablerl.ops import clamped_log_ratio, masked_sum
 from stablerl.params import check
-from stablerl.plugins.ppo import fused_log_ratio
 
 
 @dataclass

@@ -24,11 +24,11 @@ from typing import Optional
 import torch
 
 from stablerl import EXPERIMENTAL, Params, hookimpl
-from stablerl.fused import FusedLoss
+from stablerl.fused import FusedLoss, fused_log_ratio
 from stablerl.ops import clamped_log_ratio, masked_mean, seq_mean
 from stablerl.params import StableRLError, check
 
-from .ppo import fused_log_ratio, ppo_clip_fused, ppo_clip_terms, ratio_backward
+from .ppo import ppo_clip_fused, ppo_clip_terms, ratio_backward
 
 
 @dataclass

@@ -14,8 +14,8 @@ from typing import Optional
 import torch
 
 from stablerl import STABLE, Params, hookimpl
-from stablerl.fused import FusedLoss, masked_count, sign_of_
-from stablerl.ops import LOG_RATIO_BOUND, all_within, clamped_log_ratio, masked_mean, masked_sum
+from stablerl.fused import FusedLoss, fused_log_ratio, masked_count, sign_of_
+from stablerl.ops import clamped_log_ratio, masked_mean, masked_sum
 from stablerl.params import check
 
 
@@ -127,17 +127,6 @@ def ratio_backward(grad, neg_adv, ratio_factor):
     # autograd's order: (g * -A) reaches the ratio, exp's backward multiplies by the ratio; the
     # factor F (a power of two or 0) is folded into the saved ratio, which is exact
     return (grad * neg_adv) * ratio_factor
-
-
-def fused_log_ratio(log_prob: torch.Tensor, old_log_prob: torch.Tensor):
-    """:func:`stablerl.ops.clamped_log_ratio`'s value, and the 0/1 factor of its backward (the clamp
-    passes the gradient on ``[-bound, bound]``); None when the clamp is skipped (every log-ratio
-    within the bound, the usual case)."""
-    raw = log_prob - old_log_prob
-    if all_within(raw, -LOG_RATIO_BOUND, LOG_RATIO_BOUND):
-        return raw, None
-    clamped = torch.clamp(raw, -LOG_RATIO_BOUND, LOG_RATIO_BOUND)
-    return clamped, sign_of_(clamped - raw).abs_().neg_().add_(1.0)
 
 
 def vanilla_fused(b, p: ClipParams, ctx) -> FusedLoss:

@@ -18,9 +18,8 @@ from dataclasses import dataclass
 import torch
 
 from stablerl import POLICY_LOSS, STABLE, Params, hookimpl
-from stablerl.fused import FusedLoss, sign_of_
+from stablerl.fused import FusedLoss, fused_log_ratio, sign_of_
 from stablerl.ops import aggregate, clamped_log_ratio, masked_sum
-from stablerl.plugins.ppo import fused_log_ratio
 from stablerl.params import check
 
 SAPO_AGG_MODE = "seq-mean-token-mean"
