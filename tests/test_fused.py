@@ -106,7 +106,7 @@ def assert_same(name, inputs, **kw):
 
 @pytest.mark.filterwarnings("ignore:.*always aggregates with")  # gmpo, sapo: their own aggregation
 @pytest.mark.parametrize("name", FUSED_LOSSES)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("per_sequence", [False, True])
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("beyond_clamp", [True, False])
