@@ -4,8 +4,9 @@ Every loss with a fused form is run both ways (``fused=False`` / ``fused=True``)
 hit autograd's corner cases: ratios on and next to the clip bounds (autograd splits the gradient of
 ``maximum``/``minimum`` in half on ties and ``clamp`` passes it on its closed range), log-ratios
 beyond the +-20 clamp, zero, tiny and large advantages, per-token and per-sequence advantages,
-every built-in aggregation, IS weights, fp32/fp64/bf16 inputs. Loss, metrics and gradient must be
-equal as values (``torch.equal``; the sign of a zero may differ, see stablerl.fused).
+three built-in aggregations, IS weights, fp32/fp64/bf16/fp16 inputs. Loss, metrics and gradient
+must be equal as values (``torch.equal``; the sign of a zero may differ on a valid token, see
+stablerl.fused), and the gradient exactly +0.0 on padding.
 """
 
 import math
