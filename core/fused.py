@@ -18,8 +18,9 @@ Exactness: each fused backward reproduces autograd's arithmetic on the eager for
 by rounding step: products by a per-token factor in {0, 1/4, 1/2, 1} (autograd's tie splitting in
 ``maximum``/``minimum``, the pass/stop of ``clamp``) are exact, so they can be moved to the saved
 factor. The loss, the metrics and the gradient are the eager path's values (tests/test_fused.py);
-the sign of a zero may differ (``-0.0`` where eager gives ``+0.0``), and a gradient below the
-smallest normal float may differ in its last bits (a halving is then not exact).
+on padding the gradient is exactly +0.0 as eager's; on a valid token the sign of a zero may
+differ, and a gradient below the smallest normal float may differ in its last bits (a halving is
+then not exact).
 
 ``STABLERL_FUSED=0`` (or ``compute_policy_loss(..., fused=False)``) switches it off.
 """
