@@ -39,7 +39,7 @@ from .checks import (  # noqa: F401  (is_binary_mask: also stablerl.api's, as be
     require_float,
     require_tensor,
 )
-from .ops import aggregate, as_floats, ensure_same_shape, group_ids, is_functorch_wrapped, masked_tangent
+from .ops import AGG_MODES, aggregate, as_floats, ensure_same_shape, group_ids, is_functorch_wrapped, masked_tangent
 from .params import MissingInputError, StableRLError, UnknownNameError, build_params, unknown_name_message
 from .registry import get_registry
 
@@ -195,6 +195,7 @@ def compute_policy_loss(
     rollout_correction_params: Optional[dict[str, Any]] = None,
     check_finite: bool = True,
     recompute_half: Optional[bool] = None,
+    fused: Optional[bool] = None,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Compute the registered policy loss ``name``.
@@ -214,6 +215,13 @@ def compute_policy_loss(
     only the inputs in their own dtype, and backward recomputes the fp32 forward
     (``torch.utils.checkpoint``): the loss and the gradient are bit for bit those of the fp32
     computation, with nothing but the scalar loss held for backward, for one more forward.
+
+    A loss with a fused form (``vanilla``, ``gspo``, ``gmpo``, ``cispo``, ``sapo``, ``bapo``,
+    ``decoupled_ppo``, ``a3po``; see :mod:`stablerl.fused`) runs it whenever ``log_prob`` needs a reverse-mode gradient and no
+    ``torch.func`` transform or forward-mode tangent is involved: the same loss, metrics and gradient
+    values, without an autograd graph for the formula, keeping one or two fp32 per-token factors
+    (for any input dtype) instead of the eager intermediates. ``fused=False`` or ``STABLERL_FUSED=0``
+    turns it off. It takes precedence over ``recompute_half``.
     """
     spec = get_spec(POLICY_LOSS, name)
     inputs = {k: kwargs.pop(k) for k in list(kwargs) if k in _LOSS_INPUTS}
@@ -278,6 +286,10 @@ def compute_policy_loss(
         if hidden.dim() != 3 or tuple(hidden.shape[:2]) != tuple(shape):
             raise StableRLError(f"hidden_states must have shape [B, T, H] with [B, T] = {tuple(shape)}, got {tuple(hidden.shape)}")
 
+    from .fused import FusedInputs, attach, fusable, fused_requested
+
+    fused_form = spec.fused if spec.fused is not None and fused_requested(fused) and fusable(log_prob) else None
+
     def loss_of(lp: torch.Tensor):
         # everything from the inputs to the loss: on the recompute path this runs again in backward,
         # so the fp32 copies of half-precision inputs are rebuilt there, not held until then
@@ -297,6 +309,7 @@ def compute_policy_loss(
             # so neither the loss nor its gradient can pick up a NaN from a masked position
             if t is None:
                 return None
+            source = t
             t = _as_compute_dtype(t.detach() if detach else t)
             int_type = _SAME_WIDTH_INT.get(t.dtype)
             if int_type is None or t.numel() < _BIT_PATH_MIN_NUMEL or t.device.type != "cpu":  # e.g. integer advantages
@@ -306,6 +319,10 @@ def compute_policy_loss(
                 bits = bit_masks[int_type] = valid.view(torch.uint8).to(int_type).neg_()
             if not detach:  # log_prob: may carry a gradient, a forward-mode tangent or a torch.func wrapper
                 return _ZeroPadding.apply(t, valid, bits)
+            if t.dtype != source.dtype and not is_functorch_wrapped(t):
+                # a fresh upcast copy (half precision in): zero its padding in place, no second [B, T] tensor
+                t.view(int_type).bitwise_and_(bits)
+                return t
             return _zero_padding_bits(t, bits)
 
         # sequence-level advantages ([B], or [B, T] expanded along T) for a loss that opted in: a cleaned
@@ -322,7 +339,8 @@ def compute_policy_loss(
             seq_advantages = torch.where(row_valid, per_row, torch.zeros((), dtype=per_row.dtype, device=per_row.device))
         batch_type = PolicyLossBatch if seq_advantages is None else _LazyAdvantagesBatch
         batch = batch_type(
-            log_prob=clean(lp, detach=False),
+            # the fused form reads a detached log_prob and attaches its own backward to lp
+            log_prob=clean(lp, detach=fused_form is not None),
             old_log_prob=clean(old_log_prob),
             advantages=clean(advantages) if seq_advantages is None else (lambda: clean(advantages)),
             response_mask=mask,
@@ -362,18 +380,36 @@ def compute_policy_loss(
         if correction is not None:
             weights, correction_metrics = correction.fn(batch, correction_params, ctx)
             batch.is_weights = weights.detach()
-        out, metrics = spec.fn(batch, params, ctx)
+        fused_out = None
+        if fused_form is not None:
+            batch.fused_inputs = FusedInputs(lp.detach(), old_log_prob.detach(), advantages.detach(), valid)
+            fused_out = fused_form(batch, params, ctx)
+        zero_padded = False
+        if fused_out is not None:
+            if spec.output == "per_token" and fused_out.value.shape != shape:
+                raise StableRLError(
+                    f"the fused form of {name!r} returned shape {tuple(fused_out.value.shape)}, expected {tuple(shape)}")
+            out, metrics = attach(lp, fused_out, valid), fused_out.metrics
+            if fused_out.then is not None:
+                out = fused_out.then(out)
+            zero_padded = fused_out.zero_padded and loss_agg_mode in AGG_MODES
+        else:
+            if fused_form is not None:  # no fused form for this batch: the eager path, with lp's gradient
+                batch.log_prob = clean(lp, detach=False)
+            out, metrics = spec.fn(batch, params, ctx)
         metrics = {**metrics, **correction_metrics}
         if spec.output == "per_token":
             if batch.is_weights is not None:
                 out = out * batch.is_weights
-            loss = aggregate(out, valid, loss_agg_mode, ctx, params=loss_agg_params)
+            # zero_padded: the loss is exactly zero on padding and the IS weights are finite there
+            # (core zeroes them), so the sums skip the mask product (the same bits)
+            loss = aggregate(out, valid, loss_agg_mode, ctx, params=loss_agg_params, zero_padded=zero_padded)
         else:
             loss = out
         bit_masks.clear()  # the pattern is rebuilt on a recompute, not held until backward
         return loss, metrics
 
-    if _recomputes(recompute_half, log_prob, spec, ctx, correction, loss_agg_mode, loss_agg_params):
+    if fused_form is None and _recomputes(recompute_half, log_prob, spec, ctx, correction, loss_agg_mode, loss_agg_params):
         from torch.utils.checkpoint import checkpoint
 
         loss, metrics = checkpoint(loss_of, log_prob, use_reentrant=False)

@@ -160,6 +160,10 @@ class AlgorithmSpec:
     # inputs the DEFAULT settings need, each with the setting that removes the need (e.g. reinforce_ada:
     # {"pos_count": "global_stat_est=False"}); `stablerl list` shows the algorithm as "partial" at most
     requires_unless: dict[str, str] = field(default_factory=dict)
+    # policy losses: an optional fused form of ``fn`` (``stablerl.fused``): the same value and metrics
+    # without an autograd graph and a closed-form backward, returning a FusedLoss (or None when it has
+    # no fused form for this batch); core uses it where safe unless STABLERL_FUSED=0
+    fused: Optional[Callable[..., Any]] = None
     plugin: str = ""  # filled by the registry: which plugin registered it
 
     def fixed_aggregation(self, params: Any = None) -> str:
@@ -238,6 +242,9 @@ class PolicyLossBatch:
     # per-token loss formed with it is nonzero there, which core's aggregation masks (a loss that
     # aggregates itself must pass the mask product, not ``zero_padded=True``).
     seq_advantages: Optional[torch.Tensor] = None
+    # the caller's tensors (stablerl.fused.FusedInputs), set by core for a fused form only: its
+    # backward may recompute a factor from them instead of keeping it
+    fused_inputs: Any = None
     # bool [B, T], True where response_mask is 1: the mask core's aggregation keeps for backward, so a
     # loss that masks with it adds no mask of its own (set by core; None when a batch is built by hand).
     # It may be the caller's own tensor: never modify it in place; a batch copied with another

@@ -67,10 +67,14 @@ def build_params(spec: AlgorithmSpec, overrides: Mapping[str, Any] | None = None
     return params
 
 
-@functools.lru_cache(maxsize=None)
 def _type_hints(params_cls: type) -> dict:
-    """The class's resolved annotations, once per class (``get_type_hints`` costs ~0.1 ms; losses build their
-    params on every call). Callers only read the dict."""
+    # resolved once per class (typing.get_type_hints evaluates the string annotations on every call,
+    # a fixed cost of every loss call); a copy, so a caller cannot change the cached dict
+    return dict(_resolved_type_hints(params_cls))
+
+
+@functools.lru_cache(maxsize=None)
+def _resolved_type_hints(params_cls: type) -> dict:
     import typing
 
     try:

@@ -35,8 +35,10 @@ from typing import Optional
 import torch
 
 from stablerl import POLICY_LOSS, STABLE, Params, hookimpl
+from stablerl.fused import FusedLoss, fused_log_ratio
 from stablerl.ops import clamped_log_ratio, is_functorch_wrapped, masked_mean
 from stablerl.params import check
+from stablerl.plugins.ppo import ppo_clip_fused, ratio_backward
 
 MAX_SEARCH_STEPS = 1000
 CONTRIBUTIONS = ("code", "paper")
@@ -189,12 +191,36 @@ def bapo_loss(b, p: BAPOParams, ctx):
     return pg_losses, metrics
 
 
+def bapo_fused(b, p: BAPOParams, ctx):
+    """:func:`bapo_loss` as a fused form: the bound search as in eager (no gradient), then
+    ``vanilla``'s fused PPO clip with the searched bounds (``ppo_clip_fused``; the same loss, metrics
+    and gradient as the eager ``maximum``/``where`` form)."""
+    mask = b.response_mask
+    adv = b.advantages
+    with torch.no_grad():
+        log_ratio, in_range = fused_log_ratio(b.log_prob, b.old_log_prob)
+        ratio = torch.exp(log_ratio)
+        c_low, c_high, achieved = bapo_bounds(ratio, adv, mask, p, ctx)
+        pg_losses, metrics, neg_adv, factor = ppo_clip_fused(ratio, adv, mask, 0.0, 0.0, p.clip_ratio_c,
+                                                             bounds=(c_low, c_high))
+        metrics["ppo_kl"] = masked_mean(-log_ratio, mask)
+        metrics["bapo/c_low"] = c_low
+        metrics["bapo/c_high"] = c_high
+        metrics["bapo/pos_neg_ratio"] = achieved
+        ratio_factor = factor.mul_(ratio)
+        if in_range is not None:
+            ratio_factor.mul_(in_range)
+    # core's cleaned [B, T] advantages are zero on padding: so is the loss
+    return FusedLoss(pg_losses, metrics, ratio_backward, (neg_adv, ratio_factor), zero_padded=True)
+
+
 @hookimpl
 def register_policy_losses(register):
     register(
         name="bapo",
         kind=POLICY_LOSS,
         fn=bapo_loss,
+        fused=bapo_fused,
         params=BAPOParams,
         paper="2510.18927",
         title="BAPO: PPO clip with ratio bounds searched per batch to balance positive/negative contributions",

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from stablerl import STABLE, Params, hookimpl
+from stablerl.fused import FusedLoss, fused_log_ratio, masked_count, sign_of_
 from stablerl.ops import clamped_log_ratio, masked_sum
 from stablerl.params import check
 
@@ -31,6 +32,49 @@ class CISPOParams(Params):
 
 
 def cispo_loss(b, p: CISPOParams, ctx):
+    weighted_adv, metrics = _weighted_advantages(b, p)
+    # = -weight * A * lp bit for bit (negation is exact); -A is [B, 1] for sequence-level advantages
+    return weighted_adv * b.log_prob, metrics
+
+
+def cispo_fused(b, p: CISPOParams, ctx):
+    """:func:`cispo_loss` as a fused form: the gradient of ``(w * -A) * lp`` is ``g * (w * -A)``. The
+    metrics' 0/1 counts from float passes and exact dot products (the same integer counts as the
+    eager bool masks), in place on temporaries."""
+    mask = b.response_mask
+    adv = b.broadcast_advantages
+    with torch.no_grad():
+        log_ratio, _ = fused_log_ratio(b.log_prob, b.old_log_prob)
+        count = mask.sum().clamp(min=1)
+        ppo_kl = (0.0 - masked_sum(log_ratio, mask)) / count
+        ratio = torch.exp(log_ratio, out=log_ratio)
+        weight = torch.clamp(ratio, 1.0 - p.clip_ratio_low, 1.0 + p.clip_ratio_high)
+        side = sign_of_(weight - ratio)  # -1: ratio above the cap, +1: below the lower bound, 0: kept
+        # A > 0 above the cap (clip_high) and A < 0 below the lower bound (clip_low) are the -1s of
+        # t = sign(A) * side; u = min(t, 0): sum(u) = -(high + low), sum(u * side) = high - low
+        adv_sign = sign_of_(adv * 1.0)
+        t = adv_sign.mul_(side) if adv_sign.shape == side.shape else side * adv_sign
+        u = t.clamp_(max=0.0)
+        s1 = masked_count(u, mask)
+        s2 = masked_count(u.mul_(side), mask)
+        zero = torch.zeros((), dtype=mask.dtype, device=mask.device)
+        metrics = {
+            "pg_clipfrac": masked_count(side.abs_(), mask) / count,  # the weight was truncated
+            "pg_clipfrac_lower": zero,
+            "clip_high": ((s2 - s1) * 0.5 + 0.0) / count,
+            # never below a bound <= 0 (ratio > 0): eager's constant zero
+            "clip_low": ((0.0 - s1 - s2) * 0.5 + 0.0) / count if 1.0 - p.clip_ratio_low > 0 else zero,
+            "ppo_kl": ppo_kl,
+        }
+        weighted_adv = weight.mul_(adv).neg_()  # = weight * -A (negation is exact)
+        pg_losses = weighted_adv * b.log_prob
+    # [B, T] advantages are zero on padding (core cleans them): so are w * -A, the loss and its
+    # gradient; [B, 1] ones are not, and the aggregation's mask product stops the gradient there
+    return FusedLoss(pg_losses, metrics, torch.mul, (weighted_adv,), zero_padded=b.seq_advantages is None)
+
+
+def _weighted_advantages(b, p: CISPOParams):
+    """``sg(w) * -A`` and the metrics."""
     mask = b.response_mask
     # sequence-level advantages stay [B, 1] and broadcast (core's aggregation masks the padding)
     adv = b.broadcast_advantages
@@ -60,9 +104,7 @@ def cispo_loss(b, p: CISPOParams, ctx):
             # = masked_mean(-log_ratio, mask); 0.0 - s (not -s) so an empty sum stays +0.0
             "ppo_kl": (0.0 - masked_sum(log_ratio, mask)) / count,
         }
-    # = -weight * A * lp bit for bit (negation is exact); -A is [B, 1] for sequence-level advantages
-    pg_losses = weight * -adv * b.log_prob
-    return pg_losses, metrics
+    return weight * -adv, metrics
 
 
 @hookimpl
@@ -70,6 +112,7 @@ def register_policy_losses(register):
     register(
         name="cispo",
         fn=cispo_loss,
+        fused=cispo_fused,
         params=CISPOParams,
         paper="2506.13585",
         title="CISPO: clipped, detached IS weight times the REINFORCE log-prob gradient (MiniMax-M1)",

@@ -24,10 +24,11 @@ from typing import Optional
 import torch
 
 from stablerl import EXPERIMENTAL, Params, hookimpl
+from stablerl.fused import FusedLoss, fused_log_ratio
 from stablerl.ops import clamped_log_ratio, masked_mean, seq_mean
 from stablerl.params import StableRLError, check
 
-from .ppo import ppo_clip_terms
+from .ppo import ppo_clip_fused, ppo_clip_terms, ratio_backward
 
 
 @dataclass
@@ -55,6 +56,53 @@ class DecoupledParams(Params):
 
 def decoupled_terms(lp, lp_prox, lp_behav, b, p: DecoupledParams):
     """The decoupled PPO per-token loss given a proximal log-prob (shared by decoupled_ppo and a3po)."""
+    _refuse_is_weights(b)
+    log_w, w, keep = _behaviour_weight(lp_prox, lp_behav, b, p)
+    mask = b.response_mask
+    log_ratio = clamped_log_ratio(lp, lp_prox)
+    ratio = torch.exp(log_ratio)
+    pg_losses, metrics = ppo_clip_terms(ratio, b.advantages, mask, p.clip_ratio_low, p.clip_ratio_high, p.clip_ratio_c)
+    metrics.update(_weight_metrics(log_ratio.detach(), ratio.detach(), log_w, w, keep, mask))
+    return pg_losses * (w * keep).detach(), metrics
+
+
+def decoupled_fused(lp, lp_prox, lp_behav, b, p: DecoupledParams):
+    """:func:`decoupled_terms` as a fused form (``lp`` detached, as every input here): the fused PPO
+    clip (``ppo_clip_fused``) times the detached behaviour weight ``c = w * keep``; autograd's order
+    gives ``((g * c) * -A) * (F r)``."""
+    _refuse_is_weights(b)
+    mask = b.response_mask
+    with torch.no_grad():
+        log_w, w, keep = _behaviour_weight(lp_prox, lp_behav, b, p)
+        log_ratio, in_range = fused_log_ratio(lp, lp_prox)
+        ratio = torch.exp(log_ratio)
+        pg_losses, metrics, neg_adv, factor = ppo_clip_fused(
+            ratio, b.advantages, mask, p.clip_ratio_low, p.clip_ratio_high, p.clip_ratio_c)
+        metrics.update(_weight_metrics(log_ratio, ratio, log_w, w, keep, mask))
+        weight = w * keep
+        ratio_factor = factor.mul_(ratio)
+        if in_range is not None:
+            ratio_factor.mul_(in_range)
+        pg_losses = pg_losses * weight
+    # core's cleaned [B, T] advantages are zero on padding and the weight finite: so is the loss
+    return FusedLoss(pg_losses, metrics, _weighted_ratio_backward, (weight, neg_adv, ratio_factor), zero_padded=True)
+
+
+def _weighted_ratio_backward(grad, weight, neg_adv, ratio_factor):
+    return ratio_backward(grad * weight, neg_adv, ratio_factor)
+
+
+def _weight_metrics(log_ratio, ratio, log_w, w, keep, mask):
+    return {
+        "ppo_kl": masked_mean(-log_ratio, mask),
+        "importance_weight": masked_mean(ratio, mask),
+        "behave_imp_weight": masked_mean(w, mask * keep),
+        "behave_approx_kl": masked_mean(-log_w, mask),
+        "rs_filtered_fraction": masked_mean(1.0 - keep, mask),
+    }
+
+
+def _refuse_is_weights(b):
     if b.is_weights is not None:
         # the behaviour IS weight is this loss's own; a framework correction on top would apply it twice
         raise StableRLError(
@@ -62,6 +110,10 @@ def decoupled_terms(lp, lp_prox, lp_behav, b, p: DecoupledParams):
             "is_weights (a framework's rollout-correction weights; the TRL and OpenRLHF adapters leave theirs out "
             "for these losses; in verl set algorithm.rollout_correction.rollout_is=null)"
         )
+
+
+def _behaviour_weight(lp_prox, lp_behav, b, p: DecoupledParams):
+    """``(log w, w, keep)``: the behaviour IS weight (clamped, or masked to its band by ``keep``)."""
     mask = b.response_mask
     log_w = clamped_log_ratio(lp_prox, lp_behav)
     if p.behave_imp_weight_level == "sequence":
@@ -74,23 +126,15 @@ def decoupled_terms(lp, lp_prox, lp_behav, b, p: DecoupledParams):
     else:
         w = w.clamp(min=low, max=high)
         keep = torch.ones_like(w)
-    log_ratio = clamped_log_ratio(lp, lp_prox)
-    ratio = torch.exp(log_ratio)
-    pg_losses, metrics = ppo_clip_terms(ratio, b.advantages, mask, p.clip_ratio_low, p.clip_ratio_high, p.clip_ratio_c)
-    metrics.update(
-        {
-            "ppo_kl": masked_mean(-log_ratio.detach(), mask),
-            "importance_weight": masked_mean(ratio.detach(), mask),
-            "behave_imp_weight": masked_mean(w, mask * keep),
-            "behave_approx_kl": masked_mean(-log_w, mask),
-            "rs_filtered_fraction": masked_mean(1.0 - keep, mask),
-        }
-    )
-    return pg_losses * (w * keep).detach(), metrics
+    return log_w, w, keep
 
 
 def decoupled_ppo_loss(b, p: DecoupledParams, ctx):
     return decoupled_terms(b.log_prob, b.old_log_prob, b.rollout_log_prob, b, p)
+
+
+def decoupled_ppo_fused(b, p: DecoupledParams, ctx):
+    return decoupled_fused(b.log_prob, b.old_log_prob, b.rollout_log_prob, b, p)
 
 
 @dataclass
@@ -114,22 +158,48 @@ def a3po_alpha(versions: torch.Tensor, policy_version: int) -> torch.Tensor:
     return alpha.clamp(0.0, 1.0)
 
 
-def a3po_loss(b, p: A3POParams, ctx):
+# integer versions spanning at most this many values take the per-value table (below)
+_ALPHA_TABLE_MAX = 1 << 12
+
+
+def a3po_alpha_as(versions: torch.Tensor, policy_version: int, dtype) -> torch.Tensor:
+    """``a3po_alpha(versions, policy_version).to(dtype)``, value for value. For integer versions
+    (a few distinct values), the per-token float64 formula is evaluated once per value in their
+    range and gathered (one index pass instead of about ten float64 [B, T] passes); the same
+    function of the same values, so the same bits."""
+    if versions.dtype.is_floating_point or versions.dtype == torch.bool or versions.numel() == 0:
+        return a3po_alpha(versions, policy_version).to(dtype)
+    lo, hi = (int(x) for x in torch.aminmax(versions))
+    if hi - lo >= _ALPHA_TABLE_MAX:
+        return a3po_alpha(versions, policy_version).to(dtype)
+    table = a3po_alpha(torch.arange(lo, hi + 1, device=versions.device), policy_version).to(dtype)
+    index = (versions - lo).reshape(-1)
+    return torch.index_select(table, 0, index).view(versions.shape)
+
+
+def a3po_loss(b, p: A3POParams, ctx, terms=decoupled_terms):
     lp_behav = b.rollout_log_prob
     if p.prox_logp_method == "recompute":
         lp_prox = b.old_log_prob
         alpha = torch.zeros_like(lp_behav)
     else:
-        alpha = a3po_alpha(b.versions, b.policy_version).to(lp_behav.dtype)
+        alpha = a3po_alpha_as(b.versions, b.policy_version, lp_behav.dtype)
         current = b.log_prob.detach()  # sg(lp): the gradient must stay the plain r * grad lp
         if p.prox_logp_method == "loglinear":
             lp_prox = lp_behav + alpha * (current - lp_behav)
         else:
             lp_prox = torch.log((1 - alpha) * torch.exp(lp_behav) + alpha * torch.exp(current) + 1e-10)
-    out, metrics = decoupled_terms(b.log_prob, lp_prox, lp_behav, b, p)
+    out = terms(b.log_prob, lp_prox, lp_behav, b, p)
+    metrics = out.metrics if isinstance(out, FusedLoss) else out[1]
     metrics["a3po/alpha_mean"] = masked_mean(alpha, b.response_mask)
     metrics["a3po/approx_logp"] = masked_mean(lp_prox, b.response_mask)
-    return out, metrics
+    return out
+
+
+def a3po_fused(b, p: A3POParams, ctx):
+    """:func:`a3po_loss` as a fused form (the proximal log-prob reads ``sg(lp)``: no gradient)."""
+    with torch.no_grad():
+        return a3po_loss(b, p, ctx, terms=decoupled_fused)
 
 
 _METRICS = ("pg_clipfrac", "pg_clipfrac_lower", "clip_high", "clip_low", "ppo_kl", "importance_weight",
@@ -141,6 +211,7 @@ def register_policy_losses(register):
     register(
         name="decoupled_ppo",
         fn=decoupled_ppo_loss,
+        fused=decoupled_ppo_fused,
         params=DecoupledParams,
         paper="2110.00641",
         title="Decoupled PPO: behaviour-policy IS weight + proximal-policy trust region",
@@ -159,6 +230,7 @@ def register_policy_losses(register):
     register(
         name="a3po",
         fn=a3po_loss,
+        fused=a3po_fused,
         params=A3POParams,
         paper="2512.06547",
         title="A-3PO: staleness-aware approximation of the proximal policy (no extra forward pass)",

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from stablerl import STABLE, Params, hookimpl
+from stablerl.fused import FusedLoss, masked_count, sign_of_
 from stablerl.ops import LOG_RATIO_BOUND, aggregate, all_within, masked_sum, seq_mean
 from stablerl.params import check
 
@@ -33,43 +34,55 @@ class GMPOParams(Params):
 
 
 def gmpo_loss(b, p: GMPOParams, ctx):
-    mask = b.response_mask
-    # a bool mask gives the same sums (x * True = x, integer counts), and autograd keeps 1 byte
-    # per token for backward instead of a 4-byte float mask
-    valid = b.bool_mask
-    adv = b.advantages
     log_ratio = b.log_prob - b.old_log_prob
     # = clamped_log_ratio(lp, lp_old); within the bound the clamp is the identity (value and gradient) and
     # is skipped, which also spares its backward (two comparisons and a select over [B, T])
     within = all_within(log_ratio, -LOG_RATIO_BOUND, LOG_RATIO_BOUND)
     d = log_ratio if within else torch.clamp(log_ratio, -LOG_RATIO_BOUND, LOG_RATIO_BOUND)
-    sign = torch.sign(adv)
+    sign = torch.sign(b.advantages)
     # with bounds inside +-20, clamping the raw log-ratio gives the same values and gradient as
     # clamping d, and autograd then keeps one saved log-ratio for both clamps instead of two
     inner = log_ratio if max(p.clip_ratio_low, p.clip_ratio_high) <= LOG_RATIO_BOUND else d
     d_clamped = torch.clamp(inner, -p.clip_ratio_low, p.clip_ratio_high)
     d_eff = sign * torch.minimum(sign * d, sign * d_clamped)
+    return _sequence_loss(b, d_eff, ctx), _gmpo_metrics(b, p, d.detach(), d_clamped.detach())
+
+
+def _sequence_loss(b, d_eff, ctx):
+    """From the clipped token log-ratios ``d_eff`` to the loss (with autograd through ``d_eff``)."""
+    # a bool mask gives the same sums (x * True = x), and autograd keeps 1 byte per token for
+    # backward instead of a 4-byte float mask
+    return _loss_from_row_sums(b, masked_sum(d_eff, b.bool_mask, dim=-1), ctx)
+
+
+def _loss_from_row_sums(b, row_sums, ctx):
+    """From the row sums ``sum_t m d_eff`` ([B]) to the loss."""
+    mask = b.response_mask
     # seq_mean(x, valid) with the row lengths counted once (same values)
     lengths = mask.sum(-1).clamp(min=1)
-    ratio = torch.exp(masked_sum(d_eff, valid, dim=-1) / lengths)  # [B] geometric mean of the clipped token ratios
-    seq_adv = masked_sum(adv, valid, dim=-1) / lengths  # sequence-level advantage (0 for an all-masked row)
+    ratio = torch.exp(row_sums / lengths)  # [B] geometric mean of the clipped token ratios
+    # sequence-level advantage (0 for an all-masked row); no gradient, so the float mask: the same
+    # products as the bool mask's, without its conversion to float inside the product
+    seq_adv = masked_sum(b.advantages, mask, dim=-1) / lengths
     seq_loss = -seq_adv * ratio
     if b.is_weights is not None:
         # per-sequence geometric mean of the framework's token IS weights (verl's convention)
-        seq_loss = seq_loss * torch.exp(seq_mean(torch.log(b.is_weights + 1e-10), valid))
+        seq_loss = seq_loss * torch.exp(seq_mean(torch.log(b.is_weights + 1e-10), b.bool_mask))
     # sequence mean over the (global) number of sequences (seq_count from ctx; by default the rows
     # with a valid token): the per-sequence loss aggregated as a one-token "sequence" each
     has_tokens = (mask.sum(-1, keepdim=True) > 0).to(seq_loss.dtype)
-    loss = aggregate(seq_loss.unsqueeze(-1), has_tokens, "seq-mean-token-sum", ctx)
+    return aggregate(seq_loss.unsqueeze(-1), has_tokens, "seq-mean-token-sum", ctx)
 
+
+def _gmpo_metrics(b, p: GMPOParams, d_det, d_clamped):
+    mask, adv = b.response_mask, b.advantages
     with torch.no_grad():
-        d_det = d.detach()
         count = mask.sum().clamp(min=1)  # one token count shared by every metric
-        clipped = d_det != d_clamped.detach()
+        clipped = d_det != d_clamped
         pos, neg = adv > 0, adv < 0
         # bool conditions enter the masked sums as uint8 views: the same 0/1 factors as a float
         # cast (same sums), several times faster on CPU
-        metrics = {
+        return {
             # verl's definitions: any token outside the log band, split by the sign of A
             "pg_clipfrac": masked_sum((clipped & pos).view(torch.uint8), mask) / count,
             "pg_clipfrac_lower": masked_sum((clipped & neg).view(torch.uint8), mask) / count,
@@ -79,7 +92,85 @@ def gmpo_loss(b, p: GMPOParams, ctx):
             # = masked_mean(-d, mask); 0.0 - s (not -s) so an empty sum stays +0.0
             "ppo_kl": (0.0 - masked_sum(d_det, mask)) / count,
         }
-    return loss, metrics
+
+
+def _gmpo_metrics_from_side(b, side, sign, d):
+    """:func:`_gmpo_metrics`'s values from float passes, when the band clamp reads ``d``: ``side``
+    (sign of ``clamp(d) - d``) and ``sign`` (of A) in {-1, 0, 1}. Counts of the four conditions from
+    four exact dot products: with ``u = min(sign * side, 0)``, ``sum(u) = -(high + low)`` and
+    ``sum(u * side) = high - low``; with ``v = sign * |side|``, ``sum(v) = pos - neg`` and
+    ``sum(|v|) = pos + neg`` (0/1 integer sums, exact below 2**24 tokens)."""
+    mask = b.response_mask
+    count = mask.sum().clamp(min=1)
+    u = (sign * side).clamp_(max=0.0)
+    s1, s2 = masked_count(u, mask), masked_count(u.mul_(side), mask)
+    v = torch.abs(side, out=u).mul_(sign)  # u's buffer, no longer needed
+    pv, qv = masked_count(v, mask), masked_count(v.abs_(), mask)
+    return {
+        "pg_clipfrac": ((pv + qv) * 0.5 + 0.0) / count,  # clipped, A > 0
+        "pg_clipfrac_lower": ((qv - pv) * 0.5 + 0.0) / count,  # clipped, A < 0
+        "clip_high": ((s2 - s1) * 0.5 + 0.0) / count,  # A > 0 above the band
+        "clip_low": ((0.0 - s1 - s2) * 0.5 + 0.0) / count,  # A < 0 below the band
+        # = masked_mean(-d, mask); 0.0 - s (not -s) so an empty sum stays +0.0
+        "ppo_kl": (0.0 - masked_sum(d, mask)) / count,
+    }
+
+
+def gmpo_fused(b, p: GMPOParams, ctx):
+    """:func:`gmpo_loss` as a fused form up to the row sums of the clipped token log-ratio ``d_eff =
+    sA min(sA d, sA clamp(d))`` (exp and aggregation after them stay autograd, on [B] tensors).
+    Autograd gives ``d`` the gradient of ``d_eff`` times ``F = sA^2 (M_a + M_c inr)``: ``M`` are
+    ``minimum``'s shares (1, 1/2 on a tie, 0) and ``inr`` the clamp's pass factor, all exact, so the
+    backward is one product with the saved ``F`` (4 bytes a token)."""
+    with torch.no_grad():
+        log_ratio = b.log_prob - b.old_log_prob
+        within = all_within(log_ratio, -LOG_RATIO_BOUND, LOG_RATIO_BOUND)
+        if within:
+            return _gmpo_fused_within(b, p, ctx, log_ratio)
+        d = torch.clamp(log_ratio, -LOG_RATIO_BOUND, LOG_RATIO_BOUND)
+        sign = sign_of_(b.advantages * 1.0)  # torch.sign's values (a zero's sign aside), faster
+        inner_is_d = max(p.clip_ratio_low, p.clip_ratio_high) > LOG_RATIO_BOUND
+        inner = d if inner_is_d else log_ratio
+        d_clamped = torch.clamp(inner, -p.clip_ratio_low, p.clip_ratio_high)
+        a, c = sign * d, sign * d_clamped
+        d_eff = sign * torch.minimum(a, c)
+        share_a = sign_of_(c - a).add_(1.0).mul_(0.5)  # minimum's share for a: 1 where a < c, 1/2 on a tie
+        share_c = 1.0 - share_a
+        in_range = sign_of_(d_clamped - inner).abs_().neg_().add_(1.0)  # clamp passes on [-low, high]
+        factor = share_c.mul_(in_range)
+        # the +-20 clamp's pass factor, on both paths when the inner clamp reads d
+        in20 = sign_of_(d - log_ratio).abs_().neg_().add_(1.0)
+        share_a.mul_(in20)
+        if inner_is_d:
+            factor.mul_(in20)
+        factor.add_(share_a).mul_(sign.mul_(sign))
+        metrics = _gmpo_metrics(b, p, d, d_clamped)
+        # the row sums of the masked d_eff (the float mask: the same products as eager's bool mask);
+        # their backward, expand(g) * m, is folded into the token gradient g_row * F (padding: core)
+        row_sums = masked_sum(d_eff, b.response_mask, dim=-1)
+    return FusedLoss(row_sums, metrics, _row_backward, (factor,), then=lambda out: _loss_from_row_sums(b, out, ctx))
+
+
+def _gmpo_fused_within(b, p: GMPOParams, ctx, d):
+    """:func:`gmpo_fused` when every log-ratio ``d`` is within +-20 (the clamp is skipped): the same
+    values, in place on temporaries (each fresh [B, T] tensor costs its page faults on CPU). With
+    ``inr`` in {0, 1}, ``F = sA^2 (M_a + (1 - M_a) inr) = sA^2 max(M_a, inr)``."""
+    mask = b.response_mask
+    d_clamped = torch.clamp(d, -p.clip_ratio_low, p.clip_ratio_high)
+    side = sign_of_(d_clamped - d)  # -1: above the band, +1: below, 0: inside
+    sign = sign_of_(b.advantages * 1.0)  # torch.sign's values (a zero's sign aside), faster
+    metrics = _gmpo_metrics_from_side(b, side, sign, d)
+    a, c = d.mul_(sign), d_clamped.mul_(sign)  # d is ours (a fresh difference): no longer needed
+    d_eff = torch.minimum(a, c)
+    share_a = sign_of_(c.sub_(a)).add_(1.0).mul_(0.5)  # minimum's share for a: 1 where a < c, 1/2 on a tie
+    d_eff.mul_(sign)
+    factor = torch.maximum(share_a, side.abs_().neg_().add_(1.0), out=share_a).mul_(sign.mul_(sign))
+    row_sums = masked_sum(d_eff, mask, dim=-1)
+    return FusedLoss(row_sums, metrics, _row_backward, (factor,), then=lambda out: _loss_from_row_sums(b, out, ctx))
+
+
+def _row_backward(grad_rows, factor):
+    return grad_rows.unsqueeze(-1) * factor
 
 
 @hookimpl
@@ -88,6 +179,7 @@ def register_policy_losses(register):
         name="gmpo",
         aggregation="sequence mean (seq-mean-token-sum of the per-sequence loss)",
         fn=gmpo_loss,
+        fused=gmpo_fused,
         params=GMPOParams,
         paper="2507.20673",
         title="GMPO: Geometric-Mean Policy Optimization (token clip in log space, sequence objective)",

@@ -24,7 +24,8 @@ import torch
 from stablerl import STABLE, Params, hookimpl
 from stablerl.ops import AGG_MODES, masked_mean, masked_sum
 from stablerl.params import check
-from stablerl.plugins.ppo import ppo_clip_terms
+from stablerl.fused import FusedLoss
+from stablerl.plugins.ppo import ppo_clip_fused, ppo_clip_terms, ratio_backward
 
 # verl clamps the log of the sequence ratio at 10 before exp (its gradient is 0 above it)
 GSPO_LOG_RATIO_MAX = 10.0
@@ -92,11 +93,42 @@ def gspo_loss(b, p: GSPOParams, ctx):
     return pg_losses, metrics
 
 
+def gspo_fused(b, p: GSPOParams, ctx):
+    """:func:`gspo_loss`'s GSPO-token form as a fused form (None for the sequence form, which stays
+    eager). The token ratio's value is the row's ``s_i = exp(min(mean_t m (lp - lp_old), 10))``
+    (``lp - sg(lp)`` is exactly 0), so the per-row ratio broadcasts; its gradient is PPO-clip's
+    factor (no dual clip) times ``s_i``, zero where the clamp at 10 is active: ``(g * -A) * (F s_i)``."""
+    if _sequence_form(b):
+        return None
+    with torch.no_grad():
+        mask = b.response_mask
+        row_tokens = mask.sum(-1)
+        log_ratio = b.log_prob - b.old_log_prob
+        seq_log_ratio = masked_sum(log_ratio, mask, dim=-1) / row_tokens.clamp(min=1)
+        log_s = torch.clamp(seq_log_ratio, max=GSPO_LOG_RATIO_MAX).unsqueeze(-1)
+        ratio = torch.exp(log_s)
+        pg_losses, metrics, neg_adv, factor = ppo_clip_fused(
+            ratio, b.broadcast_advantages, mask, p.clip_ratio_low, p.clip_ratio_high, None)
+        metrics["ppo_kl"] = (0.0 - masked_sum(log_ratio, mask)) / mask.sum().clamp(min=1)
+        # clamp(max=10)'s backward passes the gradient where log s <= 10
+        ratio_factor = factor.mul_(ratio * (seq_log_ratio.unsqueeze(-1) <= GSPO_LOG_RATIO_MAX).to(ratio.dtype))
+        valid_rows = row_tokens > 0
+        s_i = torch.exp(torch.clamp(seq_log_ratio, max=GSPO_LOG_RATIO_MAX))
+        metrics["gspo/seq_ratio_mean"] = masked_mean(s_i, valid_rows.to(s_i.dtype))
+        zero = s_i.new_zeros(1)
+        metrics["gspo/seq_ratio_max"] = torch.cat([torch.where(valid_rows, s_i, zero), zero]).max()
+    # per-token, as the eager token form: [B, 1] advantages with the [B, 1] ratio give one value a row,
+    # and the gradient must reach every token (with IS weights it differs token by token)
+    pg_losses = pg_losses.expand_as(mask)
+    return FusedLoss(pg_losses, metrics, ratio_backward, (neg_adv, ratio_factor), zero_padded=b.seq_advantages is None)
+
+
 @hookimpl
 def register_policy_losses(register):
     register(
         name="gspo",
         fn=gspo_loss,
+        fused=gspo_fused,
         params=GSPOParams,
         paper="2507.18071",
         title="GSPO: Group Sequence Policy Optimization (GSPO-token form)",

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from stablerl import POLICY_LOSS, STABLE, Params, hookimpl
+from stablerl.fused import FusedLoss, fused_log_ratio, sign_of_
 from stablerl.ops import aggregate, clamped_log_ratio, masked_sum
 from stablerl.params import check
 
@@ -84,24 +85,83 @@ def sapo_loss(b, p: SAPOParams, ctx):
     gate = s * (4.0 / tau) if per_row else _ScaleByFourOverTau.apply(s, tau)
     # = -gate * A bit for bit (negation is exact); its backward needs no separate negation pass
     pg_losses = gate * -adv
+    return _sapo_aggregate(b, pg_losses, ctx), _sapo_metrics(log_ratio.detach(), mask)
+
+
+def _sapo_aggregate(b, pg_losses, ctx):
     if b.is_weights is not None:
         pg_losses = pg_losses * b.is_weights
+    per_row = b.seq_advantages is not None
     # core zeroes the per-token advantages on padding and the gate is finite there (r = 1), so
     # pg_losses is exactly +-0 on padding: aggregate without the mask product (bit-identical sums,
     # one [B, T] pass fewer each way, no mask kept for backward); non-finite IS weights on padding
     # make the loss NaN either way. [B, 1] advantages are not zero on padding: the mask product
     # zeroes it there (x * 1 == x on valid tokens, so the sums are the same bit for bit), with a
     # bool mask so that autograd keeps 1 byte per token for backward, not a float copy
-    loss = aggregate(pg_losses, b.bool_mask if per_row else mask, SAPO_AGG_MODE, ctx, zero_padded=not per_row)
+    return aggregate(pg_losses, b.bool_mask if per_row else b.response_mask, SAPO_AGG_MODE, ctx,
+                     zero_padded=not per_row)
+
+
+def _sapo_metrics(log_ratio, mask):
     with torch.no_grad():
         zero = torch.zeros((), dtype=mask.dtype, device=mask.device)
-        metrics = {
+        return {
             "pg_clipfrac": zero,  # no hard clip (verl reports 0 for compatibility)
             "pg_clipfrac_lower": zero,
             # = masked_mean(-log_ratio, mask); 0.0 - s (not -s) so an empty sum stays +0.0
             "ppo_kl": (0.0 - masked_sum(log_ratio, mask)) / mask.sum().clamp(min=1),
         }
-    return loss, metrics
+
+
+def _temperatures(adv, tau_pos: float, tau_neg: float, dtype):
+    """``where(A > 0, tau_pos, tau_neg)`` in ``dtype`` without ``torch.where`` (not vectorised on
+    CPU): ``pos * tau_pos + (1 - pos) * tau_neg`` with ``pos`` in {0, 1} is exact (``1 * t + 0 == t``)."""
+    pos = torch.relu_(sign_of_(adv.to(dtype) * 1.0))
+    other = (1.0 - pos).mul_(tau_neg)
+    return pos.mul_(tau_pos).add_(other)
+
+
+def sapo_fused(b, p: SAPOParams, ctx):
+    """:func:`sapo_loss` as a fused form. Autograd's gradient of ``(sigmoid(tau (r - 1)) * (4 / tau))
+    * -A`` with respect to lp, step by step: ``sigmoid_backward((g * -A) * (4 / tau), s) * tau * r``
+    (times the +-20 clamp's pass factor). Keeps ``s``, ``r``, ``-A`` and ``tau``; for half-precision
+    inputs with per-token advantages, ``-A`` and ``tau`` are rebuilt from the caller's advantages
+    instead (8 bytes a token instead of 16)."""
+    mask = b.response_mask
+    per_row = b.seq_advantages is not None
+    adv = b.broadcast_advantages
+    with torch.no_grad():
+        log_ratio, in_range = fused_log_ratio(b.log_prob, b.old_log_prob)
+        metrics = _sapo_metrics(log_ratio, mask)
+        # in place on temporaries: each fresh [B, T] tensor costs its page faults on CPU
+        ratio = torch.exp(log_ratio, out=log_ratio) if in_range is None else torch.exp(log_ratio)
+        tau = _temperatures(adv, p.tau_pos, p.tau_neg, ratio.dtype)
+        s = torch.sub(ratio, 1.0).mul_(tau).sigmoid_()  # = sigmoid(tau * (r - 1)) (the product commutes)
+        four_over_tau = 4.0 / tau
+        gate = four_over_tau.mul_(s) if four_over_tau.shape == s.shape else s * four_over_tau
+        neg_adv = -adv
+        pg_losses = gate.mul_(neg_adv)  # = (s * (4 / tau)) * -A
+        if in_range is not None:
+            ratio = ratio.mul_(in_range)  # the clamp's pass factor (0/1), exact; applied last in backward
+    taus = (p.tau_pos, p.tau_neg)
+    half = b.fused_inputs is not None and b.fused_inputs.log_prob.dtype in (torch.float16, torch.bfloat16)
+    if per_row or not half:  # keep -A and tau (fp32 in: 16 bytes a token, verl's sapo keeps 20)
+        saved = (neg_adv, tau, s, ratio)
+        backward = _sapo_grad
+    else:  # half precision: 8 bytes a token (verl's bf16 sapo keeps 10); -A from the caller's tensor
+        inputs = b.fused_inputs
+
+        def backward(g, advantages, valid, s, ratio):
+            neg_adv = -inputs.clean(advantages, valid)
+            tau = _temperatures(-neg_adv, *taus, s.dtype)
+            return _sapo_grad(g, neg_adv, tau, s, ratio)
+
+        saved = (inputs.advantages, inputs.valid, s, ratio)
+    return FusedLoss(pg_losses, metrics, backward, saved, then=lambda out: _sapo_aggregate(b, out, ctx))
+
+
+def _sapo_grad(g, neg_adv, tau, s, ratio):
+    return torch.ops.aten.sigmoid_backward((g * neg_adv) * (4.0 / tau), s).mul_(tau).mul_(ratio)
 
 
 @hookimpl
@@ -111,6 +171,7 @@ def register_policy_losses(register):
         aggregation=SAPO_AGG_MODE,
         kind=POLICY_LOSS,
         fn=sapo_loss,
+        fused=sapo_fused,
         params=SAPOParams,
         paper="2511.20347",
         title="SAPO: soft adaptive policy optimization (sigmoid gate on the token ratio instead of a hard clip)",

@@ -171,6 +171,10 @@ def _half_inputs(dtype, B=6, T=40):
 def _loss_and_grad(name, inp, **kw):
     from stablerl import bench
 
+    # the recompute path; the fused path, which takes precedence where a loss has one, is
+    # tests/test_fused.py's
+    kw.setdefault("fused", False)
+
     spec = stablerl.get_spec("policy_loss", name)
     lp = inp["log_prob"].detach().clone().requires_grad_(True)
 
@@ -211,6 +215,16 @@ def test_recompute_only_where_a_second_forward_is_the_same():
     # fp32 inputs: nothing to recompute
     *_, saved = _loss_and_grad("vanilla", _half_inputs(torch.float32), recompute_half=True)
     assert saved > 4
+
+
+def test_fused_path_takes_precedence_over_recompute():
+    inp = _half_inputs(torch.bfloat16)
+    loss, grad, metrics, saved = _loss_and_grad("vanilla", inp, recompute_half=True, fused=True)
+    kept_loss, kept_grad, kept_metrics, _ = _loss_and_grad("vanilla", inp)
+    B, T = inp["log_prob"].shape
+    # -A and the ratio factor (fp32), not the recompute path's 4-byte loss
+    assert saved > 4 and saved <= 2 * 4 * B * T + 64
+    assert torch.equal(loss, kept_loss) and torch.equal(grad, kept_grad) and metrics == kept_metrics
 
 
 def test_recompute_switch_from_the_environment(monkeypatch):

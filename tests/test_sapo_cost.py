@@ -79,16 +79,29 @@ def test_sapo_is_bit_identical_to_the_plain_computation(dtype, pad, weights, tau
     assert torch.equal(bits(g[~mask]), torch.zeros_like(bits(g[~mask])))
 
 
-def test_sapo_keeps_four_token_tensors_for_backward():
+def test_sapo_keeps_four_token_tensors_for_backward(monkeypatch):
     # verl's compute_policy_loss_sapo keeps five new [B, T] float tensors (clamp input, ratio, tau,
-    # sigmoid, 4/tau) plus the caller's advantages; stablerl keeps four (ratio, tau, sigmoid, its
-    # zero-padded advantages). Every log-ratio is within +-20 here, so the clamp is skipped and keeps
-    # nothing (beyond the bound it keeps a 1-byte in-range mask: tests/test_clamped_log_ratio.py)
+    # sigmoid, 4/tau) plus the caller's advantages; stablerl's eager path keeps four (ratio, tau,
+    # sigmoid, its zero-padded advantages). Every log-ratio is within +-20 here, so the clamp is
+    # skipped and keeps nothing (beyond the bound it keeps a 1-byte in-range mask:
+    # tests/test_clamped_log_ratio.py)
+    monkeypatch.setenv("STABLERL_FUSED", "0")
     B, T = 4, 32
     inputs = bench.make_inputs(B, T, torch.float32)
     saved = bench.saved_bytes(bench.ours_fn("sapo", inputs), inputs)
     # + the row token counts [B] (fp32), the sequence count (int64) and the scalar loss (fp32)
     assert saved == 4 * B * T * 4 + B * 4 + 8 + 4
+
+
+@pytest.mark.parametrize("dtype,tensors", [(torch.float32, 4), (torch.bfloat16, 2)])
+def test_sapo_fused_keeps_four_fp32_token_tensors_or_two_for_half_inputs(dtype, tensors):
+    # the fused path keeps the sigmoid, the ratio, -A and tau (fp32 in: verl keeps 20 bytes a token,
+    # this 16); for bf16 in, -A and tau are rebuilt in backward from the caller's advantages (verl's
+    # bf16 sapo keeps 10 bytes a token, this 8)
+    B, T = 4, 32
+    inputs = bench.make_inputs(B, T, dtype)
+    saved = bench.saved_bytes(bench.ours_fn("sapo", inputs), inputs)
+    assert saved == tensors * B * T * 4 + B * 4 + 8 + 4
 
 
 @pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"])

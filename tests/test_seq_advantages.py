@@ -121,7 +121,8 @@ def saved_for_backward(name, adv, lp, old, mask, mode="token-mean"):
     ("vanilla", lambda a: (-a, -a * 3.0)),  # -A (twice: with r and with clip(r)), -A c of the dual clip
     ("gspo", lambda a: (-a,)),  # -A (twice)
 ])
-def test_fast_path_keeps_no_per_token_advantage_copy(name, copies):
+def test_fast_path_keeps_no_per_token_advantage_copy(name, copies, monkeypatch):
+    monkeypatch.setenv("STABLERL_FUSED", "0")  # the eager path's saved tensors (the fused path: tests/test_fused.py)
     lp, old, a, valid = dirty_batch(torch.float32, seed=5, garbage=False)
     B, T = lp.shape
     a[2] = 0.0  # as core cleans it
@@ -148,6 +149,7 @@ def test_fast_path_keeps_no_per_token_advantage_copy(name, copies):
 
 
 def test_batch_seen_by_losses(monkeypatch):
+    monkeypatch.setenv("STABLERL_FUSED", "0")  # spies on the eager functions
     lp, old, a, valid = dirty_batch(torch.float32, seed=7)
     B, T = lp.shape
     seen = {}
@@ -195,6 +197,7 @@ def test_only_policy_losses_may_opt_in():
 
 
 def test_losses_see_cores_bool_mask(monkeypatch):
+    monkeypatch.setenv("STABLERL_FUSED", "0")  # spies on the eager function
     # batch.valid_tokens is the very bool tensor core aggregates with (a bool caller mask is used as is), so a
     # loss masking with batch.bool_mask keeps no second mask; a hand-built batch falls back to a bool copy
     lp, old, a, valid = dirty_batch(torch.float32, seed=11)

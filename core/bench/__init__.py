@@ -33,7 +33,9 @@ Nothing is written unless ``--out`` is given.
 
 ``--json`` prints one JSON object: ``losses.<name>`` has ``baseline`` (``verl:<name>`` or
 ``stablerl:vanilla``), ``time_ratio`` and ``mem_ratio`` (worst case over shapes/dtypes of the
-median per-repeat ratio), and the per-case details; ``trl.losses.<label>`` the same against TRL
+median per-repeat ratio), and the per-case details (for a loss with a fused form, the case's
+headline numbers are the fused path's, ``path`` says which path ran, and ``eager`` holds the same
+call with ``STABLERL_FUSED=0`` against the same baseline, itself on the eager path for ``vanilla``); ``trl.losses.<label>`` the same against TRL
 (``baseline`` ``trl:<loss_type>``, ``ours`` ``stablerl:<name>``; ``trl`` is ``{"skipped": reason}``
 without TRL); ``routing_replay`` has the forward-time ratio
 replay on / off on a tiny Qwen3-MoE and the bytes per token of the stored routes (when
@@ -220,22 +222,33 @@ def _verl_call(fn: Callable, inputs: dict, cfg, loss_agg_mode: str) -> Callable:
     return call
 
 
-def with_recompute(call: Callable) -> Callable:
-    """``call`` with ``STABLERL_RECOMPUTE_HALF=1`` during its forward (the adapters do not pass
-    ``recompute_half``; the choice is made in forward, backward then recomputes)."""
+def with_env(call: Callable, **env: str) -> Callable:
+    """``call`` with the environment variables ``env`` set during its forward (the adapters pass
+    neither ``recompute_half`` nor ``fused``; both are chosen in forward)."""
 
     def wrapped(lp: torch.Tensor):
-        before = os.environ.get("STABLERL_RECOMPUTE_HALF")
-        os.environ["STABLERL_RECOMPUTE_HALF"] = "1"
+        before = {k: os.environ.get(k) for k in env}
+        os.environ.update(env)
         try:
             return call(lp)
         finally:
-            if before is None:
-                del os.environ["STABLERL_RECOMPUTE_HALF"]
-            else:
-                os.environ["STABLERL_RECOMPUTE_HALF"] = before
+            for k, v in before.items():
+                if v is None:
+                    del os.environ[k]
+                else:
+                    os.environ[k] = v
 
     return wrapped
+
+
+def with_recompute(call: Callable) -> Callable:
+    """``call`` with ``STABLERL_RECOMPUTE_HALF=1`` (and the fused path off, which takes precedence)."""
+    return with_env(call, STABLERL_RECOMPUTE_HALF="1", STABLERL_FUSED="0")
+
+
+def eager(call: Callable) -> Callable:
+    """``call`` with the fused path off (``STABLERL_FUSED=0``)."""
+    return with_env(call, STABLERL_FUSED="0")
 
 
 # ----------------------------------------------------------------------------- measurement
@@ -521,6 +534,10 @@ def run(
         result["note"] = "verl is not installed: only the relative-to-vanilla table (pip install 'stablerl[verl]')"
     recompute_on = os.environ.get("STABLERL_RECOMPUTE_HALF", "0") not in ("", "0", "false", "False")
     result["config"]["recompute_half"] = recompute_on
+    from stablerl.fused import fused_requested
+
+    fused_on = fused_requested(None)
+    result["config"]["fused"] = fused_on
     torch.manual_seed(0)
     for label, B, T in shapes:
         for dname in dtypes:
@@ -536,6 +553,14 @@ def run(
                         entry["baseline"] = f"verl:{VERL_TWINS[name]}"
                         row = compare(ours, base, inputs, device, repeats, max_s=max_s)
                         row.update(agreement(ours, base, inputs))
+                        has_fused = stablerl.get_spec(POLICY_LOSS, name).fused is not None
+                        row["path"] = "fused" if has_fused and fused_on else "eager"
+                        if row["path"] == "fused":
+                            # the same adapter call on the eager path, against the same baseline
+                            again = compare(eager(ours), base, inputs, device, repeats, max_s=max_s)
+                            row["eager"] = {k: again[k] for k in (
+                                "time_ratio", "time_ratio_min", "time_ratio_best", "mem_ratio", "ours_ms_min",
+                                "ours_ms_median", "ours_mem_mb")}
                         if DTYPES[dname] in (torch.bfloat16, torch.float16) and not recompute_on:
                             # the same adapter call with the fp32 forward recomputed in backward
                             again = compare(with_recompute(ours), base, inputs, device, repeats, max_s=max_s)
@@ -545,12 +570,22 @@ def run(
                         ours = ours_fn(name, inputs)
                         entry["baseline"] = "stablerl:vanilla"
                         row = compare(ours, vanilla_ours, inputs, device, repeats, max_s=max_s)
+                        row["path"] = "fused" if fused_on and stablerl.get_spec(POLICY_LOSS, name).fused else "eager"
+                        if row["path"] == "fused":
+                            # both on the eager path (the baseline vanilla too)
+                            again = compare(eager(ours), eager(vanilla_ours), inputs, device, repeats, max_s=max_s)
+                            row["eager"] = {k: again[k] for k in (
+                                "time_ratio", "time_ratio_min", "time_ratio_best", "mem_ratio", "ours_ms_min",
+                                "ours_ms_median", "ours_mem_mb")}
                 except Exception as e:  # noqa: BLE001 - one broken loss must not stop the bench
                     row = {"error": f"{type(e).__name__}: {e}"}
                 entry["cases"][case] = row
                 log(f"{case:<22} {name:<14} " + (
                     f"time x{row['time_ratio']:.2f} (best/best x{row['time_ratio_best']:.2f})  mem x{row['mem_ratio']:.2f}  "
-                    f"vs {entry['baseline']}" if "error" not in row else row["error"]))
+                    f"vs {entry['baseline']}" + (
+                        f"  [{row['path']}; eager: time x{row['eager']['time_ratio']:.2f}  mem x{row['eager']['mem_ratio']:.2f}]"
+                        if "eager" in row else f"  [{row['path']}]" if "path" in row else "")
+                    if "error" not in row else row["error"]))
             for pair in trl_pairs:
                 entry = result["trl"]["losses"][pair]
                 try:
@@ -604,8 +639,8 @@ def markdown(result: dict) -> str:
         head = "| loss | baseline | case | time ratio median [min] | best/best | ours ms best (median) | base ms best (median) | mem ratio | ours MiB | base MiB |"
         sep = "|---|---|---|---|---|---|---|---|---|---|"
         if agree:
-            head += " loss diff | grad rel diff | recompute_half: time / mem ratio |"
-            sep += "---|---|---|"
+            head += " path | eager: time ratio median [min] / mem ratio | loss diff | grad rel diff | recompute_half: time / mem ratio |"
+            sep += "---|---|---|---|---|"
         lines.extend([head, sep])
         for name, e in entries.items():
             for case, c in e["cases"].items():
@@ -618,6 +653,9 @@ def markdown(result: dict) -> str:
                     f"{c['mem_ratio']:.2f} | {c['ours_mem_mb']:.1f} | {c['base_mem_mb']:.1f} |"
                 )
                 if agree:
+                    ec = c.get("eager")
+                    row += f" {c.get('path', '-')} |"
+                    row += f" {ec['time_ratio']:.2f} [{ec['time_ratio_min']:.2f}] / {ec['mem_ratio']:.2f} |" if ec else " - |"
                     row += f" {c['loss_abs_diff']:.1e} | {c['grad_max_rel_diff']:.1e} |"
                     rc = c.get("recompute_half")
                     row += f" {rc['time_ratio']:.2f} / {rc['mem_ratio']:.2f} |" if rc else " - |"
