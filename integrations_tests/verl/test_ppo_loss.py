@@ -158,7 +158,10 @@ def test_policy_loss_config_fields(adapter):
                 assert p in names, (spec.name, p)
     # only what can run in verl: losses verl cannot feed (entropy, rollout log-probs...) add no keys
     owners = adapter.registration_report()["policy_loss_config_fields"]
-    assert all(set(algos) <= registered for algos in owners.values())
+    # the trainer-hook selection keys are the one exception: owned by the hook kind, not by a loss
+    assert {k for k, algos in owners.items() if algos == ["(trainer hook)"]} == {"stablerl_trainer_hook",
+                                                                              "stablerl_trainer_hook_params"}
+    assert all(set(algos) <= registered for k, algos in owners.items() if not k.startswith("stablerl_trainer_hook"))
     assert set(owners) == names - verl_names
     cfg = PLC(loss_mode="x")
     assert all(getattr(cfg, n) is None for n in names - verl_names)
