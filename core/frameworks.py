@@ -357,7 +357,17 @@ PRECEDENCE = (
 #: ``delta_l`` (``loss_agg_mode`` replaces the framework's own mode) and a stablerl rollout correction, each
 #: with its own hyper-parameters. They act only on a stablerl policy loss (the framework's own loss never
 #: calls compute_policy_loss).
-CALL_OPTIONS = ("loss_agg_mode", "loss_agg_params", "rollout_correction", "rollout_correction_params")
+CALL_OPTIONS = ("loss_agg_mode", "loss_agg_params", "rollout_correction", "rollout_correction_params",
+                "top_entropy_quantile")
+#: the input ``top_entropy_quantile < 1`` needs from the framework, and where it reaches a stablerl loss
+TOP_ENTROPY_INPUT = "entropy"
+
+
+def top_entropy_on(options: Mapping[str, Any]) -> bool:
+    """Whether the call options train on a top-entropy fraction only (``top_entropy_quantile < 1``): the
+    adapter must then feed the current policy's ``entropy`` even to a loss that does not declare it."""
+    value = options.get("top_entropy_quantile")
+    return value is not None and not isinstance(value, bool) and isinstance(value, (int, float)) and value < 1.0
 #: the call option that selects an algorithm of each of these kinds
 CALL_OPTION_OF_KIND = {"aggregation": "loss_agg_mode", "rollout_correction": "rollout_correction"}
 
@@ -411,6 +421,22 @@ def check_call_options(framework: FrameworkSpec | str, spec: AlgorithmSpec, opti
             )
     elif correction_params:
         raise StableRLError("rollout_correction_params given without rollout_correction")
+    if "top_entropy_quantile" in options:
+        from .checks import check_top_entropy_quantile
+
+        quantile = check_top_entropy_quantile(options["top_entropy_quantile"])
+        if quantile < 1.0:
+            if spec.output != "per_token":
+                raise StableRLError(
+                    f"top_entropy_quantile={quantile} weights the per-token loss before aggregation; policy loss "
+                    f"{spec.name!r} returns a {spec.output} (its own aggregation), so there is no per-token loss to mask"
+                )
+            can = fw.feedable.get("policy_loss", ()) if feedable is None else feedable
+            if TOP_ENTROPY_INPUT not in can:
+                raise MissingInputError(
+                    f"top_entropy_quantile={quantile} needs the current policy's entropy, which {fw.name} cannot "
+                    f"provide to a policy loss ({fw.why(spec.kind, TOP_ENTROPY_INPUT)})"
+                )
 
 
 @dataclass(frozen=True)

@@ -53,7 +53,7 @@ from stablerl import routing_replay as rr
 from stablerl.contracts import (ADVANTAGE_ESTIMATOR, BATCH_FILTER, CONTROLLER, OPTIONAL_INPUTS, POLICY_LOSS,
                                 REWARD_SHAPER, ROLLOUT_CORRECTION, TRAINER_HOOK, ParamsView)
 from stablerl.frameworks import (UnsupportedVersionError, apply_filter_result, as_params, check_call_options,
-                                 check_framework_keys_used, check_shaper_and_components, split_call_options,
+                                 check_framework_keys_used, check_shaper_and_components, split_call_options, top_entropy_on,
                                  check_inputs, check_version, effective_hyperparameters, get_framework, log_effective_settings,
                                  resolve, version_in_range)
 from stablerl.ops import AGG_MODES, last_valid_index, scores_on_last_token
@@ -690,6 +690,7 @@ class GRPOTrainer(_trl.GRPOTrainer):
             log_effective_settings(TRL, stablerl.get_spec(POLICY_LOSS, self._stablerl_loss), settings)
             self._stablerl_loss_params, options = split_call_options(as_params(settings))
             self._stablerl_call_options = without_rollout_correction(options)  # the correction: below, either spelling
+        self._stablerl_top_entropy = top_entropy_on(self._stablerl_call_options)
         if self._stablerl_estimator:
             settings = advantage_settings(cfg, self._stablerl_estimator)
             log_effective_settings(TRL, stablerl.get_spec(ADVANTAGE_ESTIMATOR, self._stablerl_estimator), settings)
@@ -1590,7 +1591,8 @@ class GRPOTrainer(_trl.GRPOTrainer):
             rollout_log_prob=rollout_log_prob,
             # only to a loss that reads it (undeclared inputs are never read: stablerl.testing checks it),
             # so the others skip core's clean-up pass over it
-            entropy=entropies if "entropy" in spec.reads else None,
+            # (and to any loss with stablerl_loss_params' top_entropy_quantile < 1, which masks by it)
+            entropy=entropies if "entropy" in spec.reads or self._stablerl_top_entropy else None,
             ctx=ctx,
             is_weights=is_weights,
             **extra,
