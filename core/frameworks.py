@@ -439,6 +439,33 @@ def check_call_options(framework: FrameworkSpec | str, spec: AlgorithmSpec, opti
                 )
 
 
+TOP_ENTROPY_TEXT = (
+    "top_entropy_quantile  (call option of every per-token stablerl policy loss, stable)\n"
+    "Train only on the highest-entropy fraction of tokens (TRL's top_entropy_quantile)\n"
+    "paper:     arXiv 2506.01939  https://arxiv.org/abs/2506.01939\n"
+    "formula:   l_t <- l_t * [H_t >= quantile(H over the valid tokens of every DP rank, 1 - q)]; the aggregation's "
+    "denominator is unchanged\n"
+    "defaults:  top_entropy_quantile=1.0 (off); any value in (0, 1]\n"
+    "requires:  entropy (the current policy's, from the loss's own forward pass)\n"
+    "reference: TRL 1.16 GRPOTrainer.get_high_entropy_mask (same mask, ties at the threshold kept)\n"
+    "notes:     not for a loss returning a scalar (its own aggregation: gmpo, sapo, ...): refused by name"
+)
+
+
+def top_entropy_reach(framework: FrameworkSpec | str) -> tuple[str, list[str]]:
+    """``(reach, config lines)`` of the ``top_entropy_quantile`` call option in ``framework``: set in the
+    stablerl loss's params like ``loss_agg_mode``; partial where the framework computes the current
+    entropy only on request (verl: ``actor.calculate_entropy=True``), refused where it cannot feed it."""
+    fw = _declared(framework)
+    if TOP_ENTROPY_INPUT not in fw.feedable.get(POLICY_LOSS_KIND, ()):
+        return REFUSED, [fw.why(POLICY_LOSS_KIND, TOP_ENTROPY_INPUT)]
+    lines = [stablerl_key(fw, POLICY_LOSS_KIND, "top_entropy_quantile", 0.2)]
+    condition = fw.condition(POLICY_LOSS_KIND, TOP_ENTROPY_INPUT)
+    if condition:
+        lines.append(f"(needs {TOP_ENTROPY_INPUT}: {condition})")
+    return (PARTIAL if condition else SELECTABLE), lines
+
+
 @dataclass(frozen=True)
 class Setting:
     """One effective hyper-parameter: its value, where it came from, and the key that sets it."""

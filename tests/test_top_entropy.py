@@ -180,3 +180,18 @@ def test_framework_channel():
         F.check_call_options("verl", vanilla, options, feedable={"token_ids"})
     with pytest.raises(stablerl.StableRLError, match="returns a scalar"):
         F.check_call_options("verl", stablerl.get_spec("policy_loss", "gmpo"), options)
+
+
+def test_describe_and_list_report_reach(capsys):
+    from stablerl.cli import main
+
+    assert F.top_entropy_reach("verl")[0] == "partial"  # verl computes the update's entropy only on request
+    assert "calculate_entropy=True" in F.top_entropy_reach("verl")[1][-1]
+    assert F.top_entropy_reach("trl")[0] == F.top_entropy_reach("openrlhf")[0] == "selectable"
+    assert main(["describe", "top_entropy_quantile"]) == 0
+    out = capsys.readouterr().out
+    assert "+actor_rollout_ref.actor.policy_loss.stablerl_params={top_entropy_quantile:0.2}" in out
+    assert 'stablerl_loss_params={"top_entropy_quantile": 0.2}' in out
+    assert "--actor.stablerl_params top_entropy_quantile=0.2" in out
+    assert main(["list", "--brief"]) == 0
+    assert "top_entropy_quantile (verl: partial, trl: selectable, openrlhf: selectable" in capsys.readouterr().out
