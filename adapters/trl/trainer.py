@@ -372,6 +372,12 @@ def validate_stablerl_args(args, warn: bool = True) -> tuple[Optional[str], Opti
         # the rollout correction, by either spelling, is checked once below (check_rollout_correction)
         check_call_options(TRL, spec, without_rollout_correction(options), hyper,
                            feedable=TRL.feedable[POLICY_LOSS] - (set() if vllm_is else _LOSS_INPUTS_VLLM_IS))
+        if "top_entropy_quantile" in options and getattr(args, "top_entropy_quantile", 1.0) < 1.0:
+            raise StableRLError(
+                f"top_entropy_quantile is set twice: TRL's top_entropy_quantile={args.top_entropy_quantile} and "
+                f"stablerl_loss_params' {options['top_entropy_quantile']}; set one (TRL's also restricts its entropy "
+                "bonus to the kept tokens, stablerl's masks only the policy loss)"
+            )
         if agg not in AGG_MODES:
             raise UnknownNameError(unknown_name_message("stablerl_loss_agg_mode", agg, AGG_MODES))
         check_loss_inputs(loss, bool(args.use_vllm and args.vllm_importance_sampling_correction),

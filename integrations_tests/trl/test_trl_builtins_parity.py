@@ -189,3 +189,16 @@ def test_high_entropy_mask_equals_trls_get_high_entropy_mask(ties, quantile):
     empty = torch.zeros(3, 4)
     assert torch.equal(high_entropy_mask(torch.rand(3, 4), empty.bool(), quantile),
                        TRLGRPOTrainer.get_high_entropy_mask(host, torch.rand(3, 4), empty, 1 - quantile))
+
+
+def test_top_entropy_quantile_set_twice_is_refused():
+    from stablerl.adapters.trl import GRPOConfig
+
+    cpu = dict(output_dir="/tmp/stablerl-trl-builtins-test", use_cpu=True, bf16=False, report_to="none")
+    with pytest.raises(stablerl.StableRLError, match="top_entropy_quantile is set twice"):
+        GRPOConfig(loss_type="vanilla", top_entropy_quantile=0.5, stablerl_loss_params={"top_entropy_quantile": 0.2},
+                   **cpu)
+    with pytest.raises(stablerl.StableRLError, match=r"top_entropy_quantile must be in \(0, 1\]"):
+        GRPOConfig(loss_type="vanilla", stablerl_loss_params={"top_entropy_quantile": 2}, **cpu)
+    with pytest.raises(stablerl.StableRLError, match="'gmpo' returns a scalar"):
+        GRPOConfig(loss_type="gmpo", stablerl_loss_params={"top_entropy_quantile": 0.2}, **cpu)
