@@ -696,7 +696,6 @@ class GRPOTrainer(_trl.GRPOTrainer):
             log_effective_settings(TRL, stablerl.get_spec(POLICY_LOSS, self._stablerl_loss), settings)
             self._stablerl_loss_params, options = split_call_options(as_params(settings))
             self._stablerl_call_options = without_rollout_correction(options)  # the correction: below, either spelling
-        self._stablerl_top_entropy = top_entropy_on(self._stablerl_call_options)
         if self._stablerl_estimator:
             settings = advantage_settings(cfg, self._stablerl_estimator)
             log_effective_settings(TRL, stablerl.get_spec(ADVANTAGE_ESTIMATOR, self._stablerl_estimator), settings)
@@ -1598,7 +1597,7 @@ class GRPOTrainer(_trl.GRPOTrainer):
             # only to a loss that reads it (undeclared inputs are never read: stablerl.testing checks it),
             # so the others skip core's clean-up pass over it
             # (and to any loss with stablerl_loss_params' top_entropy_quantile < 1, which masks by it)
-            entropy=entropies if "entropy" in spec.reads or self._stablerl_top_entropy else None,
+            entropy=entropies if "entropy" in spec.reads or top_entropy_on(self._stablerl_call_options) else None,
             ctx=ctx,
             is_weights=is_weights,
             **extra,
