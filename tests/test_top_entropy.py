@@ -195,3 +195,41 @@ def test_describe_and_list_report_reach(capsys):
     assert "--actor.stablerl_params top_entropy_quantile=0.2" in out
     assert main(["list", "--brief"]) == 0
     assert "top_entropy_quantile (verl: partial, trl: selectable, openrlhf: selectable" in capsys.readouterr().out
+
+
+def _gloo_rank(rank, world):
+    """Rank r holds rows [r*3, (r+1)*3) of a 6-row batch (unequal valid-token counts per rank)."""
+    g = torch.Generator().manual_seed(21)
+    lp_all = torch.randn(6, 8, generator=g, dtype=torch.float64) * 0.3 - 1.0
+    old_all = lp_all + 0.1 * torch.randn(6, 8, generator=g, dtype=torch.float64)
+    adv_all = torch.randn(6, generator=g, dtype=torch.float64)
+    ent_all = torch.rand(6, 8, generator=g, dtype=torch.float64) * 2
+    lengths = torch.tensor([8, 2, 5, 7, 1, 3])
+    mask_all = torch.arange(8).unsqueeze(0) < lengths.unsqueeze(-1)
+    rows = slice(rank * 3, rank * 3 + 3)
+    lp = lp_all[rows].clone().requires_grad_(True)
+    ctx = stablerl.torch_distributed_context(token_count=float(mask_all.sum()), seq_count=6.0)
+    loss, _ = stablerl.compute_policy_loss("vanilla", log_prob=lp, old_log_prob=old_all[rows], advantages=adv_all[rows],
+                                           response_mask=mask_all[rows], entropy=ent_all[rows], ctx=ctx,
+                                           top_entropy_quantile=0.3)
+    (grad,) = torch.autograd.grad(loss, lp)
+    keep = high_entropy_mask(ent_all[rows], mask_all[rows], 0.3, ctx)
+    # / world: the framework averages the gradients over ranks (DDP)
+    return {"grad": grad / world, "keep": keep, "data": (lp_all, old_all, adv_all, ent_all, mask_all)}
+
+
+def test_two_gloo_ranks_equal_one_rank_with_the_whole_batch():
+    from stablerl.testing import launch_gloo
+
+    results = launch_gloo(_gloo_rank, 2)
+    lp_all, old_all, adv_all, ent_all, mask_all = results[0]["data"]
+    lp = lp_all.clone().requires_grad_(True)
+    loss, _ = stablerl.compute_policy_loss("vanilla", log_prob=lp, old_log_prob=old_all, advantages=adv_all,
+                                           response_mask=mask_all, entropy=ent_all, top_entropy_quantile=0.3)
+    (grad,) = torch.autograd.grad(loss, lp)
+    keep = high_entropy_mask(ent_all, mask_all, 0.3)
+    assert torch.equal(torch.cat([r["keep"] for r in results]), keep)
+    torch.testing.assert_close(torch.cat([r["grad"] for r in results]), grad, rtol=1e-12, atol=1e-15)
+    # each rank alone would pick another threshold
+    assert not torch.equal(torch.cat([high_entropy_mask(ent_all[s], mask_all[s], 0.3)
+                                      for s in (slice(0, 3), slice(3, 6))]), keep)
