@@ -75,7 +75,7 @@ def test_two_ranks_share_one_threshold():
     assert not torch.equal(torch.cat([high_entropy_mask(ei, mi, 0.3) for ei, mi in halves]), whole)
 
 
-@pytest.mark.parametrize("name", ["vanilla", "cispo", "gspo", "sapo", "gpg"])
+@pytest.mark.parametrize("name", ["vanilla", "cispo", "gspo", "bapo", "gpg", "dppo_tv"])
 @pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"])
 def test_loss_is_the_per_token_loss_times_the_mask_same_denominator(name, agg):
     """== the loss with the mask as per-token weights (TRL multiplies per_token_loss by it and keeps its
