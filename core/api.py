@@ -35,11 +35,13 @@ from .checks import (  # noqa: F401  (is_binary_mask: also stablerl.api's, as be
     check_mask,
     check_per_response,
     check_token_leading,
+    check_top_entropy_quantile,
     is_binary_mask,
     require_float,
     require_tensor,
 )
-from .ops import AGG_MODES, aggregate, as_floats, ensure_same_shape, group_ids, is_functorch_wrapped, masked_tangent
+from .ops import (AGG_MODES, aggregate, as_floats, ensure_same_shape, group_ids, high_entropy_mask, is_functorch_wrapped,
+                  masked_tangent)
 from .params import MissingInputError, StableRLError, UnknownNameError, build_params, unknown_name_message
 from .registry import get_registry
 
@@ -196,6 +198,7 @@ def compute_policy_loss(
     check_finite: bool = True,
     recompute_half: Optional[bool] = None,
     fused: Optional[bool] = None,
+    top_entropy_quantile: float = 1.0,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Compute the registered policy loss ``name``.
@@ -222,6 +225,11 @@ def compute_policy_loss(
     values, without an autograd graph for the formula, keeping one or two fp32 per-token factors
     (for any input dtype) instead of the eager intermediates. ``fused=False`` or ``STABLERL_FUSED=0``
     turns it off. It takes precedence over ``recompute_half``.
+
+    ``top_entropy_quantile < 1`` (TRL's option, arXiv 2506.01939) trains only on the valid tokens whose
+    current ``entropy`` is in that top fraction over every DP rank (:func:`stablerl.ops.high_entropy_mask`):
+    the mask multiplies the per-token loss as a weight, like TRL, so the aggregation's denominator
+    (token or sequence counts) is unchanged. Per-token losses only; it needs ``entropy``.
     """
     spec = get_spec(POLICY_LOSS, name)
     inputs = {k: kwargs.pop(k) for k in list(kwargs) if k in _LOSS_INPUTS}
@@ -245,6 +253,17 @@ def compute_policy_loss(
         raise StableRLError("rollout_correction_params given without rollout_correction")
     ctx = ctx or Context()
     check_aggregation_request(spec, params, loss_agg_mode, loss_agg_params)
+    top_entropy_quantile = check_top_entropy_quantile(top_entropy_quantile)
+    if top_entropy_quantile < 1.0:
+        if spec.output != "per_token":
+            raise StableRLError(
+                f"top_entropy_quantile={top_entropy_quantile} weights the per-token loss before aggregation; policy loss "
+                f"{name!r} returns a {spec.output} (its own aggregation over the sequence), so there is no per-token "
+                "loss to mask (use a per-token loss, or top_entropy_quantile=1.0)"
+            )
+        if entropy is None:
+            raise MissingInputError(
+                f"top_entropy_quantile={top_entropy_quantile} needs entropy ({OPTIONAL_INPUTS['entropy']})")
 
     require_tensor("log_prob", log_prob, "[B, T]")
     if log_prob.dim() != 2:
@@ -372,7 +391,8 @@ def compute_policy_loss(
                 ("log_prob", "old_log_prob", "advantages", "rollout_log_prob", "entropy", "old_entropy", "is_weights"),
                 (batch.log_prob.detach(), batch.old_log_prob,
                  batch.advantages if seq_advantages is None else seq_advantages, batch.rollout_log_prob,
-                 batch.entropy if "entropy" in reads else None, batch.old_entropy if "old_entropy" in reads else None,
+                 batch.entropy if "entropy" in reads or top_entropy_quantile < 1.0 else None,
+                 batch.old_entropy if "old_entropy" in reads else None,
                  batch.is_weights),
             )
         _check_missing(spec, {**inputs, "rollout_log_prob": rollout_log_prob, "entropy": entropy, "index": index})
@@ -380,6 +400,9 @@ def compute_policy_loss(
         if correction is not None:
             weights, correction_metrics = correction.fn(batch, correction_params, ctx)
             batch.is_weights = weights.detach()
+        if top_entropy_quantile < 1.0:  # before the fused/eager split: both multiply their per-token loss by it
+            keep = high_entropy_mask(batch.entropy, valid, top_entropy_quantile, ctx).to(batch.log_prob.dtype)
+            batch.is_weights = keep if batch.is_weights is None else batch.is_weights * keep
         fused_out = None
         if fused_form is not None:
             batch.fused_inputs = FusedInputs(lp.detach(), old_log_prob.detach(), advantages.detach(), valid)

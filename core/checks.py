@@ -129,6 +129,25 @@ def check_log_probabilities(name: str, value: Optional[torch.Tensor], tolerance:
         raise StableRLError(f"{name} must be log-probabilities (<= 0), got a value of {top:.4g}")
 
 
+def check_top_entropy_quantile(value: Any) -> float:
+    """``top_entropy_quantile``: a real number in (0, 1] (1.0, the default, trains on every token)."""
+    import math
+    import numbers
+
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise StableRLError(
+            f"top_entropy_quantile must be a number in (0, 1] (the fraction of highest-entropy tokens trained on; "
+            f"1.0 = all), got {value!r} ({type(value).__name__})"
+        )
+    value = float(value)
+    if math.isnan(value) or not 0.0 < value <= 1.0:
+        raise StableRLError(
+            f"top_entropy_quantile must be in (0, 1] (the fraction of highest-entropy tokens trained on; "
+            f"1.0 = all), got {value!r}"
+        )
+    return value
+
+
 def known_aggregation(mode: Any) -> None:
     """``loss_agg_mode`` names a built-in mode or a registered aggregation (a typo is an error)."""
     from .contracts import AGGREGATION

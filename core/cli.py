@@ -74,6 +74,12 @@ def cmd_list(args: argparse.Namespace) -> int:
     for row in [header] + rows:
         print("  ".join(str(c).ljust(w) for c, w in zip(row, widths)).rstrip())
     print(f"\n{len(specs)} algorithms; reach: {reach_summary(reach_counts(table))}")
+    if not args.kind or args.kind == "policy_loss":
+        from .frameworks import top_entropy_reach
+
+        reached = ", ".join(f"{fw}: {top_entropy_reach(fw)[0]}" for fw in names)
+        print(f"call option of every per-token policy loss: top_entropy_quantile ({reached}; "
+              "stablerl describe top_entropy_quantile)")
     for fw in names:
         lines = []
         for r in table:
@@ -138,8 +144,27 @@ def framework_settings_text(spec: AlgorithmSpec, framework: str) -> str:
                       format_settings(fw, spec, settings), PRECEDENCE])
 
 
+def top_entropy_text() -> str:
+    """``stablerl describe top_entropy_quantile``: a call option, not a registered algorithm."""
+    from .frameworks import TOP_ENTROPY_TEXT, top_entropy_reach
+
+    lines = [TOP_ENTROPY_TEXT]
+    for fw in list_frameworks():
+        status, detail = top_entropy_reach(fw)
+        if status == "refused":
+            lines.append(f"{fw.name}: refused: {detail[0]}")
+        else:
+            lines.append(f"{fw.name}:  (with any per-token stablerl policy loss)")
+            lines += [f"  {line}" for line in detail]
+    lines.append('Python: stablerl.compute_policy_loss(<loss>, ..., entropy=..., top_entropy_quantile=0.2)')
+    return "\n".join(lines)
+
+
 def cmd_describe(args: argparse.Namespace) -> int:
     registry = get_registry()
+    if args.name == "top_entropy_quantile" and not any(s.name == args.name for s in registry.list()):
+        print(top_entropy_text())
+        return 0
     matches = [s for s in registry.list() if s.name == args.name]
     if not matches:
         raise UnknownNameError(unknown_name_message("algorithm", args.name, {s.name for s in registry.list()}))

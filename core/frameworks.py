@@ -357,7 +357,17 @@ PRECEDENCE = (
 #: ``delta_l`` (``loss_agg_mode`` replaces the framework's own mode) and a stablerl rollout correction, each
 #: with its own hyper-parameters. They act only on a stablerl policy loss (the framework's own loss never
 #: calls compute_policy_loss).
-CALL_OPTIONS = ("loss_agg_mode", "loss_agg_params", "rollout_correction", "rollout_correction_params")
+CALL_OPTIONS = ("loss_agg_mode", "loss_agg_params", "rollout_correction", "rollout_correction_params",
+                "top_entropy_quantile")
+#: the input ``top_entropy_quantile < 1`` needs from the framework, and where it reaches a stablerl loss
+TOP_ENTROPY_INPUT = "entropy"
+
+
+def top_entropy_on(options: Mapping[str, Any]) -> bool:
+    """Whether the call options train on a top-entropy fraction only (``top_entropy_quantile < 1``): the
+    adapter must then feed the current policy's ``entropy`` even to a loss that does not declare it."""
+    value = options.get("top_entropy_quantile")
+    return value is not None and not isinstance(value, bool) and isinstance(value, (int, float)) and value < 1.0
 #: the call option that selects an algorithm of each of these kinds
 CALL_OPTION_OF_KIND = {"aggregation": "loss_agg_mode", "rollout_correction": "rollout_correction"}
 
@@ -411,6 +421,49 @@ def check_call_options(framework: FrameworkSpec | str, spec: AlgorithmSpec, opti
             )
     elif correction_params:
         raise StableRLError("rollout_correction_params given without rollout_correction")
+    if "top_entropy_quantile" in options:
+        from .checks import check_top_entropy_quantile
+
+        quantile = check_top_entropy_quantile(options["top_entropy_quantile"])
+        if quantile < 1.0:
+            if spec.output != "per_token":
+                raise StableRLError(
+                    f"top_entropy_quantile={quantile} weights the per-token loss before aggregation; policy loss "
+                    f"{spec.name!r} returns a {spec.output} (its own aggregation), so there is no per-token loss to mask"
+                )
+            can = fw.feedable.get("policy_loss", ()) if feedable is None else feedable
+            if TOP_ENTROPY_INPUT not in can:
+                raise MissingInputError(
+                    f"top_entropy_quantile={quantile} needs the current policy's entropy, which {fw.name} cannot "
+                    f"provide to a policy loss ({fw.why(spec.kind, TOP_ENTROPY_INPUT)})"
+                )
+
+
+TOP_ENTROPY_TEXT = (
+    "top_entropy_quantile  (call option of every per-token stablerl policy loss, stable)\n"
+    "Train only on the highest-entropy fraction of tokens (TRL's top_entropy_quantile)\n"
+    "paper:     arXiv 2506.01939  https://arxiv.org/abs/2506.01939\n"
+    "formula:   l_t <- l_t * [H_t >= quantile(H over the valid tokens of every DP rank, 1 - q)]; the aggregation's "
+    "denominator is unchanged\n"
+    "defaults:  top_entropy_quantile=1.0 (off); any value in (0, 1]\n"
+    "requires:  entropy (the current policy's, from the loss's own forward pass)\n"
+    "reference: TRL 1.16 GRPOTrainer.get_high_entropy_mask (same mask, ties at the threshold kept)\n"
+    "notes:     not for a loss returning a scalar (its own aggregation: gmpo, sapo, ...): refused by name"
+)
+
+
+def top_entropy_reach(framework: FrameworkSpec | str) -> tuple[str, list[str]]:
+    """``(reach, config lines)`` of the ``top_entropy_quantile`` call option in ``framework``: set in the
+    stablerl loss's params like ``loss_agg_mode``; partial where the framework computes the current
+    entropy only on request (verl: ``actor.calculate_entropy=True``), refused where it cannot feed it."""
+    fw = _declared(framework)
+    if TOP_ENTROPY_INPUT not in fw.feedable.get(POLICY_LOSS_KIND, ()):
+        return REFUSED, [fw.why(POLICY_LOSS_KIND, TOP_ENTROPY_INPUT)]
+    lines = [stablerl_key(fw, POLICY_LOSS_KIND, "top_entropy_quantile", 0.2)]
+    condition = fw.condition(POLICY_LOSS_KIND, TOP_ENTROPY_INPUT)
+    if condition:
+        lines.append(f"(needs {TOP_ENTROPY_INPUT}: {condition})")
+    return (PARTIAL if condition else SELECTABLE), lines
 
 
 @dataclass(frozen=True)

@@ -370,6 +370,23 @@ def broadcast_to_tokens(per_seq: torch.Tensor, mask: torch.Tensor) -> torch.Tens
     return per_seq.unsqueeze(-1) * mask.to(per_seq.dtype)
 
 
+def high_entropy_mask(entropy: torch.Tensor, valid: torch.Tensor, top_quantile: float,
+                      ctx: Optional[Context] = None) -> torch.Tensor:
+    """The valid tokens whose entropy is in the top ``top_quantile`` fraction (a bool ``[B, T]`` mask).
+
+    Wang et al., "Beyond the 80/20 Rule" (arXiv 2506.01939), as TRL 1.16's ``get_high_entropy_mask``
+    (``top_entropy_quantile``): threshold ``tau = torch.quantile(H over the valid tokens of every DP
+    rank, 1 - top_quantile)`` (linear interpolation), keep ``H >= tau`` (ties at tau are kept); no
+    valid token on any rank -> all False. The valid entropies are gathered with ``ctx.all_gather`` so
+    every rank uses one threshold. A primitive (not a plugin): core applies it to every policy loss."""
+    local = entropy.detach()[valid].float()
+    gathered = ctx.all_gather(local) if ctx is not None else local
+    if gathered.numel() == 0:
+        return torch.zeros_like(valid, dtype=torch.bool)
+    threshold = torch.quantile(gathered.float(), 1.0 - top_quantile)
+    return (entropy.detach().float() >= threshold) & valid
+
+
 # ----------------------------------------------------------------------------- metrics
 
 

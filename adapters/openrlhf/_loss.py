@@ -110,7 +110,7 @@ class StablePolicyLoss(PolicyLoss):
                                ("clip_ratio_c", dual_clip)):
                 if key in fields:
                     params[key] = value
-        from stablerl.frameworks import check_call_options, split_call_options
+        from stablerl.frameworks import TOP_ENTROPY_INPUT, check_call_options, split_call_options, top_entropy_on
         from stablerl.params import build_params
 
         # a registered aggregation (delta_l) / a stablerl rollout correction come through the same params
@@ -118,6 +118,8 @@ class StablePolicyLoss(PolicyLoss):
         params.update(hyper)
         build_params(spec, params)  # fail at construction, not at the first step
         check_call_options(OPENRLHF, spec, self.call_options, params)
+        if top_entropy_on(self.call_options):  # top_entropy_quantile < 1: the training forward's entropy, for any loss
+            self.fed_inputs = self.fed_inputs | {TOP_ENTROPY_INPUT}
         self.stablerl_params = params
         correction = self.call_options.get("rollout_correction")
         if ("rollout_log_prob" in spec.requires or correction) and is_correction_level == "off":

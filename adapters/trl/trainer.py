@@ -53,7 +53,7 @@ from stablerl import routing_replay as rr
 from stablerl.contracts import (ADVANTAGE_ESTIMATOR, BATCH_FILTER, CONTROLLER, OPTIONAL_INPUTS, POLICY_LOSS,
                                 REWARD_SHAPER, ROLLOUT_CORRECTION, TRAINER_HOOK, ParamsView)
 from stablerl.frameworks import (UnsupportedVersionError, apply_filter_result, as_params, check_call_options,
-                                 check_framework_keys_used, check_shaper_and_components, split_call_options,
+                                 check_framework_keys_used, check_shaper_and_components, split_call_options, top_entropy_on,
                                  check_inputs, check_version, effective_hyperparameters, get_framework, log_effective_settings,
                                  resolve, version_in_range)
 from stablerl.ops import AGG_MODES, last_valid_index, scores_on_last_token
@@ -372,6 +372,12 @@ def validate_stablerl_args(args, warn: bool = True) -> tuple[Optional[str], Opti
         # the rollout correction, by either spelling, is checked once below (check_rollout_correction)
         check_call_options(TRL, spec, without_rollout_correction(options), hyper,
                            feedable=TRL.feedable[POLICY_LOSS] - (set() if vllm_is else _LOSS_INPUTS_VLLM_IS))
+        if "top_entropy_quantile" in options and getattr(args, "top_entropy_quantile", 1.0) < 1.0:
+            raise StableRLError(
+                f"top_entropy_quantile is set twice: TRL's top_entropy_quantile={args.top_entropy_quantile} and "
+                f"stablerl_loss_params' {options['top_entropy_quantile']}; set one (TRL's also restricts its entropy "
+                "bonus to the kept tokens, stablerl's masks only the policy loss)"
+            )
         if agg not in AGG_MODES:
             raise UnknownNameError(unknown_name_message("stablerl_loss_agg_mode", agg, AGG_MODES))
         check_loss_inputs(loss, bool(args.use_vllm and args.vllm_importance_sampling_correction),
@@ -1590,7 +1596,8 @@ class GRPOTrainer(_trl.GRPOTrainer):
             rollout_log_prob=rollout_log_prob,
             # only to a loss that reads it (undeclared inputs are never read: stablerl.testing checks it),
             # so the others skip core's clean-up pass over it
-            entropy=entropies if "entropy" in spec.reads else None,
+            # (and to any loss with stablerl_loss_params' top_entropy_quantile < 1, which masks by it)
+            entropy=entropies if "entropy" in spec.reads or top_entropy_on(self._stablerl_call_options) else None,
             ctx=ctx,
             is_weights=is_weights,
             **extra,

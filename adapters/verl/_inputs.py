@@ -59,7 +59,7 @@ import torch
 from stablerl import POLICY_LOSS, MissingInputError, get_spec
 from stablerl.adapters.verl._ledger import LEDGER
 from stablerl.contracts import OPTIONAL_INPUTS
-from stablerl.frameworks import get_framework, loss_inputs, pending_loss_inputs
+from stablerl.frameworks import TOP_ENTROPY_INPUT, get_framework, loss_inputs, pending_loss_inputs, top_entropy_on
 from stablerl.state import StateStore
 
 logger = logging.getLogger("stablerl.adapters.verl")
@@ -222,6 +222,8 @@ def _wrap(original):
             return original(config, model_output, data, dp_group)
         pinned = (policy_loss.get("stablerl_params", None) if policy_loss is not None else None) or {}
         also = ("rollout_log_prob",) if pinned.get("rollout_correction") else ()  # stablerl's correction needs them
+        if top_entropy_on(pinned):  # top_entropy_quantile < 1: the current entropy, for any stablerl loss
+            also += (TOP_ENTROPY_INPUT,)
         with loss_inputs(name, {_DP_GROUP: dp_group, **gather(name, loss_mode, model_output, data, also)}):
             return original(config, model_output, data, dp_group)
 

@@ -24,12 +24,14 @@ logger = logging.getLogger("stablerl.adapters.verl")
 
 from stablerl.frameworks import (
     CALL_OPTIONS,
+    TOP_ENTROPY_INPUT,
     as_params,
-    split_call_options,
     check_framework_keys_used,
     effective_hyperparameters,
     get_framework,
     log_effective_settings,
+    split_call_options,
+    top_entropy_on,
 )
 
 #: this framework's declaration (stablerl.adapters.frameworks): inputs, config keys and their defaults
@@ -201,6 +203,8 @@ def make_policy_loss_fn(name: str):
         options.setdefault("loss_agg_mode", mode)  # a registered aggregation (delta_l) replaces verl's mode
         if options.get("rollout_correction") and "rollout_log_prob" not in extra:
             extra.update(_declared.inputs_for(name, ("rollout_log_prob",)))  # gathered by the ppo_loss wrapper
+        if top_entropy_on(options) and TOP_ENTROPY_INPUT not in extra:
+            extra.update(_declared.inputs_for(name, (TOP_ENTROPY_INPUT,)))  # the wrapper gathered it (or said what to set)
         loss, metrics = _compute_policy_loss(
             name,
             log_prob=log_prob,

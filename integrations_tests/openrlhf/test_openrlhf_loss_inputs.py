@@ -258,3 +258,48 @@ def test_delta_l_and_rollout_corrections_by_stablerl_params():
                          stablerl_params={"rollout_correction": "tiss"})
     with pytest.raises(stablerl.StableRLError, match=r"loss_agg_mode.*'delta_ll'"):
         Selection(policy_loss="vanilla", policy_loss_params={"loss_agg_mode": "delta_ll"}).validate()
+
+
+# ----------------------------------------------------------------------------- top_entropy_quantile (issue 16)
+
+
+@pytest.mark.parametrize("packing", [False, True])
+def test_top_entropy_quantile_by_stablerl_params(monkeypatch, packing):
+    """--actor.stablerl_params '{"top_entropy_quantile": 0.25}' on vanilla (which declares no entropy): the
+    adapter asks OpenRLHF's training forward for the entropy, and the loss is vanilla's with every token's loss
+    times TRL's top-25% entropy mask, over OpenRLHF's own denominator, through the real training_step."""
+    from stablerl.api import compute_policy_loss as real
+    from stablerl.ops import high_entropy_mask
+
+    trainer, model = _trainer(monkeypatch, "vanilla", packing, params={"top_entropy_quantile": 0.25})
+    assert trainer.actor_loss_fn.fed_inputs == {"entropy"}
+    assert trainer.actor_loss_fn.call_options == {"top_entropy_quantile": 0.25}
+    batch, _ = _batch(packing)
+    calls = []
+
+    def spy(name, **kwargs):
+        calls.append(dict(kwargs))
+        loss, metrics = real(name, **kwargs)
+        calls[-1]["__loss__"] = loss.detach()
+        return loss, metrics
+
+    monkeypatch.setattr(stablerl, "compute_policy_loss", spy)
+    _step(trainer, batch)
+    assert len(calls) == 1 and calls[0]["top_entropy_quantile"] == 0.25
+    mask = batch.action_mask.bool()
+    fed = calls[0]["entropy"]
+    expected = _reference_entropy(model, batch)
+    torch.testing.assert_close(fed.double()[mask], expected[mask], rtol=1e-5, atol=1e-5)
+    kw = {k: v for k, v in calls[0].items() if not k.startswith("__") and k not in ("entropy", "top_entropy_quantile")}
+    assert kw.pop("is_weights") is None  # no OpenRLHF IS correction here
+    keep = high_entropy_mask(fed, mask, 0.25)
+    assert 0 < int(keep.sum()) < int(mask.sum())
+    weighted, _ = real("vanilla", is_weights=keep.to(fed.dtype), **kw)
+    torch.testing.assert_close(calls[0]["__loss__"], weighted.detach(), rtol=1e-6, atol=1e-7)
+    unmasked, _ = real("vanilla", **kw)
+    assert abs(float(unmasked) - float(weighted)) > 1e-6
+
+
+def test_top_entropy_quantile_bad_value_is_refused_at_construction(monkeypatch):
+    with pytest.raises(stablerl.StableRLError, match=r"top_entropy_quantile must be in \(0, 1\]"):
+        _trainer(monkeypatch, "vanilla", False, params={"top_entropy_quantile": 0.0})

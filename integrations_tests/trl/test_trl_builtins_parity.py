@@ -13,7 +13,9 @@ import pytest
 import torch
 
 import stablerl
-from test_trl_parity import _compare, _pair
+import trl
+import trl_helpers as H
+from test_trl_parity import DTYPE, STEPS, _compare, _pair
 
 
 def test_vespo_equals_trl_vespo(tmp_path):
@@ -133,3 +135,70 @@ def test_gdpo_with_a_reward_shaper_is_refused():
     with pytest.raises(stablerl.StableRLError, match="shaping would be lost"):
         GRPOConfig(advantage_estimator="gdpo", reward_shaper="redit", **cpu)
     GRPOConfig(advantage_estimator="grpo", reward_shaper="redit", **cpu)  # estimators on the summed reward: fine
+
+
+# ----------------------------------------------------------------------------- top_entropy_quantile (issue 16)
+
+
+def test_top_entropy_quantile_equals_trl_dapo(tmp_path):
+    """stablerl's top_entropy_quantile (core, through stablerl_loss_params, TRL's own option left at 1.0) trains
+    exactly as TRL dapo with TRL's top_entropy_quantile: the same mask, and the token-mean denominator unchanged."""
+    ref, cand = _pair(
+        tmp_path,
+        dict(loss_type="dapo", epsilon=0.2, epsilon_high=0.28, top_entropy_quantile=0.2),
+        dict(loss_type="vanilla", stablerl_loss_params={"clip_ratio_low": 0.2, "clip_ratio_high": 0.28,
+                                                        "clip_ratio_c": None, "top_entropy_quantile": 0.2}),
+        common=dict(learning_rate=2e-2),
+    )
+    _compare(ref, cand, rtol=1e-6, atol=1e-7)
+    # the mask changed training: TRL dapo without it ends elsewhere after the first step
+    off = H.train(trl.GRPOTrainer, trl.GRPOConfig(**H.base_kwargs(tmp_path / "off", max_steps=STEPS, learning_rate=2e-2,
+                                                                  loss_type="dapo", epsilon=0.2, epsilon_high=0.28)),
+                  dtype=DTYPE)
+    assert float((off[1].params[0] - ref[1].params[0]).abs().max()) > 1e-6
+
+
+@pytest.mark.parametrize("ties", [False, True])
+@pytest.mark.parametrize("quantile", [0.2, 0.5, 0.9, 1e-3])
+def test_high_entropy_mask_equals_trls_get_high_entropy_mask(ties, quantile):
+    from types import SimpleNamespace
+
+    from trl.trainer.grpo_trainer import GRPOTrainer as TRLGRPOTrainer
+
+    from stablerl.ops import high_entropy_mask
+
+    class _OneProcess:  # what get_high_entropy_mask reads of its accelerator, for one process
+        @staticmethod
+        def pad_across_processes(t, dim=0, pad_index=0):
+            return t
+
+        @staticmethod
+        def gather(t):
+            return t
+
+    host = SimpleNamespace(accelerator=_OneProcess())
+    g = torch.Generator().manual_seed(int(quantile * 1000) + ties)
+    for _ in range(20):
+        entropy = torch.rand(6, 9, generator=g, dtype=torch.float32) * 3
+        if ties:  # few distinct values: many tokens sit exactly at the threshold
+            entropy = (entropy * 2).floor() / 2
+        mask = (torch.rand(6, 9, generator=g) > 0.3).to(torch.float32)
+        trl = TRLGRPOTrainer.get_high_entropy_mask(host, entropy, mask, 1 - quantile)
+        ours = high_entropy_mask(entropy, mask.bool(), quantile)
+        assert torch.equal(ours, trl)
+    empty = torch.zeros(3, 4)
+    assert torch.equal(high_entropy_mask(torch.rand(3, 4), empty.bool(), quantile),
+                       TRLGRPOTrainer.get_high_entropy_mask(host, torch.rand(3, 4), empty, 1 - quantile))
+
+
+def test_top_entropy_quantile_set_twice_is_refused():
+    from stablerl.adapters.trl import GRPOConfig
+
+    cpu = dict(output_dir="/tmp/stablerl-trl-builtins-test", use_cpu=True, bf16=False, report_to="none")
+    with pytest.raises(stablerl.StableRLError, match="top_entropy_quantile is set twice"):
+        GRPOConfig(loss_type="vanilla", top_entropy_quantile=0.5, stablerl_loss_params={"top_entropy_quantile": 0.2},
+                   **cpu)
+    with pytest.raises(stablerl.StableRLError, match=r"top_entropy_quantile must be in \(0, 1\]"):
+        GRPOConfig(loss_type="vanilla", stablerl_loss_params={"top_entropy_quantile": 2}, **cpu)
+    with pytest.raises(stablerl.StableRLError, match="'gmpo' returns a scalar"):
+        GRPOConfig(loss_type="gmpo", stablerl_loss_params={"top_entropy_quantile": 0.2}, **cpu)

@@ -443,3 +443,52 @@ def test_distillation_path_refuses_per_rank_batch_statistics(adapter, declared, 
     cfg.global_batch_info.update(dp_size=1, batch_num_tokens=None, global_batch_size=None)
     loss, _ = fn(config=cfg, **args)  # one rank: the batch is the whole batch
     assert torch.isfinite(loss)
+
+
+# ----------------------------------------------------------------------------- top_entropy_quantile (issue 16)
+
+
+def _top_entropy_config(adapter, quantile, **kw):
+    from verl.workers.config import FSDPActorConfig
+
+    return FSDPActorConfig(
+        strategy="fsdp", rollout_n=1, ppo_micro_batch_size_per_gpu=2, calculate_entropy=True,
+        clip_ratio_low=0.2, clip_ratio_high=0.28, clip_ratio_c=10.0,
+        policy_loss=adapter.StablePolicyLossConfig(loss_mode="stablerl_vanilla",
+                                                   stablerl_params={"top_entropy_quantile": quantile}), **kw,
+    )
+
+
+@pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean"])
+def test_top_entropy_quantile_through_ppo_loss(adapter, declared, agg):
+    """+actor_rollout_ref.actor.policy_loss.stablerl_params={top_entropy_quantile:0.3}: verl's ppo_loss feeds
+    model_output's entropy (calculate_entropy=True) to stablerl vanilla, which trains on the top 30% of the
+    valid tokens by entropy (only they can get a gradient), the aggregation's denominator unchanged."""
+    data, model_output, leaves, padded = _batch(seed=11)
+    loss, grad, _ = _through_verl(_top_entropy_config(adapter, 0.3, loss_agg_mode=agg), data, model_output, leaves)
+    ref_loss, ref_grad, _ = _direct("vanilla", padded, leaves, ("entropy",), top_entropy_quantile=0.3,
+                                    loss_agg_mode=agg, **CLIP)
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-9, atol=1e-12)
+    torch.testing.assert_close(grad, ref_grad, rtol=1e-9, atol=1e-12)
+    valid = padded["response_mask"]
+    ent = padded["entropy"][valid]
+    keep = padded["entropy"] >= torch.quantile(ent, 0.7)
+    # (a kept token whose ratio is clipped has no gradient either)
+    assert 0 < int((grad != 0).sum()) <= int((keep & valid).sum()) < int(valid.sum())
+    # = every token's loss times the mask, over the full denominator
+    full_loss = _direct("vanilla", padded, leaves, (), loss_agg_mode=agg, **CLIP)[0]
+    assert abs(float(full_loss) - float(loss)) > 1e-6
+    weighted = _direct("vanilla", padded, leaves, (), loss_agg_mode=agg, is_weights=(keep & valid).double(), **CLIP)[0]
+    torch.testing.assert_close(loss, weighted, rtol=1e-12, atol=1e-14)
+
+
+def test_top_entropy_quantile_without_entropy_names_the_key(adapter, declared):
+    data, model_output, leaves, _ = _batch(seed=12, entropy=False)
+    with pytest.raises(stablerl.StableRLError, match=r"actor_rollout_ref\.actor\.calculate_entropy=True"):
+        _through_verl(_top_entropy_config(adapter, 0.3), data, model_output, leaves)
+    assert declared.current() is None
+
+
+def test_top_entropy_quantile_bad_value_refused_at_config(adapter):
+    with pytest.raises(stablerl.StableRLError, match=r"top_entropy_quantile must be in \(0, 1\]"):
+        _top_entropy_config(adapter, 1.5)
