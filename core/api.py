@@ -84,7 +84,7 @@ class _ZeroPadding(torch.autograd.Function):
             return masked_tangent(valid, grad), None, None
         # the bit path again (same bits as torch.where); the pattern is rebuilt from the 1-byte mask
         # rather than kept from forward (4 bytes per token)
-        return _zero_padding_bits(grad, valid.view(torch.uint8).to(int_type).neg_()), None, None
+        return _zero_padding_bits(grad, (-valid.view(torch.int8)).to(int_type)), None, None
 
     @staticmethod
     def jvp(fctx, t_t: torch.Tensor, valid_t, bits_t) -> torch.Tensor:
@@ -316,7 +316,7 @@ def compute_policy_loss(
                 return torch.where(valid, t, torch.zeros((), dtype=t.dtype, device=t.device))
             bits = bit_masks.get(int_type)
             if bits is None:
-                bits = bit_masks[int_type] = valid.view(torch.uint8).to(int_type).neg_()
+                bits = bit_masks[int_type] = (-valid.view(torch.int8)).to(int_type)
             if not detach:  # log_prob: may carry a gradient, a forward-mode tangent or a torch.func wrapper
                 return _ZeroPadding.apply(t, valid, bits)
             if t.dtype != source.dtype and not is_functorch_wrapped(t):

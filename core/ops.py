@@ -219,6 +219,8 @@ def aggregate(
         denom = denom.clamp(min=1)
     else:
         denom = max(float(denom), 1.0)
+    if type(ctx.dp_size) is int and ctx.dp_size == 1:  # x * 1 is x (value and gradient): one op fewer each way
+        return total / denom
     return total / denom * ctx.dp_size
 
 
@@ -377,6 +379,14 @@ def as_floats(metrics: dict[str, Any]) -> dict[str, float]:
     """Turn a dict of 0-dim tensors / numbers into plain floats with a single device sync."""
     keys = list(metrics)
     tensors = [k for k in keys if isinstance(metrics[k], torch.Tensor)]
+    if tensors and len(tensors) == len(keys):
+        values = [metrics[k] for k in keys]
+        first = values[0]
+        # the usual case (every metric a 0-dim fp32 tensor on one device): one stack, no per-metric
+        # detach / cast / reshape calls (the same floats)
+        if all(t.dim() == 0 and t.dtype == torch.float32 and t.device == first.device for t in values):
+            with torch.no_grad():
+                return dict(zip(keys, torch.stack(values).tolist()))
     out: dict[str, float] = {k: float(metrics[k]) for k in keys if k not in tensors}
     if tensors:
         values = torch.stack([metrics[k].detach().float().reshape(()) for k in tensors]).cpu().tolist()
