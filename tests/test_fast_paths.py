@@ -269,3 +269,40 @@ def test_bapo_search_from_signed_advantages_is_bit_identical(seed, monkeypatch):
     assert torch.equal(seen[0].view(torch.int32), seen[1].view(torch.int32))
     for a, b in zip(fast, general):
         assert torch.equal(a.view(torch.int32), b.view(torch.int32))
+
+
+# --------------------------------------------------------------- policy-loss finite check by sums
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.sampled_from(["log_prob", "old_log_prob", "advantages"]), st.integers(0, 23),
+       st.sampled_from([float("nan"), float("inf"), float("-inf")]), st.booleans())
+def test_loss_finite_check_by_sums_names_the_input_and_ignores_padding(which, pos, bad, on_padding):
+    # one non-finite value: named when on a valid token, ignored (the same loss) on padding
+    mask = torch.ones(4, 6, dtype=torch.bool)
+    mask[:, 4:] = False
+    r, c = divmod(pos, 6)
+    c = c % 4 if not on_padding else 4 + c % 2
+    good = {"log_prob": -torch.rand(4, 6) - 0.1, "old_log_prob": -torch.rand(4, 6) - 0.1, "advantages": torch.randn(4, 6)}
+    tensors = {k: v.clone() for k, v in good.items()}
+    tensors[which][r, c] = bad
+    if on_padding:
+        loss, _ = stablerl.compute_policy_loss("vanilla", response_mask=mask, **tensors)
+        ref, _ = stablerl.compute_policy_loss("vanilla", response_mask=mask, **good)
+        assert torch.equal(loss, ref)
+    else:
+        with pytest.raises(StableRLError, match=f"^{which} has non-finite values"):
+            stablerl.compute_policy_loss("vanilla", response_mask=mask, **tensors)
+
+
+def test_loss_finite_check_passes_finite_inputs_whose_sum_overflows():
+    # each advantage is finite, their sum is inf: min and max decide (they pass), as before
+    adv = torch.full((1, 2), 3e38)
+    lp = torch.full((1, 2), -0.5, requires_grad=True)
+    assert torch.isinf(adv.sum())
+    loss, _ = stablerl.compute_policy_loss("cispo", log_prob=lp, old_log_prob=lp.detach(), advantages=adv,
+                                           response_mask=torch.ones(1, 2))
+    # cispo at ratio 1: -(1 * A) * lp per token, token mean
+    assert loss.item() == pytest.approx(1.5e38, rel=1e-6)
+    loss.backward()
+    assert torch.equal(lp.grad, torch.full((1, 2), -1.5e38))
