@@ -86,7 +86,7 @@ class _ZeroPadding(torch.autograd.Function):
             return masked_tangent(valid, grad), None, None
         # the bit path again (same bits as torch.where); the pattern is rebuilt from the 1-byte mask
         # rather than kept from forward (4 bytes per token)
-        return _zero_padding_bits(grad, valid.view(torch.uint8).to(int_type).neg_()), None, None
+        return _zero_padding_bits(grad, (-valid.view(torch.int8)).to(int_type)), None, None
 
     @staticmethod
     def jvp(fctx, t_t: torch.Tensor, valid_t, bits_t) -> torch.Tensor:
@@ -165,13 +165,17 @@ def _check_finite(names, tensors, mask: torch.Tensor) -> None:
 
 
 def _check_finite_cleaned(names, tensors) -> None:
-    """Like :func:`_check_finite` for tensors already zeroed on padding (``clean``): min and max
-    propagate NaN and +-inf, so one read pass per tensor (``aminmax``, no temporary mask) and one
-    host sync find a non-finite value on a valid token."""
+    """Like :func:`_check_finite` for tensors already zeroed on padding (``clean``): a sum propagates
+    NaN and +-inf (inf - inf is NaN), so one vectorised read pass per tensor (a sum, several times
+    faster than ``aminmax`` on CPU) and one host sync find a non-finite value on a valid token. A
+    sum of finite values can overflow: then min and max decide, which are finite exactly when every
+    value is."""
     present = [(name, t) for name, t in zip(names, tensors) if t is not None and t.numel() > 0]
     if not present:
         return
-    # one stack of every min and max (promoted to a common dtype), one isfinite, one host sync
+    # one stack of the sums (promoted to a common dtype), one isfinite, one host sync
+    if bool(torch.isfinite(torch.stack([t.sum() for _, t in present])).all()):
+        return
     extremes = torch.stack([e for _, t in present for e in torch.aminmax(t)])
     if bool(torch.isfinite(extremes).all()):
         return
@@ -335,7 +339,7 @@ def compute_policy_loss(
                 return torch.where(valid, t, torch.zeros((), dtype=t.dtype, device=t.device))
             bits = bit_masks.get(int_type)
             if bits is None:
-                bits = bit_masks[int_type] = valid.view(torch.uint8).to(int_type).neg_()
+                bits = bit_masks[int_type] = (-valid.view(torch.int8)).to(int_type)
             if not detach:  # log_prob: may carry a gradient, a forward-mode tangent or a torch.func wrapper
                 return _ZeroPadding.apply(t, valid, bits)
             if t.dtype != source.dtype and not is_functorch_wrapped(t):

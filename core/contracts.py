@@ -295,7 +295,9 @@ class AdvantageBatch:
             # a product with a 0/1 mask differs from the masked select below only by the sign of zeros
             # on padding, which no sum sees (sums start from +0); exact when no product is NaN, i.e.
             # when the sums are finite (one vectorised pass instead of a bool cast and a select)
-            scores = (rewards * mask).sum(-1)
+            from .ops import row_sums_of_product  # lazily: params (imported by ops) imports this module
+
+            scores = row_sums_of_product(rewards, mask)  # = (rewards * mask).sum(-1), no [B, T] temporary
             if not bool(torch.isfinite(scores).all()):
                 scores = None
         if scores is None:

@@ -157,7 +157,7 @@ def clean_input(t: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
     int_type = {torch.float32: torch.int32, torch.float64: torch.int64}.get(t.dtype)
     if int_type is None or t.device.type != "cpu":
         return torch.where(valid, t, torch.zeros((), dtype=t.dtype, device=t.device))
-    bits = valid.view(torch.uint8).to(int_type).neg_()
+    bits = (-valid.view(torch.int8)).to(int_type)
     return (t.view(int_type) & bits).view(t.dtype)
 
 

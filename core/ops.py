@@ -29,6 +29,26 @@ def masked_sum(values: torch.Tensor, mask: torch.Tensor, dim: Optional[int] = No
     return (values * mask).sum(dim)
 
 
+# elements per slice of row_sums_of_product: 1 MiB of fp32, reused by the allocator from one slice
+# to the next (a [B, T] temporary is a fresh multi-MiB mapping whose page faults cost more on CPU
+# than the product itself)
+_ROW_SLICE_ELEMENTS = 1 << 18
+
+
+def row_sums_of_product(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``(a * b).sum(-1)`` for ``[B, T]`` tensors, bit for bit, without a ``[B, T]`` temporary: the
+    product is formed a slice of rows at a time (each row's sum is reduced on its own, in the same
+    order, whatever rows surround it)."""
+    rows = max(_ROW_SLICE_ELEMENTS // max(a.shape[-1], 1), 1)
+    if (a.dim() != 2 or a.shape != b.shape or rows >= a.shape[0] or a.device.type != "cpu" or a.requires_grad
+            or b.requires_grad or is_functorch_wrapped(a) or is_functorch_wrapped(b)):
+        return (a * b).sum(-1)
+    out = torch.empty(a.shape[0], dtype=torch.result_type(a, b), device=a.device)
+    for start in range(0, a.shape[0], rows):
+        torch.sum(a[start:start + rows] * b[start:start + rows], -1, out=out[start:start + rows])
+    return out
+
+
 def masked_mean(values: torch.Tensor, mask: torch.Tensor, dim: Optional[int] = None) -> torch.Tensor:
     """Mean over the masked entries; 0 where nothing is masked in (never NaN)."""
     count = mask.sum() if dim is None else mask.sum(dim)
@@ -219,6 +239,8 @@ def aggregate(
         denom = denom.clamp(min=1)
     else:
         denom = max(float(denom), 1.0)
+    if type(ctx.dp_size) is int and ctx.dp_size == 1:  # x * 1 is x (value and gradient): one op fewer each way
+        return total / denom
     return total / denom * ctx.dp_size
 
 
@@ -394,6 +416,14 @@ def as_floats(metrics: dict[str, Any]) -> dict[str, float]:
     """Turn a dict of 0-dim tensors / numbers into plain floats with a single device sync."""
     keys = list(metrics)
     tensors = [k for k in keys if isinstance(metrics[k], torch.Tensor)]
+    if tensors and len(tensors) == len(keys):
+        values = [metrics[k] for k in keys]
+        first = values[0]
+        # the usual case (every metric a 0-dim fp32 tensor on one device): one stack, no per-metric
+        # detach / cast / reshape calls (the same floats)
+        if all(t.dim() == 0 and t.dtype == torch.float32 and t.device == first.device for t in values):
+            with torch.no_grad():
+                return dict(zip(keys, torch.stack(values).tolist()))
     out: dict[str, float] = {k: float(metrics[k]) for k in keys if k not in tensors}
     if tensors:
         values = torch.stack([metrics[k].detach().float().reshape(()) for k in tensors]).cpu().tolist()

@@ -269,3 +269,79 @@ def test_bapo_search_from_signed_advantages_is_bit_identical(seed, monkeypatch):
     assert torch.equal(seen[0].view(torch.int32), seen[1].view(torch.int32))
     for a, b in zip(fast, general):
         assert torch.equal(a.view(torch.int32), b.view(torch.int32))
+
+
+# --------------------------------------------------------------- policy-loss finite check by sums
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.sampled_from(["log_prob", "old_log_prob", "advantages"]), st.integers(0, 23),
+       st.sampled_from([float("nan"), float("inf"), float("-inf")]), st.booleans())
+def test_loss_finite_check_by_sums_names_the_input_and_ignores_padding(which, pos, bad, on_padding):
+    # one non-finite value: named when on a valid token, ignored (the same loss) on padding
+    mask = torch.ones(4, 6, dtype=torch.bool)
+    mask[:, 4:] = False
+    r, c = divmod(pos, 6)
+    c = c % 4 if not on_padding else 4 + c % 2
+    good = {"log_prob": -torch.rand(4, 6) - 0.1, "old_log_prob": -torch.rand(4, 6) - 0.1, "advantages": torch.randn(4, 6)}
+    tensors = {k: v.clone() for k, v in good.items()}
+    tensors[which][r, c] = bad
+    if on_padding:
+        loss, _ = stablerl.compute_policy_loss("vanilla", response_mask=mask, **tensors)
+        ref, _ = stablerl.compute_policy_loss("vanilla", response_mask=mask, **good)
+        assert torch.equal(loss, ref)
+    else:
+        with pytest.raises(StableRLError, match=f"^{which} has non-finite values"):
+            stablerl.compute_policy_loss("vanilla", response_mask=mask, **tensors)
+
+
+def test_loss_finite_check_passes_finite_inputs_whose_sum_overflows():
+    # each advantage is finite, their sum is inf: min and max decide (they pass), as before
+    adv = torch.full((1, 2), 3e38)
+    lp = torch.full((1, 2), -0.5, requires_grad=True)
+    assert torch.isinf(adv.sum())
+    loss, _ = stablerl.compute_policy_loss("cispo", log_prob=lp, old_log_prob=lp.detach(), advantages=adv,
+                                           response_mask=torch.ones(1, 2))
+    # cispo at ratio 1: -(1 * A) * lp per token, token mean
+    assert loss.item() == pytest.approx(1.5e38, rel=1e-6)
+    loss.backward()
+    assert torch.equal(lp.grad, torch.full((1, 2), -1.5e38))
+
+
+# --------------------------------------------------------------- scores without a [B, T] temporary
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(1, 40), st.integers(1, 70), st.sampled_from([1, 7, 64, 1000]), st.sampled_from([torch.float32, torch.float64]),
+       st.integers(0, 2**31 - 1))
+def test_row_sums_of_product_by_slices_are_bit_identical(B, T, slice_elements, dtype, seed):
+    import stablerl.ops as ops
+
+    g = torch.Generator().manual_seed(seed)
+    a = (torch.randn(B, T, generator=g) * torch.rand(B, T, generator=g) * 1e3).to(dtype)
+    b = (torch.rand(B, T, generator=g) > 0.3).to(dtype)
+    before = ops._ROW_SLICE_ELEMENTS
+    ops._ROW_SLICE_ELEMENTS = slice_elements
+    try:
+        got = ops.row_sums_of_product(a, b)
+    finally:
+        ops._ROW_SLICE_ELEMENTS = before
+    want = (a * b).sum(-1)
+    assert got.dtype == want.dtype
+    assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))  # bit for bit, signs of zero included
+
+
+@pytest.mark.parametrize("name", ["grpo", "rloo", "dr_grpo", "opo"])
+def test_estimators_with_sliced_scores_are_bit_identical(name, monkeypatch):
+    import stablerl.ops as ops
+
+    g = torch.Generator().manual_seed(3)
+    B, T = 48, 40
+    rewards = torch.randn(B, T, generator=g)
+    mask = (torch.arange(T)[None] < torch.randint(1, T + 1, (B,), generator=g)[:, None]).long()
+    index = [str(i // 6) for i in range(B)]
+    want = stablerl.compute_advantage(name, token_level_rewards=rewards, response_mask=mask, index=index)
+    monkeypatch.setattr(ops, "_ROW_SLICE_ELEMENTS", 3 * T)  # 16 slices of 3 rows
+    got = stablerl.compute_advantage(name, token_level_rewards=rewards, response_mask=mask, index=index)
+    for w, o in zip(want, got):
+        assert torch.equal(w.view(torch.uint8), o.view(torch.uint8))
