@@ -220,6 +220,7 @@ SFPO = [
     "actor_rollout_ref.actor.policy_loss._target_=stablerl.adapters.verl.StablePolicyLossConfig",
     "actor_rollout_ref.actor.calculate_entropy=true", "algorithm.adv_estimator=grpo",
     "trainer.total_training_steps=2", "trainer.save_freq=-1",
+    "trainer.resume_mode=disable",  # the module's runs share trainer.default_local_dir: entropic's checkpoints are there
 ]
 
 
