@@ -638,19 +638,22 @@ def filter_batch(
     return result
 
 
+def _make_stateful(kind: str, base: type, name: str, params: dict) -> Any:
+    """A fresh instance of the registered ``kind`` algorithm ``name`` (its ``fn`` is the class), checked to be a
+    ``base``."""
+    spec = get_spec(kind, name)
+    obj = spec.fn(build_params(spec, params))
+    if not isinstance(obj, base):
+        raise StableRLError(f"{kind.replace('_', ' ')} {name!r} must build a stablerl {base.__name__}, "
+                            f"got {type(obj).__name__}")
+    return obj
+
+
 def make_trainer_hook(name: str, **params: Any) -> TrainerHook:
     """A fresh instance of the registered trainer hook ``name`` (its ``fn`` is the class)."""
-    spec = get_spec(TRAINER_HOOK, name)
-    hook = spec.fn(build_params(spec, params))
-    if not isinstance(hook, TrainerHook):
-        raise StableRLError(f"trainer hook {name!r} must build a stablerl TrainerHook, got {type(hook).__name__}")
-    return hook
+    return _make_stateful(TRAINER_HOOK, TrainerHook, name, params)
 
 
 def make_controller(name: str, **params: Any) -> Controller:
     """A fresh instance of the registered stateful controller ``name`` (its ``fn`` is the class)."""
-    spec = get_spec(CONTROLLER, name)
-    controller = spec.fn(build_params(spec, params))
-    if not isinstance(controller, Controller):
-        raise StableRLError(f"controller {name!r} must build a stablerl Controller, got {type(controller).__name__}")
-    return controller
+    return _make_stateful(CONTROLLER, Controller, name, params)
