@@ -366,7 +366,12 @@ OPENRLHF = FrameworkSpec(
             "samples over rounds, and the adapter passes no per-prompt counts to estimators",
             "neg_count": "OpenRLHF samples --rollout.n_samples_per_prompt per prompt in one round",
         },
+        ADVANTAGE_ESTIMATOR: {
+            "old_log_prob": "the adapter does not hand OpenRLHF's action_log_probs to estimators: the only ones that "
+            "read them (optimal_token_baseline, tir_optimal_token_baseline) also need sum_pi_squared, which "
+            "OpenRLHF does not compute",
         },
+    },
     conditions={
         "*": {"rollout_log_prob": "--algo.advantage.is_correction_level token|seq"},
         POLICY_LOSS: {
