@@ -2,8 +2,8 @@
 
 Their mechanism is known only from abstracts and summaries (the papers give the rules, but the stored
 copies expose only the abstracts); the catalogue (``ADVANTAGES_AND_MOE.md`` §2.8, §4.5) marks the
-formulas uncertain. ``stablerl list`` shows
-them with the reason, and asking for one raises an error that quotes it.
+formulas uncertain. ``stablerl list`` shows them with the reason (what was searched and what is
+missing, last rechecked for issue 16), and asking for one raises an error that quotes it.
 """
 
 from __future__ import annotations
@@ -16,12 +16,16 @@ UNAVAILABLE_ESTIMATORS = (
         paper="2510.20022",
         title="SALT: step-level advantage assignment via a trajectory graph (multi-turn agents)",
         notes=(
-            "only the mechanism of arXiv 2510.20022 is known (merge identical steps of a prompt's trajectories "
-            "into a graph, give each merged step the average trajectory advantage of the trajectories through "
-            "it); the paper gives the rule, but every stored copy of it (arXiv HTML v1, the EACL 2026 entry, "
-            "summaries) exposes only the abstract, so the merge criterion, the step key and whether the average is "
-            "weighted could not be read, and no code was found (rechecked for issue 16). gigpo (arXiv 2505.10978), "
-            "its better-documented relative, is offered."
+            "the step-advantage rule of arXiv 2510.20022 (EACL 2026 Findings) could not be read. Searched for issue "
+            "16: the stored arXiv HTML v1, the ACL Anthology entry (bibliography only), the alphaXiv overview "
+            "(stops before its 'The SALT Framework' section), arxivlens, tomesphere and deeppaper copies give the "
+            "abstract or the motivation; summaries say only that identical steps of a prompt's trajectories are "
+            "merged into a graph and that shared 'neutral' steps are told apart from 'decisive' ones; the paper "
+            "lists no code. Missing: the step "
+            "key (what makes two steps identical: the action, the observation, the whole history), how a merged "
+            "step's advantage is formed (plain or weighted average of the trajectory advantages through it, or "
+            "something else), whether it replaces or adds to the trajectory advantage, and the hyper-parameters. "
+            "gigpo (arXiv 2505.10978), its documented relative, is offered."
         ),
     ),
 )
@@ -32,10 +36,14 @@ UNAVAILABLE_SHAPERS = (
         paper="2505.11595",
         title="SGPO: stepwise-judge rewards that diversify all-negative groups",
         notes=(
-            "the mapping from the step-wise judge's output (first wrong step / number of correct steps) to the "
-            "reward of an incorrect response in an all-negative group is in the paper (arXiv 2505.11595, TMLR "
-            "2026), but every stored copy of it exposes only the abstract, and no code was found (rechecked for "
-            "issue 16); it also needs a judge model's outputs per response."
+            "the reward mapping of arXiv 2505.11595 (TMLR 2026) could not be read. Searched for issue 16: the "
+            "stored arXiv abstract page (v5), mlanthology, OpenReview ALnVAqtshR, tomesphere, wizwand, summarxiv, "
+            "opentrain and a gist.science explainer give the abstract or a plain-language summary that stops before "
+            "the method; no code is indexed. Known: a step-wise judge scores the incorrect responses of an "
+            "all-negative group so that GRPO sees different rewards there. Missing: what the judge outputs (first "
+            "wrong step, count or fraction of correct steps), how that maps to a reward and on what scale next to a "
+            "correct answer's, and whether groups with a correct response are left binary. It also needs a judge "
+            "model's output per response, which no framework supplies."
         ),
     ),
 )

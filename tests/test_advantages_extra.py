@@ -553,7 +553,13 @@ def test_unavailable_listings():
     assert specs[("advantage_estimator", "salt")].status == "unavailable"
     assert specs[("reward_shaper", "sgpo")].status == "unavailable"
     r, mask = rewards_from_scores([1.0, 0.0])
-    with pytest.raises(StableRLError, match="listed but not implemented"):
+    with pytest.raises(StableRLError, match="listed but not implemented") as salt_err:
         adv("salt", r, mask, [0, 0])
-    with pytest.raises(StableRLError, match="listed but not implemented"):
+    with pytest.raises(StableRLError, match="listed but not implemented") as sgpo_err:
         stablerl.shape_rewards("sgpo", scores=torch.tensor([1.0, 0.0]), index=[0, 0])
+    # the errors quote the reasons, which say what was searched and what is missing
+    for err, key, missing in [(salt_err, ("advantage_estimator", "salt"), "the step key"),
+                              (sgpo_err, ("reward_shaper", "sgpo"), "what the judge outputs")]:
+        notes = specs[key].notes
+        assert notes in str(err.value)
+        assert "Searched for issue 16" in notes and f"Missing: {missing}" in notes

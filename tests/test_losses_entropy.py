@@ -654,5 +654,9 @@ def test_specs_and_unavailable_listings():
     for name, arxiv in [("st_ppo", "2511.20718"), ("haepo", "2508.18884"), ("sfpo", "2510.04072")]:
         s = specs[name]
         assert s.status == "unavailable" and s.fn is None and s.paper == arxiv and s.notes
-        with pytest.raises(StableRLError, match="listed but not implemented"):
+        with pytest.raises(StableRLError, match="listed but not implemented") as err:
             stablerl.compute_policy_loss(name, **make_batch(B=2, T=3))
+        assert s.notes in str(err.value)  # the error quotes the whole reason
+    # the refusals of the two unread papers say what was searched and what is missing
+    for name, missing in [("st_ppo", "what the correction normalises"), ("haepo", "how the weights meet the returns")]:
+        assert "Searched for issue 16" in specs[name].notes and f"Missing: {missing}" in specs[name].notes
