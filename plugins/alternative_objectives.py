@@ -308,10 +308,18 @@ def register_policy_losses(register):
         metrics=("pg_clipfrac", "pg_clipfrac_lower", "clip_high", "clip_low", "ppo_kl", "turn_ppo/turn_ratio_mean"),
         reference="secondary descriptions of arXiv 2511.20718 (code not read)",
         notes=(
-            "Assumes the geometric mean of token ratios per turn, as three secondary accounts of arXiv 2511.20718 "
-            "state (one note claims an arithmetic mean); the paper's Eq. 4 itself could not be read here (the stored "
-            "copies of the paper expose only its abstract, and the authors' code Cloud0723/SORL is not stored), so "
-            "the mean type stays unverified and the status experimental. turn_ids: per-token turn index, < 0 on non-trained tokens. The clipping-bias correction "
+            "Assumes the geometric mean of token ratios per turn, as the secondary accounts of arXiv 2511.20718 "
+            "state (among them emergentmind's 'turn-level importance sampling' page: 'geometric means of token-level "
+            "ratios over conversation turns'); one wiki note claims an arithmetic mean, and a third-party "
+            "reimplementation uses one ratio per transition. The paper's Eq. 4 itself could not be read (rechecked "
+            "for issue 16: the stored copies stop at the abstract and the Fig. 1 caption, and the authors' code "
+            "Cloud0723/SORL has no snapshot here), so the mean type stays unverified and the status experimental. "
+            "Also assumed: the GSPO-token gradient (each token through its own log-prob); a form whose gradient "
+            "flows through the turn mean, as a third-party fork has, gives the same value, and the same gradient "
+            "while the advantage is constant within each turn, but not with per-token (GAE) advantages. A wiki "
+            "rendering of the paper's Lemma 4.1, (1/|y|) sum_k w_k A_k / |y_k| grad log pi(y_k), would count each turn "
+            "once instead of each token (a turn of n tokens weighs n times less than here); not adopted, unverified. "
+            "turn_ids: per-token turn index, < 0 on non-trained tokens. The clipping-bias correction "
             "(CTN) of ST-PPO is not implemented (see st_ppo). With one turn per sequence this equals gspo at the "
             "same bounds (with dual clip)."
         ),

@@ -140,6 +140,40 @@ def test_turn_ppo_one_turn_equals_gspo_and_two_turns_by_hand():
     assert g1[0, 2] == 0
 
 
+def test_turn_ppo_gradient_form_matters_only_for_advantages_that_vary_within_a_turn():
+    """turn_ppo lets each token's gradient through its own log-prob (GSPO-token form). The unread Eq. 4 may
+    instead let it through the turn mean (a third-party fork does): same value, and the same gradient while the
+    advantage is constant within each turn (outcome advantages), but not with per-token (GAE) advantages."""
+    b = make_batch(B=2, T=6, seed=29, dtype=torch.float64, spread=0.1, padded=False)
+    turns = torch.tensor([[0, 0, 0, 1, 1, 1], [0, 0, 1, 1, 1, 1]])
+    mask = torch.ones(2, 6, dtype=torch.float64)
+    loose = dict(clip_ratio_low=0.9, clip_ratio_high=9.0, clip_ratio_c=None)  # no token is clipped here
+
+    def turn_mean_form(advantages):
+        lp = b["log_prob"].detach().clone().requires_grad_(True)
+        d = lp - b["old_log_prob"]
+        seg = torch.stack([torch.where(turns[i] == 0, d[i][turns[i] == 0].mean(), d[i][turns[i] == 1].mean())
+                           for i in range(2)])  # gradient flows through the turn mean
+        loss = (-advantages * torch.exp(seg) * mask).sum() / mask.sum()
+        (g,) = torch.autograd.grad(loss, lp)
+        return loss, g
+
+    per_turn = torch.tensor([[1.0, 1.0, 1.0, -0.5, -0.5, -0.5], [0.3, 0.3, 2.0, 2.0, 2.0, 2.0]], dtype=torch.float64)
+    per_token = torch.tensor([[1.0, -1.0, 0.5, 2.0, -0.5, 0.1], [0.3, -0.7, 2.0, 0.0, -2.0, 1.0]], dtype=torch.float64)
+    for advantages, same_gradient in [(per_turn, True), (per_token, False)]:
+        loss, _ = stablerl.compute_policy_loss("turn_ppo", turn_ids=turns, **{**b, "advantages": advantages}, **loose)
+        (g,) = torch.autograd.grad(loss, b["log_prob"])
+        ref, g_ref = turn_mean_form(advantages)
+        torch.testing.assert_close(loss, ref)  # the forward value never depends on the form
+        assert torch.allclose(g, g_ref) is same_gradient
+    # per token, the difference is the advantage's deviation from its turn mean: e.g. row 0, token 0
+    d = (b["log_prob"] - b["old_log_prob"]).detach()
+    w0 = torch.exp(d[0, :3].mean())
+    expected = -w0 * per_token[0, 0] / 12
+    assert g[0, 0].item() == pytest.approx(expected.item(), rel=1e-12)
+    assert g_ref[0, 0].item() == pytest.approx((-w0 * per_token[0, :3].mean() / 12).item(), rel=1e-12)
+
+
 @pytest.mark.parametrize("name", ["rpg", "pacs", "gvpo", "turn_ppo"])
 def test_degenerate_and_bf16(name):
     extra = {
