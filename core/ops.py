@@ -377,6 +377,18 @@ def last_valid_index(mask: torch.Tensor) -> torch.Tensor:
     return torch.where(mask.to(torch.bool).any(-1), last, torch.zeros_like(last))
 
 
+def mask_runs(mask: torch.Tensor) -> torch.Tensor:
+    """``[B, T]`` index (0, 1, ...) of the contiguous run of valid tokens each token belongs to, -1 where the
+    mask is 0. With a loss mask that leaves out tool/environment tokens (verl's agent-loop ``response_mask``,
+    TRL's ``completion_mask * tool_mask``, OpenRLHF's ``action_mask`` over ``action_ranges``) the runs are the
+    assistant turns of a multi-turn trace; a single-turn response is one run."""
+    on = mask.to(torch.bool)
+    starts = on.clone()
+    starts[..., 1:] &= ~on[..., :-1]
+    ids = starts.to(torch.int64).cumsum(-1) - 1
+    return torch.where(on, ids, torch.full_like(ids, -1))
+
+
 def scores_on_last_token(scores: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Place per-response scalar rewards ``[B]`` on each row's last valid token: the ``[B, T]``
     token-level rewards whose sum is the score (verl's convention for outcome rewards)."""

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from stablerl import EXPERIMENTAL, STABLE, Params, hookimpl
-from stablerl.ops import aggregate, clamped_log_ratio, masked_mean, masked_sum
+from stablerl.ops import aggregate, clamped_log_ratio, mask_runs, masked_mean, masked_sum
 from stablerl.params import StableRLError, check
 
 from .ppo import ClipParams, ppo_clip_terms
@@ -221,7 +221,8 @@ def segment_mean(values: torch.Tensor, segment: torch.Tensor, mask: torch.Tensor
 
 def turn_ppo_loss(b, p: ClipParams, ctx):
     mask = b.response_mask
-    turn_ids = b.turn_ids.to(torch.long)
+    # without explicit turn ids a turn is a contiguous run of trained tokens (tool/environment tokens are masked)
+    turn_ids = mask_runs(mask) if b.turn_ids is None else b.turn_ids.to(torch.long)
     log_ratio = clamped_log_ratio(b.log_prob, b.old_log_prob)
     turn_log_ratio = segment_mean(log_ratio.detach(), turn_ids, mask)
     log_w = b.log_prob - b.log_prob.detach() + turn_log_ratio
@@ -304,7 +305,7 @@ def register_policy_losses(register):
         title="Turn-level importance sampling for multi-turn agents (ST-PPO/SORL Turn-PPO)",
         formula="log w_t = lp_t - sg(lp_t) + sg(mean_{turn(t)}(lp - lp_old)); l = max(-A w, -A clip(w, 1-eps_l, 1+eps_h))",
         status=EXPERIMENTAL,
-        requires=("turn_ids",),
+        optional_inputs=("turn_ids",),
         metrics=("pg_clipfrac", "pg_clipfrac_lower", "clip_high", "clip_low", "ppo_kl", "turn_ppo/turn_ratio_mean"),
         reference="secondary descriptions of arXiv 2511.20718 (code not read)",
         notes=(
@@ -319,7 +320,10 @@ def register_policy_losses(register):
             "while the advantage is constant within each turn, but not with per-token (GAE) advantages. A wiki "
             "rendering of the paper's Lemma 4.1, (1/|y|) sum_k w_k A_k / |y_k| grad log pi(y_k), would count each turn "
             "once instead of each token (a turn of n tokens weighs n times less than here); not adopted, unverified. "
-            "turn_ids: per-token turn index, < 0 on non-trained tokens. The clipping-bias correction "
+            "turn_ids (optional): per-token turn index, < 0 on non-trained tokens; without it a turn is a contiguous "
+            "run of trained tokens (ops.mask_runs: the loss mask leaves out tool/environment tokens in verl's agent "
+            "loop, TRL's tool_mask and OpenRLHF's action_ranges, so the runs are the assistant turns; a token-level "
+            "filter that masks tokens inside a turn splits it). The clipping-bias correction "
             "(CTN) of ST-PPO is not implemented (see st_ppo). With one turn per sequence this equals gspo at the "
             "same bounds (with dual clip)."
         ),

@@ -1,6 +1,7 @@
 """EMPG: Entropy-Modulated Policy Gradients (Liu, Fu, Li, Wang et al., arXiv 2509.09265).
 
-An advantage transform for multi-turn agents. A step j is one assistant turn (``turn_ids``);
+An advantage transform for multi-turn agents. A step j is one assistant turn (``turn_ids``, or else a
+contiguous run of trained tokens);
 H_j is the mean old-policy token entropy over the step's trained tokens. Over ALL steps of the
 batch (every DP rank):
 
@@ -23,7 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from stablerl import EXPERIMENTAL, Params, hookimpl
-from stablerl.ops import group_stats
+from stablerl.ops import group_stats, mask_runs
 from stablerl.params import StableRLError, check
 
 from .group_baselines import singleton_convention
@@ -50,7 +51,9 @@ class EMPGParams(Params):
 
 def _steps(b):
     """Per-token step index ``[B, T]`` (-1 off steps), each step's row, and the number of steps."""
-    turn = b.extras["turn_ids"]
+    turn = b.extras.get("turn_ids")
+    if turn is None:  # a step is a contiguous run of trained tokens (tool/environment tokens are masked)
+        return _steps_of(mask_runs(b.response_mask), b.response_mask.bool())
     turn = torch.as_tensor(turn, device=b.response_mask.device)
     if tuple(turn.shape) != tuple(b.response_mask.shape):
         raise StableRLError(f"empg: turn_ids has shape {tuple(turn.shape)}, expected {tuple(b.response_mask.shape)}")
@@ -60,6 +63,10 @@ def _steps(b):
     turn = turn.long()
     if bool((turn[valid] < 0).any()):
         raise StableRLError("empg: turn_ids < 0 on a token where response_mask is 1 (every trained token needs a step)")
+    return _steps_of(turn, valid)
+
+
+def _steps_of(turn: torch.Tensor, valid: torch.Tensor):
     B, T = turn.shape
     # a step is a (row, turn id) pair; keys sort rows first, then turn ids
     span = int(turn[valid].max().item()) + 1 if bool(valid.any()) else 1
@@ -147,16 +154,18 @@ def register_advantage_estimators(register):
         formula="A = g(H_j) A_i + zeta f(H_{j+1}) - mean_steps(...), g = exp(-k H^)/mean(exp(-k H^)), "
         "f = exp(-k_f H^), H^ = batch min-max normalised step entropy",
         status=EXPERIMENTAL,
-        requires=("entropy", "turn_ids"),
+        requires=("entropy",),
+        optional_inputs=("turn_ids",),
         batch_statistics=True,
         reference="project-page pseudocode (empgseed-seed.github.io, Eq. 7, 10-12); no authors' repository",
         notes="entropy: per-token entropy of the policy that generated the batch (verl: the old-log-prob pass's "
-        "entropys). turn_ids: [B, T] integer step id per token (< 0 allowed only where response_mask is 0; a "
-        "trained token with a negative id raises); a step is a (response, turn id) pair and its entropy the mean "
+        "entropys). turn_ids (optional): [B, T] integer step id per token (< 0 allowed only where response_mask is 0; a "
+        "trained token with a negative id raises); without it a step is a contiguous run of trained tokens "
+        "(ops.mask_runs: the frameworks' loss masks leave out tool/environment tokens); a step is a (response, turn id) pair and its entropy the mean "
         "over its trained tokens; the 'next' step is the next larger turn id of the same response. min/max, the "
         "mean of exp(-k H^) and the final mean are over all steps of the batch (each step counts once, not per "
         "token), reduced over DP ranks with ctx.all_reduce (max, sum), so 2 ranks equal 1. Unverified assumptions: "
         "the last step of a trajectory gets bonus 0; the final normalisation is a zero-mean shift only (no std "
         "division). Base advantage: GRPO (verl conventions: std unbiased + epsilon, group of one: baseline 0, std 1). "
-        "Not available to a verl registered estimator (verl passes no entropies / turn ids). returns == advantages.",
+        "verl: needs its entropy opt-in (+algorithm.stablerl_batch_field_estimators=true). returns == advantages.",
     )

@@ -432,8 +432,12 @@ def test_empg_hand_values_two_steps():
 
 def test_empg_inputs_and_errors():
     scores, ids, r, mask, entropy, turn = empg_case(1)
-    with pytest.raises(MissingInputError, match="turn_ids"):
-        adv("empg", r, mask, ids, entropy=entropy)
+    # without turn_ids a step is a contiguous run of trained tokens: here each response is one step (no masked
+    # tool segment), which the reference loop reproduces with turn ids 0 on every trained token
+    runs = stablerl.ops.mask_runs(mask)
+    torch.testing.assert_close(adv("empg", r, mask, ids, entropy=entropy),
+                               empg_reference(scores, ids, entropy, runs, mask), rtol=1e-10, atol=1e-10)
+    assert not torch.allclose(adv("empg", r, mask, ids, entropy=entropy), adv("empg", r, mask, ids, entropy=entropy, turn_ids=turn))
     with pytest.raises(MissingInputError, match="entropy"):
         adv("empg", r, mask, ids, turn_ids=turn)
     with pytest.raises(StableRLError, match="entropy has shape"):
@@ -470,7 +474,7 @@ def test_empg_statistics_go_through_ctx():
     assert calls == ["max", "sum"]
     torch.testing.assert_close(a, adv("empg", r, mask, ids, entropy=entropy, turn_ids=turn))
     spec = stablerl.get_spec("advantage_estimator", "empg")
-    assert spec.batch_statistics and spec.requires == ("entropy", "turn_ids")
+    assert spec.batch_statistics and spec.requires == ("entropy",) and spec.optional_inputs == ("turn_ids",)
 
 
 # ----------------------------------------------------------------------------- common

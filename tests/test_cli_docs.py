@@ -63,9 +63,11 @@ def test_list_json_reach_per_framework(capsys):
     rows = {r["name"]: r for r in json.loads(out)}
     assert rows["pacs"]["reach"]["openrlhf"]["status"] == "partial"
     assert "--rollout.n_samples_per_prompt" in rows["pacs"]["reach"]["openrlhf"]["needs"][0]
-    assert rows["turn_ppo"]["reach"]["verl"] == {
-        "status": "refused", "why": "needs turn_ids (turn_ids: verl's batch has no per-token turn ids (only the "
-        "per-sample num_turns))"}
+    assert rows["remax"]["reach"]["trl"] == {
+        "status": "refused", "why": "needs reward_baselines (reward_baselines: TRL's GRPOTrainer generates no greedy "
+        "baseline response per prompt (ReMax))"}
+    # turn ids default to the loss mask's runs of trained tokens, so turn_ppo runs everywhere
+    assert rows["turn_ppo"]["reach"]["verl"] == {"status": "selectable", "name": "turn_ppo"}
     assert rows["vanilla"]["reach"]["verl"] == {"status": "selectable", "name": "stablerl_vanilla"}
     # the counts stablerl list and README print come from the same rows
     counts = {fw: {s: 0 for s in ("selectable", "partial", "refused")} for fw in ("verl", "trl", "openrlhf")}

@@ -131,3 +131,24 @@ def test_scores_on_last_token():
     assert last_valid_index(mask).tolist() == [1, 3, 0]
     out = scores_on_last_token(torch.tensor([2.0, -1.0, 5.0]), mask)
     assert out.tolist() == [[0, 2.0, 0, 0], [0, 0, 0, -1.0], [5.0, 0, 0, 0]]
+
+
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.lists(st.booleans(), min_size=7, max_size=7), min_size=1, max_size=5))
+def test_mask_runs_numbers_each_contiguous_run_of_valid_tokens(rows):
+    from stablerl.ops import mask_runs
+
+    mask = torch.tensor(rows)
+    runs = mask_runs(mask.to(torch.float32))
+    assert runs.dtype == torch.int64 and runs.shape == mask.shape
+    for row, out in zip(rows, runs.tolist()):
+        want, k, prev = [], -1, False
+        for on in row:  # a new id exactly where the mask goes 0 -> 1
+            k += on and not prev
+            want.append(k if on else -1)
+            prev = on
+        assert out == want

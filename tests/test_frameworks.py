@@ -42,8 +42,8 @@ def test_one_name_rule_in_every_framework():
 
 
 def test_refusals_say_why_in_the_frameworks_words():
-    with pytest.raises(stablerl.MissingInputError, match=r"turn_ids: OpenRLHF's experiences carry no per-token turn ids"):
-        F.resolve("openrlhf", POLICY_LOSS, "turn_ppo")
+    with pytest.raises(stablerl.MissingInputError, match=r"hidden_states: OpenRLHF's Actor.forward returns log-probs"):
+        F.resolve("openrlhf", POLICY_LOSS, "capo")
     status, why = F.reach(F.get_framework("verl"), stablerl.get_spec(POLICY_LOSS, "a3po"))
     assert status == "refused" and "policy_version: verl's ppo_loss is not told how many optimizer steps" in why
     status, why = F.reach(F.get_framework("verl"), stablerl.get_spec("batch_filter", "d3s"))

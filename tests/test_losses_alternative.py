@@ -140,6 +140,20 @@ def test_turn_ppo_one_turn_equals_gspo_and_two_turns_by_hand():
     assert g1[0, 2] == 0
 
 
+def test_turn_ppo_without_turn_ids_takes_the_loss_masks_runs_as_turns():
+    """A masked tool segment splits a response into turns: no turn ids needed (verl's agent-loop response_mask,
+    TRL's tool_mask and OpenRLHF's action_ranges all leave tool/environment tokens out of the loss mask)."""
+    b = make_batch(B=2, T=6, seed=27, dtype=torch.float64, spread=0.3, padded=False)
+    mask = torch.tensor([[1, 1, 0, 1, 1, 1], [1, 0, 1, 0, 1, 0]])
+    turns = torch.tensor([[0, 0, -1, 1, 1, 1], [0, -1, 1, -1, 2, -1]])
+    given, m1 = stablerl.compute_policy_loss("turn_ppo", turn_ids=turns, **{**b, "response_mask": mask})
+    derived, m2 = stablerl.compute_policy_loss("turn_ppo", **{**b, "response_mask": mask})
+    assert float(derived.detach()) == float(given.detach()) and m1 == m2
+    # and it is not one turn per response: the two-turn row differs from gspo's one ratio per sequence
+    one, _ = stablerl.compute_policy_loss("turn_ppo", turn_ids=torch.zeros(2, 6, dtype=torch.long), **{**b, "response_mask": mask})
+    assert abs(float(one.detach()) - float(derived.detach())) > 1e-6
+
+
 def test_turn_ppo_gradient_form_matters_only_for_advantages_that_vary_within_a_turn():
     """turn_ppo lets each token's gradient through its own log-prob (GSPO-token form). The unread Eq. 4 may
     instead let it through the turn mean (a third-party fork does): same value, and the same gradient while the
