@@ -140,5 +140,21 @@ def declared_inputs(spec: AlgorithmSpec, find: Callable[[str], Any], how_to_prov
     return out
 
 
-__all__ = ["FilteredBatch", "advantages_from_scores", "apply_filter_result", "declared_inputs", "loss_inputs",
-           "pending_loss_inputs"]
+def check_supplied_inputs(spec: AlgorithmSpec, declared: Iterable[str], supplied: dict, *, declared_in: str,
+                          supplied_by: str) -> dict:
+    """``supplied``: the inputs a user's code returned for ``spec`` (``supplied_by``), checked against those it
+    declared (``declared``, in ``declared_in``): an undeclared one raises, and so does a declared input ``spec``
+    requires that was not returned."""
+    declared = set(declared)
+    undeclared = sorted(set(supplied) - declared)
+    if undeclared:
+        raise StableRLError(f"{supplied_by} returned {undeclared}, which {declared_in} does not list ({sorted(declared)})")
+    needed = (set(spec.requires) & declared) - set(supplied)
+    if needed:
+        raise MissingInputError(f"{spec.kind.replace('_', ' ')} {spec.name!r} needs {sorted(needed)}, declared in "
+                                f"{declared_in}, but {supplied_by} did not return them")
+    return supplied
+
+
+__all__ = ["FilteredBatch", "advantages_from_scores", "apply_filter_result", "check_supplied_inputs", "declared_inputs",
+           "loss_inputs", "pending_loss_inputs"]

@@ -751,5 +751,5 @@ def check_signatures(framework_name: str, cls: type, required: Mapping[str, Any]
                         f"{supported}")
 
 
-from .framework_batch import (FilteredBatch, advantages_from_scores, apply_filter_result, declared_inputs,  # noqa: E402,F401
-                              loss_inputs, pending_loss_inputs)
+from .framework_batch import (FilteredBatch, advantages_from_scores, apply_filter_result,  # noqa: E402,F401
+                              check_supplied_inputs, declared_inputs, loss_inputs, pending_loss_inputs)

@@ -30,9 +30,9 @@ from stablerl.contracts import (ADVANTAGE_ESTIMATOR, BATCH_FILTER, CONTROLLER, O
                                 REWARD_SHAPER, ROLLOUT_CORRECTION, TRAINER_HOOK, ParamsView)
 from stablerl.frameworks import (UnsupportedVersionError, advantages_from_scores, apply_filter_result, as_params,
                                  check_call_options, check_framework_keys_used, check_inputs, check_selection,
-                                 check_shaper_and_components, check_signatures, check_version, declared_inputs,
+                                 check_shaper_and_components, check_signatures, check_supplied_inputs, check_version, declared_inputs,
                                  dedicated_call_option, effective_hyperparameters, get_framework, log_effective_settings,
-                                 resolve, split_call_options, top_entropy_on, version_in_range)
+                                 resolve, split_call_options, top_entropy_on)
 from stablerl.ops import AGG_MODES
 from stablerl.params import StableRLError, UnknownNameError, build_params, params_dict, unknown_name_message
 from stablerl.state import LEGACY_FORMAT, StateStore, from_legacy_json, read_state
@@ -70,21 +70,16 @@ class UnsupportedTRLVersionError(UnsupportedVersionError):
 
 # Private TRL methods this adapter overrides or calls, with the parameters it relies on.
 _REQUIRED_SIGNATURES = {
-    "_compute_loss": ("model", "inputs"),
+    "_compute_loss": ("model", "inputs"), "_generate_and_score_completions": ("inputs",), "_generate": ("prompts",),
     "_calculate_rewards": ("inputs", "prompts", "completions", "completion_ids_list"),
-    "_generate_and_score_completions": ("inputs",),
-    "_get_per_token_logps_and_entropies": ("model", "input_ids", "attention_mask", "logits_to_keep",
-                                           "compute_entropy", "compute_aux_loss"),
+    "_get_per_token_logps_and_entropies": ("model", "input_ids", "attention_mask", "logits_to_keep", "compute_entropy",
+                                           "compute_aux_loss"),
     "get_high_entropy_mask": ("entropies", "mask", "threshold"),
-    "get_off_policy_mask": ("advantages", "per_token_logps", "sampling_per_token_logps", "mask",
-                            "off_policy_threshold"),
-    # routing replay (routing_replay="R2"/"R3")
-    "_generate": ("prompts",),
+    "get_off_policy_mask": ("advantages", "per_token_logps", "sampling_per_token_logps", "mask", "off_policy_threshold"),
     "_generate_single_turn": ("prompt_ids", "images", "multimodal_fields", "num_generations", "has_tool_images"),
     "training_step": ("model", "inputs", "num_items_in_batch"),
     "compute_loss": ("model", "inputs", "return_outputs", "num_items_in_batch"),
-    # controller / loss-state checkpointing
-    "_load_optimizer_and_scheduler": ("checkpoint",),
+    "_load_optimizer_and_scheduler": ("checkpoint",),  # stablerl state in TRL's checkpoints
 }
 
 
@@ -122,7 +117,7 @@ instrument()
 
 def resolve_loss_type(loss_type: str) -> Optional[str]:
     """The stablerl policy loss ``loss_type`` selects, or None for a TRL built-in (core's one name rule; the inputs
-    are checked per run by :func:`check_loss_inputs`). Unknown names raise naming the nearest valid one."""
+    are checked per run in :func:`validate_stablerl_args`). Unknown names raise naming the nearest valid one."""
     return resolve(TRL, POLICY_LOSS, loss_type, inputs=False)
 
 
@@ -142,20 +137,13 @@ def check_extra_loss_inputs(names) -> tuple[str, ...]:
     return tuple(names)
 
 
-def check_loss_inputs(name: str, use_vllm_is: bool, routing_replay: bool = False, extra=()) -> None:
-    """Raise :class:`stablerl.MissingInputError` if the loss declares inputs TRL cannot feed in this run (``extra``:
-    the ones a trainer subclass declared it supplies, ``stablerl_extra_loss_inputs``)."""
-    check_inputs(TRL, stablerl.get_spec(POLICY_LOSS, name), extra_inputs=extra,
-                 feedable=loss_inputs_trl_can_feed(use_vllm_is, routing_replay))
-
-
 # ----------------------------------------------------------------------------- config
 
-_PARAMS_HELP = "Hyper-parameters of the {}, a dict or a JSON object string."
+def _field(help: str, default: Any = None):
+    return field(default=default, metadata={"help": help})
 
 
-def _params_field(what: str, example: str = ""):
-    return field(default=None, metadata={"help": _PARAMS_HELP.format(what) + (f" E.g. '{example}'." if example else "")})
+_PARAMS = "Hyper-parameters of the {}, a dict or a JSON object string"
 
 
 @dataclass
@@ -163,46 +151,36 @@ class GRPOConfig(_trl.GRPOConfig):
     """TRL's ``GRPOConfig`` plus stablerl's selections (all settable from ``TrlParser`` CLI/YAML); ``loss_type``
     also accepts stablerl policy-loss names. See docs/trl.md."""
 
-    advantage_estimator: Optional[str] = field(default=None, metadata={
-        "help": "stablerl advantage estimator (e.g. 'qae', 'rloo', 'grpo') on the rewards gathered over all "
-                "processes; None keeps TRL's advantages (scale_rewards)."})
-    stablerl_loss_params: Optional[Union[dict, str]] = field(default=None, metadata={
-        "help": "Hyper-parameters of the stablerl policy loss, a dict or a JSON object string, e.g. "
-                "'{\"m2_threshold\": 0.04}' (unset keys: the paper's defaults; TRL's epsilon/epsilon_high set the clip "
-                "bounds when changed); also loss_agg_mode / rollout_correction / top_entropy_quantile."})
-    stablerl_advantage_params: Optional[Union[dict, str]] = _params_field(
-        "stablerl advantage estimator", '{"quantile_k": 0.4}')
-    stablerl_extra_loss_inputs: Optional[list[str]] = field(default=None, metadata={
-        "help": "Declared loss inputs a GRPOTrainer subclass supplies by overriding stablerl_loss_inputs(inputs, "
-                "log_prob) (e.g. 'rollout_log_prob', 'versions', 'policy_version'; 'old_log_prob' replaces TRL's)."})
-    stablerl_loss_agg_mode: str = field(default="token-mean", metadata={
-        "help": "Aggregation of a stablerl policy loss: 'token-mean' (= TRL dapo, default), 'seq-mean-token-mean' "
-                "(= grpo), 'seq-mean-token-sum' (= luspo) or 'seq-mean-token-sum-norm' (= dr_grpo)."})
-    routing_replay: Optional[str] = field(default=None, metadata={
-        "help": "MoE routing replay: 'R3' replays the rollout's experts (HF generate, or a rollout_func returning "
-                "vLLM 'routed_experts'), 'R2' those of the old-log-prob pass; None: native routing."})
-    reward_shaper: Optional[str] = field(default=None, metadata={
-        "help": "stablerl reward shaper (e.g. 'redit', 'fapo') on the gathered rewards, before the advantage "
-                "estimator (needs advantage_estimator); per-completion inputs come from TRL's log_extra."})
-    stablerl_reward_shaper_params: Optional[Union[dict, str]] = _params_field("reward shaper")
-    batch_filter: Optional[str] = field(default=None, metadata={
-        "help": "stablerl batch filter (e.g. 'dynamic_sampling', 'd3s') after the advantages: dropped rows/tokens "
-                "get advantage 0 and loss mask 0 (TRL's batch size is fixed)."})
-    stablerl_batch_filter_params: Optional[Union[dict, str]] = _params_field("batch filter")
-    entropy_controller: Optional[str] = field(default=None, metadata={
-        "help": "stablerl entropy controller ('aepo', 'epo'), stepped once per optimizer step with TRL's mean "
-                "entropy; saved with each checkpoint (stablerl_state.pt)."})
-    stablerl_entropy_controller_params: Optional[Union[dict, str]] = _params_field("entropy controller")
-    trainer_hook: Optional[str] = field(default=None, metadata={
-        "help": "stablerl trainer hook ('sfpo') between the num_iterations optimizer passes over each generation "
-                "batch (num_iterations = its passes per batch; steps_per_generation = gradient_accumulation_steps)."})
-    stablerl_trainer_hook_params: Optional[Union[dict, str]] = _params_field("trainer hook")
-    stablerl_rollout_correction: Optional[str] = field(default=None, metadata={
-        "help": "stablerl training-inference mismatch correction of a stablerl loss ('tis', 'icepop', 'seq_mis', "
-                "'geo_rs', 'opsm') from the rollout engine's log-probs; needs vllm_importance_sampling_correction="
-                "False. stablerl_loss_params' rollout_correction(_params) is an alias."})
-    stablerl_rollout_correction_params: Optional[Union[dict, str]] = _params_field(
-        "rollout correction", '{"threshold": 2.0}')
+    advantage_estimator: Optional[str] = _field("stablerl advantage estimator (e.g. 'qae', 'rloo') on the rewards "
+                                                "gathered over all processes; None keeps TRL's advantages.")
+    stablerl_loss_params: Optional[Union[dict, str]] = _field(
+        _PARAMS.format("stablerl policy loss") + ", e.g. '{\"m2_threshold\": 0.04}' (unset: the paper's defaults); "
+        "also loss_agg_mode / rollout_correction / top_entropy_quantile.")
+    stablerl_advantage_params: Optional[Union[dict, str]] = _field(_PARAMS.format("stablerl advantage estimator") + ".")
+    stablerl_extra_loss_inputs: Optional[list[str]] = _field(
+        "Declared loss inputs a GRPOTrainer subclass supplies by overriding stablerl_loss_inputs(inputs, log_prob) "
+        "(e.g. 'rollout_log_prob', 'versions'; 'old_log_prob' replaces TRL's).")
+    stablerl_loss_agg_mode: str = _field("Aggregation of a stablerl policy loss: 'token-mean' (= TRL dapo), "
+                                         "'seq-mean-token-mean' (= grpo), 'seq-mean-token-sum' (= luspo) or "
+                                         "'seq-mean-token-sum-norm' (= dr_grpo).", "token-mean")
+    routing_replay: Optional[str] = _field("MoE routing replay: 'R3' (the rollout's experts: HF generate, or a "
+                                           "rollout_func's vLLM 'routed_experts') or 'R2' (the old-log-prob pass's).")
+    reward_shaper: Optional[str] = _field("stablerl reward shaper (e.g. 'redit') on the gathered rewards, before the "
+                                          "advantage_estimator it needs; user inputs come from TRL's log_extra.")
+    stablerl_reward_shaper_params: Optional[Union[dict, str]] = _field(_PARAMS.format("reward shaper") + ".")
+    batch_filter: Optional[str] = _field("stablerl batch filter (e.g. 'dynamic_sampling') after the advantages: dropped "
+                                         "rows/tokens get advantage 0 and loss mask 0.")
+    stablerl_batch_filter_params: Optional[Union[dict, str]] = _field(_PARAMS.format("batch filter") + ".")
+    entropy_controller: Optional[str] = _field("stablerl entropy controller ('aepo', 'epo'), stepped once per optimizer "
+                                               "step with TRL's mean entropy; saved with each checkpoint.")
+    stablerl_entropy_controller_params: Optional[Union[dict, str]] = _field(_PARAMS.format("entropy controller") + ".")
+    trainer_hook: Optional[str] = _field("stablerl trainer hook ('sfpo') between the num_iterations optimizer passes "
+                                         "over each generation batch.")
+    stablerl_trainer_hook_params: Optional[Union[dict, str]] = _field(_PARAMS.format("trainer hook") + ".")
+    stablerl_rollout_correction: Optional[str] = _field(
+        "stablerl mismatch correction of a stablerl loss ('tis', 'icepop', ...) from the rollout engine's log-probs; "
+        "needs vllm_importance_sampling_correction=False. Alias: stablerl_loss_params' rollout_correction(_params).")
+    stablerl_rollout_correction_params: Optional[Union[dict, str]] = _field(_PARAMS.format("rollout correction") + ".")
 
     def __post_init__(self):
         super().__post_init__()
@@ -215,12 +193,13 @@ class GRPOConfig(_trl.GRPOConfig):
         validate_stablerl_extensions(self)
 
 
-ROUTING_REPLAY_MODES = rr.MODES
-
-
 def routing_replay_mode(args) -> Optional[str]:
     """``"R2"``, ``"R3"`` or ``None`` from ``args.routing_replay`` (case-insensitive; unknown names raise)."""
     return rr.parse_mode(getattr(args, "routing_replay", None), "routing_replay")
+
+
+def _params(args, key: str) -> dict:
+    return params_dict(getattr(args, key, None), key)
 
 
 def _vllm_is(args) -> bool:
@@ -231,7 +210,7 @@ def validate_stablerl_args(args, warn: bool = True) -> tuple[Optional[str], Opti
     """Check the stablerl selections of a (stablerl or plain TRL) GRPOConfig; return (loss, estimator)."""
     routing_replay_mode(args)
     loss = resolve_loss_type(args.loss_type)
-    if loss is None and params_dict(getattr(args, "stablerl_loss_params", None), "stablerl_loss_params"):
+    if loss is None and _params(args, "stablerl_loss_params"):
         raise StableRLError(
             f"stablerl_loss_params is set but loss_type={args.loss_type!r} is TRL's built-in loss (its knobs are TRL's "
             f"own, e.g. epsilon/epsilon_high); use loss_type='{PREFIX}{args.loss_type}' if a stablerl loss of that name "
@@ -252,14 +231,15 @@ def validate_stablerl_args(args, warn: bool = True) -> tuple[Optional[str], Opti
         agg = getattr(args, "stablerl_loss_agg_mode", "token-mean")
         if agg not in AGG_MODES:
             raise UnknownNameError(unknown_name_message("stablerl_loss_agg_mode", agg, AGG_MODES))
-        check_loss_inputs(loss, _vllm_is(args), routing_replay=routing_replay_mode(args) is not None,
-                          extra=check_extra_loss_inputs(getattr(args, "stablerl_extra_loss_inputs", None)))
+        # the inputs TRL feeds in this run, and those a trainer subclass declared it supplies
+        check_inputs(TRL, spec, extra_inputs=check_extra_loss_inputs(getattr(args, "stablerl_extra_loss_inputs", None)),
+                     feedable=loss_inputs_trl_can_feed(_vllm_is(args), routing_replay_mode(args) is not None))
         if warn and args.delta is not None and "clip_ratio_c" not in spec.defaults():
             warnings.warn(f"delta (TRL's two-sided ratio clip, a dual clip: clip_ratio_c) has no counterpart in the "
                           f"stablerl loss {loss!r}, which does not use it", UserWarning, stacklevel=3)
     estimator = check_selection(TRL, ADVANTAGE_ESTIMATOR, getattr(args, "advantage_estimator", None),
-                                params_dict(getattr(args, "stablerl_advantage_params", None), "stablerl_advantage_params"),
-                                key="advantage_estimator", params_key="stablerl_advantage_params")
+                                _params(args, "stablerl_advantage_params"), key="advantage_estimator",
+                                params_key="stablerl_advantage_params")
     if estimator:  # TRL's scale_rewards: honoured or refused, never ignored; then the effective values are built
         build_params(stablerl.get_spec(ADVANTAGE_ESTIMATOR, estimator), as_params(advantage_settings(args, estimator)))
     check_rollout_correction(args, loss)
@@ -274,10 +254,9 @@ def without_rollout_correction(options: dict) -> dict:
 def rollout_correction_setting(args) -> tuple[Optional[str], dict]:
     """``(name, params)`` of the stablerl rollout correction: ``stablerl_rollout_correction(_params)`` or their alias
     in ``stablerl_loss_params`` (the verl / OpenRLHF spelling; core's :func:`dedicated_call_option`)."""
-    return dedicated_call_option(
-        TRL, ROLLOUT_CORRECTION, getattr(args, "stablerl_rollout_correction", None),
-        params_dict(getattr(args, "stablerl_rollout_correction_params", None), "stablerl_rollout_correction_params"),
-        params_dict(getattr(args, "stablerl_loss_params", None), "stablerl_loss_params"), "stablerl_loss_params")
+    return dedicated_call_option(TRL, ROLLOUT_CORRECTION, getattr(args, "stablerl_rollout_correction", None),
+                                 _params(args, "stablerl_rollout_correction_params"),
+                                 _params(args, "stablerl_loss_params"), "stablerl_loss_params")
 
 
 def check_rollout_correction(args, loss: Optional[str]) -> Optional[str]:
@@ -302,8 +281,7 @@ def loss_settings(args, loss: str):
     dapo/grpo) and ``delta`` (the dual clip ``clip_ratio_c``) when set > the paper's defaults."""
     framework_values = {"clip_ratio_low": getattr(args, "epsilon", None),
                         "clip_ratio_high": getattr(args, "epsilon_high", None), "clip_ratio_c": getattr(args, "delta", None)}
-    return effective_hyperparameters(TRL, stablerl.get_spec(POLICY_LOSS, loss),
-                                     params_dict(getattr(args, "stablerl_loss_params", None), "stablerl_loss_params"),
+    return effective_hyperparameters(TRL, stablerl.get_spec(POLICY_LOSS, loss), _params(args, "stablerl_loss_params"),
                                      framework_values)
 
 
@@ -323,13 +301,12 @@ def advantage_settings(args, estimator: str):
     framework_values = {"norm_adv_by_std_in_grpo": scale != "none",
                         "form": "trl" if aggregation == "normalize_then_sum" else "verl"}
     check_framework_keys_used(TRL, spec, framework_values)
-    params = params_dict(getattr(args, "stablerl_advantage_params", None), "stablerl_advantage_params")
-    return effective_hyperparameters(TRL, spec, params, framework_values)
+    return effective_hyperparameters(TRL, spec, _params(args, "stablerl_advantage_params"), framework_values)
 
 
 # ----------------------------------------------------------------------------- shapers, filters, controllers, hooks
 
-# config key of each extension -> (its kind, its hyper-parameter key)
+# config key of each extension -> its kind (its hyper-parameters: stablerl_<key>_params)
 _EXT_KINDS = {"reward_shaper": REWARD_SHAPER, "batch_filter": BATCH_FILTER, "entropy_controller": CONTROLLER,
               "trainer_hook": TRAINER_HOOK}
 _EXT_PARAMS_KEYS = {key: f"stablerl_{key}_params" for key in _EXT_KINDS}
@@ -352,9 +329,8 @@ def validate_stablerl_extensions(args) -> dict[str, Optional[str]]:
     return the names. Unknown names and hyper-parameters raise with the nearest valid one; inputs TRL cannot provide
     raise :class:`stablerl.MissingInputError` with the reason. Inputs the user's reward function must provide
     (``correct``, ``flawed``, ...) are checked at the first generation batch."""
-    names = {key: check_selection(TRL, kind, getattr(args, key, None),
-                                  params_dict(getattr(args, _EXT_PARAMS_KEYS[key], None), _EXT_PARAMS_KEYS[key]),
-                                  key=key, params_key=_EXT_PARAMS_KEYS[key], inputs=kind != CONTROLLER)
+    names = {key: check_selection(TRL, kind, getattr(args, key, None), _params(args, _EXT_PARAMS_KEYS[key]), key=key,
+                                  params_key=_EXT_PARAMS_KEYS[key], inputs=kind != CONTROLLER)
              for key, kind in _EXT_KINDS.items()}
     shaper = names["reward_shaper"]
     if shaper and not getattr(args, "advantage_estimator", None):
@@ -369,8 +345,6 @@ def validate_stablerl_extensions(args) -> dict[str, Optional[str]]:
 
 
 # ----------------------------------------------------------------------------- routing replay
-
-_VLLM_ROUTES_MIN = "0.14"  # enable_return_routed_experts (vLLM PR #28284); ms-swift documents vLLM >= 0.14
 
 _R3_VLLM_MESSAGE = (
     "routing_replay='R3' with use_vllm=True: TRL 1.16's vLLM path (VLLMGeneration) does not ask vLLM for the routed "
@@ -406,10 +380,9 @@ def _rr_check_rollout(args, kwargs) -> None:
         found = version("vllm")
     except Exception:  # vLLM not installed here (server mode) or no metadata
         return
-    if not version_in_range(found, ">=" + _VLLM_ROUTES_MIN):
-        warnings.warn(f"routing_replay='R3': vLLM {found} may predate enable_return_routed_experts (vLLM PR #28284; "
-                      f"documented for vLLM >= {_VLLM_ROUTES_MIN}, >= 0.22 for hybrid-attention models)",
-                      UserWarning, stacklevel=3)
+    if not rr.vllm_returns_routes(found):
+        warnings.warn(f"routing_replay='R3': vLLM {found} may predate enable_return_routed_experts (vLLM PR #28284, "
+                      f"vLLM >= {rr.VLLM_ROUTES_MIN})", UserWarning, stacklevel=3)
 
 
 class _StablerlStateCallback(_TrainerCallback):
@@ -445,11 +418,10 @@ class GRPOTrainer(_trl.GRPOTrainer):
     """TRL's ``GRPOTrainer`` with stablerl policy losses, advantage estimators, shapers, filters, controllers, trainer
     hooks and MoE routing replay. Accepts this module's :class:`GRPOConfig` (or TRL's: stablerl fields at defaults)."""
 
-    _rr_mode: Optional[str] = None  # routing_replay, set in __init__
+    _rr_mode: Optional[str] = None  # routing_replay
     _ext_penalty_capture: Optional[dict] = None  # entropies of the training forward, for a controller's penalty
-    _ext_shaper: Optional[str] = None  # reward_shaper / batch_filter names, set in _ext_setup
-    _ext_filter: Optional[str] = None
-    _ext_driver: Optional[ControllerDriver] = None  # the entropy controller (_ext_controller: its controller)
+    _ext_shaper = _ext_filter = None  # reward_shaper / batch_filter names
+    _ext_driver: Optional[ControllerDriver] = None  # the entropy controller (_ext_controller: the controller itself)
     _ext_controller: Any = None
     _ext_passes: Optional[HookPasses] = None  # the trainer hook (_ext_hook) over the passes of a generation batch
     _ext_hook: Any = None
@@ -486,8 +458,7 @@ class GRPOTrainer(_trl.GRPOTrainer):
         needs = set(self._stablerl_spec.requires) if self._stablerl_spec else set()
         # rspo: router log-probs at the replayed experts (old pass and training forward)
         self._rr_router_lp = bool(self._rr_mode and "router_log_prob" in needs)
-        # persistent per-algorithm state (Context.state, the shapers/filters' generator, the controller): per
-        # trainer, not per process (several trainers may share one process), saved in TRL's checkpoint folders
+        # algorithm state kept across steps, per trainer (several may share a process), saved in TRL's checkpoints
         self._stablerl_store = StateStore(holds="trainer")
         self._stablerl_capture: Optional[dict] = None  # log-probs / entropies of TRL's forward in _compute_loss
         self._stablerl_rewards: Optional[torch.Tensor] = None
@@ -525,8 +496,7 @@ class GRPOTrainer(_trl.GRPOTrainer):
         return stablerl.Context(dp_size=n, **common)
 
     def _stablerl_log(self, mode: str, metrics: dict, prefix: str = "stablerl/", gathered: bool = False) -> None:
-        """Log ``metrics`` as ``prefix + key``: averaged over processes, or as they are when ``gathered`` (computed
-        on the gathered batch, the same on every process)."""
+        """Log ``metrics`` as ``prefix + key``, averaged over processes unless ``gathered`` (the same everywhere)."""
         if not metrics:
             return
         values = [float(v) for v in metrics.values()]
@@ -545,14 +515,7 @@ class GRPOTrainer(_trl.GRPOTrainer):
         self._rr_handles: list = []  # replay handles kept until after backward
         if self._rr_mode is None:
             return
-        model = self.accelerator.unwrap_model(self.model)
-        routers = rr.find_routers(model)
-        if not routers:
-            families = [f.name for f in rr.router_families()]
-            raise StableRLError(
-                f"routing_replay={self._rr_mode!r} needs a Mixture-of-Experts model, but {type(model).__name__} has no "
-                f"MoE router of a known family ({', '.join(families)}); remove routing_replay for a dense model, or "
-                "register a RouterFamily through the register_router_families hook")
+        routers = rr.require_routers(self.accelerator.unwrap_model(self.model), needed_by=f"routing_replay={self._rr_mode!r}")
         self._rr_num_experts = max(r.num_experts for r in routers)
         self._rr_layer_ids = tuple(r.layer_id for r in routers)
         if self._rr_mode == "R3" and self.tools:
@@ -710,7 +673,7 @@ class GRPOTrainer(_trl.GRPOTrainer):
         cfg = self.args
         names = validate_stablerl_extensions(cfg)
         self._ext_shaper, self._ext_filter = names["reward_shaper"], names["batch_filter"]
-        self._ext_params = {key: params_dict(getattr(cfg, pk, None), pk) for key, pk in _EXT_PARAMS_KEYS.items()}
+        self._ext_params = {key: _params(cfg, pk) for key, pk in _EXT_PARAMS_KEYS.items()}
         self._ext_inputs: Optional[dict] = None
         # one generator for shapers/filters, seeded alike on every process (they run on the gathered batch,
         # so every process draws the same numbers); saved with the checkpoint
@@ -745,11 +708,8 @@ class GRPOTrainer(_trl.GRPOTrainer):
             self.add_callback(_StablerlStateCallback(self))
 
     def _ext_gather_user_inputs(self, inputs) -> dict[str, Any]:
-        """Per-completion user inputs (``correct``, ``flawed``, ...) of every process, in TRL's row order.
-
-        Taken from what reward functions passed to ``log_extra(name, values)`` (TRL's per-completion channel),
-        else from the rows (rollout_func extra fields, dataset columns). Every process joins every gather.
-        """
+        """Per-completion user inputs (``correct``, ...) of every process, in TRL's row order: what reward functions
+        passed to TRL's ``log_extra(name, values)``, else the rows' fields. Every process joins every gather."""
         from accelerate.utils import gather_object
 
         n = len(inputs)
@@ -771,22 +731,14 @@ class GRPOTrainer(_trl.GRPOTrainer):
         return found
 
     def _ext_extras(self, spec, gathered_mask: Optional[torch.Tensor]) -> dict[str, Any]:
-        """The per-response extras of ``spec``: ``lengths`` (tokens of the loss mask) and every user input given
-        (a required one nobody gave raises, saying how to provide it)."""
+        """``spec``'s per-response extras: ``lengths`` (of the loss mask) and every user input given."""
         user = self._ext_inputs or {}
-
-        def find(name):
-            return gathered_mask.sum(-1).to(torch.float64) if name == "lengths" else user.get(name)
-
-        required = declared_inputs(spec, find, lambda name: _EXT_HOW_TO_PROVIDE.format(name=name),
-                                   skip=("index", "scores", "entropy"))
+        required = declared_inputs(
+            spec, lambda name: gathered_mask.sum(-1).to(torch.float64) if name == "lengths" else user.get(name),
+            lambda name: _EXT_HOW_TO_PROVIDE.format(name=name), skip=("index", "scores", "entropy"))
         return {**user, **required}
 
-    def _ext_gathered_mask(self, out) -> torch.Tensor:
-        local = _trained_mask(out)
-        return self.accelerator.gather(self.accelerator.pad_across_processes(local, dim=1, pad_index=0)).float()
-
-    def _ext_gathered(self, local: torch.Tensor, device) -> torch.Tensor:
+    def _ext_gathered(self, local: torch.Tensor, device=None) -> torch.Tensor:
         """``[n, T]`` of this process -> ``[N, T_max]`` of every process (TRL's row order), float."""
         return self.accelerator.gather(self.accelerator.pad_across_processes(local.float(), dim=1, pad_index=0)).to(device)
 
@@ -797,18 +749,15 @@ class GRPOTrainer(_trl.GRPOTrainer):
     def _ext_shape(self, out, rewards, group, mode):
         name = self._ext_shaper
         spec = stablerl.get_spec(REWARD_SHAPER, name)
-        mask = self._ext_gathered_mask(out).to(rewards.device) if "lengths" in spec.requires else None
+        mask = self._ext_gathered(_trained_mask(out), rewards.device) if "lengths" in spec.requires else None
         shaped, metrics = stablerl.shape_rewards(name, scores=rewards, index=group, ctx=self._ext_ctx(REWARD_SHAPER, name),
                                                  **self._ext_extras(spec, mask), **self._ext_params["reward_shaper"])
         self._stablerl_log(mode, {**metrics, "shaped_reward/mean": shaped.float().mean().item()}, gathered=True)
         return shaped.to(rewards.dtype)
 
     def _ext_rollout_entropy(self, out, mode) -> torch.Tensor:
-        """Per-token entropies ``[n, T]`` of the policy on this process's rollout (one extra no-grad forward).
-
-        TRL computes entropies only inside ``_compute_loss``, after the advantages; filters that need them get
-        the entropies of the policy that generated the batch, at TRL's temperature, with native MoE routing.
-        """
+        """Per-token entropies ``[n, T]`` of the generating policy on this process's rollout (TRL's temperature, native
+        MoE routing): one extra no-grad forward, as TRL computes entropies only in ``_compute_loss``."""
         multimodal = [k for k in _EXT_MULTIMODAL_KEYS if k in out]
         if multimodal:
             raise StableRLError(f"batch_filter={self._ext_filter!r} needs the rollout's entropies, computed in an extra "
@@ -829,7 +778,7 @@ class GRPOTrainer(_trl.GRPOTrainer):
         spec = stablerl.get_spec(BATCH_FILTER, name)
         local_adv = out["advantages"]
         width = out["completion_ids"].size(1)
-        gmask = self._ext_gathered_mask(out).to(rewards.device)
+        gmask = self._ext_gathered(_trained_mask(out), rewards.device)
         one_d = local_adv.dim() == 1  # TRL's own advantages: one per completion
         if one_d:
             gadv_rows = self.accelerator.gather(local_adv.float()).to(rewards.device)
@@ -873,8 +822,7 @@ class GRPOTrainer(_trl.GRPOTrainer):
             self.generation_kwargs["temperature"] = temperature
 
     def _ext_controller_step(self) -> None:
-        """Once per optimizer step: feed the controller TRL's mean entropy of the step (each micro-batch's value is
-        already reduced over processes by TRL, so every process computes the same update)."""
+        """Once per optimizer step, with TRL's mean entropy of the step (the same on every process)."""
         if self._ext_driver is None:
             return
         entropy = self._ext_step_entropy()
@@ -933,8 +881,8 @@ class GRPOTrainer(_trl.GRPOTrainer):
         passes.before_pass(self._ext_params_view(), passes=self.num_iterations)
 
     def _ext_hook_after_pass(self) -> None:
-        """After each optimizer step (one pass over the generation batch) the hook acts; after the batch's last
-        pass, the next batch's number of passes becomes TRL's num_iterations."""
+        """After each optimizer step (one pass over the generation batch); after a batch's last pass, the hook's
+        passes per batch become TRL's num_iterations."""
         passes = self._ext_passes
         if passes is None or passes.pass_index is None:
             return
@@ -946,8 +894,7 @@ class GRPOTrainer(_trl.GRPOTrainer):
             self.num_iterations = self._ext_hook.passes_per_batch()
 
     def _ext_loss_with_penalty(self, model, inputs):
-        """The controller's loss term (EPO), from the entropies of the training forward, added to the loss:
-        token-mean over the tokens of the accumulation window on every process (TRL dapo's normaliser)."""
+        """The loss plus the controller's term (EPO) on the training forward's entropies (token-mean, dapo's norm)."""
         self._ext_penalty_capture = {}
         try:
             loss = self._compute_loss(model, inputs)
@@ -978,8 +925,7 @@ class GRPOTrainer(_trl.GRPOTrainer):
         return self._stablerl_store.save(os.path.join(folder, _STATE_FILE))
 
     def load_stablerl_state(self, folder: str) -> bool:
-        """Restore from ``folder``/stablerl_state.pt (or an older stablerl_controller.json); False when the
-        folder has neither."""
+        """Restore from ``folder``/stablerl_state.pt (or stablerl_controller.json); False when it has neither."""
         for name in (_STATE_FILE, _LEGACY_STATE_FILE):
             state = read_state(os.path.join(folder, name), map_location="cpu")
             if state is not None:
@@ -1008,10 +954,8 @@ class GRPOTrainer(_trl.GRPOTrainer):
             self.use_vllm and self.vllm_importance_sampling_correction)
 
     def _generate_and_score_completions(self, inputs):
-        # old_entropy (erc): TRL's old-log-prob pass, when TRL runs one, also computes entropies (see
-        # _get_per_token_logps_and_entropies); they travel batch-first with their rows as stablerl_old_entropy.
-        # Without that pass TRL's old log-probs are the current policy's (ratio 1): the loss then takes the
-        # current entropy as the old one (_stablerl_policy_loss), the same rule.
+        # old_entropy (erc): TRL's old-log-prob pass, where TRL runs one, also computes entropies; they travel with
+        # their rows as stablerl_old_entropy (without that pass the loss takes the current entropy, as TRL's logps)
         sink = {"armed": True} if self._stablerl_wants_old_entropy and self._trl_runs_old_pass() else None
         self._stablerl_old_entropy = sink
         try:
@@ -1053,11 +997,9 @@ class GRPOTrainer(_trl.GRPOTrainer):
         return out
 
     def _stablerl_advantages(self, out, rewards, unscorable, group, rows, mode, components=None):
-        """stablerl advantages ``[n_local, T_local]`` from the rewards gathered over every process (core's
-        ``advantages_from_scores`` on the response masks of every process, padded to one length, so length-aware
-        estimators see the real lengths), sliced to this process's rows as TRL slices its own. ``components``: each
-        reward function's reward ``[N, n_funcs]`` (NaN where it returned None), handed to the estimator with TRL's
-        ``reward_weights`` as ``reward_components`` / ``reward_weights`` (GDPO)."""
+        """stablerl advantages ``[n_local, T_local]``: core's ``advantages_from_scores`` on the gathered rewards and
+        every process's masks (real lengths), sliced as TRL slices its own. ``components``: each reward function's
+        reward ``[N, n_funcs]``, handed over with TRL's ``reward_weights`` (GDPO)."""
         local_mask = out["completion_mask"]
         mask = self._ext_gathered(local_mask, rewards.device)
         extras = None if components is None else {"reward_components": components.to(mask.device),
@@ -1134,28 +1076,16 @@ class GRPOTrainer(_trl.GRPOTrainer):
         return surroundings + loss
 
     def stablerl_loss_inputs(self, inputs: dict, log_prob: torch.Tensor) -> dict[str, Any]:
-        """Extension point: loss inputs this trainer supplies itself, ``{name: value}`` for the names listed in
-        ``stablerl_extra_loss_inputs`` (per-token tensors ``[B, C]`` like ``log_prob``, or a scalar such as
-        ``policy_version``). ``inputs`` is TRL's micro-batch dict (extra per-row tensors added in
-        ``_generate_and_score_completions`` travel with it); ``old_log_prob`` / ``rollout_log_prob``
-        replace TRL's. The default supplies nothing."""
+        """Extension point: ``{name: value}`` for the names in ``stablerl_extra_loss_inputs`` (``[B, C]`` tensors like
+        ``log_prob``, or scalars); ``inputs``: TRL's micro-batch dict. See docs/trl.md. Default: nothing."""
         return {}
 
     def _stablerl_supplied_inputs(self, inputs, logps) -> dict[str, Any]:
-        declared = set(check_extra_loss_inputs(getattr(self.args, "stablerl_extra_loss_inputs", None)))
+        declared = check_extra_loss_inputs(getattr(self.args, "stablerl_extra_loss_inputs", None))
         if not declared:
             return {}
-        supplied = dict(self.stablerl_loss_inputs(inputs, logps) or {})
-        undeclared = sorted(set(supplied) - declared)
-        if undeclared:
-            raise StableRLError(f"stablerl_loss_inputs returned {undeclared}, which stablerl_extra_loss_inputs does "
-                                f"not list ({sorted(declared)})")
-        needed = (set(self._stablerl_spec.requires) & declared) - set(supplied)
-        if needed:
-            raise stablerl.MissingInputError(
-                f"policy loss {self._stablerl_loss!r} needs {sorted(needed)}, declared in stablerl_extra_loss_inputs, "
-                "but stablerl_loss_inputs did not return them")
-        return supplied
+        return check_supplied_inputs(self._stablerl_spec, declared, dict(self.stablerl_loss_inputs(inputs, logps) or {}),
+                                     declared_in="stablerl_extra_loss_inputs", supplied_by="stablerl_loss_inputs")
 
     def _stablerl_policy_loss(self, inputs, logps, entropies, mode, router_log_prob=None):
         spec = self._stablerl_spec
@@ -1236,6 +1166,6 @@ class GRPOTrainer(_trl.GRPOTrainer):
         return loss, loss.detach() * (1 if self._stablerl_agg_mode == "token-mean" else ga)
 
 
-__all__ = ["GRPOConfig", "GRPOTrainer", "ROUTING_REPLAY_MODES", "SUPPORTED_TRL", "TRL_LOSS_TYPES",
+__all__ = ["GRPOConfig", "GRPOTrainer", "SUPPORTED_TRL", "TRL_LOSS_TYPES",
            "UnsupportedTRLVersionError", "check_trl", "instrument", "resolve_loss_type", "routing_replay_mode",
            "validate_stablerl_args", "validate_stablerl_extensions", "uninstrument"]
