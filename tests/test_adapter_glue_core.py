@@ -214,6 +214,5 @@ def test_routing_replay_modes_and_dense_models():
     assert all(rr.parse_mode(v, "k") is None for v in (None, "", "none", "Off", "false"))
     with pytest.raises(UnknownNameError, match="routing_replay value 'R4'|'R4'"):
         rr.parse_mode("R4", "routing_replay")
-    assert rr.vllm_returns_routes("0.14.0") and not rr.vllm_returns_routes("0.13.2")
     with pytest.raises(StableRLError, match="routing_replay='R2' needs a Mixture-of-Experts model .* no MoE router"):
         rr.require_routers(torch.nn.Linear(2, 2), needed_by="routing_replay='R2'")

@@ -370,19 +370,8 @@ def _rr_check_rollout(args, kwargs) -> None:
     if getattr(cfg, "use_transformers_continuous_batching", False):
         raise StableRLError("routing_replay='R3' does not support use_transformers_continuous_batching (generate_batch "
                             "gives no per-step batch layout); use the regular HF generate path or routing_replay='R2'")
-    if not getattr(cfg, "use_vllm", False):
-        return
-    if bound.get("rollout_func") is None:
+    if getattr(cfg, "use_vllm", False) and bound.get("rollout_func") is None:
         raise StableRLError(_R3_VLLM_MESSAGE)
-    try:
-        from importlib.metadata import version
-
-        found = version("vllm")
-    except Exception:  # vLLM not installed here (server mode) or no metadata
-        return
-    if not rr.vllm_returns_routes(found):
-        warnings.warn(f"routing_replay='R3': vLLM {found} may predate enable_return_routed_experts (vLLM PR #28284, "
-                      f"vLLM >= {rr.VLLM_ROUTES_MIN})", UserWarning, stacklevel=3)
 
 
 class _StablerlStateCallback(_TrainerCallback):
@@ -512,7 +501,7 @@ class GRPOTrainer(_trl.GRPOTrainer):
         self._rr_gen = None  # (per-sequence Routes of the last rollout, prompt lengths)
         self._rr_rollout: Optional[dict] = None  # state while a generation batch is scored
         self._rr_current: Optional[rr.Routes] = None  # routes of the micro-batch in compute_loss
-        self._rr_handles: list = []  # replay handles kept until after backward
+        self._rr_handles: list = []  # replays kept on until after backward
         if self._rr_mode is None:
             return
         routers = rr.require_routers(self.accelerator.unwrap_model(self.model), needed_by=f"routing_replay={self._rr_mode!r}")
@@ -1047,11 +1036,9 @@ class GRPOTrainer(_trl.GRPOTrainer):
         metrics = self._metrics[mode]
         before = {k: len(metrics[k]) for k in _HOST_CLIP_METRICS if k in metrics}
         policy_loss_logged = len(metrics["policy_loss"]) if "policy_loss" in metrics else 0
-        # TRL's own _compute_loss with zero advantages: its policy term is exactly 0, everything around it
-        # (forward, KL, entropy bonus, aux loss, GA scaling, metrics) is TRL's. Not core's loss_inputs channel:
-        # TRL's loss types are a string switch inside _compute_loss, so the adapter calls the stablerl loss itself
-        # with inputs read from TRL's batch; only TRL's log-probs / entropies must cross TRL's method boundary
-        # (captured in _get_per_token_logps_and_entropies).
+        # TRL's own _compute_loss with zero advantages: its policy term is exactly 0, everything around it is TRL's.
+        # Not core's loss_inputs channel: TRL's loss types are a string switch, so the adapter calls the stablerl loss
+        # itself; only TRL's log-probs / entropies cross TRL's method boundary (_get_per_token_logps_and_entropies).
         surroundings_inputs = dict(inputs)
         surroundings_inputs["advantages"] = torch.zeros_like(inputs["advantages"])
         saved_loss_type = self.loss_type
@@ -1121,12 +1108,8 @@ class GRPOTrainer(_trl.GRPOTrainer):
             rollout_log_prob = torch.where(torch.isnan(sampling), unscored, sampling)
         elif use_vllm_is:
             weights.append(inputs["importance_sampling_ratio"])
-        is_weights = None
-        if weights:
-            is_weights = torch.ones_like(logps)
-            for w in weights:
-                is_weights = is_weights * w.to(logps.dtype)
-            is_weights = is_weights.detach()
+        is_weights = functools.reduce(lambda a, w: a * w.to(logps.dtype), weights, torch.ones_like(logps)).detach() \
+            if weights else None
 
         old = supplied.pop("old_log_prob", old)
         rollout_log_prob = supplied.pop("rollout_log_prob", rollout_log_prob)

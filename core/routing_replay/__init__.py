@@ -72,23 +72,9 @@ def parse_mode(value, key: str):
     return value.strip().upper()
 
 
-#: vLLM returns the routed experts (``enable_return_routed_experts``, vLLM PR #28284) from this release on
-#: (>= 0.22 for hybrid-attention models)
-VLLM_ROUTES_MIN = "0.14"
-
-
-def vllm_returns_routes(found_version: str) -> bool:
-    """Whether vLLM ``found_version`` can return the routed experts R3 replays."""
-    from ..frameworks import version_in_range
-
-    return version_in_range(found_version, ">=" + VLLM_ROUTES_MIN)
-
-
 __all__ = [
     "MODES",
-    "VLLM_ROUTES_MIN",
     "parse_mode",
-    "vllm_returns_routes",
     "replay_row_chunks",
     "Routes",
     "RouterFamily",
