@@ -333,13 +333,15 @@ def validate_stablerl_extensions(args) -> dict[str, Optional[str]]:
                                   params_key=_EXT_PARAMS_KEYS[key], inputs=kind != CONTROLLER)
              for key, kind in _EXT_KINDS.items()}
     shaper = names["reward_shaper"]
-    if shaper and not getattr(args, "advantage_estimator", None):
+    estimator = check_selection(TRL, ADVANTAGE_ESTIMATOR, getattr(args, "advantage_estimator", None), {},
+                                key="advantage_estimator", params_key="stablerl_advantage_params", inputs=False)
+    if shaper and not estimator:
         raise StableRLError(
             f"reward_shaper={shaper!r} needs a stablerl advantage_estimator: TRL computes its built-in advantages "
             "inside _generate_and_score_completions from the unshaped rewards. For TRL's default advantages "
             "(scale_rewards='group') use advantage_estimator='grpo' with stablerl_advantage_params={'epsilon': 1e-4}")
     if shaper:  # the adapter always hands the estimator every reward function's reward
-        check_shaper_and_components(shaper, stablerl.get_spec(ADVANTAGE_ESTIMATOR, args.advantage_estimator), True,
+        check_shaper_and_components(shaper, stablerl.get_spec(ADVANTAGE_ESTIMATOR, estimator), True,
                                     "each reward function's reward, which TRL's adapter passes")
     return names
 
