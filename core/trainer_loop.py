@@ -19,6 +19,7 @@ import torch
 
 from .api import make_controller, make_trainer_hook
 from .contracts import ParamsView
+from .ops import as_floats
 from .params import MissingInputError
 
 
@@ -67,7 +68,7 @@ class ControllerDriver:
             kwargs["turn_index"] = (torch.zeros(entropies.size(0), dtype=torch.long, device=entropies.device)
                                     if turn_index is None else turn_index)
         term, metrics = self.penalty(entropies, response_mask=response_mask.to(entropies.dtype), **kwargs)
-        return term, scalar_metrics(metrics)
+        return term, as_floats(metrics)  # numbers or 0-dim tensors, as a loss's metrics
 
     def state_dict(self) -> dict:
         return {"state": self.controller.state_dict(), "decision": dict(self.decision)}
