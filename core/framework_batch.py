@@ -7,6 +7,10 @@
 * :func:`loss_inputs` / :func:`pending_loss_inputs`: a framework calls its loss with its own arguments
   only; the inputs a stablerl loss declares beyond them (entropy, token ids, group ids...) are gathered
   at the call site and handed to the loss through this scoped channel.
+* :func:`advantages_from_scores`: a stablerl estimator on one score per response (TRL and OpenRLHF score whole
+  responses; verl's token-level rewards already have this layout).
+* :func:`declared_inputs`: the inputs an algorithm requires, each from where the framework keeps it, or an
+  error saying how to provide it.
 """
 
 from __future__ import annotations
@@ -14,12 +18,12 @@ from __future__ import annotations
 import contextlib
 import contextvars
 from dataclasses import dataclass
-from typing import Iterator, Optional
+from typing import Any, Callable, Iterable, Iterator, Optional
 
 import torch
 
-from .contracts import FilterResult
-from .params import StableRLError
+from .contracts import OPTIONAL_INPUTS, AlgorithmSpec, FilterResult
+from .params import MissingInputError, StableRLError
 
 
 @dataclass(frozen=True)
@@ -89,4 +93,68 @@ def pending_loss_inputs(name: Optional[str] = None) -> Optional[dict]:
     return got[1]
 
 
-__all__ = ["FilteredBatch", "apply_filter_result", "loss_inputs", "pending_loss_inputs"]
+def advantages_from_scores(name: str, scores: torch.Tensor, response_mask: torch.Tensor, index: torch.Tensor, *,
+                           unscorable: Optional[torch.Tensor] = None, ctx: Any = None, extras: Optional[dict] = None,
+                           **params: Any) -> tuple[torch.Tensor, dict]:
+    """Advantages ``[N, T]`` (float32) of estimator ``name`` from one score per response, and the per-response
+    advantage's ``advantages/mean``, ``/std`` and ``/frac_zero``.
+
+    The score sits on the last response token (verl's convention: a response's return is the sum of its token
+    rewards). A row with an empty mask keeps its score on position 0, so it still counts in its group's
+    statistics (it is not trained on). ``unscorable`` rows (no reward at all) each form a group of their own,
+    out of the others' statistics, and get advantage 0 (TRL's rule)."""
+    from .api import compute_advantage
+    from .ops import last_valid_index, scores_on_last_token
+
+    mask = response_mask.float().clone()
+    mask[mask.sum(-1) == 0, 0] = 1.0
+    last = last_valid_index(mask)
+    if unscorable is not None and bool(unscorable.any()):
+        index = index.clone()
+        index[unscorable] = int(index.max()) + 1 + torch.arange(int(unscorable.sum()), device=index.device)
+    adv, _ = compute_advantage(name, token_level_rewards=scores_on_last_token(scores.to(mask.dtype), mask),
+                               response_mask=mask, index=index, ctx=ctx, **({"extras": extras} if extras else {}),
+                               **params)
+    if unscorable is not None:
+        adv = torch.where(unscorable.unsqueeze(-1), torch.zeros_like(adv), adv)
+    per_response = adv.gather(1, last.unsqueeze(-1)).squeeze(-1)
+    metrics = {"advantages/mean": per_response.mean().item(),
+               "advantages/std": per_response.std().item() if per_response.numel() > 1 else 0.0,
+               "advantages/frac_zero": (per_response == 0).float().mean().item()}
+    return adv.to(torch.float32), metrics
+
+
+def declared_inputs(spec: AlgorithmSpec, find: Callable[[str], Any], how_to_provide: Callable[[str], str], *,
+                    skip: Iterable[str] = ()) -> dict[str, Any]:
+    """Each input ``spec`` requires (less ``skip``: those the adapter passes itself) as ``find(name)`` returns it;
+    an input ``find`` has not (None) raises :class:`MissingInputError` with ``how_to_provide(name)``."""
+    out: dict[str, Any] = {}
+    for name in spec.requires:
+        if name in skip:
+            continue
+        value = find(name)
+        if value is None:
+            raise MissingInputError(f"{spec.kind.replace('_', ' ')} {spec.name!r} needs input {name!r} "
+                                    f"({OPTIONAL_INPUTS.get(name, '')}): {how_to_provide(name)}")
+        out[name] = value
+    return out
+
+
+def check_supplied_inputs(spec: AlgorithmSpec, declared: Iterable[str], supplied: dict, *, declared_in: str,
+                          supplied_by: str) -> dict:
+    """``supplied``: the inputs a user's code returned for ``spec`` (``supplied_by``), checked against those it
+    declared (``declared``, in ``declared_in``): an undeclared one raises, and so does a declared input ``spec``
+    requires that was not returned."""
+    declared = set(declared)
+    undeclared = sorted(set(supplied) - declared)
+    if undeclared:
+        raise StableRLError(f"{supplied_by} returned {undeclared}, which {declared_in} does not list ({sorted(declared)})")
+    needed = (set(spec.requires) & declared) - set(supplied)
+    if needed:
+        raise MissingInputError(f"{spec.kind.replace('_', ' ')} {spec.name!r} needs {sorted(needed)}, declared in "
+                                f"{declared_in}, but {supplied_by} did not return them")
+    return supplied
+
+
+__all__ = ["FilteredBatch", "advantages_from_scores", "apply_filter_result", "check_supplied_inputs", "declared_inputs",
+           "loss_inputs", "pending_loss_inputs"]

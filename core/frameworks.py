@@ -15,7 +15,7 @@ from types import ModuleType
 from typing import Any, Callable, Mapping, Optional
 
 from .contracts import OPTIONAL_INPUTS, UNAVAILABLE, AlgorithmSpec
-from .params import MissingInputError, StableRLError, UnknownNameError, unknown_name_message
+from .params import MissingInputError, StableRLError, UnknownNameError, params_dict, unknown_name_message
 
 
 @dataclass(frozen=True)
@@ -542,6 +542,43 @@ def effective_hyperparameters(
     return out
 
 
+def check_selection(framework: FrameworkSpec | str, kind: str, name: Any, params: Mapping[str, Any], *, key: str,
+                    params_key: str, inputs: bool = True) -> Optional[str]:
+    """The stablerl ``kind`` that config key ``key`` selects (None, "" and "none": none), checked where the
+    config is built: the name (:func:`resolve`; ``inputs=False``: the inputs are checked later), its
+    hyper-parameters from ``params_key``, and no hyper-parameters without a name."""
+    from .api import get_spec
+    from .params import build_params
+
+    if name is None or (isinstance(name, str) and name.strip().lower() in ("", "none")):
+        if params:
+            raise StableRLError(f"{params_key} is set but {key} is not")
+        return None
+    resolved = resolve(framework, kind, name, inputs=inputs)
+    if resolved is not None:
+        build_params(get_spec(kind, resolved), dict(params))
+    return resolved
+
+
+def dedicated_call_option(framework: FrameworkSpec | str, kind: str, name: Optional[str], params: Mapping[str, Any],
+                          loss_params: Mapping[str, Any], loss_params_key: str) -> tuple[Optional[str], dict]:
+    """``(name, params)`` of a call option of ``kind`` (a rollout correction) that ``framework`` selects by a
+    dedicated key (``selection_keys[kind]``, e.g. TRL's ``stablerl_rollout_correction``; ``name`` / ``params``:
+    its values), or by the alias in the stablerl loss's params (``loss_params``: ``{"rollout_correction": ...,
+    "rollout_correction_params": {...}}``, the spelling of frameworks without that key). Both behave the same;
+    setting it by both spellings at once is refused."""
+    option = CALL_OPTION_OF_KIND[kind]
+    option_params = option.replace("_mode", "") + "_params"
+    alias = {k: loss_params[k] for k in (option, option_params) if loss_params.get(k) not in (None, {})}
+    if not alias:
+        return name or None, dict(params)
+    if name or params:
+        raise StableRLError(f"the {kind.replace('_', ' ')} is set twice: {_declared(framework).selection_keys[kind]}"
+                            f"(_params) and {loss_params_key}' {', '.join(sorted(alias))} (an alias of the same "
+                            "setting); keep one")
+    return alias.get(option) or None, params_dict(alias.get(option_params), f"{loss_params_key}' {option_params}")
+
+
 def check_shaper_and_components(shaper: Optional[str], spec: AlgorithmSpec, components_given: bool,
                                 components_source: str) -> None:
     """Refuse a reward shaper together with an estimator that reads the per-reward components it is given
@@ -696,4 +733,23 @@ def check_version(framework_name: str, found_version: Optional[str], *, error: t
     warnings.warn(f"{message}. Continuing because {ALLOW_UNSUPPORTED_ENV}=1.", RuntimeWarning, stacklevel=2)
     return found_version
 
-from .framework_batch import FilteredBatch, apply_filter_result, loss_inputs, pending_loss_inputs  # noqa: E402,F401
+def check_signatures(framework_name: str, cls: type, required: Mapping[str, Any], found_version: str, *,
+                     error: type = UnsupportedVersionError) -> None:
+    """Raise ``error`` unless each method of ``cls`` named in ``required`` exists with the parameters listed
+    (the framework's private methods an adapter overrides or calls); never waived, unlike the version range."""
+    import inspect
+
+    spec = get_framework(framework_name)
+    supported = f"{spec.adapter} supports {spec.distribution}{spec.supported}"
+    for method, needed in required.items():
+        fn = getattr(cls, method, None)
+        if fn is None:
+            raise error(f"{spec.distribution} {found_version}: {cls.__name__}.{method} no longer exists; {supported}")
+        missing = [p for p in needed if p not in inspect.signature(fn).parameters]
+        if missing:
+            raise error(f"{spec.distribution} {found_version}: {cls.__name__}.{method} lacks parameter(s) {missing}; "
+                        f"{supported}")
+
+
+from .framework_batch import (FilteredBatch, advantages_from_scores, apply_filter_result,  # noqa: E402,F401
+                              check_supplied_inputs, declared_inputs, loss_inputs, pending_loss_inputs)

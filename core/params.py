@@ -37,6 +37,23 @@ def unknown_name_message(what: str, name: str, valid: Iterable[str]) -> str:
     return f"unknown {what} {name!r}{nearest(name, valid)}; valid: {', '.join(valid) if valid else '(none)'}"
 
 
+def params_dict(value: Any, key: str) -> dict:
+    """Hyper-parameters given under config key ``key``: a mapping, a JSON object string (from a command line or
+    YAML) or nothing (None, ""), as a new dict; anything else raises naming ``key``."""
+    import json
+
+    if value is None or value == "":
+        return {}
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise StableRLError(f"{key} must be a JSON object such as '{{\"m2_threshold\": 0.04}}': {e}") from None
+    if not isinstance(value, Mapping):
+        raise StableRLError(f"{key} must be a dict (or a JSON object string), got {type(value).__name__}")
+    return dict(value)
+
+
 def build_params(spec: AlgorithmSpec, overrides: Mapping[str, Any] | None = None) -> Params:
     """The spec's Params with ``overrides`` applied; unknown keys and bad values raise."""
     overrides = dict(overrides or {})

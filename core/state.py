@@ -16,11 +16,14 @@ framework keeps it (a file next to verl's shards, DeepSpeed's ``client_state``, 
 
 from __future__ import annotations
 
+import json
+import os
 from typing import Any, Optional
 
 import torch
 
 from .context import Context
+from .contracts import ADVANTAGE_ESTIMATOR, BATCH_FILTER, CONTROLLER, POLICY_LOSS, REWARD_SHAPER
 
 FORMAT = "stablerl.state"
 FORMAT_VERSION = 2  # 1 was the per-adapter envelope of unreleased development versions
@@ -141,5 +144,69 @@ class StateStore:
             else:
                 self._untracked[key] = saved_state
 
+    # -- files ------------------------------------------------------------------------------------
 
-__all__ = ["FORMAT", "FORMAT_VERSION", "StateStore", "to_device"]
+    def save(self, path: str) -> str:
+        """``torch.save`` :meth:`state_dict` to ``path`` (tensors as tensors); a crash mid-save leaves the
+        previous file, never a torn one."""
+        if os.path.dirname(path):
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+        torch.save(self.state_dict(), path + ".tmp")
+        os.replace(path + ".tmp", path)
+        return path
+
+    def load(self, path: str, map_location: Any = None) -> bool:
+        """Restore from a file written by :meth:`save`; False (nothing changed) when there is none."""
+        state = read_state(path, map_location)
+        if state is not None:
+            self.load_state_dict(state, where=path)
+        return state is not None
+
+
+def read_state(path: str, map_location: Any = None) -> Optional[dict]:
+    """The state saved at ``path`` (``torch.load``; a ``.json`` file: the legacy JSON of development versions,
+    see :func:`from_legacy_json`), or None when there is no such file."""
+    if not os.path.exists(path):
+        return None
+    if path.endswith(".json"):
+        with open(path) as f:
+            return json.load(f)
+    return torch.load(path, map_location=map_location, weights_only=False)
+
+
+# -- the JSON state of stablerl 0.1 development versions (TRL's stablerl_controller.json), still read ----
+
+LEGACY_FORMAT = 1  # its "format" field
+_LEGACY_SLOT_KINDS = {"filter:": BATCH_FILTER, "shaper:": REWARD_SHAPER, "adv:": ADVANTAGE_ESTIMATOR}
+
+
+def _json_decode(value: Any) -> Any:
+    if isinstance(value, dict):
+        if "__tensor__" in value:  # tensors were tagged with their dtype and shape
+            return torch.tensor(value["__tensor__"], dtype=getattr(torch, value["dtype"])).reshape(value["shape"])
+        return {k: _json_decode(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_json_decode(v) for v in value]
+    return value
+
+
+def from_legacy_json(state: dict, holds: str, generator: tuple[str, int]) -> dict:
+    """The ``{"format": 1}`` JSON as a :meth:`StateStore.state_dict` of a store holding ``holds``: its slots
+    (a loss's under its bare name), its random state as ``generator`` ``(stream, seed)``, its controller."""
+    slots: dict[str, dict] = {}
+    for key, value in _json_decode(state.get("ctx_state") or {}).items():
+        kind, name = next(((k, key[len(p):]) for p, k in _LEGACY_SLOT_KINDS.items() if key.startswith(p)),
+                          (POLICY_LOSS, key))
+        slots.setdefault(kind, {})[name] = value
+    generators = {}
+    if state.get("rng") is not None:
+        generators[generator[0]] = {generator[1]: torch.tensor(state["rng"], dtype=torch.uint8)}
+    objects = {}
+    if state.get("controller") is not None:
+        ctrl = state["controller"]
+        objects[CONTROLLER] = {ctrl.get("name"): {"state": _json_decode(ctrl["state"]),
+                                                    "decision": _json_decode(ctrl.get("decision") or {})}}
+    return {**StateStore(holds=holds).state_dict(), "slots": slots, "generators": generators, "objects": objects}
+
+
+__all__ = ["FORMAT", "FORMAT_VERSION", "LEGACY_FORMAT", "StateStore", "from_legacy_json", "read_state", "to_device"]

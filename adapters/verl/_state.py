@@ -24,10 +24,7 @@ import logging
 import os
 from typing import Any
 
-import torch
-
 from stablerl.adapters.verl._ledger import LEDGER
-from stablerl.state import StateStore
 
 logger = logging.getLogger("stablerl.adapters.verl")
 
@@ -37,20 +34,6 @@ TRAINER_CLASSES = {"verl.trainer.ppo.ray_trainer": "RayPPOTrainer", "verl.traine
 _KEY = "checkpoint_state"  # prefix of this module's ledger keys
 
 
-def _write(path: str, store: StateStore) -> None:
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    tmp = path + ".tmp"
-    torch.save(store.state_dict(), tmp)
-    os.replace(tmp, path)  # a crash mid-save leaves the previous file, never a torn one
-
-
-def _read(path: str, store: StateStore) -> bool:
-    if not os.path.exists(path):
-        return False
-    store.load_state_dict(torch.load(path, weights_only=False), where=path)
-    return True
-
-
 # ---- actor workers (called by the FSDP engine subclass) ------------------------------------------
 
 
@@ -58,13 +41,13 @@ def save_loss_state(folder: str, rank: int) -> None:
     from . import _inputs
 
     if _inputs.STATE:
-        _write(os.path.join(folder, LOSS_STATE_FILE.format(rank=rank)), _inputs.STATE)
+        _inputs.STATE.save(os.path.join(folder, LOSS_STATE_FILE.format(rank=rank)))
 
 
 def load_loss_state(folder: str, rank: int) -> bool:
     from . import _inputs
 
-    return _read(os.path.join(folder, LOSS_STATE_FILE.format(rank=rank)), _inputs.STATE)
+    return _inputs.STATE.load(os.path.join(folder, LOSS_STATE_FILE.format(rank=rank)))
 
 
 # ---- the driver ----------------------------------------------------------------------------------
@@ -74,13 +57,13 @@ def save_driver_state(folder: str) -> None:
     from . import _advantage
 
     if _advantage.STATE:
-        _write(os.path.join(folder, DRIVER_STATE_FILE), _advantage.STATE)
+        _advantage.STATE.save(os.path.join(folder, DRIVER_STATE_FILE))
 
 
 def load_driver_state(folder: str) -> bool:
     from . import _advantage
 
-    return _read(os.path.join(folder, DRIVER_STATE_FILE), _advantage.STATE)
+    return _advantage.STATE.load(os.path.join(folder, DRIVER_STATE_FILE))
 
 
 def _step_folder(trainer: Any, loading: bool) -> str:

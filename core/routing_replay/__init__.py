@@ -53,10 +53,29 @@ from .families import (
     sigmoid_gather_weights,
     softmax_gather_weights,
 )
-from .replaying import RouteReplay, replay
+from .replaying import RouteReplay, replay, replay_row_chunks
 from .routes import Routes, RoutesMismatchError, index_dtype, mismatch_fraction
 
+#: the routing-replay modes: R2 (routes of the training engine's old-log-prob pass), R3 (the rollout's)
+MODES = ("R2", "R3")
+
+
+def parse_mode(value, key: str):
+    """``"R2"``, ``"R3"`` or None (None, "", "none", "off", "false") from config key ``key``, case-insensitive;
+    anything else raises naming the valid modes."""
+    from ..params import UnknownNameError, unknown_name_message
+
+    if value is None or (isinstance(value, str) and value.strip().lower() in ("", "none", "off", "false")):
+        return None
+    if not isinstance(value, str) or value.strip().upper() not in MODES:
+        raise UnknownNameError(unknown_name_message(key, str(value), MODES))
+    return value.strip().upper()
+
+
 __all__ = [
+    "MODES",
+    "parse_mode",
+    "replay_row_chunks",
     "Routes",
     "RouterFamily",
     "RouterInfo",

@@ -123,12 +123,14 @@ def find_routers(model, families: Optional[Iterable[RouterFamily]] = None) -> li
     return out
 
 
-def require_routers(model, families: Optional[Iterable[RouterFamily]] = None) -> list[RouterInfo]:
-    """:func:`find_routers`, raising a :class:`StableRLError` that names the known families when there is none."""
+def require_routers(model, families: Optional[Iterable[RouterFamily]] = None, needed_by: str = "") -> list[RouterInfo]:
+    """:func:`find_routers`, raising a :class:`StableRLError` that names the known families when there is none
+    (``needed_by``: the setting that needs them, e.g. ``"routing_replay='R2'"``)."""
     routers = find_routers(model, families)
     if not routers:
         names = [f.name for f in (families if families is not None else router_families())]
         raise StableRLError(
-            f"no MoE router of a known family found in {type(model).__name__}; known families: {names}. "
+            (f"{needed_by} needs a Mixture-of-Experts model (remove it for a dense model): " if needed_by else "")
+            + f"no MoE router of a known family found in {type(model).__name__}; known families: {names}. "
             "Register a RouterFamily through the register_router_families hook for other models.")
     return routers

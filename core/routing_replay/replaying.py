@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from typing import Iterable, Optional
+from typing import Any, Callable, Iterable, Optional
 
 import torch
 
@@ -119,3 +119,32 @@ class RouteReplay:
 def replay(model, routes: Optional[Routes], families: Optional[Iterable[RouterFamily]] = None) -> RouteReplay:
     """Force ``routes`` in every MoE router of ``model`` (see :class:`RouteReplay`)."""
     return RouteReplay(model, routes, families)
+
+
+
+def replay_row_chunks(replay: RouteReplay, model, routes: Routes, input_shape, fn: Callable[[], Any],
+                      keep: bool = False) -> Any:
+    """``fn()`` under ``replay`` (a :func:`replay` of ``model``), where ``fn`` forwards the ``[B, T]`` batch
+    ``input_shape`` of ``routes`` as consecutive row chunks, one ``model`` forward each (a framework's chunked
+    log-prob pass): each forward replays its chunk's rows. ``replay`` is removed afterwards, unless ``keep`` and
+    ``fn`` returned (gradient checkpointing re-runs the routers in backward: remove it after backward)."""
+    if routes.batch_shape != tuple(input_shape[:2]):
+        raise RoutesMismatchError(f"routing replay: routes for a batch of {routes.batch_shape}, the forward input is "
+                                  f"{tuple(input_shape[:2])}")
+    cursor = [0]
+
+    def next_rows(module, args, kwargs):
+        n = kwargs.get("input_ids", args[0] if args else None).shape[0]
+        replay.set_routes(routes.rows(slice(cursor[0], cursor[0] + n)))
+        cursor[0] += n
+
+    pre_hook = model.register_forward_pre_hook(next_rows, with_kwargs=True)
+    kept = False
+    try:
+        out = fn()
+        kept = keep
+    finally:
+        pre_hook.remove()
+        if not kept:
+            replay.remove()
+    return out

@@ -39,7 +39,7 @@ class Spy(GRPOTrainer):
         self.slow, self.after_hook, self.generations = [], [], 0
 
     def _ext_hook_before_pass(self):
-        starts = self._ext_hook_pass is None and self.model.training
+        starts = self._ext_passes.pass_index is None and self.model.training
         super()._ext_hook_before_pass()
         if starts:
             self.slow.append(flat(self.model))
