@@ -14,6 +14,7 @@ a class only inherited is deleted again on restore, not shadowed by a copy.
 
 from __future__ import annotations
 
+import functools
 import sys
 import threading
 from typing import Any, Callable, Iterable, Mapping, MutableMapping
@@ -70,6 +71,12 @@ class PatchLedger:
             self._record(key, (id(owner), attr), new,
                          (lambda: delattr(owner, attr)) if own is _MISSING else (lambda: setattr(owner, attr, own)))
             return True
+
+    def wrap_method(self, owner: type, attr: str, wrap: Callable[[Any], Any], key: str | None = None) -> bool:
+        """``owner.attr = wrap(original)`` (``original``: ``owner``'s own attribute), keeping the original's name,
+        doc and ``__wrapped__``; ledger key ``"<Owner>.<attr>"`` unless ``key`` is given."""
+        original = owner.__dict__[attr]
+        return self.set_attr(key or f"{owner.__name__}.{attr}", owner, attr, functools.wraps(original)(wrap(original)))
 
     def set_item(self, key: str, mapping: MutableMapping, name: Any, new: Any) -> bool:
         """``mapping[name] = new`` (e.g. a framework registry entry), with the same rules as :meth:`set_attr`;

@@ -672,6 +672,16 @@ def version_in_range(found_version: str, specifier: str) -> bool:
     return True
 
 
+def installed_version(distribution: str) -> Optional[str]:
+    """The installed version of ``distribution`` from its metadata (imports nothing), or None."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(distribution)
+    except PackageNotFoundError:
+        return None
+
+
 def check_version(framework_name: str, found_version: Optional[str], *, error: type = UnsupportedVersionError,
                   allow: Optional[bool] = None) -> Optional[str]:
     """The one version policy of every framework adapter: a version outside the framework's declared
@@ -696,4 +706,5 @@ def check_version(framework_name: str, found_version: Optional[str], *, error: t
     warnings.warn(f"{message}. Continuing because {ALLOW_UNSUPPORTED_ENV}=1.", RuntimeWarning, stacklevel=2)
     return found_version
 
-from .framework_batch import FilteredBatch, apply_filter_result, loss_inputs, pending_loss_inputs  # noqa: E402,F401
+from .framework_batch import (FilteredBatch, GroupBatchSampler, apply_filter_result, check_whole_groups,  # noqa: E402,F401
+                              loss_inputs, pending_loss_inputs)
