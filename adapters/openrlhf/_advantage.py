@@ -1,23 +1,17 @@
 """The advantage step in OpenRLHF's ``RemoteExperienceMaker.compute_advantages_and_returns`` (imported only in
 OpenRLHF's trainer worker, or by tests), on the whole rollout batch, in OpenRLHF's order:
 
-1. rewards promoted to >= fp32, then OpenRLHF's ``apply_length_penalties``;
-2. a **reward shaper** (``stablerl.shape_rewards``) replaces ``experience.rewards``; the estimator then runs with
-   the length penalties off for that call (they ran once already);
-3. a **stablerl estimator** (:func:`stable_advantages_and_returns`): ``stablerl.compute_advantage`` once, the
-   scalar rewards on each row's last valid token, grouped as OpenRLHF groups them (``index //
-   n_samples_per_prompt``); then OpenRLHF's ``compute_reward`` / ``get_cumulative_returns`` (gamma 1) add the KL
-   reward after the baseline: ``A = clamp(A_stablerl) + cumsum_reversed(-kl_coef * kl)``, the clamp only when
-   ``--reward.clip_range`` was given; ``info["return"]`` set, ``experience.kl`` cleared, no global whitening.
-   For an outcome estimator this is exactly OpenRLHF's computation with the stablerl baseline in its place.
-   OpenRLHF's own names run OpenRLHF's method;
-4. a **batch filter** on the ``[N, T]`` advantages: the batch is already split into the DP ranks'
-   micro-batches, so core's ``apply_filter_result`` keeps every row: a dropped row or token gets ``action_mask``
-   0 (advantages and returns 0), which OpenRLHF's normalisers do not count. Resamplers are refused.
+1. rewards promoted to >= fp32, OpenRLHF's ``apply_length_penalties``; a **reward shaper** then replaces
+   ``experience.rewards`` (the estimator runs with the length penalties off: they ran once already);
+2. the estimator: OpenRLHF's method for its own names; for a stablerl one (:func:`stable_advantages_and_returns`)
+   ``stablerl.compute_advantage`` once, rewards on each row's last valid token, OpenRLHF's prompt groups, then
+   OpenRLHF's own KL reward after the baseline: ``A = clamp(A_stablerl) + cumsum_reversed(-kl_coef * kl)``
+   (the clamp only when ``--reward.clip_range`` was given), ``info["return"]``, no global whitening;
+3. a **batch filter** on the ``[N, T]`` advantages: the batch is already split into the DP ranks' micro-batches,
+   so a dropped row or token gets ``action_mask`` 0 (core's ``apply_filter_result``); resamplers are refused.
 
-Shapers and filters read ``index``, ``scores``, ``lengths``, the old-log-prob pass's ``entropy`` (``._inputs``)
-and per-response values of the user's reward function (its ``extra_logs``, which OpenRLHF copies into
-``experience.info``).
+Shapers and filters read ``index``, ``scores``, ``lengths``, the old-log-prob pass's ``entropy`` and the reward
+function's per-response ``extra_logs`` (OpenRLHF copies them into ``experience.info``).
 """
 
 from __future__ import annotations
@@ -146,10 +140,8 @@ def filter_rows(maker, experiences, name: str, params: dict, scores: Optional[to
         "micro-batches at compute_advantages_and_returns, so rows can be dropped (action_mask 0) but not duplicated")
     sizes = [len(e.index) for e in experiences]
     for e, m, a in zip(experiences, filtered.response_mask.split(sizes), filtered.advantages.split(sizes)):
-        t = e.action_mask.shape[1]
-        m, a = m[:, :t], a[:, :t]
-        e.action_mask = m.to(e.action_mask.dtype)
-        e.advantages = a.to(e.advantages.dtype)
+        m, a = m[:, :e.action_mask.shape[1]], a[:, :e.action_mask.shape[1]]
+        e.action_mask, e.advantages = m.to(e.action_mask.dtype), a.to(e.advantages.dtype)
         if e.returns is not None:
             e.returns = e.returns * m.to(e.returns.dtype)
     return filtered.metrics
@@ -174,15 +166,11 @@ def advantages_and_returns(maker, experiences, openrlhf_method: Callable):
 def advantages_with_extensions(maker, experiences, selection: Selection, estimate: Callable):
     """Shaper, then ``estimate(experiences)`` (OpenRLHF's method or the stablerl estimator), then filter."""
     args = maker.strategy.args
-    metrics: dict[str, float] = {}
+    metrics, scores = {}, None
     if selection.reward_shaper is not None:
-        shaper_metrics, scores = shape(maker, experiences, selection.reward_shaper, selection.reward_shaper_params)
-        metrics.update(shaper_metrics)
-        with _length_penalties_off(args):
-            experiences = estimate(experiences)
-    else:
+        metrics, scores = shape(maker, experiences, selection.reward_shaper, selection.reward_shaper_params)
+    with _length_penalties_off(args) if scores is not None else contextlib.nullcontext():
         experiences = estimate(experiences)
-        scores = None
     if selection.batch_filter is not None:
         if scores is None:  # the rewards after OpenRLHF's length penalties (before any shaper)
             scores = torch.cat([e.rewards.reshape(-1) for e in experiences]).float()
@@ -244,5 +232,5 @@ def stable_advantages_and_returns(maker, experiences, selection: Selection):
     return experiences
 
 
-__all__ = ["advantages_and_returns", "stable_advantages_and_returns", "advantages_with_extensions", "shape", "filter_rows", "from_info",
-           "LAST_METRICS", "STATE"]
+__all__ = ["advantages_and_returns", "stable_advantages_and_returns", "advantages_with_extensions", "shape",
+           "filter_rows", "from_info", "LAST_METRICS", "STATE"]

@@ -1,16 +1,8 @@
-"""Prompt groups through OpenRLHF 0.11.2's replay buffer, for stablerl policy losses that take ``index``
-(pacs, gvpo, gtpo: statistics over a prompt's whole group). OpenRLHF keeps no groups at the loss
-(``split_experience_batch`` drops ``Experience.index``, ``ppo_train``'s DataLoader shuffles single rows), so:
-
-* at ``compute_advantages_and_returns`` (:func:`tag_groups`): ``info[GROUP_KEY]`` = ``index // n_samples_per_prompt``
-  (OpenRLHF's own grouping) and ``info[GROUP_SIZE_KEY]`` = ``n`` per row (``info`` is the one field the buffer
-  carries row by row);
-* ``ppo_actor.DataLoader`` (:func:`group_dataloader`): core's :class:`~stablerl.frameworks.GroupBatchSampler`
-  when the buffer's rows carry groups;
-* ``training_step`` (:func:`pop_index`): the keys are removed (OpenRLHF would log them) and the group ids go to
-  the loss as ``index``, every group checked whole.
-
-Dynamic batching partitions rows by length and is refused with these losses before Ray starts.
+"""Prompt groups through OpenRLHF 0.11.2's replay buffer, for stablerl policy losses that take ``index`` (pacs,
+gvpo, gtpo). OpenRLHF drops ``Experience.index`` when it splits the batch and shuffles single rows, so the groups
+ride in ``info`` (the one field the buffer carries row by row) from :func:`tag_groups` (advantage step) to
+:func:`pop_index` (``training_step``), and ``ppo_actor.DataLoader`` batches whole groups (core's
+``GroupBatchSampler``). Dynamic batching is refused with these losses before Ray starts.
 """
 
 from __future__ import annotations
@@ -35,10 +27,8 @@ def group_index(experiences, n: int) -> torch.Tensor:
 
 def tag_groups(experiences, n: int) -> None:
     """``info[GROUP_KEY]`` = the rows' prompt groups (``index // n``), ``info[GROUP_SIZE_KEY]`` = ``n``."""
-    for experience in experiences:
-        index = torch.as_tensor(list(experience.index), dtype=torch.long)
-        experience.info[GROUP_KEY] = torch.div(index, n, rounding_mode="floor")
-        experience.info[GROUP_SIZE_KEY] = torch.full_like(index, n)
+    for experience, ids in zip(experiences, group_index(experiences, n).split([len(e.index) for e in experiences])):
+        experience.info[GROUP_KEY], experience.info[GROUP_SIZE_KEY] = ids, torch.full_like(ids, n)
 
 
 def _as_ids(value: Any) -> torch.Tensor:

@@ -1,19 +1,11 @@
-"""Declared inputs of a stablerl policy loss beyond OpenRLHF 0.11.2's loss call (log-probs, old log-probs,
-advantages, mask, rollout log-probs), handed over through core's scoped channel
-(:func:`stablerl.frameworks.loss_inputs`, open for the whole ``training_step``); nothing is computed for a loss
-that does not declare them (docs/openrlhf.md, "Loss inputs"):
-
-* ``token_ids``: ``experience.sequences[:, -A:]``, the tokens whose log-probs ``Actor.forward`` returns;
-* ``scores``: ``experience.rewards`` ``[B]`` (after OpenRLHF's length penalties, before the baseline);
-* ``entropy``: the training forward's own, ``Actor.forward(return_entropy=True)`` sliced ``[:, -A:]`` and
-  detached (when OpenRLHF did not ask for it, ``output.entropy`` too, so the softmax is not kept for backward);
-* ``index``: the rows' prompt groups (``._groups``);
-* ``old_entropy`` (and the ``entropy`` of estimators, shapers and filters): the old-log-prob pass's, only when a
-  selected algorithm declares it: the marked actor's (:data:`WANTS_OLD_ENTROPY`) eval forward also returns its
-  entropy, masked like the log-probs, on the CPU log-prob tensor (attribute :data:`ENTROPY_ON_LOG_PROBS`, as
-  routing replay's routes; ``RAY_ENABLE_ZERO_COPY_TORCH_TENSORS=0`` keeps it through Ray); ``make_experience``
-  moves it into ``experience.info[OLD_ENTROPY_KEY]``, which the replay buffer splits row by row;
-  ``training_step`` pops it and hands it to a loss that declares ``old_entropy``.
+"""Declared inputs of a stablerl policy loss beyond OpenRLHF 0.11.2's loss call, handed over through core's scoped
+channel (:func:`stablerl.frameworks.loss_inputs`, open for the whole ``training_step``); nothing is computed for a
+loss that does not declare them (docs/openrlhf.md, "Loss inputs"): ``token_ids`` (``sequences[:, -A:]``),
+``scores`` (``experience.rewards``), ``index`` (``._groups``), ``entropy`` (the training forward's, asked of
+``Actor.forward`` and detached) and ``old_entropy``: the old-log-prob pass's, also the ``entropy`` of estimators,
+shapers and filters. That pass (on an actor marked :data:`WANTS_OLD_ENTROPY`) returns it on the CPU log-prob
+tensor (:data:`ENTROPY_ON_LOG_PROBS`, as routing replay's routes), ``make_experience`` moves it into
+``experience.info[OLD_ENTROPY_KEY]`` (split row by row by the replay buffer) and ``training_step`` pops it.
 """
 
 from __future__ import annotations
@@ -79,14 +71,11 @@ def train_forward(forward, actor, *args, **kwargs):
     inputs = pending_loss_inputs()
     if inputs is None or "entropy" not in inputs or not kwargs.get("return_output"):
         return forward(actor, *args, **kwargs)
-    openrlhf_wants_it = bool(kwargs.get("return_entropy"))
-    kwargs["return_entropy"] = True
-    log_probs, output = forward(actor, *args, **kwargs)
-    width = log_probs.shape[1]
+    log_probs, output = forward(actor, *args, **{**kwargs, "return_entropy": True})
     entropy = output.entropy.detach()
-    if not openrlhf_wants_it:
+    if not kwargs.get("return_entropy"):
         output.entropy = entropy  # frees the softmax graph: OpenRLHF has no entropy term this step
-    inputs["entropy"] = entropy[:, -width:]
+    inputs["entropy"] = entropy[:, -log_probs.shape[1]:]
     return log_probs, output
 
 

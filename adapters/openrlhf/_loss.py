@@ -38,22 +38,11 @@ class StablePolicyLoss(PolicyLoss):
     averages them into the status it logs).
     """
 
-    def __init__(
-        self,
-        clip_eps_low: float = 0.2,
-        clip_eps_high: float = 0.2,
-        dual_clip: float = None,
-        token_level_loss: bool = True,
-        policy_loss_type: str = "ppo",
-        is_correction_level: str = "off",
-        is_correction_mode: str = "mask",
-        is_correction_gating: str = "ratio",
-        is_correction_threshold: list = (0.5, 5.0),
-        *,
-        stablerl_params: Optional[dict] = None,
-        dp_group: Any = None,
-        clip_to_params: bool = True,
-    ) -> None:
+    def __init__(self, clip_eps_low: float = 0.2, clip_eps_high: float = 0.2, dual_clip: Optional[float] = None,
+                 token_level_loss: bool = True, policy_loss_type: str = "ppo", is_correction_level: str = "off",
+                 is_correction_mode: str = "mask", is_correction_gating: str = "ratio",
+                 is_correction_threshold: list = (0.5, 5.0), *, stablerl_params: Optional[dict] = None,
+                 dp_group: Any = None, clip_to_params: bool = True) -> None:
         is_correction = dict(is_correction_level=is_correction_level, is_correction_mode=is_correction_mode,
                              is_correction_gating=is_correction_gating, is_correction_threshold=is_correction_threshold)
         super().__init__(clip_eps_low=clip_eps_low, clip_eps_high=clip_eps_high, dual_clip=dual_clip,
@@ -145,28 +134,17 @@ class StablePolicyLoss(PolicyLoss):
 
     def _context(self, dp_size, batch_num_tokens, global_batch_size):
         counts_given = batch_num_tokens is not None if self.token_level_loss else global_batch_size is not None
-        kwargs = dict(
-            token_count=batch_num_tokens,
-            seq_count=global_batch_size,
-            # OpenRLHF's aggregate_loss ignores dp_size when it has no global normaliser
-            dp_size=int(dp_size) if counts_given else 1,
-            state=self.stablerl_state.slot(stablerl.POLICY_LOSS, self.stablerl_name),
-        )
+        # OpenRLHF's aggregate_loss ignores dp_size when it has no global normaliser
+        kwargs = dict(token_count=batch_num_tokens, seq_count=global_batch_size,
+                      dp_size=int(dp_size) if counts_given else 1,
+                      state=self.stablerl_state.slot(stablerl.POLICY_LOSS, self.stablerl_name))
         if torch.distributed.is_available() and torch.distributed.is_initialized():
             return stablerl.torch_distributed_context(self.dp_group, **kwargs)
         return stablerl.Context(**kwargs)
 
-    def forward(
-        self,
-        log_probs: torch.Tensor,
-        old_log_probs: torch.Tensor,
-        advantages: torch.Tensor,
-        action_mask: Optional[torch.Tensor] = None,
-        rollout_log_probs: Optional[torch.Tensor] = None,
-        dp_size: int = 1,
-        batch_num_tokens: Optional[float] = None,
-        global_batch_size: Optional[float] = None,
-    ):
+    def forward(self, log_probs: torch.Tensor, old_log_probs: torch.Tensor, advantages: torch.Tensor,
+                action_mask: Optional[torch.Tensor] = None, rollout_log_probs: Optional[torch.Tensor] = None,
+                dp_size: int = 1, batch_num_tokens: Optional[float] = None, global_batch_size: Optional[float] = None):
         if self.stablerl_name is None:
             return super().forward(log_probs, old_log_probs, advantages, action_mask=action_mask,
                                    rollout_log_probs=rollout_log_probs, dp_size=dp_size,

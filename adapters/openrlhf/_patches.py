@@ -27,25 +27,22 @@ def _patch_actor_module(module, ledger) -> None:
     ``ppo_train``'s DataLoader (whole prompt groups, ``._groups``) and the loss normalisers."""
     check_policy_loss_api(module.PolicyLoss)
 
-    def wrap(original):
-        def __init__(self, *args, **kwargs):
-            original(self, *args, **kwargs)
-            sel = selection_from_args(self.args)
-            if sel.policy_loss is not None:
-                from ._loss import build_policy_loss
+    @ledger.around(module.ActorPPOTrainer, "__init__")
+    def __init__(original, self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        sel = selection_from_args(self.args)
+        if sel.policy_loss is not None:
+            from ._loss import build_policy_loss
 
-                self.actor_loss_fn = build_policy_loss(self.args, sel, strategy=self.strategy)
-                _state.adopt_loss(self.actor_loss_fn)  # its state goes into this actor's checkpoints, and back
-            if sel.routing_replay is not None:
-                _routing_replay.arm(self, sel.routing_replay)
-            if sel.needs_old_pass_entropy():  # its old-log-prob pass also returns entropy (._inputs)
-                from ._inputs import WANTS_OLD_ENTROPY
+            self.actor_loss_fn = build_policy_loss(self.args, sel, strategy=self.strategy)
+            _state.adopt_loss(self.actor_loss_fn)  # its state goes into this actor's checkpoints, and back
+        if sel.routing_replay is not None:
+            _routing_replay.arm(self, sel.routing_replay)
+        if sel.needs_old_pass_entropy():  # its old-log-prob pass also returns entropy (._inputs)
+            from ._inputs import WANTS_OLD_ENTROPY
 
-                setattr(self.actor, WANTS_OLD_ENTROPY, True)
+            setattr(self.actor, WANTS_OLD_ENTROPY, True)
 
-        return __init__
-
-    ledger.wrap_method(module.ActorPPOTrainer, "__init__", wrap)
     _routing_replay.patch_actor_module(module, ledger)
     from ._groups import group_dataloader
 
@@ -73,39 +70,29 @@ def _patch_loss_normalisers(module, ledger, owner: str) -> None:
     def filtering(strategy) -> bool:
         return selection_from_args(strategy.args).batch_filter is not None
 
-    def wrap_info(get_info):
-        def get_loss_batch_info(strategy, *args, **kwargs):
+    if "get_loss_batch_info" in module.__dict__:
+        @ledger.around(module, "get_loss_batch_info", key=f"{owner}.get_loss_batch_info")
+        def get_loss_batch_info(get_info, strategy, *args, **kwargs):
             info = get_info(strategy, *args, **kwargs)
             return _nonzero_normalisers(info) if filtering(strategy) else info
 
-        return get_loss_batch_info
-
-    def wrap_iter(iter_norm):
-        def iter_grad_accum_global_norm(data_iter, strategy, *args, **kwargs):
+    if "iter_grad_accum_global_norm" in module.__dict__:
+        @ledger.around(module, "iter_grad_accum_global_norm", key=f"{owner}.iter_grad_accum_global_norm")
+        def iter_grad_accum_global_norm(iter_norm, data_iter, strategy, *args, **kwargs):
             items = iter_norm(data_iter, strategy, *args, **kwargs)
             return ((item, _nonzero_normalisers(info)) for item, info in items) if filtering(strategy) else items
-
-        return iter_grad_accum_global_norm
-
-    for attr, wrap in (("get_loss_batch_info", wrap_info), ("iter_grad_accum_global_norm", wrap_iter)):
-        if attr in module.__dict__:
-            original = module.__dict__[attr]
-            ledger.set_attr(f"{owner}.{attr}", module, attr, functools.wraps(original)(wrap(original)))
 
 
 def _patch_maker_module(module, ledger) -> None:
     """``RemoteExperienceMaker.compute_advantages_and_returns`` (``_advantage``) and ``make_experience``
     (``_routing_replay``)."""
 
-    def wrap(original):
-        def compute_advantages_and_returns(self, experiences):
-            from ._advantage import advantages_and_returns
+    @ledger.around(module.RemoteExperienceMaker, "compute_advantages_and_returns")
+    def compute_advantages_and_returns(original, self, experiences):
+        from ._advantage import advantages_and_returns
 
-            return advantages_and_returns(self, experiences, functools.partial(original, self))
+        return advantages_and_returns(self, experiences, functools.partial(original, self))
 
-        return compute_advantages_and_returns
-
-    ledger.wrap_method(module.RemoteExperienceMaker, "compute_advantages_and_returns", wrap)
     _routing_replay.patch_maker_module(module, ledger)
 
 
@@ -139,7 +126,7 @@ PATCH_KEYS = (
 
 def _patcher(name: str, patch):
     def patcher(module) -> None:
-        if name.startswith("openrlhf."):
+        if name.startswith("openrlhf."):  # OpenRLHF's modules are patched only at a supported version
             check_openrlhf()
         patch(module, LEDGER)
 

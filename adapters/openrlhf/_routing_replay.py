@@ -1,19 +1,13 @@
 """MoE routing replay in OpenRLHF 0.11.2 (``--actor.stablerl_routing_replay R2|R3``): where OpenRLHF's code is
-wrapped and how the routes travel; the mechanics (capture, replay, per-row routes) are ``stablerl.routing_replay``'s.
-docs/openrlhf.md "Routing replay" has the table of every wrapped function and process.
+wrapped and how the routes travel (docs/openrlhf.md, "Routing replay", lists every patch and process); the
+mechanics (capture, replay, per-row routes) are ``stablerl.routing_replay``'s.
 
-R2 (arXiv 2512.01374, 2507.18071): ``Actor.forward`` records the routes of the armed actor's old-log-prob pass
-(eval, no_grad) and sends them back on the CPU log-prob tensor (attribute :data:`ON_LOG_PROBS`; Ray pickles it,
-``PolicyModelActor`` itself is shipped by value and cannot be patched); ``make_experience`` moves them into
-``Experience.mm_train_inputs`` (one ``SampleRoutes`` per row: the list the replay buffer splits and shuffles
-with the rows); ``training_step`` replays them for the micro-batch's layout until after the optimizer step
-(gradient checkpointing re-runs the routers in backward).
-
-R3 (arXiv 2510.11370): vLLM's ``AsyncEngineArgs`` gets ``enable_return_routed_experts``; the agent executors
-record their engine calls and return the last call's ``routed_experts``; the samples generator stores them as
-the row's ``RolloutRoutes``; ``BaseModelActor.execute_batch`` hands a ``forward`` item's rows to the armed
-``Actor``, whose old-log-prob pass replays them and returns the converted ``SampleRoutes``; from there as R2.
-The vLLM workers get no ``args``: the mode comes from ``$STABLERL_ROUTING_REPLAY``.
+R2 (arXiv 2512.01374): the armed actor's old-log-prob pass records its routes, which ride back on the CPU
+log-prob tensor (:data:`ON_LOG_PROBS`), become one ``SampleRoutes`` per row of ``Experience.mm_train_inputs``
+(the list the replay buffer splits and shuffles with the rows) and are replayed by ``training_step`` until after
+the optimizer step. R3 (arXiv 2510.11370): vLLM returns the routes (``enable_return_routed_experts``), the agent
+executors hand back the last call's, the samples generator stores them per row (``RolloutRoutes``), and the
+actor's old-log-prob pass replays them (``BaseModelActor.execute_batch`` passes them on); from there as R2.
 """
 
 from __future__ import annotations
@@ -111,8 +105,6 @@ def arm(trainer, mode: Optional[str]) -> None:
     if getattr(actor, "is_vlm", False):
         raise StableRLError(f"{FLAG} {mode} supports text models only: a vision-language model uses "
                             "Experience.mm_train_inputs, the field the routes travel in")
-    if getattr(trainer.strategy, "ring_attn_group", None) is not None:
-        raise StableRLError(f"{FLAG} {mode} does not support ring attention / sequence parallelism")
     model = actor.model
     try:
         routers = rr.require_routers(model)
@@ -161,8 +153,8 @@ def _attach(samples_list) -> None:
             raise StableRLError(
                 f"{FLAG}: the actor's old-log-prob forward returned no routes (experience {i}). Is the stablerl "
                 "setup hook active in the actor workers (python -m stablerl.adapters.openrlhf.train_ppo_ray), and "
-                "RAY_ENABLE_ZERO_COPY_TORCH_TENSORS=0 in the workers (its tensor serializer drops tensor attributes; OpenRLHF's "
-                "train() sets it to 1 unless it is set, the wrapper sets 0)?")
+                "RAY_ENABLE_ZERO_COPY_TORCH_TENSORS=0 in the workers (its tensor serializer drops tensor attributes; "
+                "OpenRLHF's train() sets it to 1 unless it is set, the wrapper sets 0)?")
         delattr(samples.action_log_probs, ON_LOG_PROBS)
         if any(m is not None and not isinstance(m, RolloutRoutes) for m in samples.mm_train_inputs):
             raise StableRLError(f"{FLAG} supports text models only (these samples carry multimodal inputs)")
@@ -186,58 +178,46 @@ def patch_actor_module(module, ledger) -> None:
     """``ActorPPOTrainer.training_step`` and ``Actor.forward`` (plain classes, shipped by reference); the same
     two patches feed a stablerl loss's declared inputs and the old-log-prob pass's entropy (``._inputs``)."""
 
-    def wrap_training_step(training_step):
-        def training_step_with_replay(self, experience, *args, **kwargs):
-            with loss_inputs.step_inputs(self, experience):
-                state = getattr(self.actor, ARMED, None)
-                if state is None:
-                    return training_step(self, experience, *args, **kwargs)
-                # kept until the optimizer step: gradient checkpointing re-runs the routers in backward
-                with rr.replay(_inner(self.actor.model), batch_routes(state, experience)):
-                    return training_step(self, experience, *args, **kwargs)
+    @ledger.around(module.ActorPPOTrainer, "training_step")
+    def training_step_with_replay(training_step, self, experience, *args, **kwargs):
+        with loss_inputs.step_inputs(self, experience):
+            state = getattr(self.actor, ARMED, None)
+            if state is None:
+                return training_step(self, experience, *args, **kwargs)
+            # kept until the optimizer step: gradient checkpointing re-runs the routers in backward
+            with rr.replay(_inner(self.actor.model), batch_routes(state, experience)):
+                return training_step(self, experience, *args, **kwargs)
 
-        return training_step_with_replay
-
-    def wrap_forward(forward):
-        def forward_recording(self, *args, **kwargs):
-            # the old-log-prob pass: PolicyModelActor.forward runs the policy in eval mode under no_grad
-            if self.training or torch.is_grad_enabled():
-                return loss_inputs.train_forward(forward, self, *args, **kwargs)  # entropy for the loss, if declared
-            old_pass = functools.partial(loss_inputs.old_pass_forward, forward)  # + the old-pass entropy, if declared
-            state = self.__dict__.get(ARMED)
-            return old_pass(self, *args, **kwargs) if state is None else _old_pass(old_pass, self, state, *args,
-                                                                                   **kwargs)
-
-        return forward_recording
-
-    ledger.wrap_method(module.ActorPPOTrainer, "training_step", wrap_training_step)
-    ledger.wrap_method(module.Actor, "forward", wrap_forward)
+    @ledger.around(module.Actor, "forward")
+    def forward_recording(forward, self, *args, **kwargs):
+        # the old-log-prob pass: PolicyModelActor.forward runs the policy in eval mode under no_grad
+        if self.training or torch.is_grad_enabled():
+            return loss_inputs.train_forward(forward, self, *args, **kwargs)  # entropy for the loss, if declared
+        old_pass = functools.partial(loss_inputs.old_pass_forward, forward)  # + the old-pass entropy, if declared
+        state = self.__dict__.get(ARMED)
+        return old_pass(self, *args, **kwargs) if state is None else _old_pass(old_pass, self, state, *args, **kwargs)
 
 
 def patch_maker_module(module, ledger) -> None:
     """``RemoteExperienceMaker.make_experience``: routes into the experiences (R2: recorded; R3: converted), and
     the old-log-prob pass's entropy when an algorithm declares it (``._inputs``)."""
 
-    def wrap(make_experience):
-        def make_experience_with_routes(self, samples_list):
-            selection = selection_from_args(self.strategy.args)
-            mode = parse_mode(selection.routing_replay)
-            if mode == "R3":  # the rows go to the actor as OpenRLHF's own mm_train_inputs_list argument
-                for i, samples in enumerate(samples_list):
-                    if not all(isinstance(m, RolloutRoutes) for m in samples.mm_train_inputs):
-                        raise StableRLError(
-                            f"{FLAG} R3: experience {i} carries no rollout routes. Is the stablerl setup hook active "
-                            "in the trainer and vLLM workers, and does the vLLM rollout return routed experts?")
-            out = make_experience(self, samples_list)
-            if mode is not None:
-                _attach(out)
-            if selection.needs_old_pass_entropy():
-                loss_inputs.attach_old_entropy(out)
-            return out
-
-        return make_experience_with_routes
-
-    ledger.wrap_method(module.RemoteExperienceMaker, "make_experience", wrap)
+    @ledger.around(module.RemoteExperienceMaker, "make_experience")
+    def make_experience_with_routes(make_experience, self, samples_list):
+        selection = selection_from_args(self.strategy.args)
+        mode = parse_mode(selection.routing_replay)
+        if mode == "R3":  # the rows go to the actor as OpenRLHF's own mm_train_inputs_list argument
+            for i, samples in enumerate(samples_list):
+                if not all(isinstance(m, RolloutRoutes) for m in samples.mm_train_inputs):
+                    raise StableRLError(
+                        f"{FLAG} R3: experience {i} carries no rollout routes. Is the stablerl setup hook active in "
+                        "the trainer and vLLM workers, and does the vLLM rollout return routed experts?")
+        out = make_experience(self, samples_list)
+        if mode is not None:
+            _attach(out)
+        if selection.needs_old_pass_entropy():
+            loss_inputs.attach_old_entropy(out)
+        return out
 
 
 # ----------------------------------------------------------------------------- R3: rollout side
@@ -247,117 +227,75 @@ def patch_vllm_arg_utils(module, ledger) -> None:
     """``AsyncEngineArgs.__init__`` (what ``RolloutRayActor.__init__`` builds as ``vllm.AsyncEngineArgs``):
     ``enable_return_routed_experts=True`` under R3, after the version check."""
 
-    def wrap(init):
-        def init_returning_routes(self, *args, **kwargs):
-            if rollout_mode() == "R3":
-                check_vllm_for_r3()
-                kwargs.setdefault("enable_return_routed_experts", True)
-            return init(self, *args, **kwargs)
-
-        return init_returning_routes
-
-    ledger.wrap_method(module.AsyncEngineArgs, "__init__", wrap)
-
-
-class _RecordingEngine:
-    """The ``llm_engine`` an agent executor sees: the rollout actor, with every ``generate`` call recorded."""
-
-    def __init__(self, engine):
-        self._engine = engine
-        self.calls: list = []  # (prompt token ids, RequestOutput)
-
-    async def generate(self, prompt_token_ids, *args, **kwargs):
-        out = await self._engine.generate(prompt_token_ids, *args, **kwargs)
-        self.calls.append((list(prompt_token_ids), out))
-        return out
-
-    def __getattr__(self, name):
-        return getattr(self._engine, name)
-
-    def trajectory_routes(self, observation_tokens):
-        """vLLM's ``routed_experts`` of the last engine call, aligned to the trajectory (None: no call)."""
-        if not self.calls:
-            return None
-        prompt_ids, out = self.calls[-1]
-        completion = out.outputs[0]
-        return rr.last_call_routes(
-            prompt_ids, completion.token_ids, getattr(completion, "routed_experts", None), observation_tokens,
-            f"{FLAG} R3", calls=len(self.calls), hint=f"is the stablerl setup hook active in the vLLM rollout "
-            f"workers, with {ENV_MODE}=R3 in their environment (the wrapper CLI forwards it)?")
+    @ledger.around(module.AsyncEngineArgs, "__init__")
+    def init_returning_routes(init, self, *args, **kwargs):
+        if rollout_mode() == "R3":
+            check_vllm_for_r3()
+            kwargs.setdefault("enable_return_routed_experts", True)
+        return init(self, *args, **kwargs)
 
 
 def patch_agent_module(module, ledger) -> None:
-    """``execute`` of OpenRLHF's agent executors: the output gains ``routed_experts`` (R3 only)."""
+    """``execute`` of OpenRLHF's agent executors: the output gains ``routed_experts`` (R3 only): the engine is
+    seen through core's ``RecordingEngine``, which gives the routes of the trajectory's last call."""
+    for cls in (module.SingleTurnAgentExecutor, module.MultiTurnAgentExecutor):
 
-    def wrap(execute):
-        signature = inspect.signature(execute)
-
-        async def execute_with_routes(self, *args, **kwargs):
+        @ledger.around(cls, "execute")
+        async def execute_with_routes(execute, self, *args, **kwargs):
             if rollout_mode() != "R3":
                 return await execute(self, *args, **kwargs)
-            bound = signature.bind(self, *args, **kwargs)
-            engine = bound.arguments["llm_engine"] = _RecordingEngine(bound.arguments["llm_engine"])
+            bound = inspect.signature(execute).bind(self, *args, **kwargs)
+            engine = bound.arguments["llm_engine"] = rr.RecordingEngine(bound.arguments["llm_engine"])
             out = await execute(*bound.args, **bound.kwargs)
-            out[ROUTED_EXPERTS] = engine.trajectory_routes(out["observation_tokens"])
+            out[ROUTED_EXPERTS] = engine.trajectory_routes(out["observation_tokens"], f"{FLAG} R3", hint=(
+                f"is the stablerl setup hook active in the vLLM rollout workers, with {ENV_MODE}=R3 in their "
+                "environment (the wrapper CLI forwards it)?"))
             return out
-
-        return execute_with_routes
-
-    for cls in (module.SingleTurnAgentExecutor, module.MultiTurnAgentExecutor):
-        ledger.wrap_method(cls, "execute", wrap)
 
 
 def patch_samples_module(module, ledger) -> None:
     """``SamplesGenerator._process_response_into_experience``: the response's routes into the Experience row."""
 
-    def wrap(process):
-        def process_with_routes(self, response, **generate_kwargs):
-            experience = process(self, response, **generate_kwargs)
-            if parse_mode(selection_from_args(self.args).routing_replay) != "R3":
-                return experience
-            if ROUTED_EXPERTS not in response:
-                raise StableRLError(
-                    f"{FLAG} R3: the agent executor's output has no '{ROUTED_EXPERTS}'. stablerl adds it to "
-                    "SingleTurnAgentExecutor and MultiTurnAgentExecutor (and subclasses that keep their execute) in "
-                    f"the vLLM workers, where the setup hook must be active with {ENV_MODE}=R3; a custom execute "
-                    "must return vLLM's request_output.outputs[0].routed_experts of its last engine call under that key")
-            if any(m is not None for m in experience.mm_train_inputs):
-                raise StableRLError(f"{FLAG} R3 supports text models only (this response carries multimodal inputs)")
-            n = int(experience.sequences.shape[-1])  # OpenRLHF cut the tokens to max_len: cut the routes with them
-            routed = response[ROUTED_EXPERTS]
-            experience.mm_train_inputs = [RolloutRoutes(None if routed is None else routed[:n], n)]
+    @ledger.around(module.SamplesGenerator, "_process_response_into_experience")
+    def process_with_routes(process, self, response, **generate_kwargs):
+        experience = process(self, response, **generate_kwargs)
+        if parse_mode(selection_from_args(self.args).routing_replay) != "R3":
             return experience
-
-        return process_with_routes
-
-    ledger.wrap_method(module.SamplesGenerator, "_process_response_into_experience", wrap)
+        if ROUTED_EXPERTS not in response:
+            raise StableRLError(
+                f"{FLAG} R3: the agent executor's output has no '{ROUTED_EXPERTS}'. stablerl adds it to "
+                "SingleTurnAgentExecutor and MultiTurnAgentExecutor (and subclasses that keep their execute) in the "
+                f"vLLM workers, where the setup hook must be active with {ENV_MODE}=R3; a custom execute must return "
+                "vLLM's request_output.outputs[0].routed_experts of its last engine call under that key")
+        if any(m is not None for m in experience.mm_train_inputs):
+            raise StableRLError(f"{FLAG} R3 supports text models only (this response carries multimodal inputs)")
+        n = int(experience.sequences.shape[-1])  # OpenRLHF cut the tokens to max_len: cut the routes with them
+        routed = response[ROUTED_EXPERTS]
+        experience.mm_train_inputs = [RolloutRoutes(None if routed is None else routed[:n], n)]
+        return experience
 
 
 def patch_launcher_module(module, ledger) -> None:
     """``BaseModelActor.execute_batch`` (a plain base class of the by-value ``PolicyModelActor``): under R3,
     each ``forward`` item's ``mm_train_inputs_list`` (the rows' rollout routes) goes to the armed Actor."""
 
-    def wrap(execute_batch):
-        def execute_batch_with_routes(self, method_name, all_data, start_idx, end_idx):
-            actor = self.__dict__.get("actor")
-            state = getattr(actor, "__dict__", {}).get(ARMED) if actor is not None else None
-            if method_name != "forward" or state is None or state.mode != "R3":
-                return execute_batch(self, method_name, all_data, start_idx, end_idx)
-            forward = self.forward
+    @ledger.around(module.BaseModelActor, "execute_batch")
+    def execute_batch_with_routes(execute_batch, self, method_name, all_data, start_idx, end_idx):
+        actor = self.__dict__.get("actor")
+        state = getattr(actor, "__dict__", {}).get(ARMED) if actor is not None else None
+        if method_name != "forward" or state is None or state.mode != "R3":
+            return execute_batch(self, method_name, all_data, start_idx, end_idx)
+        forward = self.forward
 
-            def forward_with_rollout_routes(*args, **kwargs):
-                actor.__dict__[PENDING] = kwargs.get("mm_train_inputs_list")
-                try:
-                    return forward(*args, **kwargs)
-                finally:
-                    actor.__dict__.pop(PENDING, None)
-
-            self.forward = forward_with_rollout_routes  # execute_batch looks the method up on the instance
+        def forward_with_rollout_routes(*args, **kwargs):
+            actor.__dict__[PENDING] = kwargs.get("mm_train_inputs_list")
             try:
-                return execute_batch(self, method_name, all_data, start_idx, end_idx)
+                return forward(*args, **kwargs)
             finally:
-                self.__dict__.pop("forward", None)
+                actor.__dict__.pop(PENDING, None)
 
-        return execute_batch_with_routes
-
-    ledger.wrap_method(module.BaseModelActor, "execute_batch", wrap)
+        self.forward = forward_with_rollout_routes  # execute_batch looks the method up on the instance
+        try:
+            return execute_batch(self, method_name, all_data, start_idx, end_idx)
+        finally:
+            self.__dict__.pop("forward", None)

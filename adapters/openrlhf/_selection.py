@@ -57,13 +57,11 @@ class Selection:
     policy_loss_params: dict = field(default_factory=dict)
     advantage_estimator: Optional[str] = None
     advantage_params: dict = field(default_factory=dict)
-    #: OpenRLHF clip flags given on the command line, as clip_ratio_low/high/c (flags left at OpenRLHF's
-    #: defaults leave the paper's defaults in place: one precedence rule)
+    #: OpenRLHF knobs given on the command line (one precedence rule: left at OpenRLHF's defaults, they leave the
+    #: paper's defaults in place): clip flags as clip_ratio_low/high/c; --algo.advantage.no_std_norm / gamma;
+    #: --reward.clip_range (its default is not applied to a stablerl estimator)
     openrlhf_clip: dict = field(default_factory=dict)
-    #: OpenRLHF advantage knobs given on the command line (--algo.advantage.no_std_norm: norm_adv_by_std_in_grpo
-    #: False, refused by an estimator without the switch; --algo.advantage.gamma)
     openrlhf_advantage: dict = field(default_factory=dict)
-    #: --reward.clip_range given on the command line (its default is not applied to a stablerl estimator)
     reward_clip_range: Optional[tuple] = None
     #: MoE routing replay (--actor.stablerl_routing_replay): "R2", "R3", or None (native routing)
     routing_replay: Optional[str] = None
@@ -181,25 +179,14 @@ def _load_callable(path: str):
 ZERO_COPY_ENV = "RAY_ENABLE_ZERO_COPY_TORCH_TENSORS"
 
 
-def keep_tensor_attributes(env_vars: dict, old_pass_entropy: bool = False) -> None:
-    """Routing replay's routes / the old-pass entropy ride on a log-prob tensor as an attribute, which Ray's
-    zero-copy tensor serializer drops; OpenRLHF 0.11.2's ``train()`` turns it on by default: switched off here,
-    said on stderr."""
-    why, what = (("the old-log-prob pass's entropy", "entropy") if old_pass_entropy else ("routing replay", "routes"))
-    if env_vars.get(ZERO_COPY_ENV, "0") != "0":
-        print(f"stablerl/openrlhf: {why} sets {ZERO_COPY_ENV}=0 for the Ray workers (was "
-              f"{env_vars[ZERO_COPY_ENV]!r}): Ray's zero-copy tensor serializer drops the {what} carried on the "
-              "log-prob tensors", file=sys.stderr, flush=True)
-    env_vars[ZERO_COPY_ENV] = "0"
-
-
-def add_setup_hook(runtime_env: Optional[dict] = None) -> dict:
+def add_setup_hook(runtime_env: Optional[dict] = None, selection: Optional[Selection] = None) -> dict:
     """A ``RAY_RUNTIME_ENV_HOOK``: ``runtime_env`` plus the stablerl worker setup hook.
 
     Also forwards the STABLERL_* selection variables to every worker, keeps a user's own
-    ``worker_process_setup_hook`` (chained through ``$STABLERL_CHAINED_SETUP_HOOK``) and calls a
-    previous ``RAY_RUNTIME_ENV_HOOK`` saved in ``$STABLERL_PREVIOUS_RAY_RUNTIME_ENV_HOOK``."""
-    selection = _from_env().validate()  # a bad name or parameter fails here, before Ray starts
+    ``worker_process_setup_hook`` (chained through ``$STABLERL_CHAINED_SETUP_HOOK``), calls a previous
+    ``RAY_RUNTIME_ENV_HOOK`` saved in ``$STABLERL_PREVIOUS_RAY_RUNTIME_ENV_HOOK`` and keeps the tensor attributes
+    the ``selection`` (the wrapper's; else the environment's, validated here, before Ray starts) needs."""
+    selection = selection or _from_env().validate()
     previous = os.environ.get(ENV_PREVIOUS_RUNTIME_ENV_HOOK)
     if previous and previous != "stablerl.adapters.openrlhf.add_setup_hook":
         runtime_env = _load_callable(previous)(runtime_env)
@@ -216,7 +203,15 @@ def add_setup_hook(runtime_env: Optional[dict] = None) -> dict:
         if key in os.environ and key not in env_vars:
             env_vars[key] = os.environ[key]
     if selection.routing_replay or selection.needs_old_pass_entropy():
-        keep_tensor_attributes(env_vars, old_pass_entropy=not selection.routing_replay)
+        # the routes / old-pass entropy ride on a log-prob tensor as an attribute, which Ray's zero-copy tensor
+        # serializer drops (OpenRLHF's train() turns it on unless set): off, said on stderr
+        what = "routes" if selection.routing_replay else "entropy"
+        if env_vars.get(ZERO_COPY_ENV, "0") != "0":
+            why = "routing replay" if selection.routing_replay else "the old-log-prob pass's entropy"
+            print(f"stablerl/openrlhf: {why} sets {ZERO_COPY_ENV}=0 for the Ray workers (was "
+                  f"{env_vars[ZERO_COPY_ENV]!r}): Ray's zero-copy tensor serializer drops the {what} carried on the log-prob tensors",
+                  file=sys.stderr, flush=True)
+        env_vars[ZERO_COPY_ENV] = "0"
     if env_vars:
         env["env_vars"] = env_vars
     return env

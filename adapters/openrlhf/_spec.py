@@ -25,15 +25,11 @@ COMPONENTS_FLAG = "--algo.advantage.stablerl_reward_components"
 COMPONENT_WEIGHTS_FLAG = "--algo.advantage.stablerl_reward_weights"
 
 #: Environment variables of the no-wrapper route (forwarded to every worker by add_setup_hook).
-ENV_POLICY_LOSS = "STABLERL_POLICY_LOSS"
-ENV_POLICY_LOSS_PARAMS = "STABLERL_POLICY_LOSS_PARAMS"
-ENV_ADVANTAGE = "STABLERL_ADVANTAGE_ESTIMATOR"
-ENV_ADVANTAGE_PARAMS = "STABLERL_ADVANTAGE_PARAMS"
+ENV_POLICY_LOSS, ENV_POLICY_LOSS_PARAMS = "STABLERL_POLICY_LOSS", "STABLERL_POLICY_LOSS_PARAMS"
+ENV_ADVANTAGE, ENV_ADVANTAGE_PARAMS = "STABLERL_ADVANTAGE_ESTIMATOR", "STABLERL_ADVANTAGE_PARAMS"
+ENV_REWARD_SHAPER, ENV_REWARD_SHAPER_PARAMS = "STABLERL_REWARD_SHAPER", "STABLERL_REWARD_SHAPER_PARAMS"
+ENV_BATCH_FILTER, ENV_BATCH_FILTER_PARAMS = "STABLERL_BATCH_FILTER", "STABLERL_BATCH_FILTER_PARAMS"
 ENV_ROUTING_REPLAY = "STABLERL_ROUTING_REPLAY"
-ENV_REWARD_SHAPER = "STABLERL_REWARD_SHAPER"
-ENV_REWARD_SHAPER_PARAMS = "STABLERL_REWARD_SHAPER_PARAMS"
-ENV_BATCH_FILTER = "STABLERL_BATCH_FILTER"
-ENV_BATCH_FILTER_PARAMS = "STABLERL_BATCH_FILTER_PARAMS"
 ENV_CHAINED_SETUP_HOOK = "STABLERL_CHAINED_SETUP_HOOK"
 ENV_PREVIOUS_RUNTIME_ENV_HOOK = "STABLERL_PREVIOUS_RAY_RUNTIME_ENV_HOOK"
 _FORWARDED_ENV = (ENV_POLICY_LOSS, ENV_POLICY_LOSS_PARAMS, ENV_ADVANTAGE, ENV_ADVANTAGE_PARAMS, ENV_ROUTING_REPLAY,
@@ -65,11 +61,10 @@ def check_policy_loss_api(policy_loss_cls) -> None:
     """Refuse an OpenRLHF whose ``PolicyLoss`` lacks what :class:`StablePolicyLoss` passes or reads."""
     import inspect
 
-    params = inspect.signature(policy_loss_cls.__init__).parameters
-    needed = ("clip_eps_low", "clip_eps_high", "dual_clip", "token_level_loss", "policy_loss_type", "is_correction_level",
-              "is_correction_mode", "is_correction_gating", "is_correction_threshold")
-    missing = [p for p in needed if p not in params]
-    fwd = inspect.signature(policy_loss_cls.forward).parameters
+    init, fwd = (inspect.signature(f).parameters for f in (policy_loss_cls.__init__, policy_loss_cls.forward))
+    missing = [p for p in ("clip_eps_low", "clip_eps_high", "dual_clip", "token_level_loss", "policy_loss_type",
+                           "is_correction_level", "is_correction_mode", "is_correction_gating",
+                           "is_correction_threshold") if p not in init]
     missing += [f"forward({p})" for p in ("rollout_log_probs", "dp_size", "batch_num_tokens", "global_batch_size")
                 if p not in fwd]
     if missing:

@@ -1,17 +1,12 @@
-"""stablerl's per-process state in OpenRLHF checkpoints (core's one format, ``StateStore.state_dict()``); this
-module only says where OpenRLHF keeps it (docs/openrlhf.md, "Checkpoints"):
+"""stablerl's per-process state in OpenRLHF checkpoints, in core's one format (``StateStore.state_dict()``); this
+module only says where OpenRLHF keeps it:
 
-* **actor workers**: the policy loss's state (``StablePolicyLoss.stablerl_state``: EntroPIC's integral, CAPO's
-  moments) in DeepSpeed's ``client_state`` (key :data:`LOSS_KEY`): added by ``DeepspeedStrategy.save_ckpt``,
-  taken out by ``load_ckpt`` (so it never travels to the driver) and handed to the loss ``ActorPPOTrainer``
-  builds right after. DeepSpeed writes rank 0's ``client_state`` only: exact for the built-ins, whose state
-  comes from quantities reduced over the ranks.
-* **the trainer process**: the reward shapers' / batch filters' store (``_advantage.STATE``) in the
-  ``client_states`` ``BasePPOTrainer`` sends the actors (key :data:`DRIVER_KEY`), restored by
-  ``init_checkpoint_states``.
-
-``PolicyModelActor`` is shipped by value (its methods cannot be patched in a worker), so the hooks sit on plain
-classes imported by reference. A checkpoint without these keys loads as before.
+* actor workers: the policy loss's state (EntroPIC's integral, CAPO's moments) in DeepSpeed's ``client_state``
+  (:data:`LOSS_KEY`), taken out again by ``load_ckpt`` (so it never reaches the driver) and handed to the loss
+  ``ActorPPOTrainer`` builds right after. DeepSpeed writes rank 0's ``client_state`` only: exact for the
+  built-ins, whose state comes from quantities reduced over the ranks;
+* the trainer process: the reward shapers' / batch filters' store in the ``client_states`` ``BasePPOTrainer``
+  sends the actors (:data:`DRIVER_KEY`). A checkpoint without these keys loads as before.
 """
 
 from __future__ import annotations
@@ -90,47 +85,31 @@ def restore_driver_state(states: Any) -> bool:
 def patch_strategy_module(module, ledger) -> None:
     """``DeepspeedStrategy.save_ckpt`` / ``load_ckpt``: the actor's loss state in DeepSpeed's client_state."""
 
-    def wrap_save(save):
-        def save_ckpt(self, model, save_dir, tag=None, max_num=3, max_mem=1000, client_state=None, *args, **kwargs):
-            return save(self, model, save_dir, tag, max_num, max_mem, _with(client_state, LOSS_KEY, _loss_store()), *args, **kwargs)
+    @ledger.around(module.DeepspeedStrategy, "save_ckpt")
+    def save_ckpt(save, self, model, save_dir, tag=None, max_num=3, max_mem=1000, client_state=None, *args, **kwargs):
+        return save(self, model, save_dir, tag, max_num, max_mem, _with(client_state, LOSS_KEY, _loss_store()), *args,
+                    **kwargs)
 
-        return save_ckpt
-
-    def wrap_load(load):
-        def load_ckpt(self, model, load_dir, *args, **kwargs):
-            load_path, states = load(self, model, load_dir, *args, **kwargs)
-            _take_loss_state(states, str(load_path))
-            return load_path, states
-
-        return load_ckpt
-
-    ledger.wrap_method(module.DeepspeedStrategy, "save_ckpt", wrap_save)
-    ledger.wrap_method(module.DeepspeedStrategy, "load_ckpt", wrap_load)
+    @ledger.around(module.DeepspeedStrategy, "load_ckpt")
+    def load_ckpt(load, self, model, load_dir, *args, **kwargs):
+        load_path, states = load(self, model, load_dir, *args, **kwargs)
+        _take_loss_state(states, str(load_path))
+        return load_path, states
 
 
 def patch_trainer_module(module, ledger) -> None:
     """``BasePPOTrainer``: the shapers' / filters' state into the actors' client_states, and back on resume."""
 
-    def wrap_save(save):
-        def save_logs_and_checkpoints(self, global_step, logs_dict=None, client_states=None):
-            return save(self, global_step, logs_dict, _with(client_states, DRIVER_KEY, _driver_store()))
+    @ledger.around(module.BasePPOTrainer, "save_logs_and_checkpoints")
+    def save_logs_and_checkpoints(save, self, global_step, logs_dict=None, client_states=None):
+        return save(self, global_step, logs_dict, _with(client_states, DRIVER_KEY, _driver_store()))
 
-        return save_logs_and_checkpoints
+    @ledger.around(module.BasePPOTrainer, "save_best_checkpoint")
+    def save_best_checkpoint(save_best, self, eval_metrics, global_step, client_states=None):
+        return save_best(self, eval_metrics, global_step, _with(client_states, DRIVER_KEY, _driver_store()))
 
-    def wrap_save_best(save_best):
-        def save_best_checkpoint(self, eval_metrics, global_step, client_states=None):
-            return save_best(self, eval_metrics, global_step, _with(client_states, DRIVER_KEY, _driver_store()))
-
-        return save_best_checkpoint
-
-    def wrap_init(init_states):
-        def init_checkpoint_states(self):
-            states = init_states(self)
-            restore_driver_state(states)
-            return states
-
-        return init_checkpoint_states
-
-    for attr, wrap in (("save_logs_and_checkpoints", wrap_save), ("save_best_checkpoint", wrap_save_best),
-                       ("init_checkpoint_states", wrap_init)):
-        ledger.wrap_method(module.BasePPOTrainer, attr, wrap)
+    @ledger.around(module.BasePPOTrainer, "init_checkpoint_states")
+    def init_checkpoint_states(init_states, self):
+        states = init_states(self)
+        restore_driver_state(states)
+        return states

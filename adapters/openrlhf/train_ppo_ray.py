@@ -32,8 +32,8 @@ import stablerl
 from stablerl.params import StableRLError
 
 from . import _routing_replay
-from ._selection import (Selection, add_setup_hook, check_rollout_log_probs, keep_tensor_attributes, openrlhf_choices,
-                         parse_params, resolve)
+from ._selection import (Selection, add_setup_hook, check_rollout_log_probs, openrlhf_choices, parse_params,
+                         resolve)
 from ._spec import (COMPONENT_WEIGHTS_FLAG, COMPONENTS_FLAG, FILTER_FLAG, OPENRLHF_ADV_ESTIMATORS,
                     OPENRLHF_POLICY_LOSSES, PREFIX, SHAPER_FLAG, check_openrlhf)
 
@@ -44,21 +44,14 @@ _ADV_PARAMS_FLAG = "--algo.advantage.stablerl_params"
 
 
 class _Choices(list):
-    """argparse choices: lists (and iterates) the documented names; also accepts ``stablerl_<name>``
-    for every stablerl algorithm OpenRLHF can feed."""
+    """argparse choices: lists (and iterates) the names OpenRLHF can run; also accepts ``stablerl_<name>`` for each."""
 
-    def __init__(self, names, prefixed):
-        super().__init__(names)
-        self._prefixed = frozenset(prefixed)
+    def __init__(self, kind: str, own: Sequence[str]):
+        super().__init__(openrlhf_choices(kind))
+        self._prefixed = frozenset(PREFIX + (n[len(PREFIX):] if n.startswith(PREFIX) else n) for n in self if n not in own)
 
     def __contains__(self, item) -> bool:
         return list.__contains__(self, item) or item in self._prefixed
-
-
-def _choices(kind: str, builtins: Sequence[str]) -> _Choices:
-    names = openrlhf_choices(kind)
-    bare = [n[len(PREFIX):] if n.startswith(PREFIX) else n for n in names if n not in builtins]
-    return _Choices(names, [PREFIX + n for n in bare])
 
 
 def _help(kind: str, builtins: Sequence[str], original_help: Optional[str]) -> str:
@@ -82,8 +75,8 @@ def _stablerl_flags(kind: str) -> list[tuple[str, dict]]:
     if kind == stablerl.POLICY_LOSS:
         return [(_LOSS_PARAMS_FLAG, params("loss")), (_routing_replay.FLAG, dict(
             type=lambda v: str(v).strip().upper(), choices=_routing_replay.MODES, default=None, metavar="{R2,R3}",
-            help="stablerl MoE routing replay: R2 records the experts of the actor's old-log-prob pass, R3 takes the "
-            "experts vLLM chose (vllm>=0.14); both are replayed in the old-log-prob pass (R3) and every training step"))]
+            help="stablerl MoE routing replay: R2 records the experts of the actor's old-log-prob pass, R3 takes "
+            "the experts vLLM chose (vllm>=0.14); replayed in the old-log-prob pass (R3) and every training step"))]
     return [
         (_ADV_PARAMS_FLAG, params("advantage estimator")),
         (COMPONENTS_FLAG, dict(type=str, nargs="+", default=None, metavar="KEY", help=(
@@ -110,7 +103,7 @@ def _extend_name_flag(add_argument: Callable[..., Any], args: tuple, kwargs: dic
     if kind is None:
         return None
     own = OPENRLHF_POLICY_LOSSES if kind == stablerl.POLICY_LOSS else OPENRLHF_ADV_ESTIMATORS
-    kwargs["choices"] = _choices(kind, own)
+    kwargs["choices"] = _Choices(kind, own)
     kwargs["help"] = _help(kind, own, kwargs.get("help"))
     kwargs.setdefault("metavar", "NAME")
     action = add_argument(*args, **kwargs)
@@ -136,9 +129,7 @@ class _ScriptRun:
 
     def __init__(self):
         self.parser: Optional[argparse.ArgumentParser] = None
-        self.routing_replay: Optional[str] = None
-        #: the workers hand data back on tensor attributes (routing replay's routes, the old-pass entropy)
-        self.tensor_attributes = False
+        self.selection: Optional[Selection] = None
 
     def error(self, message: str):
         if self.parser is not None:
@@ -165,8 +156,7 @@ class _ScriptRun:
                 out.stablerl = selection_from_cli(out)
             except StableRLError as e:
                 self.error(str(e))
-            self.routing_replay = out.stablerl.routing_replay
-            self.tensor_attributes = self.routing_replay is not None or out.stablerl.needs_old_pass_entropy()
+            self.selection = out.stablerl
             if out.stablerl.routing_replay == "R3":  # add_setup_hook forwards it to the vLLM workers (no args there)
                 os.environ[_routing_replay.ENV_MODE] = "R3"
             return out
@@ -175,11 +165,7 @@ class _ScriptRun:
 
     def _ray(self, module: types.ModuleType) -> types.ModuleType:
         def init(*args, **kwargs):
-            env = add_setup_hook(kwargs.get("runtime_env"))
-            if self.tensor_attributes:  # R2 too (only R3 sets the environment variable), and the old-pass entropy
-                env["env_vars"] = dict(env.get("env_vars") or {})
-                keep_tensor_attributes(env["env_vars"], old_pass_entropy=self.routing_replay is None)
-            kwargs["runtime_env"] = env
+            kwargs["runtime_env"] = add_setup_hook(kwargs.get("runtime_env"), self.selection)
             return module.init(*args, **kwargs)
 
         return _ModuleView(module, init=init)

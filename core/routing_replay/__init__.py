@@ -56,8 +56,8 @@ from .families import (
 )
 from .replaying import RouteReplay, replay
 from .routes import Routes, RoutesMismatchError, index_dtype, mismatch_fraction
-from .rows import (VLLM_ROUTES_MIN, RolloutRoutes, RowLayout, SampleRoutes, check_vllm_routes, last_call_routes,
-                   vllm_version)
+from .rows import (VLLM_ROUTES_MIN, RecordingEngine, RolloutRoutes, RowLayout, SampleRoutes, check_vllm_routes,
+                   last_call_routes, vllm_version)
 
 __all__ = [
     "Routes",
@@ -76,6 +76,7 @@ __all__ = [
     "sigmoid_gather_weights",
     "RoutesMismatchError",
     "RowLayout",
+    "RecordingEngine",
     "SampleRoutes",
     "RolloutRoutes",
     "VLLM_ROUTES_MIN",

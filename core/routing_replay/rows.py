@@ -4,8 +4,8 @@ A framework that splits, shuffles and re-batches its rows as Python lists (OpenR
 ``Experience.mm_train_inputs``) carries one :class:`SampleRoutes` per row; the engine's raw per-row array
 (R3) travels as :class:`RolloutRoutes` until the trainer's routers are known. :class:`RowLayout` converts
 between those rows and the :class:`~.routes.Routes` of one forward pass (padded ``[B, T]`` or packed).
-Also here: the vLLM version that returns routes (``enable_return_routed_experts``, vLLM PR #28284) and the
-alignment of a multi-turn trajectory with its last engine call.
+Also here: the vLLM version that returns routes (``enable_return_routed_experts``, vLLM PR #28284), and the
+routes of a multi-call agent trajectory (:class:`RecordingEngine`: the last engine call's, aligned and checked).
 """
 
 from __future__ import annotations
@@ -139,6 +139,34 @@ class RowLayout:
         return out
 
 
+class RecordingEngine:
+    """An async vLLM-style engine (``await generate(prompt_token_ids, ...)`` -> ``RequestOutput``) that records every
+    call, so an agent's multi-call trajectory can be given the routes of its last call (:meth:`trajectory_routes`).
+    Every other attribute is the engine's."""
+
+    def __init__(self, engine: Any) -> None:
+        self._engine = engine
+        self.calls: list = []  # (prompt token ids, RequestOutput)
+
+    async def generate(self, prompt_token_ids, *args, **kwargs):
+        out = await self._engine.generate(prompt_token_ids, *args, **kwargs)
+        self.calls.append((list(prompt_token_ids), out))
+        return out
+
+    def __getattr__(self, name: str):
+        return getattr(self._engine, name)
+
+    def trajectory_routes(self, tokens: Sequence[int], what: str = "routing replay R3", hint: str = "") -> Any:
+        """vLLM's ``routed_experts`` of the last call, checked against the trajectory's final ``tokens``
+        (:func:`last_call_routes`); None when the engine was never called."""
+        if not self.calls:
+            return None
+        prompt_ids, out = self.calls[-1]
+        completion = out.outputs[0]
+        return last_call_routes(prompt_ids, completion.token_ids, getattr(completion, "routed_experts", None), tokens,
+                                what, calls=len(self.calls), hint=hint)
+
+
 def last_call_routes(prompt_ids: Sequence[int], completion_ids: Sequence[int], routed: Any,
                      tokens: Sequence[int], what: str, calls: int = 1, hint: str = "") -> Any:
     """vLLM's ``routed_experts`` of a trajectory's last engine call (``calls`` calls in all), checked against
@@ -162,4 +190,4 @@ def last_call_routes(prompt_ids: Sequence[int], completion_ids: Sequence[int], r
 
 
 __all__ = ["VLLM_ROUTES_MIN", "vllm_version", "check_vllm_routes", "RolloutRoutes", "SampleRoutes", "RowLayout",
-           "last_call_routes"]
+           "RecordingEngine", "last_call_routes"]
