@@ -126,12 +126,9 @@ def parse_params(value: Any, where: str) -> dict[str, Any]:
     items = [value] if isinstance(value, str) else list(value)
     if len(items) == 1 and items[0].lstrip().startswith("{"):
         try:
-            out = json.loads(items[0])
+            return dict(json.loads(items[0]))  # "{...}" parses to a dict or fails
         except json.JSONDecodeError as e:
             raise StableRLError(f"{where}: not a JSON object ({e}): {items[0]!r}") from None
-        if not isinstance(out, dict):
-            raise StableRLError(f"{where}: expected a JSON object, got {items[0]!r}")
-        return out
     out: dict[str, Any] = {}
     for item in items:
         key, sep, raw = item.partition("=")
