@@ -556,7 +556,7 @@ def validate_stablerl_extensions(args) -> dict[str, Optional[str]]:
 
 # ----------------------------------------------------------------------------- routing replay
 
-_VLLM_ROUTES_MIN = (0, 14)  # enable_return_routed_experts (vLLM PR #28284); ms-swift documents vLLM >= 0.14
+_VLLM_ROUTES_MIN = rr.VLLM_ROUTES_MIN  # enable_return_routed_experts (vLLM PR #28284), declared once in core
 
 _R3_VLLM_MESSAGE = (
     "routing_replay='R3' with use_vllm=True: TRL 1.16's vLLM path (VLLMGeneration) does not ask vLLM for the routed "
