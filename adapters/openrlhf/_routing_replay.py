@@ -15,7 +15,7 @@ from __future__ import annotations
 import functools
 import inspect
 import os
-from typing import Any, Optional
+from typing import Optional
 
 import torch
 
