@@ -14,6 +14,8 @@ a class only inherited is deleted again on restore, not shadowed by a copy.
 
 from __future__ import annotations
 
+import functools
+import inspect
 import sys
 import threading
 from typing import Any, Callable, Iterable, Mapping, MutableMapping
@@ -70,6 +72,24 @@ class PatchLedger:
             self._record(key, (id(owner), attr), new,
                          (lambda: delattr(owner, attr)) if own is _MISSING else (lambda: setattr(owner, attr, own)))
             return True
+
+    def around(self, owner: Any, attr: str, key: str | None = None) -> Callable[[Callable], Callable]:
+        """Decorator: ``owner.attr`` (a class's or module's own attribute) becomes a wrapper calling
+        ``fn(original, *args, **kwargs)`` (awaited for a coroutine function), with the original's name, doc and
+        ``__wrapped__``; ledger key ``"<Owner>.<attr>"`` unless ``key`` is given. Returns ``fn``."""
+
+        def decorate(fn: Callable) -> Callable:
+            original = owner.__dict__[attr]
+            if inspect.iscoroutinefunction(original):
+                async def wrapper(*args, **kwargs):
+                    return await fn(original, *args, **kwargs)
+            else:
+                def wrapper(*args, **kwargs):
+                    return fn(original, *args, **kwargs)
+            self.set_attr(key or f"{owner.__name__}.{attr}", owner, attr, functools.wraps(original)(wrapper))
+            return fn
+
+        return decorate
 
     def set_item(self, key: str, mapping: MutableMapping, name: Any, new: Any) -> bool:
         """``mapping[name] = new`` (e.g. a framework registry entry), with the same rules as :meth:`set_attr`;

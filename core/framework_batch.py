@@ -4,6 +4,8 @@
   the time a filter runs, so rows cannot be removed or duplicated there: a dropped row or token keeps its
   place with loss mask 0 and advantage 0. The adapter only reads its batch into ``[N, T]`` tensors and
   writes the result back.
+* :class:`GroupBatchSampler` / :func:`check_whole_groups`: a loss that takes prompt groups (``index``) needs whole
+  groups in every loss call, where a framework's data loader shuffles single rows.
 * :func:`loss_inputs` / :func:`pending_loss_inputs`: a framework calls its loss with its own arguments
   only; the inputs a stablerl loss declares beyond them (entropy, token ids, group ids...) are gathered
   at the call site and handed to the loss through this scoped channel.
@@ -18,7 +20,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Iterator, Optional
+from typing import Any, Callable, Iterable, Iterator, Optional, Sequence
 
 import torch
 
@@ -63,6 +65,66 @@ def apply_filter_result(result: FilterResult, response_mask: torch.Tensor, advan
     metrics["filter/kept_row_frac"] = float((row_kept & had).sum() / had.sum().clamp(min=1))
     metrics["filter/kept_token_frac"] = float(new_mask.sum() / mask.sum().clamp(min=1))
     return FilteredBatch(response_mask=new_mask, advantages=new_adv, dropped=~row_kept, metrics=metrics)
+
+
+class GroupBatchSampler:
+    """A ``batch_sampler`` whose batches of ``batch_size`` positions are made of whole prompt groups: each group
+    contiguous, groups in random order (``shuffle``: torch's default generator, as the ``RandomSampler`` it
+    replaces) or first-seen order, a fresh order every epoch.
+
+    ``group_ids[i]`` / ``group_sizes[i]``: the group of position i and that group's full size. At iteration a group
+    with fewer positions than its size (``incomplete_hint`` says why that happens and what to set) or a
+    ``batch_size`` that is not a multiple of a group's size raises, in the framework's words (``batch_size_key``,
+    ``group_size_key``)."""
+
+    def __init__(self, group_ids: Sequence[int], group_sizes: Sequence[int], batch_size: int, shuffle: bool,
+                 drop_last: bool, *, incomplete_hint: str = "", batch_size_key: str = "batch_size",
+                 group_size_key: str = "group size") -> None:
+        self.group_ids, self.group_sizes = [int(g) for g in group_ids], [int(n) for n in group_sizes]
+        self.batch_size, self.shuffle, self.drop_last = int(batch_size), bool(shuffle), bool(drop_last)
+        self.incomplete_hint, self.batch_size_key, self.group_size_key = incomplete_hint, batch_size_key, group_size_key
+
+    def _order(self) -> list[int]:
+        groups: dict[int, list[int]] = {}
+        sizes: dict[int, int] = {}
+        for position, (gid, size) in enumerate(zip(self.group_ids, self.group_sizes)):
+            groups.setdefault(gid, []).append(position)
+            sizes[gid] = size
+        for gid, rows in groups.items():
+            if len(rows) != sizes[gid]:
+                raise StableRLError(f"prompt group {gid} has {len(rows)} of its {sizes[gid]} responses here"
+                                    + (f": {self.incomplete_hint}" if self.incomplete_hint else ""))
+            if self.batch_size % sizes[gid]:
+                raise StableRLError(
+                    f"{self.batch_size_key}={self.batch_size} is not a multiple of {self.group_size_key}={sizes[gid]}: "
+                    "the selected stablerl policy loss takes prompt groups (index) and needs whole groups in every "
+                    "micro-batch")
+        keys = list(groups)
+        if self.shuffle:
+            keys = [keys[i] for i in torch.randperm(len(keys)).tolist()]
+        return [position for key in keys for position in groups[key]]
+
+    def __iter__(self) -> Iterator[list[int]]:
+        order = self._order()
+        for start in range(0, len(order), self.batch_size):
+            batch = order[start:start + self.batch_size]
+            if len(batch) == self.batch_size or not self.drop_last:
+                yield batch
+
+    def __len__(self) -> int:
+        full, rest = divmod(len(self.group_ids), self.batch_size)
+        return full + (1 if rest and not self.drop_last else 0)
+
+
+def check_whole_groups(group_ids: torch.Tensor, group_sizes: torch.Tensor, why: str = "") -> None:
+    """Raise unless every group in ``group_ids`` [N] appears exactly ``group_sizes`` [N] (its size) times: a loss
+    call that takes prompt groups sees whole groups only (``why``: how a group could have been split)."""
+    unique, counts = torch.unique(group_ids, return_counts=True)
+    want = torch.stack([group_sizes[group_ids == g][0] for g in unique])
+    partial = unique[counts != want].tolist()
+    if partial:
+        raise StableRLError(f"prompt groups {partial} are split across micro-batches: the selected stablerl policy "
+                            f"loss needs whole groups per loss call" + (f" ({why})" if why else ""))
 
 
 # (loss name, inputs) of the innermost active loss_inputs block
@@ -156,5 +218,5 @@ def check_supplied_inputs(spec: AlgorithmSpec, declared: Iterable[str], supplied
     return supplied
 
 
-__all__ = ["FilteredBatch", "advantages_from_scores", "apply_filter_result", "check_supplied_inputs", "declared_inputs",
-           "loss_inputs", "pending_loss_inputs"]
+__all__ = ["FilteredBatch", "GroupBatchSampler", "advantages_from_scores", "apply_filter_result",
+           "check_supplied_inputs", "check_whole_groups", "declared_inputs", "loss_inputs", "pending_loss_inputs"]

@@ -709,6 +709,16 @@ def version_in_range(found_version: str, specifier: str) -> bool:
     return True
 
 
+def installed_version(distribution: str) -> Optional[str]:
+    """The installed version of ``distribution`` from its metadata (imports nothing), or None."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(distribution)
+    except PackageNotFoundError:
+        return None
+
+
 def check_version(framework_name: str, found_version: Optional[str], *, error: type = UnsupportedVersionError,
                   allow: Optional[bool] = None) -> Optional[str]:
     """The one version policy of every framework adapter: a version outside the framework's declared
@@ -751,5 +761,6 @@ def check_signatures(framework_name: str, cls: type, required: Mapping[str, Any]
                         f"{supported}")
 
 
-from .framework_batch import (FilteredBatch, advantages_from_scores, apply_filter_result,  # noqa: E402,F401
-                              check_supplied_inputs, declared_inputs, loss_inputs, pending_loss_inputs)
+from .framework_batch import (FilteredBatch, GroupBatchSampler, advantages_from_scores,  # noqa: E402,F401
+                              apply_filter_result, check_supplied_inputs, check_whole_groups, declared_inputs,
+                              loss_inputs, pending_loss_inputs)

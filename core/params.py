@@ -130,6 +130,34 @@ def _type_problem(value: Any, hint: Any) -> str:
     return ""
 
 
+def parse_params(value: Any, where: str) -> dict[str, Any]:
+    """Hyper-parameters as a user writes them on a command line or in an environment variable: ``KEY=VALUE``
+    items (a string or a list; each VALUE read as JSON, else kept as a string), or one JSON object; a mapping
+    passes through and None / "" / [] give {}. ``where`` (the flag or variable) names the source in errors."""
+    import json
+
+    if value is None or value == "" or value == []:
+        return {}
+    if isinstance(value, Mapping):
+        return dict(value)
+    items = [value] if isinstance(value, str) else list(value)
+    if len(items) == 1 and items[0].lstrip().startswith("{"):
+        try:
+            return dict(json.loads(items[0]))  # "{...}" parses to a dict or fails
+        except json.JSONDecodeError as e:
+            raise StableRLError(f"{where}: not a JSON object ({e}): {items[0]!r}") from None
+    out: dict[str, Any] = {}
+    for item in items:
+        key, sep, raw = item.partition("=")
+        if not sep or not key.strip():
+            raise StableRLError(f"{where}: expected KEY=VALUE items (e.g. m2_threshold=0.04), got {item!r}")
+        try:
+            out[key.strip()] = json.loads(raw)
+        except json.JSONDecodeError:
+            out[key.strip()] = raw
+    return out
+
+
 def check(condition: bool, message: str) -> None:
     """Raise :class:`StableRLError` with ``message`` unless ``condition``. For ``Params.validate``."""
     if not condition:

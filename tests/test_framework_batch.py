@@ -92,3 +92,46 @@ def test_loss_inputs_are_reset_when_the_call_raises():
         with loss_inputs("steer", {"entropy": 1}):
             raise RuntimeError("boom")
     assert pending_loss_inputs() is None
+
+
+# ----------------------------------------------------------------------------- whole prompt groups
+
+
+def test_group_batch_sampler_keeps_groups_whole_and_contiguous():
+    from stablerl.frameworks import GroupBatchSampler
+
+    # positions 0..7: groups 5, 9, 2, 4 of 2 responses each, rows interleaved as a replay buffer may hold them
+    ids = [5, 9, 5, 9, 2, 4, 2, 4]
+    sizes = [2] * 8
+    sampler = GroupBatchSampler(ids, sizes, batch_size=6, shuffle=False, drop_last=False)
+    assert list(sampler) == [[0, 2, 1, 3, 4, 6], [5, 7]]  # first-seen group order, each group contiguous
+    assert len(sampler) == 2
+    assert list(GroupBatchSampler(ids, sizes, 6, shuffle=False, drop_last=True)) == [[0, 2, 1, 3, 4, 6]]
+    torch.manual_seed(0)
+    orders = set()
+    for _ in range(8):  # shuffled: a fresh group order each epoch, every batch still made of whole groups
+        batches = list(GroupBatchSampler(ids, sizes, 4, shuffle=True, drop_last=False))
+        orders.add(tuple(p for b in batches for p in b))
+        for batch in batches:
+            assert all([ids[p] for p in batch].count(ids[p]) == 2 for p in batch), batch
+    assert len(orders) > 1
+
+
+def test_group_batch_sampler_refuses_split_groups_in_the_frameworks_words():
+    from stablerl.frameworks import GroupBatchSampler
+
+    split = GroupBatchSampler([1, 1, 2], [2, 2, 2], 2, shuffle=False, drop_last=False, incomplete_hint="set X")
+    with pytest.raises(stablerl.StableRLError, match=r"prompt group 2 has 1 of its 2 responses here: set X"):
+        list(split)
+    odd = GroupBatchSampler([1, 1, 1], [3, 3, 3], 4, shuffle=False, drop_last=False, batch_size_key="--mb",
+                            group_size_key="--n")
+    with pytest.raises(stablerl.StableRLError, match=r"--mb=4 is not a multiple of --n=3"):
+        list(odd)
+
+
+def test_check_whole_groups():
+    from stablerl.frameworks import check_whole_groups
+
+    check_whole_groups(torch.tensor([3, 3, 7, 7]), torch.tensor([2, 2, 2, 2]))
+    with pytest.raises(stablerl.StableRLError, match=r"prompt groups \[7\] are split across micro-batches.*\(why\)"):
+        check_whole_groups(torch.tensor([3, 3, 7]), torch.tensor([2, 2, 2]), why="why")

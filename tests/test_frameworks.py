@@ -273,3 +273,26 @@ def test_controllers_reach_trl_and_the_others_say_why():
     for fw in F.list_frameworks():  # every refusal in the framework's own words, not the input's description
         status, why = F.reach(fw, capo)
         assert status == "refused" and "hidden_states: " + fw.why_not["*"]["hidden_states"] in why
+
+
+def test_parse_params_reads_key_value_items_and_json_objects():
+    from stablerl.params import StableRLError, parse_params
+
+    assert parse_params(["m2_threshold=0.04", "flag=true", "name=tis", "none=null"], "--p") == {
+        "m2_threshold": 0.04, "flag": True, "name": "tis", "none": None}
+    assert parse_params('{"loss_agg_params": {"alpha": 0.5}}', "--p") == {"loss_agg_params": {"alpha": 0.5}}
+    assert parse_params("k=1", "--p") == {"k": 1} and parse_params({"k": 2}, "--p") == {"k": 2}
+    assert parse_params(None, "--p") == parse_params("", "--p") == parse_params([], "--p") == {}
+    with pytest.raises(StableRLError, match=r"--p: expected KEY=VALUE items \(e.g. m2_threshold=0.04\), got 'k'"):
+        parse_params(["k"], "--p")
+    with pytest.raises(StableRLError, match=r"--p: not a JSON object \(Expecting property name .*\): '\{1\}'"):
+        parse_params("{1}", "--p")
+
+
+def test_installed_version():
+    from stablerl.frameworks import installed_version
+
+    import torch
+
+    assert installed_version("torch").split("+")[0] == torch.__version__.split("+")[0]
+    assert installed_version("no-such-distribution-stablerl") is None

@@ -115,3 +115,35 @@ def test_an_entry_someone_else_replaced_is_patched_again():
     assert ledger.set_item("est:empg", registry, "empg", "ours again") and registry["empg"] == "ours again"
     ledger.restore()
     assert registry == {} and ledger.keys() == []  # what was there before the patch in place (nothing)
+
+
+def test_around_wraps_methods_and_coroutines_and_restores_them():
+    import asyncio
+
+    class Engine:
+        def step(self, x):
+            """doc"""
+            return x + 1
+
+        async def run(self, x):
+            return x * 2
+
+    original_step, original_run = Engine.__dict__["step"], Engine.__dict__["run"]
+    ledger = PatchLedger("_test_around")
+
+    @ledger.around(Engine, "step")
+    def step(step, self, x):
+        return step(self, x) * 10
+
+    @ledger.around(Engine, "run", key="custom")
+    async def run(run, self, x):
+        return await run(self, x) + 1
+
+    engine = Engine()
+    assert engine.step(1) == 20 and asyncio.run(engine.run(3)) == 7
+    assert Engine.step.__wrapped__ is original_step and Engine.step.__doc__ == "doc" and Engine.step.__name__ == "step"
+    assert set(ledger.keys()) == {"Engine.step", "custom"}
+    ledger.around(Engine, "step")(step)  # twice: not wrapped again
+    assert engine.step(1) == 20
+    ledger.restore()
+    assert Engine.__dict__["step"] is original_step and Engine.__dict__["run"] is original_run

@@ -1,53 +1,34 @@
-"""Prompt groups through OpenRLHF 0.11.2's replay buffer, for stablerl policy losses that take ``index``.
-
-OpenRLHF keeps no prompt groups at the loss: ``split_experience_batch`` sets ``Experience.index`` to
-None and ``ActorPPOTrainer.ppo_train``'s DataLoader shuffles single rows across micro-batches. For a
-stablerl loss that declares ``index`` (pacs, gvpo, gtpo: statistics over a prompt's whole group) the
-adapter carries the group through and keeps groups whole; nothing here runs for any other loss:
-
-* at ``compute_advantages_and_returns`` (:func:`tag_groups`): each experience gets
-  ``info[GROUP_KEY]`` = ``index // n_samples_per_prompt`` (OpenRLHF's own grouping at its advantage
-  step) and ``info[GROUP_SIZE_KEY]`` = ``n``, per row: ``info`` is the one field the buffer's
-  split / re-batch carries row by row;
-* ``ppo_train``'s DataLoader (:func:`group_dataloader`, ``ppo_actor.DataLoader`` replaced): when the
-  buffer's rows carry groups, a batch sampler shuffles whole groups (OpenRLHF shuffles rows), keeps
-  them contiguous, and cuts micro-batches of ``--train.micro_batch_size`` rows; a micro-batch size that
-  is not a multiple of the group size, or a group split across ranks, is refused by name;
-* ``training_step`` (:func:`pop_index`, from ``._inputs.step_inputs``): the two info keys are removed
-  (OpenRLHF would log them as metrics) and the group ids are handed to the loss as ``index`` after
-  checking every group in the micro-batch is whole.
-
-Dynamic batching (``--train.dynamic_batch_enable``) partitions rows by length and is refused with these
-losses (``Selection.validate``).
+"""Prompt groups through OpenRLHF 0.11.2's replay buffer, for stablerl policy losses that take ``index`` (pacs,
+gvpo, gtpo). OpenRLHF drops ``Experience.index`` when it splits the batch and shuffles single rows, so the groups
+ride in ``info`` (the one field the buffer carries row by row) from :func:`tag_groups` (advantage step) to
+:func:`pop_index` (``training_step``), and ``ppo_actor.DataLoader`` batches whole groups (core's
+``GroupBatchSampler``). Dynamic batching is refused with these losses before Ray starts.
 """
 
 from __future__ import annotations
 
-from typing import Any, Iterator
+from typing import Any
 
 import torch
+
+from stablerl.frameworks import GroupBatchSampler, check_whole_groups
+from stablerl.params import MissingInputError
 
 #: per-row prompt group id and group size, in ``Experience.info`` between the advantage step and the loss
 GROUP_KEY = "stablerl_group"
 GROUP_SIZE_KEY = "stablerl_group_size"
-MICRO_BATCH_FLAG = "--train.micro_batch_size"
 
 
-def wants_groups(policy_loss) -> bool:
-    """Whether the selected stablerl policy loss (a name, or None for OpenRLHF's own) takes ``index``."""
-    if policy_loss is None:
-        return False
-    import stablerl
-
-    return "index" in stablerl.get_spec(stablerl.POLICY_LOSS, policy_loss).requires
+def group_index(experiences, n: int) -> torch.Tensor:
+    """OpenRLHF's prompt groups in rollout order: each row's position in prompt order // n_samples_per_prompt."""
+    return torch.div(torch.cat([torch.as_tensor(list(e.index), dtype=torch.long) for e in experiences]), n,
+                     rounding_mode="floor")
 
 
 def tag_groups(experiences, n: int) -> None:
     """``info[GROUP_KEY]`` = the rows' prompt groups (``index // n``), ``info[GROUP_SIZE_KEY]`` = ``n``."""
-    for experience in experiences:
-        index = torch.as_tensor(list(experience.index), dtype=torch.long)
-        experience.info[GROUP_KEY] = torch.div(index, n, rounding_mode="floor")
-        experience.info[GROUP_SIZE_KEY] = torch.full_like(index, n)
+    for experience, ids in zip(experiences, group_index(experiences, n).split([len(e.index) for e in experiences])):
+        experience.info[GROUP_KEY], experience.info[GROUP_SIZE_KEY] = ids, torch.full_like(ids, n)
 
 
 def _as_ids(value: Any) -> torch.Tensor:
@@ -57,66 +38,20 @@ def _as_ids(value: Any) -> torch.Tensor:
     return torch.stack([torch.as_tensor(v) for v in value]).reshape(-1).long()
 
 
-def _group_order(items, shuffle: bool, batch_size: int) -> list[int]:
-    """Buffer positions with each group contiguous, groups in random (``shuffle``) or first-seen order."""
-    from stablerl.params import StableRLError
-
-    groups: dict[int, list[int]] = {}
-    sizes: dict[int, int] = {}
-    for position, item in enumerate(items):
-        gid = int(_as_ids(item.info[GROUP_KEY])[0])
-        groups.setdefault(gid, []).append(position)
-        sizes[gid] = int(_as_ids(item.info[GROUP_SIZE_KEY])[0])
-    for gid, rows in groups.items():
-        if len(rows) != sizes[gid]:
-            raise StableRLError(
-                f"prompt group {gid} has {len(rows)} of its {sizes[gid]} responses in this actor's replay buffer: "
-                "OpenRLHF split it across ranks (set --rollout.micro_batch_size to a multiple of "
-                "--rollout.n_samples_per_prompt so each experience, and each rank, holds whole groups)"
-            )
-        if batch_size % sizes[gid]:
-            raise StableRLError(
-                f"{MICRO_BATCH_FLAG}={batch_size} is not a multiple of --rollout.n_samples_per_prompt="
-                f"{sizes[gid]}: the selected stablerl policy loss takes prompt groups (index) and needs whole "
-                "groups in every micro-batch"
-            )
-    keys = list(groups)
-    if shuffle:  # the default generator, as the RandomSampler OpenRLHF's DataLoader would use
-        keys = [keys[i] for i in torch.randperm(len(keys)).tolist()]
-    return [position for key in keys for position in groups[key]]
-
-
-class GroupBatchSampler:
-    """Micro-batches of ``batch_size`` buffer rows made of whole prompt groups (a fresh order each epoch)."""
-
-    def __init__(self, items, batch_size: int, shuffle: bool, drop_last: bool) -> None:
-        self.items, self.batch_size, self.shuffle, self.drop_last = items, int(batch_size), shuffle, drop_last
-
-    def __iter__(self) -> Iterator[list[int]]:
-        order = _group_order(self.items, self.shuffle, self.batch_size)
-        for start in range(0, len(order), self.batch_size):
-            batch = order[start:start + self.batch_size]
-            if len(batch) == self.batch_size or not self.drop_last:
-                yield batch
-
-    def __len__(self) -> int:
-        full, rest = divmod(len(self.items), self.batch_size)
-        return full + (1 if rest and not self.drop_last else 0)
-
-
-def carries_groups(dataset) -> bool:
-    items = getattr(dataset, "items", None)
-    return bool(items) and not getattr(dataset, "dynamic_batch", False) and GROUP_KEY in (items[0].info or {})
-
-
 def group_dataloader(dataloader_cls):
-    """``ppo_actor.DataLoader``: unchanged unless the replay buffer's rows carry prompt groups."""
+    """``ppo_actor.DataLoader``: whole prompt groups per micro-batch when the replay buffer's rows carry them."""
 
     def DataLoader(dataset, *args, **kwargs):
-        if args or not carries_groups(dataset):
+        items = getattr(dataset, "items", None)
+        if args or not items or getattr(dataset, "dynamic_batch", False) or GROUP_KEY not in (items[0].info or {}):
             return dataloader_cls(dataset, *args, **kwargs)
-        sampler = GroupBatchSampler(dataset.items, kwargs.pop("batch_size", 1), bool(kwargs.pop("shuffle", False)),
-                                    bool(kwargs.pop("drop_last", False)))
+        sampler = GroupBatchSampler(
+            [int(_as_ids(item.info[GROUP_KEY])[0]) for item in items],
+            [int(_as_ids(item.info[GROUP_SIZE_KEY])[0]) for item in items],
+            kwargs.pop("batch_size", 1), kwargs.pop("shuffle", False), kwargs.pop("drop_last", False),
+            incomplete_hint="OpenRLHF split it across ranks (set --rollout.micro_batch_size to a multiple of "
+            "--rollout.n_samples_per_prompt so each experience, and each rank, holds whole groups)",
+            batch_size_key="--train.micro_batch_size", group_size_key="--rollout.n_samples_per_prompt")
         return dataloader_cls(dataset, batch_sampler=sampler, **kwargs)
 
     DataLoader.__wrapped__ = dataloader_cls
@@ -125,8 +60,6 @@ def group_dataloader(dataloader_cls):
 
 def pop_index(experience, need: bool):
     """Remove the group keys from ``experience.info``; with ``need``: the rows' group ids, every group whole."""
-    from stablerl.params import MissingInputError, StableRLError
-
     info = experience.info if experience.info is not None else {}
     ids, sizes = info.pop(GROUP_KEY, None), info.pop(GROUP_SIZE_KEY, None)
     if not need:
@@ -135,19 +68,8 @@ def pop_index(experience, need: bool):
         raise MissingInputError(
             "the experience carries no prompt groups (info['stablerl_group']): the stablerl patch of "
             "RemoteExperienceMaker.compute_advantages_and_returns writes them; is the stablerl setup hook active "
-            "in the driver?"
-        )
-    ids, sizes = _as_ids(ids), _as_ids(sizes)
-    unique, counts = torch.unique(ids, return_counts=True)
-    want = torch.stack([sizes[ids == g][0] for g in unique])
-    partial = unique[counts != want].tolist()
-    if partial:
-        raise StableRLError(
-            f"prompt groups {partial} are split across micro-batches: the selected stablerl policy loss needs "
-            f"whole groups per loss call (rows were reordered after the stablerl DataLoader, e.g. by dynamic batching)"
-        )
+            "in the driver?")
+    ids = _as_ids(ids)
+    check_whole_groups(ids, _as_ids(sizes), why="rows were reordered after the stablerl DataLoader, e.g. by "
+                       "dynamic batching")
     return ids.to(experience.action_mask.device)
-
-
-__all__ = ["GROUP_KEY", "GROUP_SIZE_KEY", "wants_groups", "tag_groups", "GroupBatchSampler", "group_dataloader",
-           "pop_index", "carries_groups"]

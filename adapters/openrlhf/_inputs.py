@@ -1,38 +1,11 @@
-"""Declared inputs of a stablerl policy loss at OpenRLHF 0.11.2's loss call site.
-
-``ActorPPOTrainer.training_step`` calls its loss with the log-probs, old log-probs, advantages, the
-mask and the rollout log-probs only. For a stablerl loss that declares more, the adapter's existing
-``training_step`` and ``Actor.forward`` patches read them and hand them to the loss through core's
-scoped channel (:func:`stablerl.frameworks.loss_inputs`, open for the whole ``training_step``; the
-same one verl's adapter uses); nothing is computed for a loss that does not declare them:
-
-* ``token_ids``: ``experience.sequences[:, -A:]`` (``A`` = the ``action_mask`` width), the tokens
-  whose log-probs ``Actor.forward`` returns (it takes ``log_probs[:, :-1][:, -A:]``, the log-prob of
-  ``sequences[t + 1]`` at position ``t``);
-* ``scores``: ``experience.rewards`` ``[B]``, the per-response reward OpenRLHF's advantage step used
-  (after its length penalties, before the baseline); an episode field, it survives the replay
-  buffer's split, shuffle and re-batch with its row;
-* ``entropy``: the training forward's own per-token entropy: ``Actor.forward`` is called with
-  ``return_entropy=True`` (OpenRLHF's ``compute_entropy`` on the same temperature-scaled logits as
-  the log-probs, gathered and re-padded like them under ``--ds.packing_samples``), sliced
-  ``[:, -A:]`` as OpenRLHF slices it for ``--actor.entropy_coef``. Detached (the stablerl losses
-  use it as a weight); when OpenRLHF did not ask for it itself, ``output.entropy`` is detached too,
-  so the softmax is not kept for backward;
-* ``index``: the rows' prompt groups, carried through the replay buffer in ``experience.info`` and kept
-  whole per micro-batch by the adapter's DataLoader (``._groups``);
-* ``old_entropy`` (and the ``entropy`` of reward shapers / batch filters at the advantage step): the
-  old-log-prob pass's per-token entropy. Only when a selected algorithm declares it
-  (:func:`needs_old_pass_entropy`): ``ActorPPOTrainer.__init__`` marks the policy ``Actor``
-  (:data:`WANTS_OLD_ENTROPY`); its eval-mode, no-grad forward (``PolicyModelActor.forward``, the
-  old-log-prob pass) then runs with ``return_entropy=True`` (:func:`old_pass_forward`), slices the
-  entropy ``[:, -A:]`` and masks it as OpenRLHF masks the log-probs, and hands it back on the CPU
-  log-prob tensor (attribute :data:`ENTROPY_ON_LOG_PROBS`, the channel routing replay's routes use;
-  ``RAY_ENABLE_ZERO_COPY_TORCH_TENSORS=0`` keeps it through Ray). ``RemoteExperienceMaker.make_experience``
-  moves it into ``experience.info[OLD_ENTROPY_KEY]`` (:func:`attach_old_entropy`), where the advantage
-  step reads it (:func:`padded_old_entropy`) and which the replay buffer splits and re-batches row by
-  row; ``training_step`` pops it (OpenRLHF would log it as a metric) and hands it to a loss that
-  declares ``old_entropy``, cut or zero-padded to the micro-batch's width. Not carried past the
-  advantage step when no loss asks for it.
+"""Declared inputs of a stablerl policy loss beyond OpenRLHF 0.11.2's loss call, handed over through core's scoped
+channel (:func:`stablerl.frameworks.loss_inputs`, open for the whole ``training_step``); nothing is computed for a
+loss that does not declare them (docs/openrlhf.md, "Loss inputs"): ``token_ids`` (``sequences[:, -A:]``),
+``scores`` (``experience.rewards``), ``index`` (``._groups``), ``entropy`` (the training forward's, asked of
+``Actor.forward`` and detached) and ``old_entropy``: the old-log-prob pass's, also the ``entropy`` of estimators,
+shapers and filters. That pass (on an actor marked :data:`WANTS_OLD_ENTROPY`) returns it on the CPU log-prob
+tensor (:data:`ENTROPY_ON_LOG_PROBS`, as routing replay's routes), ``make_experience`` moves it into
+``experience.info[OLD_ENTROPY_KEY]`` (split row by row by the replay buffer) and ``training_step`` pops it.
 """
 
 from __future__ import annotations
@@ -40,7 +13,12 @@ from __future__ import annotations
 import contextlib
 from typing import Iterator, Optional
 
+import torch
+
 from stablerl.frameworks import loss_inputs, pending_loss_inputs
+from stablerl.params import MissingInputError, StableRLError
+
+from ._groups import pop_index
 
 #: Inputs this module feeds (with ``rollout_log_prob``, which OpenRLHF passes itself).
 FED_INPUTS = ("entropy", "token_ids", "scores", "index", "old_entropy")
@@ -53,39 +31,17 @@ ENTROPY_ON_LOG_PROBS = "stablerl_old_entropy"
 WANTS_OLD_ENTROPY = "_stablerl_old_entropy"
 
 
-def wanted(loss_fn) -> frozenset:
-    """The inputs ``loss_fn`` declares that this module feeds (empty for OpenRLHF's own PolicyLoss)."""
-    return frozenset(getattr(loss_fn, "fed_inputs", ()))
-
-
 @contextlib.contextmanager
 def step_inputs(trainer, experience) -> Iterator[Optional[dict]]:
-    """Around ``training_step``: the micro-batch's inputs, handed to the loss (None: the loss declares none);
+    """Around ``training_step``: the micro-batch's inputs the loss declares, handed to it (None: it declares none);
     a stablerl loss also writes its metrics into ``experience.info`` (OpenRLHF's logged status)."""
-    from ._groups import pop_index
-
     loss_fn = getattr(trainer, "actor_loss_fn", None)
-    index = pop_index(experience, "index" in wanted(loss_fn))  # the group keys never reach OpenRLHF's metrics
+    need = frozenset(getattr(loss_fn, "fed_inputs", ()))  # empty for OpenRLHF's own PolicyLoss
+    index = pop_index(experience, "index" in need)  # the group keys never reach OpenRLHF's metrics
     old_entropy = (experience.info or {}).pop(OLD_ENTROPY_KEY, None)  # nor the old-pass entropy
     if getattr(loss_fn, "stablerl_name", None) is None:
         yield None
         return
-    loss_fn.metrics_sink = experience.info
-    try:
-        with _fed(loss_fn, experience, index, old_entropy) as inputs:
-            yield inputs
-    finally:
-        loss_fn.metrics_sink = None
-
-
-@contextlib.contextmanager
-def _fed(loss_fn, experience, index, old_entropy=None) -> Iterator[Optional[dict]]:
-    need = wanted(loss_fn)
-    if not need:
-        yield None
-        return
-    from stablerl.params import MissingInputError
-
     inputs: dict = {}
     width = experience.action_mask.shape[1]
     if "token_ids" in need:
@@ -102,8 +58,12 @@ def _fed(loss_fn, experience, index, old_entropy=None) -> Iterator[Optional[dict
         if old_entropy is None:
             raise MissingInputError(_NO_OLD_ENTROPY.format(where="the micro-batch (experience.info)"))
         inputs["old_entropy"] = _to_width(old_entropy, experience.action_mask)
-    with loss_inputs(loss_fn.stablerl_name, inputs):
-        yield inputs
+    loss_fn.metrics_sink = experience.info
+    try:
+        with loss_inputs(loss_fn.stablerl_name, inputs) if need else contextlib.nullcontext():
+            yield inputs if need else None
+    finally:
+        loss_fn.metrics_sink = None
 
 
 def train_forward(forward, actor, *args, **kwargs):
@@ -111,14 +71,11 @@ def train_forward(forward, actor, *args, **kwargs):
     inputs = pending_loss_inputs()
     if inputs is None or "entropy" not in inputs or not kwargs.get("return_output"):
         return forward(actor, *args, **kwargs)
-    openrlhf_wants_it = bool(kwargs.get("return_entropy"))
-    kwargs["return_entropy"] = True
-    log_probs, output = forward(actor, *args, **kwargs)
-    width = log_probs.shape[1]
+    log_probs, output = forward(actor, *args, **{**kwargs, "return_entropy": True})
     entropy = output.entropy.detach()
-    if not openrlhf_wants_it:
+    if not kwargs.get("return_entropy"):
         output.entropy = entropy  # frees the softmax graph: OpenRLHF has no entropy term this step
-    inputs["entropy"] = entropy[:, -width:]
+    inputs["entropy"] = entropy[:, -log_probs.shape[1]:]
     return log_probs, output
 
 
@@ -132,36 +89,11 @@ _NO_OLD_ENTROPY = (
 )
 
 
-def needs_old_pass_entropy(selection) -> bool:
-    """Whether a selected algorithm reads the old-log-prob pass's entropy: a policy loss declaring
-    ``old_entropy``, or an estimator, reward shaper or batch filter declaring ``entropy`` (they run at
-    ``compute_advantages_and_returns``, after that pass)."""
-    import stablerl
-
-    for kind, name, what in ((stablerl.POLICY_LOSS, selection.policy_loss, "old_entropy"),
-                             (stablerl.ADVANTAGE_ESTIMATOR, selection.advantage_estimator, "entropy"),
-                             (stablerl.REWARD_SHAPER, selection.reward_shaper, "entropy"),
-                             (stablerl.BATCH_FILTER, selection.batch_filter, "entropy")):
-        if name is not None and what in stablerl.get_spec(kind, name).requires:
-            return True
-    return False
-
-
-def loss_needs_old_entropy(selection) -> bool:
-    """Whether the selected policy loss declares ``old_entropy`` (the entropy then rides the replay buffer)."""
-    import stablerl
-
-    return selection.policy_loss is not None and "old_entropy" in stablerl.get_spec(
-        stablerl.POLICY_LOSS, selection.policy_loss).requires
-
-
 def old_pass_forward(forward, actor, *args, **kwargs):
     """The old-log-prob ``Actor.forward`` of a marked actor: also ``return_entropy=True``; the action tokens'
     entropy (masked like the log-probs) rides back on the CPU log-prob tensor. Unmarked: ``forward`` as is."""
     if not actor.__dict__.get(WANTS_OLD_ENTROPY) or kwargs.get("return_output"):
         return forward(actor, *args, **kwargs)
-    from stablerl.params import StableRLError
-
     action_mask = kwargs.get("action_mask", args[1] if len(args) > 1 else None)
     if action_mask is None:
         raise StableRLError("the old-log-prob pass got no action_mask: OpenRLHF's PolicyModelActor.forward passes one")
@@ -174,8 +106,6 @@ def old_pass_forward(forward, actor, *args, **kwargs):
 
 def attach_old_entropy(samples_list) -> None:
     """In the experience maker: the entropy from the old log-probs into ``experience.info[OLD_ENTROPY_KEY]``."""
-    from stablerl.params import MissingInputError, StableRLError
-
     for i, samples in enumerate(samples_list):
         entropy = getattr(samples.action_log_probs, ENTROPY_ON_LOG_PROBS, None)
         if entropy is None:
@@ -196,10 +126,6 @@ def drop_old_entropy(experiences) -> None:
 def _to_width(value, action_mask):
     """The rows' entropy ([B, A'] tensor, or per-row tensors after the buffer's re-batch) as ``[B, A]`` for the
     micro-batch's ``action_mask``: the buffer unpads each row from the right, so a row's first tokens align."""
-    import torch
-
-    from stablerl.params import StableRLError
-
     rows = list(value) if not isinstance(value, torch.Tensor) else list(value.unbind(0))
     n, width = action_mask.shape
     if len(rows) != n:
@@ -211,22 +137,22 @@ def _to_width(value, action_mask):
     return out * action_mask.to(out.dtype)
 
 
+def padded(tensors, width: int, dtype=None):
+    """``[b_i, t_i]`` tensors (one per experience) right-padded with 0 to ``width`` and stacked: ``[N, width]``."""
+    return torch.cat([torch.nn.functional.pad(t if dtype is None else t.to(dtype), (0, width - t.shape[1]))
+                      for t in tensors])
+
+
 def padded_old_entropy(experiences, width: int):
     """The old-log-prob pass's entropy of every experience as one ``[N, width]`` batch (advantage step)."""
-    import torch
-
-    from stablerl.params import MissingInputError
-
     rows = []
     for i, experience in enumerate(experiences):
         entropy = (experience.info or {}).get(OLD_ENTROPY_KEY)
         if entropy is None:
             raise MissingInputError(_NO_OLD_ENTROPY.format(where=f"experience {i} at compute_advantages_and_returns"))
-        mask = torch.nn.functional.pad(experience.action_mask.float(), (0, width - experience.action_mask.shape[1]))
-        rows.append(_to_width(entropy, mask))
+        rows.append(_to_width(entropy, padded([experience.action_mask], width, torch.float32)))
     return torch.cat(rows)
 
 
-__all__ = ["FED_INPUTS", "OLD_ENTROPY_KEY", "wanted", "step_inputs", "train_forward", "needs_old_pass_entropy",
-           "loss_needs_old_entropy", "old_pass_forward", "attach_old_entropy", "drop_old_entropy",
-           "padded_old_entropy"]
+__all__ = ["FED_INPUTS", "OLD_ENTROPY_KEY", "step_inputs", "train_forward", "old_pass_forward",
+           "attach_old_entropy", "drop_old_entropy", "padded", "padded_old_entropy"]

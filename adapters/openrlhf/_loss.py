@@ -1,7 +1,5 @@
-"""StablePolicyLoss: OpenRLHF's PolicyLoss with a stablerl policy loss in its place.
-
-Imported only inside OpenRLHF's actor worker (or by tests): it imports ``openrlhf.models.loss``.
-"""
+"""StablePolicyLoss: OpenRLHF's PolicyLoss with a stablerl policy loss in its place (imported only inside
+OpenRLHF's actor worker, or by tests: it imports ``openrlhf.models.loss``)."""
 
 from __future__ import annotations
 
@@ -10,77 +8,45 @@ from typing import Any, Optional
 import torch
 
 import stablerl
-from stablerl.params import StableRLError
-from stablerl.frameworks import pending_loss_inputs
+from openrlhf.models.loss import PolicyLoss
+from openrlhf.models.utils import masked_mean
+from stablerl.frameworks import (TOP_ENTROPY_INPUT, as_params, check_call_options, log_effective_settings,
+                                 pending_loss_inputs, split_call_options, top_entropy_on)
+from stablerl.params import StableRLError, build_params
 from stablerl.state import StateStore
 
-from ._names import resolve
-from ._selection import Selection
-from ._spec import OPENRLHF, OPENRLHF_POLICY_LOSSES, PREFIX, _check_policy_loss_api, check_openrlhf
 from ._inputs import FED_INPUTS
-
-from openrlhf.models.loss import PolicyLoss  # noqa: E402
-from openrlhf.models.utils import masked_mean  # noqa: E402
+from ._selection import Selection, check_rollout_log_probs, resolve
+from ._spec import OPENRLHF, OPENRLHF_POLICY_LOSSES, PREFIX, check_openrlhf, check_policy_loss_api
 
 check_openrlhf()
-_check_policy_loss_api(PolicyLoss)
+check_policy_loss_api(PolicyLoss)
 
 
 class StablePolicyLoss(PolicyLoss):
-    """OpenRLHF's ``PolicyLoss`` whose ``policy_loss_type`` may be any stablerl policy loss.
+    """OpenRLHF's ``PolicyLoss`` whose ``policy_loss_type`` may be any stablerl policy loss: same constructor kwargs
+    (plus keyword-only ``stablerl_params``, ``dp_group``, ``clip_to_params``), same keyword call, same 5-tuple
+    ``(loss, clip_ratio, ppo_kl, vllm_kl, is_filter_ratio)``. ``ppo`` / ``gspo`` run OpenRLHF's own ``forward``.
 
-    Same constructor kwargs as OpenRLHF's (plus keyword-only ``stablerl_params`` and
-    ``dp_group``), same keyword call ``forward(log_probs, old_log_probs, advantages, action_mask=,
-    rollout_log_probs=, dp_size=, batch_num_tokens=, global_batch_size=)`` and the same 5-tuple
-    ``(loss, clip_ratio, ppo_kl, vllm_kl, is_filter_ratio)``.
-
-    * ``ppo`` / ``gspo`` run OpenRLHF's own ``PolicyLoss.forward`` unchanged.
-    * Any other name calls ``stablerl.compute_policy_loss`` with ``loss_agg_mode`` ``token-mean``
-      (``token_level_loss=True``) or ``seq-mean-token-mean`` and OpenRLHF's normalisers:
-      ``Context(token_count=batch_num_tokens, seq_count=global_batch_size, dp_size=dp_size)``, so
-      the aggregation equals OpenRLHF's ``aggregate_loss``.
-    * OpenRLHF's train/rollout IS correction (``is_correction_level/mode/gating/threshold``) is
-      computed by OpenRLHF's own code (a ``ppo`` PolicyLoss probe: its per-token coefficient is
-      read back as the gradient of the probe at ratio 1) and passed to stablerl as ``is_weights``;
-      ``vllm_kl`` and ``is_filter_ratio`` are OpenRLHF's. ``rollout_log_probs`` is also handed to
-      stablerl losses that declare the ``rollout_log_prob`` input.
-    * Declared ``entropy``, ``token_ids`` and ``scores`` are not in OpenRLHF's call: the adapter's
-      ``training_step`` / ``Actor.forward`` patches hand them over through :meth:`feed` before each
-      call (see ``stablerl.adapters.openrlhf._inputs``); :attr:`fed_inputs` lists those it needs.
-    * ``clip_ratio`` is stablerl's ``pg_clipfrac`` (0 for losses without a clip), ``ppo_kl`` is
-      OpenRLHF's ``masked_mean(old - new)``. All stablerl metrics of the last call are in
-      :attr:`last_metrics`; inside ``training_step`` they are also written into the micro-batch's
-      ``experience.info`` as ``stablerl/<metric>`` (0-d tensors), which OpenRLHF averages over the
-      micro-batches (token-weighted) into the status its trainer logs.
+    A stablerl loss runs ``stablerl.compute_policy_loss`` with ``token-mean`` (``token_level_loss``) or
+    ``seq-mean-token-mean`` and OpenRLHF's normalisers (``batch_num_tokens``, ``global_batch_size``, ``dp_size``),
+    so the aggregation equals OpenRLHF's ``aggregate_loss``. OpenRLHF's IS correction is computed by OpenRLHF's code
+    (a ``ppo`` probe, :meth:`_openrlhf_is_weights`) and passed as ``is_weights``. Inputs beyond OpenRLHF's call
+    (:attr:`fed_inputs`) come from the ``training_step`` patch (``._inputs``) or, called directly, :meth:`feed`.
+    ``clip_ratio`` is stablerl's ``pg_clipfrac``, ``ppo_kl`` OpenRLHF's; every metric of the last call is in
+    :attr:`last_metrics` and, inside ``training_step``, in ``experience.info`` as ``stablerl/<metric>`` (OpenRLHF
+    averages them into the status it logs).
     """
 
-    def __init__(
-        self,
-        clip_eps_low: float = 0.2,
-        clip_eps_high: float = 0.2,
-        dual_clip: float = None,
-        token_level_loss: bool = True,
-        policy_loss_type: str = "ppo",
-        is_correction_level: str = "off",
-        is_correction_mode: str = "mask",
-        is_correction_gating: str = "ratio",
-        is_correction_threshold: list = (0.5, 5.0),
-        *,
-        stablerl_params: Optional[dict] = None,
-        dp_group: Any = None,
-        clip_to_params: bool = True,
-    ) -> None:
-        super().__init__(
-            clip_eps_low=clip_eps_low,
-            clip_eps_high=clip_eps_high,
-            dual_clip=dual_clip,
-            token_level_loss=token_level_loss,
-            policy_loss_type=policy_loss_type,
-            is_correction_level=is_correction_level,
-            is_correction_mode=is_correction_mode,
-            is_correction_gating=is_correction_gating,
-            is_correction_threshold=is_correction_threshold,
-        )
+    def __init__(self, clip_eps_low: float = 0.2, clip_eps_high: float = 0.2, dual_clip: Optional[float] = None,
+                 token_level_loss: bool = True, policy_loss_type: str = "ppo", is_correction_level: str = "off",
+                 is_correction_mode: str = "mask", is_correction_gating: str = "ratio",
+                 is_correction_threshold: list = (0.5, 5.0), *, stablerl_params: Optional[dict] = None,
+                 dp_group: Any = None, clip_to_params: bool = True) -> None:
+        is_correction = dict(is_correction_level=is_correction_level, is_correction_mode=is_correction_mode,
+                             is_correction_gating=is_correction_gating, is_correction_threshold=is_correction_threshold)
+        super().__init__(clip_eps_low=clip_eps_low, clip_eps_high=clip_eps_high, dual_clip=dual_clip,
+                         token_level_loss=token_level_loss, policy_loss_type=policy_loss_type, **is_correction)
         self.stablerl_name = resolve(stablerl.POLICY_LOSS, policy_loss_type)
         self.dp_group = dp_group
         self.last_metrics: dict[str, float] = {}
@@ -102,17 +68,12 @@ class StablePolicyLoss(PolicyLoss):
         self.fed_inputs = frozenset(r for r in spec.requires if r in FED_INPUTS)
         fields = spec.params.field_names()
         params: dict[str, Any] = {}
-        # clip_to_params: the clip kwargs set the stablerl loss's clip fields where it has them
-        # (clip_ratio_low/high/c); explicit stablerl params win. build_policy_loss passes False and
-        # maps only the clip flags the user gave on the command line.
+        # clip_to_params: the clip kwargs set the loss's clip_ratio_low/high/c where it has them; stablerl params win
         if clip_to_params:
             for key, value in (("clip_ratio_low", clip_eps_low), ("clip_ratio_high", clip_eps_high),
                                ("clip_ratio_c", dual_clip)):
                 if key in fields:
                     params[key] = value
-        from stablerl.frameworks import TOP_ENTROPY_INPUT, check_call_options, split_call_options, top_entropy_on
-        from stablerl.params import build_params
-
         # a registered aggregation (delta_l) / a stablerl rollout correction come through the same params
         hyper, self.call_options = split_call_options(stablerl_params or {})
         params.update(hyper)
@@ -121,30 +82,14 @@ class StablePolicyLoss(PolicyLoss):
         if top_entropy_on(self.call_options):  # top_entropy_quantile < 1: the training forward's entropy, for any loss
             self.fed_inputs = self.fed_inputs | {TOP_ENTROPY_INPUT}
         self.stablerl_params = params
-        correction = self.call_options.get("rollout_correction")
-        if ("rollout_log_prob" in spec.requires or correction) and is_correction_level == "off":
-            what = f"rollout_correction={correction!r}" if correction else f"policy loss {self.stablerl_name!r}"
-            raise stablerl.MissingInputError(
-                f"{what} needs rollout log-probs: set --algo.advantage.is_correction_level "
-                "token|seq (OpenRLHF requests vLLM log-probs only then)"
-            )
+        check_rollout_log_probs(spec, self.call_options, is_correction_level)
         # the loss corrects for the sampler itself, or stablerl's rollout correction does: OpenRLHF's own
         # weights are not applied on top (core refuses both at once)
-        self._corrects_itself = "rollout_log_prob" in spec.requires or correction is not None
+        self._corrects_itself = "rollout_log_prob" in spec.requires or "rollout_correction" in self.call_options
         # OpenRLHF's own IS-correction code, run on a ppo loss at ratio 1 (see _openrlhf_is_weights)
-        self._is_probe = None
-        if is_correction_level != "off":
-            self._is_probe = PolicyLoss(
-                clip_eps_low=0.2,
-                clip_eps_high=0.2,
-                dual_clip=None,
-                token_level_loss=True,
-                policy_loss_type="ppo",
-                is_correction_level=is_correction_level,
-                is_correction_mode=is_correction_mode,
-                is_correction_gating=is_correction_gating,
-                is_correction_threshold=is_correction_threshold,
-            )
+        self._is_probe = None if is_correction_level == "off" else PolicyLoss(
+            clip_eps_low=0.2, clip_eps_high=0.2, dual_clip=None, token_level_loss=True, policy_loss_type="ppo",
+            **is_correction)
 
     def feed(self, inputs: Optional[dict]) -> None:
         """The next direct call's declared inputs beyond OpenRLHF's (``entropy`` [B, A], ``token_ids`` [B, A],
@@ -189,42 +134,28 @@ class StablePolicyLoss(PolicyLoss):
 
     def _context(self, dp_size, batch_num_tokens, global_batch_size):
         counts_given = batch_num_tokens is not None if self.token_level_loss else global_batch_size is not None
-        kwargs = dict(
-            token_count=batch_num_tokens,
-            seq_count=global_batch_size,
-            # OpenRLHF's aggregate_loss ignores dp_size when it has no global normaliser
-            dp_size=int(dp_size) if counts_given else 1,
-            state=self.stablerl_state.slot(stablerl.POLICY_LOSS, self.stablerl_name),
-        )
+        # OpenRLHF's aggregate_loss ignores dp_size when it has no global normaliser
+        kwargs = dict(token_count=batch_num_tokens, seq_count=global_batch_size,
+                      dp_size=int(dp_size) if counts_given else 1,
+                      state=self.stablerl_state.slot(stablerl.POLICY_LOSS, self.stablerl_name))
         if torch.distributed.is_available() and torch.distributed.is_initialized():
             return stablerl.torch_distributed_context(self.dp_group, **kwargs)
         return stablerl.Context(**kwargs)
 
-    def forward(
-        self,
-        log_probs: torch.Tensor,
-        old_log_probs: torch.Tensor,
-        advantages: torch.Tensor,
-        action_mask: Optional[torch.Tensor] = None,
-        rollout_log_probs: Optional[torch.Tensor] = None,
-        dp_size: int = 1,
-        batch_num_tokens: Optional[float] = None,
-        global_batch_size: Optional[float] = None,
-    ):
+    def forward(self, log_probs: torch.Tensor, old_log_probs: torch.Tensor, advantages: torch.Tensor,
+                action_mask: Optional[torch.Tensor] = None, rollout_log_probs: Optional[torch.Tensor] = None,
+                dp_size: int = 1, batch_num_tokens: Optional[float] = None, global_batch_size: Optional[float] = None):
         if self.stablerl_name is None:
-            return super().forward(
-                log_probs, old_log_probs, advantages, action_mask=action_mask, rollout_log_probs=rollout_log_probs,
-                dp_size=dp_size, batch_num_tokens=batch_num_tokens, global_batch_size=global_batch_size,
-            )
+            return super().forward(log_probs, old_log_probs, advantages, action_mask=action_mask,
+                                   rollout_log_probs=rollout_log_probs, dp_size=dp_size,
+                                   batch_num_tokens=batch_num_tokens, global_batch_size=global_batch_size)
         mask = action_mask if action_mask is not None else torch.ones_like(log_probs)
         fed = self._fed_inputs()
         is_weights = vllm_kl = is_filter_ratio = None
         if self._is_probe is not None:
             if rollout_log_probs is None:
-                raise stablerl.MissingInputError(
-                    f"--algo.advantage.is_correction_level={self.is_correction_level} but the experience has no "
-                    "rollout_log_probs"
-                )
+                raise stablerl.MissingInputError(f"--algo.advantage.is_correction_level={self.is_correction_level} "
+                                                 "but the experience has no rollout_log_probs")
             is_weights, vllm_kl, is_filter_ratio = self._openrlhf_is_weights(old_log_probs, rollout_log_probs, mask)
             if self._corrects_itself:
                 # the loss corrects for the sampler itself (decoupled_ppo, a3po): it gets the vLLM log-probs and
@@ -232,18 +163,11 @@ class StablePolicyLoss(PolicyLoss):
                 # probe's vllm_kl / is_filter_ratio are still logged
                 is_weights = None
         loss, metrics = stablerl.compute_policy_loss(
-            self.stablerl_name,
-            log_prob=log_probs,
-            old_log_prob=old_log_probs,
-            advantages=advantages,
-            response_mask=mask,
-            rollout_log_prob=rollout_log_probs,
-            is_weights=is_weights,
+            self.stablerl_name, log_prob=log_probs, old_log_prob=old_log_probs, advantages=advantages,
+            response_mask=mask, rollout_log_prob=rollout_log_probs, is_weights=is_weights,
             ctx=self._context(dp_size, batch_num_tokens, global_batch_size),
             **{"loss_agg_mode": "token-mean" if self.token_level_loss else "seq-mean-token-mean", **self.call_options},
-            **fed,
-            **self.stablerl_params,
-        )
+            **fed, **self.stablerl_params)
         self.last_metrics = metrics
         device = log_probs.device
         if self.metrics_sink is not None:  # before training_step merges experience.info into its status
@@ -264,32 +188,12 @@ def build_policy_loss(args, selection: Selection, strategy=None) -> StablePolicy
     name = selection.policy_loss
     if name in OPENRLHF_POLICY_LOSSES:  # a stablerl loss whose name OpenRLHF also uses
         name = PREFIX + name
-    return StablePolicyLoss(
-        clip_eps_low=args.actor.eps_clip_low_high[0],
-        clip_eps_high=args.actor.eps_clip_low_high[1],
-        dual_clip=args.actor.dual_clip,
-        token_level_loss=args.actor.loss_agg_mode == "token-mean",
-        policy_loss_type=name,
-        is_correction_level=args.algo.advantage.is_correction_level,
-        is_correction_mode=args.algo.advantage.is_correction_mode,
-        is_correction_gating=args.algo.advantage.is_correction_gating,
-        is_correction_threshold=args.algo.advantage.is_correction_threshold,
-        stablerl_params=loss_params(selection, log=True),
-        dp_group=dp_group,
-        clip_to_params=False,
-    )
-
-
-def loss_params(selection: Selection, log: bool = False) -> dict:
-    """The stablerl loss hyper-parameters under the one precedence rule (``loss_settings``):
-    ``--actor.stablerl_params`` > the OpenRLHF clip flags given on the command line > the paper's
-    defaults. ``log``: print the effective-settings table (once per process)."""
-    from stablerl.frameworks import as_params, log_effective_settings
-
-    from ._names import loss_settings
-    from ._spec import OPENRLHF
-
-    settings = loss_settings(selection)
-    if log:
-        log_effective_settings(OPENRLHF, stablerl.get_spec(stablerl.POLICY_LOSS, selection.policy_loss), settings)
-    return as_params(settings)
+    settings = selection.loss_settings()  # one precedence rule; the effective-settings table is printed once
+    log_effective_settings(OPENRLHF, stablerl.get_spec(stablerl.POLICY_LOSS, selection.policy_loss), settings)
+    correction = {k: getattr(args.algo.advantage, k) for k in ("is_correction_level", "is_correction_mode",
+                                                             "is_correction_gating", "is_correction_threshold")}
+    # clip_to_params=False: only the clip flags the user gave set the loss's clip fields (in settings)
+    return StablePolicyLoss(clip_eps_low=args.actor.eps_clip_low_high[0], clip_eps_high=args.actor.eps_clip_low_high[1],
+                            dual_clip=args.actor.dual_clip, token_level_loss=args.actor.loss_agg_mode == "token-mean",
+                            policy_loss_type=name, **correction, stablerl_params=as_params(settings), dp_group=dp_group,
+                            clip_to_params=False)

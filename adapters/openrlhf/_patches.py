@@ -8,74 +8,46 @@ import functools
 import importlib
 import os
 import threading
-from typing import Any
 
 from stablerl.adapters._patching import PatchLedger
 
+from . import _routing_replay, _state
 from ._selection import _load_callable, selection_from_args
-from ._spec import (
-    _ACTOR_MODULE,
-    _AGENT_MODULE,
-    _CRITIC_MODULE,
-    _LAUNCHER_MODULE,
-    _MAKER_MODULE,
-    _SAMPLES_MODULE,
-    _STRATEGY_MODULE,
-    _TRAINER_MODULE,
-    _VLLM_ARGS_MODULE,
-    ENV_CHAINED_SETUP_HOOK,
-    LEGACY_SETUP_HOOK,
-    SETUP_HOOK,
-    _check_policy_loss_api,
-    check_openrlhf,
-    openrlhf_version,
-)
+from ._spec import (ENV_CHAINED_SETUP_HOOK, LEGACY_SETUP_HOOK, SETUP_HOOK, check_openrlhf, check_policy_loss_api,
+                    openrlhf_version)
 
 _LOCK = threading.RLock()
 #: every change to OpenRLHF (and vLLM's AsyncEngineArgs) and the post-import hook; uninstrument() undoes them
 LEDGER = PatchLedger("__stablerl_openrlhf_patch__")
 
 
-def _set_patch(key: str, owner: Any, attr: str, new: Any) -> None:
-    LEDGER.set_attr(key, owner, attr, new)  # once per process; uninstrument() undoes it
+def _patch_actor_module(module, ledger) -> None:
+    """``ActorPPOTrainer.__init__``: a stablerl policy_loss_type replaces the loss OpenRLHF built; routing replay
+    and the old-pass entropy arm the policy actor. Also ``training_step`` / ``Actor.forward`` (``_routing_replay``),
+    ``ppo_train``'s DataLoader (whole prompt groups, ``._groups``) and the loss normalisers."""
+    check_policy_loss_api(module.PolicyLoss)
 
-
-def _patch_actor_module(module) -> None:
-    """Wrap ``ActorPPOTrainer.__init__``: a stablerl policy_loss_type replaces the loss it built."""
-    check_openrlhf()
-    _check_policy_loss_api(module.PolicyLoss)
-    cls = module.ActorPPOTrainer
-    original = cls.__dict__["__init__"]
-
-    def __init__(self, *args, **kwargs):
+    @ledger.around(module.ActorPPOTrainer, "__init__")
+    def __init__(original, self, *args, **kwargs):
         original(self, *args, **kwargs)
         sel = selection_from_args(self.args)
         if sel.policy_loss is not None:
             from ._loss import build_policy_loss
-            from ._state import adopt_loss
 
             self.actor_loss_fn = build_policy_loss(self.args, sel, strategy=self.strategy)
-            adopt_loss(self.actor_loss_fn)  # its state goes into this actor's checkpoints, and comes back on resume
+            _state.adopt_loss(self.actor_loss_fn)  # its state goes into this actor's checkpoints, and back
         if sel.routing_replay is not None:
-            from ._routing_replay import arm
+            _routing_replay.arm(self, sel.routing_replay)
+        if sel.needs_old_pass_entropy():  # its old-log-prob pass also returns entropy (._inputs)
+            from ._inputs import WANTS_OLD_ENTROPY
 
-            arm(self, sel.routing_replay)
-        from . import _inputs
+            setattr(self.actor, WANTS_OLD_ENTROPY, True)
 
-        if _inputs.needs_old_pass_entropy(sel):  # its old-log-prob pass also returns entropy (._inputs)
-            setattr(self.actor, _inputs.WANTS_OLD_ENTROPY, True)
-
-    __init__.__wrapped__ = original
-    __init__.__doc__ = original.__doc__
-    _set_patch("ActorPPOTrainer.__init__", cls, "__init__", __init__)
-    from ._routing_replay import patch_actor_module
-
-    patch_actor_module(module, _set_patch)  # training_step, Actor.forward (R2)
+    _routing_replay.patch_actor_module(module, ledger)
     from ._groups import group_dataloader
 
-    # ppo_train's DataLoader keeps prompt groups whole when the buffer's rows carry them (._groups)
-    _set_patch("ppo_actor.DataLoader", module, "DataLoader", group_dataloader(module.DataLoader))
-    _patch_loss_normalisers(module, "ppo_actor")
+    ledger.set_attr("ppo_actor.DataLoader", module, "DataLoader", group_dataloader(module.DataLoader))
+    _patch_loss_normalisers(module, ledger, "ppo_actor")
 
 
 def _nonzero_normalisers(info: dict) -> dict:
@@ -85,131 +57,80 @@ def _nonzero_normalisers(info: dict) -> dict:
 
     out = dict(info)
     for key in ("batch_num_tokens", "global_batch_size"):
-        value = out.get(key)
-        if value is not None:
-            value = torch.as_tensor(value)
+        if out.get(key) is not None:
+            value = torch.as_tensor(out[key])
             out[key] = torch.where(value == 0, torch.ones_like(value), value)
     return out
 
 
-def _patch_loss_normalisers(module, owner: str) -> None:
+def _patch_loss_normalisers(module, ledger, owner: str) -> None:
     """With a batch filter selected, OpenRLHF's loss normalisers (``get_loss_batch_info``,
     ``iter_grad_accum_global_norm``, as bound in ``module``) never divide by an all-masked step's 0."""
-    get_info = module.__dict__.get("get_loss_batch_info")
-    iter_norm = module.__dict__.get("iter_grad_accum_global_norm")
 
     def filtering(strategy) -> bool:
         return selection_from_args(strategy.args).batch_filter is not None
 
-    if get_info is not None:
-        def get_loss_batch_info(strategy, *args, **kwargs):
+    if "get_loss_batch_info" in module.__dict__:
+        @ledger.around(module, "get_loss_batch_info", key=f"{owner}.get_loss_batch_info")
+        def get_loss_batch_info(get_info, strategy, *args, **kwargs):
             info = get_info(strategy, *args, **kwargs)
             return _nonzero_normalisers(info) if filtering(strategy) else info
 
-        get_loss_batch_info.__wrapped__ = get_info
-        _set_patch(f"{owner}.get_loss_batch_info", module, "get_loss_batch_info", get_loss_batch_info)
-    if iter_norm is not None:
-        def iter_grad_accum_global_norm(data_iter, strategy, *args, **kwargs):
+    if "iter_grad_accum_global_norm" in module.__dict__:
+        @ledger.around(module, "iter_grad_accum_global_norm", key=f"{owner}.iter_grad_accum_global_norm")
+        def iter_grad_accum_global_norm(iter_norm, data_iter, strategy, *args, **kwargs):
             items = iter_norm(data_iter, strategy, *args, **kwargs)
-            if not filtering(strategy):
-                return items
-            return ((item, _nonzero_normalisers(info)) for item, info in items)
-
-        iter_grad_accum_global_norm.__wrapped__ = iter_norm
-        _set_patch(f"{owner}.iter_grad_accum_global_norm", module, "iter_grad_accum_global_norm",
-                   iter_grad_accum_global_norm)
+            return ((item, _nonzero_normalisers(info)) for item, info in items) if filtering(strategy) else items
 
 
-def _patch_critic_module(module) -> None:
-    check_openrlhf()
-    _patch_loss_normalisers(module, "ppo_critic")  # gae + a batch filter: the critic loss sees the same masks
+def _patch_maker_module(module, ledger) -> None:
+    """``RemoteExperienceMaker.compute_advantages_and_returns`` (``_advantage``) and ``make_experience``
+    (``_routing_replay``)."""
+
+    @ledger.around(module.RemoteExperienceMaker, "compute_advantages_and_returns")
+    def compute_advantages_and_returns(original, self, experiences):
+        from ._advantage import advantages_and_returns
+
+        return advantages_and_returns(self, experiences, functools.partial(original, self))
+
+    _routing_replay.patch_maker_module(module, ledger)
 
 
-def _patch_maker_module(module) -> None:
-    """Wrap ``RemoteExperienceMaker.compute_advantages_and_returns`` (OpenRLHF names delegate)."""
-    check_openrlhf()
-    cls = module.RemoteExperienceMaker
-    original = cls.__dict__["compute_advantages_and_returns"]
-
-    def compute_advantages_and_returns(self, experiences):
-        sel = selection_from_args(self.strategy.args)
-        if sel.advantage_estimator is None:
-            estimate = functools.partial(original, self)
-        else:
-            from ._advantage import stable_advantages_and_returns
-
-            estimate = functools.partial(stable_advantages_and_returns, self, selection=sel)
-        if sel.has_extensions:
-            from ._shape_filter import advantages_with_extensions
-
-            experiences = advantages_with_extensions(self, experiences, sel, estimate)
-        else:
-            experiences = estimate(experiences)
-        from . import _inputs
-        from ._groups import tag_groups, wants_groups
-
-        if not _inputs.loss_needs_old_entropy(sel):  # used by the advantage step only: not sent to the actors
-            _inputs.drop_old_entropy(experiences)
-
-        if wants_groups(sel.policy_loss):  # the loss's prompt groups, through the replay buffer (._groups)
-            tag_groups(experiences, int(self.strategy.args.rollout.n_samples_per_prompt))
-        return experiences
-
-    compute_advantages_and_returns.__wrapped__ = original
-    compute_advantages_and_returns.__doc__ = original.__doc__
-    _set_patch("RemoteExperienceMaker.compute_advantages_and_returns", cls, "compute_advantages_and_returns",
-               compute_advantages_and_returns)
-    from ._routing_replay import patch_maker_module
-
-    patch_maker_module(module, _set_patch, selection_from_args)  # make_experience (R2)
+#: module -> its patcher (each applied when the module is imported; OpenRLHF's only at a supported version)
+_PATCHERS = {
+    "openrlhf.trainer.ray.ppo_actor": _patch_actor_module,
+    # gae + a batch filter: the critic loss sees the same masks
+    "openrlhf.trainer.ray.ppo_critic": functools.partial(_patch_loss_normalisers, owner="ppo_critic"),
+    "openrlhf.trainer.ppo_utils.experience_maker": _patch_maker_module,
+    # routing replay R3: the model actors' base, the samples generator, the agent executors, vLLM's engine args
+    "openrlhf.trainer.ray.launcher": _routing_replay.patch_launcher_module,
+    "openrlhf.trainer.ppo_utils.samples_generator": _routing_replay.patch_samples_module,
+    "openrlhf.utils.agent": _routing_replay.patch_agent_module,
+    "vllm.engine.arg_utils": _routing_replay.patch_vllm_arg_utils,
+    # stablerl state in checkpoints: DeepSpeed's client_state (actors), the trainer's client_states (driver)
+    "openrlhf.utils.deepspeed.deepspeed": _state.patch_strategy_module,
+    "openrlhf.trainer.ppo_trainer": _state.patch_trainer_module,
+}
+#: every ledger key the patchers set (is_applied reports each)
+PATCH_KEYS = (
+    "ActorPPOTrainer.__init__", "ActorPPOTrainer.training_step", "Actor.forward", "ppo_actor.DataLoader",
+    "ppo_actor.get_loss_batch_info", "ppo_actor.iter_grad_accum_global_norm", "ppo_critic.get_loss_batch_info",
+    "ppo_critic.iter_grad_accum_global_norm", "RemoteExperienceMaker.compute_advantages_and_returns",
+    "RemoteExperienceMaker.make_experience", "BaseModelActor.execute_batch",
+    "SamplesGenerator._process_response_into_experience", "SingleTurnAgentExecutor.execute",
+    "MultiTurnAgentExecutor.execute", "AsyncEngineArgs.__init__", "DeepspeedStrategy.save_ckpt",
+    "DeepspeedStrategy.load_ckpt", "BasePPOTrainer.save_logs_and_checkpoints", "BasePPOTrainer.save_best_checkpoint",
+    "BasePPOTrainer.init_checkpoint_states",
+)
 
 
-def _patch_launcher_module(module) -> None:
-    from ._routing_replay import patch_launcher_module
+def _patcher(name: str, patch):
+    def patcher(module) -> None:
+        if name.startswith("openrlhf."):  # OpenRLHF's modules are patched only at a supported version
+            check_openrlhf()
+        patch(module, LEDGER)
 
-    check_openrlhf()
-    patch_launcher_module(module, _set_patch)  # BaseModelActor.execute_batch (R3)
-
-
-def _patch_samples_module(module) -> None:
-    from ._routing_replay import patch_samples_module
-
-    check_openrlhf()
-    patch_samples_module(module, _set_patch, selection_from_args)  # _process_response_into_experience (R3)
-
-
-def _patch_agent_module(module) -> None:
-    from ._routing_replay import patch_agent_module
-
-    check_openrlhf()
-    patch_agent_module(module, _set_patch)  # agent executors' execute (R3)
-
-
-def _patch_vllm_args_module(module) -> None:
-    from ._routing_replay import patch_vllm_arg_utils
-
-    patch_vllm_arg_utils(module, _set_patch)  # AsyncEngineArgs.__init__ (R3)
-
-
-def _patch_strategy_module(module) -> None:
-    from ._state import patch_strategy_module
-
-    check_openrlhf()
-    patch_strategy_module(module, _set_patch)  # DeepspeedStrategy.save_ckpt / load_ckpt (the loss's state)
-
-
-def _patch_trainer_module(module) -> None:
-    from ._state import patch_trainer_module
-
-    check_openrlhf()
-    patch_trainer_module(module, _set_patch)  # BasePPOTrainer checkpoints (the shapers' / filters' state)
-
-
-_PATCHERS = {_ACTOR_MODULE: _patch_actor_module, _CRITIC_MODULE: _patch_critic_module,
-             _MAKER_MODULE: _patch_maker_module,
-             _LAUNCHER_MODULE: _patch_launcher_module, _SAMPLES_MODULE: _patch_samples_module,
-             _AGENT_MODULE: _patch_agent_module, _VLLM_ARGS_MODULE: _patch_vllm_args_module,
-             _STRATEGY_MODULE: _patch_strategy_module, _TRAINER_MODULE: _patch_trainer_module}
+    return patcher
 
 
 _HOOK_TAG = "stablerl.openrlhf"
@@ -227,7 +148,7 @@ def instrument(now: bool = False) -> None:
     if found is not None or now:
         check_openrlhf(found)
     with _LOCK:
-        LEDGER.on_import(_HOOK_TAG, _PATCHERS)
+        LEDGER.on_import(_HOOK_TAG, {name: _patcher(name, patch) for name, patch in _PATCHERS.items()})
     if now:
         for name in _PATCHERS:
             importlib.import_module(name)  # the post-import hook (or the call above) patches it
@@ -245,16 +166,4 @@ def uninstrument() -> None:
 
 def is_applied() -> dict[str, bool]:
     """Which patches are in place in this process."""
-    return {key: True for key in LEDGER.keys() if key != _HOOK_TAG} | {
-        k: False for k in ("ActorPPOTrainer.__init__", "RemoteExperienceMaker.compute_advantages_and_returns",
-                           "ActorPPOTrainer.training_step", "Actor.forward",
-                           "RemoteExperienceMaker.make_experience", "BaseModelActor.execute_batch",
-                           "SamplesGenerator._process_response_into_experience", "SingleTurnAgentExecutor.execute",
-                           "MultiTurnAgentExecutor.execute", "AsyncEngineArgs.__init__",
-                           "ppo_actor.get_loss_batch_info", "ppo_actor.iter_grad_accum_global_norm",
-                           "ppo_critic.get_loss_batch_info", "ppo_critic.iter_grad_accum_global_norm",
-                           "DeepspeedStrategy.save_ckpt", "DeepspeedStrategy.load_ckpt",
-                           "BasePPOTrainer.save_logs_and_checkpoints", "BasePPOTrainer.save_best_checkpoint",
-                           "BasePPOTrainer.init_checkpoint_states")
-        if k not in LEDGER
-    }
+    return {key: key in LEDGER for key in PATCH_KEYS}

@@ -1,34 +1,19 @@
-"""stablerl's per-process state in OpenRLHF checkpoints: nothing an algorithm carries across steps is lost on resume.
+"""stablerl's per-process state in OpenRLHF checkpoints, in core's one format (``StateStore.state_dict()``); this
+module only says where OpenRLHF keeps it:
 
-Two kinds of state live outside OpenRLHF's model/optimizer/dataloader checkpoint:
-
-* **in each actor worker**: the stablerl policy loss's ``Context.state`` (``StablePolicyLoss.stablerl_state``:
-  EntroPIC's controller integral, CAPO's tracked Adam moments). ``DeepspeedStrategy.save_ckpt`` is wrapped
-  to add it to DeepSpeed's ``client_state`` (key :data:`LOSS_KEY`) in the process whose actor built the loss;
-  ``DeepspeedStrategy.load_ckpt`` takes it back out (so it never travels to the driver with
-  ``get_checkpoint_states``) and hands it to the loss when ``ActorPPOTrainer`` builds it, right after.
-  DeepSpeed writes the ``client_state`` of data-parallel rank 0 only, so every rank resumes with rank 0's
-  state: exact for the built-ins, whose state comes from quantities reduced over the ranks (EntroPIC's
-  global entropy, CAPO's summed moment updates).
-* **in the trainer process** (``BasePPOTrainer``, which runs the experience maker): the call counter,
-  random generators and state dicts of reward shapers and batch filters
-  (:data:`stablerl.adapters.openrlhf._shape_filter.STATE`). ``save_logs_and_checkpoints`` and
-  ``save_best_checkpoint`` add it to the ``client_states`` they send the actors (key :data:`DRIVER_KEY`);
-  ``init_checkpoint_states`` restores it from what the actors loaded.
-
-``PolicyModelActor`` is a ``@ray.remote`` class shipped by value, so its methods cannot be patched in a
-worker: the hooks sit on ``DeepspeedStrategy``, ``ActorPPOTrainer`` and ``BasePPOTrainer``, plain classes
-imported by reference. Both keys hold :meth:`stablerl.state.StateStore.state_dict` (core's one format); this
-module only says where OpenRLHF keeps them. A checkpoint without these keys (written before stablerl, or by a run without
-stateful algorithms) loads as before.
+* actor workers: the policy loss's state (EntroPIC's integral, CAPO's moments) in DeepSpeed's ``client_state``
+  (:data:`LOSS_KEY`), taken out again by ``load_ckpt`` (so it never reaches the driver) and handed to the loss
+  ``ActorPPOTrainer`` builds right after. DeepSpeed writes rank 0's ``client_state`` only: exact for the
+  built-ins, whose state comes from quantities reduced over the ranks;
+* the trainer process: the reward shapers' / batch filters' store in the ``client_states`` ``BasePPOTrainer``
+  sends the actors (:data:`DRIVER_KEY`). A checkpoint without these keys loads as before.
 """
 
 from __future__ import annotations
 
-import functools
 import logging
 import weakref
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import torch
 
@@ -54,11 +39,13 @@ def adopt_loss(loss: Any) -> None:
         logger.info("stablerl: restored the policy loss's state from the checkpoint")
 
 
-def _with_loss_state(client_state: Optional[dict]) -> Optional[dict]:
+def _with(states: Optional[dict], key: str, store: Optional[StateStore]) -> Optional[dict]:
+    return {**(states or {}), key: store.state_dict()} if store else states
+
+
+def _loss_store() -> Optional[StateStore]:
     loss = _live_loss() if _live_loss is not None else None
-    if loss is None or not loss.stablerl_state:
-        return client_state
-    return {**(client_state or {}), LOSS_KEY: loss.stablerl_state.state_dict()}
+    return None if loss is None else loss.stablerl_state
 
 
 def _restore_loss_state(store: StateStore, state: Any, where: str, device: Any = None) -> None:
@@ -74,73 +61,55 @@ def _take_loss_state(states: Any, where: str) -> None:
         return
     state, where = states.pop(LOSS_KEY), f"{where} ({LOSS_KEY})"
     StateStore(holds="loss").check(state, where)  # refuse a foreign blob now, not when the loss is built
-    loss = _live_loss() if _live_loss is not None else None
-    if loss is not None:  # a load after the loss was built: restore now
-        _restore_loss_state(loss.stablerl_state, state, where)
+    store = _loss_store()
+    if store is not None:  # a load after the loss was built: restore now
+        _restore_loss_state(store, state, where)
     else:
         _pending_loss_state = (state, where)
 
 
-def driver_state() -> Optional[dict]:
-    from . import _shape_filter
+def _driver_store() -> StateStore:
+    from ._advantage import STATE
 
-    return _shape_filter.STATE.state_dict() if _shape_filter.STATE else None
+    return STATE
 
 
 def restore_driver_state(states: Any) -> bool:
-    from . import _shape_filter
-
     if not isinstance(states, dict) or states.get(DRIVER_KEY) is None:
         return False
-    _shape_filter.STATE.load_state_dict(states[DRIVER_KEY], where=DRIVER_KEY)
+    _driver_store().load_state_dict(states[DRIVER_KEY], where=DRIVER_KEY)
     logger.info("stablerl: restored the reward shapers' / batch filters' state from the checkpoint")
     return True
 
 
-def _with_driver_state(client_states: Optional[dict]) -> Optional[dict]:
-    packed = driver_state()
-    return client_states if packed is None else {**(client_states or {}), DRIVER_KEY: packed}
-
-
-def patch_strategy_module(module, set_patch: Callable) -> None:
+def patch_strategy_module(module, ledger) -> None:
     """``DeepspeedStrategy.save_ckpt`` / ``load_ckpt``: the actor's loss state in DeepSpeed's client_state."""
-    cls = module.DeepspeedStrategy
-    save, load = cls.__dict__["save_ckpt"], cls.__dict__["load_ckpt"]
 
-    @functools.wraps(save)
-    def save_ckpt(self, model, save_dir, tag=None, max_num=3, max_mem=1000, client_state=None, *args, **kwargs):
-        return save(self, model, save_dir, tag, max_num, max_mem, _with_loss_state(client_state), *args, **kwargs)
+    @ledger.around(module.DeepspeedStrategy, "save_ckpt")
+    def save_ckpt(save, self, model, save_dir, tag=None, max_num=3, max_mem=1000, client_state=None, *args, **kwargs):
+        return save(self, model, save_dir, tag, max_num, max_mem, _with(client_state, LOSS_KEY, _loss_store()), *args,
+                    **kwargs)
 
-    @functools.wraps(load)
-    def load_ckpt(self, model, load_dir, *args, **kwargs):
+    @ledger.around(module.DeepspeedStrategy, "load_ckpt")
+    def load_ckpt(load, self, model, load_dir, *args, **kwargs):
         load_path, states = load(self, model, load_dir, *args, **kwargs)
         _take_loss_state(states, str(load_path))
         return load_path, states
 
-    set_patch("DeepspeedStrategy.save_ckpt", cls, "save_ckpt", save_ckpt)
-    set_patch("DeepspeedStrategy.load_ckpt", cls, "load_ckpt", load_ckpt)
 
-
-def patch_trainer_module(module, set_patch: Callable) -> None:
+def patch_trainer_module(module, ledger) -> None:
     """``BasePPOTrainer``: the shapers' / filters' state into the actors' client_states, and back on resume."""
-    cls = module.BasePPOTrainer
-    save, save_best = cls.__dict__["save_logs_and_checkpoints"], cls.__dict__["save_best_checkpoint"]
-    init_states = cls.__dict__["init_checkpoint_states"]
 
-    @functools.wraps(save)
-    def save_logs_and_checkpoints(self, global_step, logs_dict=None, client_states=None):
-        return save(self, global_step, logs_dict, _with_driver_state(client_states))
+    @ledger.around(module.BasePPOTrainer, "save_logs_and_checkpoints")
+    def save_logs_and_checkpoints(save, self, global_step, logs_dict=None, client_states=None):
+        return save(self, global_step, logs_dict, _with(client_states, DRIVER_KEY, _driver_store()))
 
-    @functools.wraps(save_best)
-    def save_best_checkpoint(self, eval_metrics, global_step, client_states=None):
-        return save_best(self, eval_metrics, global_step, _with_driver_state(client_states))
+    @ledger.around(module.BasePPOTrainer, "save_best_checkpoint")
+    def save_best_checkpoint(save_best, self, eval_metrics, global_step, client_states=None):
+        return save_best(self, eval_metrics, global_step, _with(client_states, DRIVER_KEY, _driver_store()))
 
-    @functools.wraps(init_states)
-    def init_checkpoint_states(self):
+    @ledger.around(module.BasePPOTrainer, "init_checkpoint_states")
+    def init_checkpoint_states(init_states, self):
         states = init_states(self)
         restore_driver_state(states)
         return states
-
-    set_patch("BasePPOTrainer.save_logs_and_checkpoints", cls, "save_logs_and_checkpoints", save_logs_and_checkpoints)
-    set_patch("BasePPOTrainer.save_best_checkpoint", cls, "save_best_checkpoint", save_best_checkpoint)
-    set_patch("BasePPOTrainer.init_checkpoint_states", cls, "init_checkpoint_states", init_checkpoint_states)

@@ -4,29 +4,18 @@
         --actor.policy_loss_type m2po --actor.stablerl_params m2_threshold=0.04 \\
         --algo.advantage.estimator qae --algo.advantage.stablerl_params quantile_k=0.4
 
-It runs OpenRLHF's own ``openrlhf.cli.train_ppo_ray`` module (``runpy``, as ``__main__``). That script
-builds its parser, hierarchizes the arguments and calls ``ray.init`` inside its ``__main__`` block, so
-there is no function to call or subclass; instead the script's own ``import`` statements see, through
-an ``__import__`` in the builtins of the script's namespace only, three modules with one name each
-extended (argparse, Ray and OpenRLHF's modules themselves are never patched; nothing outside the script
-sees a change):
+It runs OpenRLHF's own ``openrlhf.cli.train_ppo_ray`` (``runpy``, as ``__main__``), whose parser, ``hierarchize``
+and ``ray.init`` live in its ``__main__`` block: there is nothing to call or subclass. Instead the script's own
+``import`` statements (through an ``__import__`` in that namespace's builtins only; argparse, Ray and OpenRLHF
+are never patched) see three modules with one name each replaced:
 
-1. ``argparse.ArgumentParser``: ``--actor.policy_loss_type`` and ``--algo.advantage.estimator`` also
-   accept stablerl names (argparse still rejects unknown names, listing the valid ones), and the parser
-   gets ``--actor.stablerl_params`` / ``--algo.advantage.stablerl_params`` (``KEY=VALUE`` items or one
-   JSON object), ``--actor.stablerl_routing_replay R2|R3`` (MoE routing replay), and
-   ``--algo.advantage.stablerl_reward_shaper NAME`` / ``--algo.advantage.stablerl_batch_filter NAME``
-   with their ``..._params`` flags (checked against the registry after parsing, so a misspelt name
-   gets the nearest valid one);
-2. ``openrlhf.utils.config.hierarchize``: also attaches ``args.stablerl`` (a
-   :class:`stablerl.adapters.openrlhf.Selection`, validated here so a bad key fails before Ray
-   starts); it reaches every model actor inside the pickled ``DeepspeedStrategy``;
-3. ``ray.init``: adds ``worker_process_setup_hook="stablerl.adapters.openrlhf.instrument"`` to
-   OpenRLHF's ``runtime_env``, so every Ray worker arms the stablerl patches; under R3 it also
-   forwards ``STABLERL_ROUTING_REPLAY=R3`` (the vLLM rollout workers get no ``args``); under R2 and R3, and
-   when an algorithm reads the old-log-prob pass's entropy (``erc``, ``d3s``, ``gtpo_entropy_filter``), it
-   sets ``RAY_ENABLE_ZERO_COPY_TORCH_TENSORS=0`` for the workers (OpenRLHF's default "1" would drop the
-   routes / entropy carried on the log-prob tensors).
+1. ``argparse.ArgumentParser``: the two name flags also accept stablerl names (argparse still rejects unknown
+   ones, listing the valid ones), and the stablerl flags are added next to them (docs/openrlhf.md, "Flags");
+2. ``openrlhf.utils.config.hierarchize``: also attaches ``args.stablerl`` (a validated :class:`Selection`, so a
+   bad key fails before Ray starts; it reaches every model actor inside the pickled ``DeepspeedStrategy``);
+3. ``ray.init``: adds stablerl's ``worker_process_setup_hook`` to OpenRLHF's ``runtime_env``; forwards
+   ``STABLERL_ROUTING_REPLAY=R3`` (the vLLM workers get no ``args``) and, where the workers hand data back on
+   tensor attributes (routing replay, the old-pass entropy), sets ``RAY_ENABLE_ZERO_COPY_TORCH_TENSORS=0``.
 """
 
 from __future__ import annotations
@@ -43,9 +32,8 @@ import stablerl
 from stablerl.params import StableRLError
 
 from . import _routing_replay
-from ._inputs import needs_old_pass_entropy
-from ._names import extension_choices, openrlhf_choices, resolve, resolve_extension
-from ._selection import Selection, add_setup_hook, keep_tensor_attributes, parse_params
+from ._selection import (Selection, add_setup_hook, check_rollout_log_probs, openrlhf_choices, parse_params,
+                         resolve)
 from ._spec import (COMPONENT_WEIGHTS_FLAG, COMPONENTS_FLAG, FILTER_FLAG, OPENRLHF_ADV_ESTIMATORS,
                     OPENRLHF_POLICY_LOSSES, PREFIX, SHAPER_FLAG, check_openrlhf)
 
@@ -56,21 +44,14 @@ _ADV_PARAMS_FLAG = "--algo.advantage.stablerl_params"
 
 
 class _Choices(list):
-    """argparse choices: lists (and iterates) the documented names; also accepts ``stablerl_<name>``
-    for every stablerl algorithm OpenRLHF can feed."""
+    """argparse choices: lists (and iterates) the names OpenRLHF can run; also accepts ``stablerl_<name>`` for each."""
 
-    def __init__(self, names, prefixed):
-        super().__init__(names)
-        self._prefixed = frozenset(prefixed)
+    def __init__(self, kind: str, own: Sequence[str]):
+        super().__init__(openrlhf_choices(kind))
+        self._prefixed = frozenset(PREFIX + (n[len(PREFIX):] if n.startswith(PREFIX) else n) for n in self if n not in own)
 
     def __contains__(self, item) -> bool:
         return list.__contains__(self, item) or item in self._prefixed
-
-
-def _choices(kind: str, builtins: Sequence[str]) -> _Choices:
-    names = openrlhf_choices(kind)
-    bare = [n[len(PREFIX):] if n.startswith(PREFIX) else n for n in names if n not in builtins]
-    return _Choices(names, [PREFIX + n for n in bare])
 
 
 def _help(kind: str, builtins: Sequence[str], original_help: Optional[str]) -> str:
@@ -83,58 +64,51 @@ def _help(kind: str, builtins: Sequence[str], original_help: Optional[str]) -> s
     return text
 
 
+def _stablerl_flags(kind: str) -> list[tuple[str, dict]]:
+    """The stablerl flags added after OpenRLHF's name flag of ``kind``: (flag, add_argument kwargs)."""
+
+    def params(what: str) -> dict:
+        return dict(type=str, nargs="+", default=None, metavar="KEY=VALUE",
+                    help=f"stablerl {what} hyper-parameters, KEY=VALUE items (VALUE read as JSON) or one JSON object; "
+                    "unset keys take the paper's defaults")
+
+    if kind == stablerl.POLICY_LOSS:
+        return [(_LOSS_PARAMS_FLAG, params("loss")), (_routing_replay.FLAG, dict(
+            type=lambda v: str(v).strip().upper(), choices=_routing_replay.MODES, default=None, metavar="{R2,R3}",
+            help="stablerl MoE routing replay: R2 records the experts of the actor's old-log-prob pass, R3 takes "
+            "the experts vLLM chose (vllm>=0.14); replayed in the old-log-prob pass (R3) and every training step"))]
+    return [
+        (_ADV_PARAMS_FLAG, params("advantage estimator")),
+        (COMPONENTS_FLAG, dict(type=str, nargs="+", default=None, metavar="KEY", help=(
+            "the reward function's extra_logs keys (one value per response) that are reward components, handed to "
+            "the stablerl estimator as reward_components (gdpo normalises each in its group)"))),
+        (COMPONENT_WEIGHTS_FLAG, dict(type=float, nargs="+", default=None, metavar="W",
+                                      help=f"weights of the {COMPONENTS_FLAG} (default 1 each)")),
+        (SHAPER_FLAG, dict(type=str, default=None, metavar="NAME", help=(
+            "stablerl reward shaper, applied on the per-response rewards, after OpenRLHF's length penalties and "
+            f"before the estimator: {', '.join(openrlhf_choices(stablerl.REWARD_SHAPER))}"))),
+        (SHAPER_FLAG + "_params", params("reward shaper")),
+        (FILTER_FLAG, dict(type=str, default=None, metavar="NAME", help=(
+            "stablerl batch filter, applied after the estimator; dropped rows get action_mask 0 (no loss, not "
+            f"counted): {', '.join(openrlhf_choices(stablerl.BATCH_FILTER))}"))),
+        (FILTER_FLAG + "_params", params("batch filter")),
+    ]
+
+
 def _extend_name_flag(add_argument: Callable[..., Any], args: tuple, kwargs: dict) -> Optional[Any]:
     """``add_argument`` for OpenRLHF's two name flags, extended with stablerl's names and followed by the
     stablerl flags that belong to it; None for every other flag."""
     flags = set(a for a in args if isinstance(a, str))
-    if _LOSS_FLAG in flags:
-        kind, builtins_, params_flag, what = stablerl.POLICY_LOSS, OPENRLHF_POLICY_LOSSES, _LOSS_PARAMS_FLAG, "loss"
-    elif _ADV_FLAG in flags:
-        kind, builtins_, params_flag, what = (stablerl.ADVANTAGE_ESTIMATOR, OPENRLHF_ADV_ESTIMATORS,
-                                              _ADV_PARAMS_FLAG, "advantage estimator")
-    else:
+    kind = stablerl.POLICY_LOSS if _LOSS_FLAG in flags else stablerl.ADVANTAGE_ESTIMATOR if _ADV_FLAG in flags else None
+    if kind is None:
         return None
-    kwargs["choices"] = _choices(kind, builtins_)
-    kwargs["help"] = _help(kind, builtins_, kwargs.get("help"))
+    own = OPENRLHF_POLICY_LOSSES if kind == stablerl.POLICY_LOSS else OPENRLHF_ADV_ESTIMATORS
+    kwargs["choices"] = _Choices(kind, own)
+    kwargs["help"] = _help(kind, own, kwargs.get("help"))
     kwargs.setdefault("metavar", "NAME")
     action = add_argument(*args, **kwargs)
-    add_argument(
-        params_flag, type=str, nargs="+", default=None, metavar="KEY=VALUE",
-        help=f"stablerl {what} hyper-parameters, KEY=VALUE items (VALUE read as JSON) or one JSON object; "
-        "unset keys take the paper's defaults",
-    )
-    if kind == stablerl.ADVANTAGE_ESTIMATOR:
-        add_argument(
-            COMPONENTS_FLAG, type=str, nargs="+", default=None, metavar="KEY",
-            help="the reward function's extra_logs keys (one value per response) that are reward components, "
-            "handed to the stablerl estimator as reward_components (gdpo normalises each in its group)",
-        )
-        add_argument(
-            COMPONENT_WEIGHTS_FLAG, type=float, nargs="+", default=None, metavar="W",
-            help=f"weights of the {COMPONENTS_FLAG} (default 1 each)",
-        )
-        for ext_kind, flag, what_ext in ((stablerl.REWARD_SHAPER, SHAPER_FLAG, "reward shaper"),
-                                         (stablerl.BATCH_FILTER, FILTER_FLAG, "batch filter")):
-            when = ("on the per-response rewards, after OpenRLHF's length penalties and before the estimator"
-                    if ext_kind == stablerl.REWARD_SHAPER else
-                    "after the estimator; dropped rows get action_mask 0 (no loss, not counted)")
-            add_argument(
-                flag, type=str, default=None, metavar="NAME",
-                help=f"stablerl {what_ext}, applied {when}: {', '.join(extension_choices(ext_kind))}",
-            )
-            add_argument(
-                flag + "_params", type=str, nargs="+", default=None, metavar="KEY=VALUE",
-                help=f"stablerl {what_ext} hyper-parameters, KEY=VALUE items (VALUE read as JSON) or one "
-                "JSON object",
-            )
-    if kind == stablerl.POLICY_LOSS:
-        add_argument(
-            _routing_replay.FLAG, type=lambda v: str(v).strip().upper(), choices=_routing_replay.MODES,
-            default=None, metavar="{R2,R3}",
-            help="stablerl MoE routing replay: R2 records the experts of the actor's old-log-prob pass, R3 "
-            "takes the experts vLLM chose (vllm>=0.14); both are replayed in the old-log-prob pass (R3) and "
-            "in every training step",
-        )
+    for flag, flag_kwargs in _stablerl_flags(kind):
+        add_argument(flag, **flag_kwargs)
     return action
 
 
@@ -155,9 +129,7 @@ class _ScriptRun:
 
     def __init__(self):
         self.parser: Optional[argparse.ArgumentParser] = None
-        self.routing_replay: Optional[str] = None
-        #: the workers hand data back on tensor attributes (routing replay's routes, the old-pass entropy)
-        self.tensor_attributes = False
+        self.selection: Optional[Selection] = None
 
     def error(self, message: str):
         if self.parser is not None:
@@ -184,8 +156,7 @@ class _ScriptRun:
                 out.stablerl = selection_from_cli(out)
             except StableRLError as e:
                 self.error(str(e))
-            self.routing_replay = out.stablerl.routing_replay
-            self.tensor_attributes = self.routing_replay is not None or needs_old_pass_entropy(out.stablerl)
+            self.selection = out.stablerl
             if out.stablerl.routing_replay == "R3":  # add_setup_hook forwards it to the vLLM workers (no args there)
                 os.environ[_routing_replay.ENV_MODE] = "R3"
             return out
@@ -194,11 +165,7 @@ class _ScriptRun:
 
     def _ray(self, module: types.ModuleType) -> types.ModuleType:
         def init(*args, **kwargs):
-            env = add_setup_hook(kwargs.get("runtime_env"))
-            if self.tensor_attributes:  # R2 too (only R3 sets the environment variable), and the old-pass entropy
-                env["env_vars"] = dict(env.get("env_vars") or {})
-                keep_tensor_attributes(env["env_vars"], old_pass_entropy=self.routing_replay is None)
-            kwargs["runtime_env"] = env
+            kwargs["runtime_env"] = add_setup_hook(kwargs.get("runtime_env"), self.selection)
             return module.init(*args, **kwargs)
 
         return _ModuleView(module, init=init)
@@ -246,39 +213,32 @@ def explicit_advantage_flags(args, argv: Sequence[str]) -> tuple[dict, Optional[
 
 def selection_from_cli(args) -> Selection:
     """``args.stablerl`` from OpenRLHF's hierarchized args (names resolved, params parsed and validated)."""
-    loss = resolve(stablerl.POLICY_LOSS, args.actor.policy_loss_type)
-    adv = resolve(stablerl.ADVANTAGE_ESTIMATOR, args.algo.advantage.estimator)
+    actor, advantage, argv = args.actor, args.algo.advantage, sys.argv[1:]
+
+    def flag(namespace, name: str):
+        return getattr(namespace, name, None)
+
     sel = Selection(
-        policy_loss=loss,
-        policy_loss_params=parse_params(getattr(args.actor, "stablerl_params", None), _LOSS_PARAMS_FLAG),
-        advantage_estimator=adv,
-        advantage_params=parse_params(getattr(args.algo.advantage, "stablerl_params", None), _ADV_PARAMS_FLAG),
-        reward_shaper=resolve_extension(stablerl.REWARD_SHAPER,
-                                        getattr(args.algo.advantage, "stablerl_reward_shaper", None)),
-        reward_shaper_params=parse_params(getattr(args.algo.advantage, "stablerl_reward_shaper_params", None),
-                                          SHAPER_FLAG + "_params"),
-        batch_filter=resolve_extension(stablerl.BATCH_FILTER,
-                                       getattr(args.algo.advantage, "stablerl_batch_filter", None)),
-        batch_filter_params=parse_params(getattr(args.algo.advantage, "stablerl_batch_filter_params", None),
-                                         FILTER_FLAG + "_params"),
-        reward_components=tuple(getattr(args.algo.advantage, "stablerl_reward_components", None) or ()),
-        reward_weights=tuple(float(w) for w in getattr(args.algo.advantage, "stablerl_reward_weights", None) or ()),
+        policy_loss=resolve(stablerl.POLICY_LOSS, actor.policy_loss_type),
+        policy_loss_params=parse_params(flag(actor, "stablerl_params"), _LOSS_PARAMS_FLAG),
+        advantage_estimator=resolve(stablerl.ADVANTAGE_ESTIMATOR, advantage.estimator),
+        advantage_params=parse_params(flag(advantage, "stablerl_params"), _ADV_PARAMS_FLAG),
+        reward_shaper=resolve(stablerl.REWARD_SHAPER, flag(advantage, "stablerl_reward_shaper")),
+        reward_shaper_params=parse_params(flag(advantage, "stablerl_reward_shaper_params"), SHAPER_FLAG + "_params"),
+        batch_filter=resolve(stablerl.BATCH_FILTER, flag(advantage, "stablerl_batch_filter")),
+        batch_filter_params=parse_params(flag(advantage, "stablerl_batch_filter_params"), FILTER_FLAG + "_params"),
+        reward_components=tuple(flag(advantage, "stablerl_reward_components") or ()),
+        reward_weights=tuple(float(w) for w in flag(advantage, "stablerl_reward_weights") or ()),
+        openrlhf_clip=explicit_clip_flags(args, argv),
+        routing_replay=_routing_replay.check_mode(flag(actor, "stablerl_routing_replay"), args),
     )
-    sel.openrlhf_clip = explicit_clip_flags(args, sys.argv[1:])
-    sel.openrlhf_advantage, sel.reward_clip_range = explicit_advantage_flags(args, sys.argv[1:])
-    sel.routing_replay = _routing_replay.check_mode(getattr(args.actor, "stablerl_routing_replay", None), args)
+    sel.openrlhf_advantage, sel.reward_clip_range = explicit_advantage_flags(args, argv)
     sel.validate()  # the effective hyper-parameters, clip flags included
-    if loss is not None:
-        spec = stablerl.get_spec(stablerl.POLICY_LOSS, loss)
-        correction = sel.policy_loss_params.get("rollout_correction")
-        if ("rollout_log_prob" in spec.requires or correction) and args.algo.advantage.is_correction_level == "off":
-            what = f"rollout_correction={correction!r}" if correction else f"policy loss {loss!r}"
-            raise StableRLError(
-                f"{what} needs rollout log-probs: add --algo.advantage.is_correction_level token "
-                "(or seq); OpenRLHF requests vLLM log-probs only then (its own weights are then not applied)"
-            )
+    if sel.policy_loss is not None:
+        spec = stablerl.get_spec(stablerl.POLICY_LOSS, sel.policy_loss)
+        check_rollout_log_probs(spec, sel.policy_loss_params, advantage.is_correction_level)
         if "index" in spec.requires:
-            check_group_batching(loss, args)
+            check_group_batching(sel.policy_loss, args)
     return sel
 
 

@@ -38,7 +38,8 @@ Router families (how to recognise a router and recompute its weights) are plugin
 the ``register_router_families`` hook; the built-ins are in ``stablerl.plugins.moe_families``.
 
 Layout: :mod:`.routes` (the recorded routes), :mod:`.families` (router families, finding routers),
-:mod:`.capturing` (recording) and :mod:`.replaying` (replay). Import from ``stablerl.routing_replay``.
+:mod:`.capturing` (recording), :mod:`.replaying` (replay) and :mod:`.rows` (routes carried row by row through
+a framework's batch lists; the vLLM version that returns routes). Import from ``stablerl.routing_replay``.
 """
 
 from __future__ import annotations
@@ -55,6 +56,8 @@ from .families import (
 )
 from .replaying import RouteReplay, replay, replay_row_chunks
 from .routes import Routes, RoutesMismatchError, index_dtype, mismatch_fraction
+from .rows import (VLLM_ROUTES_MIN, RecordingEngine, RolloutRoutes, RowLayout, SampleRoutes, check_vllm_routes,
+                   last_call_routes, vllm_version)
 
 #: the routing-replay modes: R2 (routes of the training engine's old-log-prob pass), R3 (the rollout's)
 MODES = ("R2", "R3")
@@ -91,4 +94,12 @@ __all__ = [
     "softmax_gather_weights",
     "sigmoid_gather_weights",
     "RoutesMismatchError",
+    "RowLayout",
+    "RecordingEngine",
+    "SampleRoutes",
+    "RolloutRoutes",
+    "VLLM_ROUTES_MIN",
+    "vllm_version",
+    "check_vllm_routes",
+    "last_call_routes",
 ]

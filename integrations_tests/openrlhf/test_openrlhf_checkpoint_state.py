@@ -20,7 +20,7 @@ import stablerl
 from stablerl.state import StateStore
 import stablerl.adapters.openrlhf as adapter
 from orlhf_helpers import HERE_PATH, STUBS_PATH, clone, make_args, make_experiences, make_maker
-from stablerl.adapters.openrlhf import Selection, _shape_filter, _state
+from stablerl.adapters.openrlhf import Selection, _advantage, _state
 
 
 def _free_port() -> int:
@@ -77,7 +77,7 @@ def test_shaper_and_filter_state_survive_the_trainers_checkpoint(monkeypatch, tm
 
     monkeypatch.setattr(ray, "get", lambda refs: refs)
     adapter.instrument(now=True)
-    _shape_filter.STATE.clear()
+    _advantage.STATE.clear()
     args = make_args(estimator="group_norm", stablerl=Selection(reward_shaper="redit", reward_shaper_params={"scale": 0.1}))
     args.train.seed = 5
     exps = make_experiences(seed=21)
@@ -95,15 +95,15 @@ def test_shaper_and_filter_state_survive_the_trainers_checkpoint(monkeypatch, tm
     loaded = torch.load(path, weights_only=False)
     reference = _redit(args, exps)  # the uninterrupted third step
 
-    _shape_filter.STATE.clear()  # a fresh trainer process
+    _advantage.STATE.clear()  # a fresh trainer process
     (tmp_path / "_actor").mkdir()
     states = BasePPOTrainer.init_checkpoint_states(_TrainerStandIn(str(tmp_path), loaded=loaded))
-    assert states["global_step"] == 2 and _shape_filter.STATE.step == 2
+    assert states["global_step"] == 2 and _advantage.STATE.step == 2
     resumed = _redit(args, exps)
     torch.testing.assert_close(resumed, reference, rtol=0, atol=0)
     fresh = _redit(args, exps)
     assert not torch.equal(fresh, resumed)  # the noise moves on: the restored generator is live, not a copy
-    _shape_filter.STATE.clear()
+    _advantage.STATE.clear()
 
 
 def test_a_newer_state_format_is_refused_with_its_name():

@@ -232,7 +232,7 @@ def test_rows_whose_tokens_do_not_match_raise(monkeypatch):
     state = orr._Armed("R2", NUM_EXPERTS, (0, 1), packing=False)
     samples = [orr.SampleRoutes(torch.zeros(5, 2, TOP_K, dtype=torch.uint8))]
     with pytest.raises(rr.RoutesMismatchError, match="row 0 carries routes for 5 tokens but its attention_mask has 4"):
-        state.batch(samples, torch.tensor([[1, 1, 1, 1, 0, 0]]))
+        state.join(samples, torch.tensor([[1, 1, 1, 1, 0, 0]]))
     experience = SimpleNamespace(mm_train_inputs=[None], sequences=torch.zeros(1, 6), attention_mask=None)
     with pytest.raises(StableRLError, match="carries no routes in mm_train_inputs"):
         orr.batch_routes(state, experience)

@@ -379,7 +379,7 @@ def test_engine_kwarg_and_vllm_version(monkeypatch, tmp_path):
 
 
 def test_unalignable_trajectories_and_missing_routes_raise(monkeypatch):
-    engine = orr._RecordingEngine(None)
+    engine = rr.RecordingEngine(None)
     completion = SimpleNamespace(token_ids=[7, 8], routed_experts=np.zeros((3, LAYERS, TOP_K), np.uint8))
     engine.calls.append(([1, 2], SimpleNamespace(outputs=[completion])))
     assert engine.trajectory_routes([1, 2, 7, 8, 60]) is completion.routed_experts

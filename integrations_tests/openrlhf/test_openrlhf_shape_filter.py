@@ -111,9 +111,9 @@ def test_grpo_lambda_gets_lengths_from_the_action_mask():
 
 
 def test_redit_noise_comes_from_the_seeded_generator():
-    from stablerl.adapters.openrlhf import _shape_filter
+    from stablerl.adapters.openrlhf import _advantage
 
-    _shape_filter.STATE.clear()
+    _advantage.STATE.clear()
     exps = make_experiences(seed=13)
     sel = Selection(reward_shaper="redit", reward_shaper_params={"scale": 0.1})
     args = make_args(estimator="group_norm", stablerl=sel)
@@ -122,7 +122,7 @@ def test_redit_noise_comes_from_the_seeded_generator():
     shaped, _ = stablerl.shape_rewards("redit", scores=torch.cat([e.rewards for e in exps]), index=_index(exps),
                                        ctx=stablerl.Context(generator=torch.Generator().manual_seed(7)), scale=0.1)
     torch.testing.assert_close(torch.cat([e.rewards for e in out]), shaped)
-    _shape_filter.STATE.clear()
+    _advantage.STATE.clear()
 
 
 def test_missing_reward_function_value_says_where_it_comes_from():
@@ -210,7 +210,7 @@ def test_simpletir_masks_void_turn_rows():
 
 
 def test_repeated_rows_are_refused(monkeypatch):
-    from stablerl.adapters.openrlhf import _shape_filter
+    from stablerl.adapters.openrlhf import _advantage
 
     exps = make_experiences(seed=18)
     real = stablerl.filter_batch
@@ -221,7 +221,7 @@ def test_repeated_rows_are_refused(monkeypatch):
         res.response_mask = torch.cat([res.response_mask, res.response_mask[:1]])
         return res
 
-    monkeypatch.setattr(_shape_filter.stablerl, "filter_batch", resampling)
+    monkeypatch.setattr(_advantage.stablerl, "filter_batch", resampling)
     with pytest.raises(stablerl.StableRLError, match="repeated rows"):
         _run(make_args(estimator="group_norm", stablerl=Selection(batch_filter="dynamic_sampling")), "group_norm", exps)
 
@@ -247,15 +247,15 @@ def test_no_extension_is_the_plain_path():
 
 def test_selection_validation_and_static_refusals():
     with pytest.raises(stablerl.UnknownNameError, match="did you mean 'fapo'"):
-        adapter.resolve_extension(stablerl.REWARD_SHAPER, "fap")
+        adapter.resolve(stablerl.REWARD_SHAPER, "fap")
     # per-token entropy: the old-log-prob pass's (test_openrlhf_old_entropy)
-    assert adapter.resolve_extension(stablerl.BATCH_FILTER, "gtpo_entropy_filter") == "gtpo_entropy_filter"
+    assert adapter.resolve(stablerl.BATCH_FILTER, "gtpo_entropy_filter") == "gtpo_entropy_filter"
     with pytest.raises(stablerl.UnknownNameError, match="keep_singletons"):
         Selection(batch_filter="dynamic_sampling", batch_filter_params={"keep_singleton": False}).validate()
     with pytest.raises(stablerl.StableRLError, match="stablerl_reward_shaper_params given"):
         Selection(reward_shaper_params={"scale": 0.1}).validate()
-    assert {"d3s", "gtpo_entropy_filter"} <= set(adapter.extension_choices(stablerl.BATCH_FILTER))
-    assert adapter.extension_choices(stablerl.REWARD_SHAPER) == ["fapo", "grpo_lambda", "redit"]
+    assert {"d3s", "gtpo_entropy_filter"} <= set(adapter.openrlhf_choices(stablerl.BATCH_FILTER))
+    assert adapter.openrlhf_choices(stablerl.REWARD_SHAPER) == ["fapo", "grpo_lambda", "redit"]
 
 
 def test_env_route(monkeypatch):
@@ -367,4 +367,4 @@ def test_describe_names_the_openrlhf_flags():
     assert any("set n_init == n_final and k_init == k_final" in line for line in d3s)  # the schedule needs total steps
     for kind in (stablerl.REWARD_SHAPER, stablerl.BATCH_FILTER):  # one source: describe and the wrapper agree
         runnable = [s.name for s in stablerl.list_algorithms(kind) if "openrlhf" in frameworks.selectable_in(s)]
-        assert runnable == adapter.extension_choices(kind)
+        assert runnable == adapter.openrlhf_choices(kind)
