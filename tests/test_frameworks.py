@@ -44,14 +44,20 @@ def test_one_name_rule_in_every_framework():
 def test_refusals_say_why_in_the_frameworks_words():
     with pytest.raises(stablerl.MissingInputError, match=r"turn_ids: OpenRLHF's experiences carry no per-token turn ids"):
         F.resolve("openrlhf", POLICY_LOSS, "turn_ppo")
-    status, why = F.reach(F.get_framework("verl"), stablerl.get_spec(POLICY_LOSS, "a3po"))
-    assert status == "refused" and "policy_version: verl's ppo_loss is not told how many optimizer steps" in why
-    status, why = F.reach(F.get_framework("verl"), stablerl.get_spec("batch_filter", "d3s"))
-    assert status == "refused" and "the legacy trainer pops the old-log-prob pass's 'entropys'" in why
+    status, why = F.reach(F.get_framework("openrlhf"), stablerl.get_spec(POLICY_LOSS, "a3po"))
+    assert status == "refused" and "versions: OpenRLHF's experiences carry no per-token policy versions" in why
+    # verl: one weight version per batch in its synchronous legacy trainer (A-3PO's alpha = 0), under that setting
+    assert F.reach(F.get_framework("verl"), stablerl.get_spec(POLICY_LOSS, "a3po")) == ("partial", "a3po")
+    assert any(n.startswith("versions: the legacy trainer (trainer.use_v1=false)")
+               for n in F.reach_conditions(F.get_framework("verl"), stablerl.get_spec(POLICY_LOSS, "a3po")))
+    # the old-log-prob pass's entropy at verl's advantage step: kept by the adapter in the legacy trainer only
+    assert F.reach(F.get_framework("verl"), stablerl.get_spec("batch_filter", "d3s")) == ("partial", "d3s")
+    assert F.reach_conditions(F.get_framework("verl"), stablerl.get_spec("batch_filter", "d3s"))[0].startswith(
+        "entropy: the legacy trainer (trainer.use_v1=false) without bypass mode")
     # the old-log-prob pass's entropy: every framework feeds it to erc (verl: under a setting)
     assert F.selectable_in(stablerl.get_spec(POLICY_LOSS, "erc")) == ["verl", "trl", "openrlhf"]
     assert F.selectable_in(stablerl.get_spec(POLICY_LOSS, "m2po")) == ["verl", "trl", "openrlhf"]
-    assert F.selectable_in(stablerl.get_spec("batch_filter", "gtpo_entropy_filter")) == ["trl", "openrlhf"]
+    assert F.selectable_in(stablerl.get_spec("batch_filter", "gtpo_entropy_filter")) == ["verl", "trl", "openrlhf"]
 
 
 def test_partial_reach_says_what_the_user_must_set():

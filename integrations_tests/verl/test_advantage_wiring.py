@@ -104,7 +104,7 @@ def test_batch_field_estimators_by_config_key(adapter, site, monkeypatch):
 def test_missing_declared_input_names_the_field(adapter, site):
     adapter.register_batch_field_estimators()
     rewards, mask, index, entropys, turn_ids = _multi_turn()
-    with pytest.raises(stablerl.MissingInputError, match=r"'entropy'.*pops 'entropys'"):
+    with pytest.raises(stablerl.MissingInputError, match=r"'entropy'.*legacy trainer's old-log-prob pass"):
         _compute(_data(rewards, mask, index, turn_ids=turn_ids), "empg", _algorithm())
     with pytest.raises(stablerl.MissingInputError, match=r"'turn_ids'.*agent loop"):
         _compute(_data(rewards, mask, index, entropys=entropys), "empg", _algorithm())

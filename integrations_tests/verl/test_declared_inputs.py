@@ -362,11 +362,11 @@ def test_fresh_process_registers_the_losses_with_declared_inputs():
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     have = set(stablerl.get_registry().names("policy_loss"))
-    new = {"steer", "entropic", "gtpo", "erc", "decoupled_ppo", "pacs", "gvpo"} & have
+    new = {"steer", "entropic", "gtpo", "erc", "decoupled_ppo", "pacs", "gvpo", "a3po"} & have
     assert new, "none of the input-needing losses exists in this checkout"
     for name in new:
         assert name in out["losses"] and "stablerl_" + name in out["losses"], name
-    for name in ("turn_ppo", "a3po", "rspo"):
+    for name in ("turn_ppo", "rspo"):
         assert name not in out["losses"] and "stablerl_" + name not in out["losses"], name
     # deferred at `import verl` (the adapter imports nothing heavy), then in place before any caller binds it
     assert out["patch"] == "deferred" and out["wrapped"] and out["distill_bound"] and out["ew_bound"] in (True, None)
@@ -492,3 +492,54 @@ def test_top_entropy_quantile_without_entropy_names_the_key(adapter, declared):
 def test_top_entropy_quantile_bad_value_refused_at_config(adapter):
     with pytest.raises(stablerl.StableRLError, match=r"top_entropy_quantile must be in \(0, 1\]"):
         _top_entropy_config(adapter, 1.5)
+
+
+# ----------------------------------------------------------------------------- A-3PO: one weight version per batch
+
+
+def _with_versions(data, lo, hi):
+    from tensordict.tensorclass import NonTensorData, NonTensorStack
+
+    for field, values in (("min_global_steps", lo), ("max_global_steps", hi)):
+        data[field] = NonTensorStack.from_list([NonTensorData(v) for v in values])
+    return data
+
+
+def test_a3po_gets_one_version_per_batch_through_ppo_loss(adapter, declared):
+    """verl's synchronous legacy trainer generates a batch with the weights its update starts from: every token is
+    of A-3PO's proximal version (v_theta - 1), alpha = 0, and the loss is decoupled PPO with the rollout log-prob as
+    the proximal one (behaviour weight 1): PPO's clip of exp(lp - lp_rollout), whatever verl's old_log_probs are."""
+    assert set(stablerl.get_spec("policy_loss", "a3po").requires) == {"rollout_log_prob", "versions", "policy_version"}
+    data, model_output, leaves, padded = _batch(seed=11)
+    loss, grad, metrics = _through_verl(_config(adapter, "a3po"), data, model_output, leaves)
+    versions = torch.zeros(padded["response_mask"].shape, dtype=torch.long)
+    ref_loss, ref_grad, ref_metrics = _direct("a3po", {**padded, "versions": versions, "policy_version": 1}, leaves,
+                                              ("rollout_log_prob", "versions", "policy_version"), **CLIP)
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-9, atol=1e-12)
+    torch.testing.assert_close(grad, ref_grad, rtol=1e-9, atol=1e-12)
+    assert metrics["actor/a3po/alpha_mean"] == 0.0 and metrics["actor/behave_imp_weight"] == pytest.approx(1.0)
+    # = the plain PPO clip against the rollout log-probs (the proximal policy), verl's old_log_probs unused
+    ppo = _direct("vanilla", {**padded, "old_log_prob": padded["rollout_log_prob"]}, leaves, (), **CLIP)
+    torch.testing.assert_close(loss, ppo[0], rtol=1e-9, atol=1e-12)
+    torch.testing.assert_close(grad, ppo[1], rtol=1e-9, atol=1e-12)
+    decoupled = _through_verl(_config(adapter, "decoupled_ppo"), data, model_output, leaves)[0]
+    assert abs(float(decoupled) - float(loss)) > 1e-4  # decoupled_ppo's proximal policy is verl's recompute
+    # verl's agent loop records each trajectory's weight version: one version v gives versions v, policy_version v+1
+    same = _with_versions(_batch(seed=11)[0], [7] * len(R), [7] * len(R))
+    torch.testing.assert_close(_through_verl(_config(adapter, "a3po"), same, model_output, leaves)[0], loss,
+                               rtol=0, atol=0)
+    assert declared.current() is None
+
+
+def test_a3po_refuses_batches_of_several_versions_and_async_trainers(adapter, declared, monkeypatch):
+    import sys
+
+    data, model_output, leaves, _ = _batch(seed=12)
+    mixed = _with_versions(data, [3, 3, 3, 3, 3, 2], [3, 3, 3, 3, 3, 3])  # one partial rollout spans versions 2-3
+    with pytest.raises(stablerl.StableRLError, match=r"a3po.*weight versions \[2, 3\].*min/max_global_steps"):
+        _through_verl(_config(adapter, "a3po"), mixed, model_output, leaves)
+    data, model_output, leaves, _ = _batch(seed=12)
+    monkeypatch.setitem(sys.modules, "transfer_queue", type(sys)("transfer_queue"))  # the v1 trainer's queue
+    with pytest.raises(stablerl.StableRLError, match=r"asynchronous verl trainer \(transfer_queue is loaded\)"):
+        _through_verl(_config(adapter, "a3po"), data, model_output, leaves)
+    assert declared.current() is None
