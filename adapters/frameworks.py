@@ -104,6 +104,8 @@ VERL = FrameworkSpec(
         BATCH_FILTER: _EXTENSION_INPUTS | {"entropy"},
         # the adapter wraps ActorRolloutRefWorker.update_actor: one call = one pass over the batch
         TRAINER_HOOK: frozenset({"params_view"}),
+        # the same wrapper sets actor.entropy_coeff (verl's ppo_loss bonus) before each update: adaptive_entropy
+        CONTROLLER: frozenset({"entropy_bonus"}),
     },
     why_not={
         "*": {
@@ -127,6 +129,12 @@ VERL = FrameworkSpec(
             "reward_baselines": "verl's RayPPOTrainer generates and scores the greedy baseline response only when "
             "algorithm.adv_estimator=remax (verl's own ReMax, which stablerl's equals)",
         },
+        CONTROLLER: {
+            "rollout_temperature": "verl's rollout temperature is one config value for the whole run, and its "
+            "trainers draw no control samples to swap into the batch",
+            "loss_term": "verl's ppo_loss adds only its own entropy bonus and KL terms; the adapter steers the bonus's "
+            "coefficient, it adds no loss term of a controller's own",
+        },
         ADVANTAGE_ESTIMATOR: {
             "entropy": "the estimators that read per-token entropy are opt-in (+algorithm.stablerl_batch_field_"
             "estimators=true): the legacy trainer's old-log-prob pass feeds it (the adapter keeps it), the v1 trainer "
@@ -147,19 +155,17 @@ VERL = FrameworkSpec(
                        "loss_mode)"},
         REWARD_SHAPER: {"entropy": _VERL_ENTROPY_AT_ADVANTAGE},
         BATCH_FILTER: {"entropy": _VERL_ENTROPY_AT_ADVANTAGE},
+        CONTROLLER: {"entropy_bonus": _VERL_HOOK_TARGET + " (the key lives on the stablerl policy-loss config; any "
+                     "loss_mode), actor_rollout_ref.actor.calculate_entropy=True and actor.entropy_coeff left at 0"},
         POLICY_LOSS: {
             "entropy": "actor_rollout_ref.actor.calculate_entropy=True (verl computes the update's entropy only then, "
             "or with entropy_coeff != 0)",
             "old_entropy": "the v1 trainer (trainer.use_v1=true, verl's default; the legacy trainer drops the "
             "old-log-prob pass's entropy before the update)",
             "versions": _VERL_ONE_VERSION,
-            "policy_version": _VERL_ONE_VERSION,
+            "policy_version": "the legacy trainer (trainer.use_v1=false), as for versions (the version after the "
+            "batch's)",
         },
-    },
-    why_no_key={
-        CONTROLLER: "an entropy controller must change the rollout temperature or add a loss term every step and be "
-        "checkpointed with the trainer, and verl 0.9.1 has no hook for either (+algorithm.stablerl_entropy_controller "
-        "is refused saying so; the TRL adapter runs them)",
     },
     selection_keys={
         POLICY_LOSS: _POLICY_LOSS + "loss_mode",
@@ -167,6 +173,7 @@ VERL = FrameworkSpec(
         REWARD_SHAPER: "+algorithm.stablerl_reward_shaper",
         BATCH_FILTER: "+algorithm.stablerl_batch_filter",
         TRAINER_HOOK: "+" + _POLICY_LOSS + "stablerl_trainer_hook",
+        CONTROLLER: "+" + _POLICY_LOSS + "stablerl_entropy_controller",
     },
     hyperparameter_keys={
         POLICY_LOSS: {
@@ -194,6 +201,7 @@ VERL = FrameworkSpec(
         REWARD_SHAPER: "+algorithm.stablerl_reward_shaper_params.{name}={value}",
         BATCH_FILTER: "+algorithm.stablerl_batch_filter_params.{name}={value}",
         TRAINER_HOOK: "+" + _POLICY_LOSS + "stablerl_trainer_hook_params={{{name}:{value}}}",
+        CONTROLLER: "+" + _POLICY_LOSS + "stablerl_entropy_controller_params={{{name}:{value}}}",
     },
     usage='pip install "stablerl[verl]"; select with verl\'s own config keys (entry point verl.plugins)',
     switches={"rollout_correction": "algorithm.rollout_correction.rollout_is",
@@ -236,6 +244,8 @@ TRL = FrameworkSpec(
         BATCH_FILTER: _EXTENSION_INPUTS | {"pos_count", "neg_count", "entropy"},
         # the adapter runs num_iterations optimizer passes over each generation batch and calls the hook between them
         TRAINER_HOOK: frozenset({"params_view"}),
+        # controllers: the generation temperature, and their penalty (an entropy bonus or their own term) in the loss
+        CONTROLLER: frozenset({"entropy_bonus", "rollout_temperature", "loss_term"}),
         # stablerl_rollout_correction: the engine's sampling log-probs, with TRL's own IS correction off
         ROLLOUT_CORRECTION: frozenset({"rollout_log_prob"}),
     },
@@ -462,6 +472,12 @@ def _verl_lines(spec: AlgorithmSpec) -> list[str]:
         if spec.name == "sfpo":
             lines.append("(actor_rollout_ref.actor.calculate_entropy=True feeds its entropy stop rule)")
         return lines
+    if spec.kind == CONTROLLER:
+        lines = [_VERL_HOOK_TARGET, f"{VERL.selection_keys[CONTROLLER]}={spec.name}"]
+        if fields:
+            lines.append(f"+{_POLICY_LOSS}stablerl_entropy_controller_params={{"
+                         + ",".join(f"{f}:<value>" for f in fields) + "}")
+        return lines + [_ACTOR + "calculate_entropy=True  # the controller is stepped with verl's actor/entropy_loss"]
     if spec.kind in (REWARD_SHAPER, BATCH_FILTER):
         key = "reward_shaper" if spec.kind == REWARD_SHAPER else "batch_filter"
         return [f"+algorithm.stablerl_{key}={spec.name}"] + [f"+algorithm.stablerl_{key}_params.{f}=<value>" for f in fields]

@@ -274,7 +274,13 @@ def test_controllers_reach_trl_and_the_others_say_why():
     assert F.reach(F.get_framework("trl"), aepo) == ("selectable", "aepo")
     assert 'GRPOConfig(entropy_controller="aepo", ...)' in F.config_lines(aepo)["trl"]
     status, why = F.reach(F.get_framework("verl"), aepo)
-    assert status == "refused" and "verl 0.9.1 has no hook for either" in why
+    assert status == "refused" and "rollout_temperature: verl's rollout temperature is one config value" in why
+    # verl runs the controller that acts through its own entropy bonus (actor.entropy_coeff)
+    adaptive = stablerl.get_spec("controller", "adaptive_entropy")
+    assert F.reach(F.get_framework("verl"), adaptive) == ("partial", "adaptive_entropy")
+    assert F.reach(F.get_framework("trl"), adaptive) == ("selectable", "adaptive_entropy")
+    assert "+actor_rollout_ref.actor.policy_loss.stablerl_entropy_controller=adaptive_entropy" in F.config_lines(
+        adaptive)["verl"]
     capo = stablerl.get_spec(POLICY_LOSS, "capo")
     for fw in F.list_frameworks():  # every refusal in the framework's own words, not the input's description
         status, why = F.reach(fw, capo)

@@ -210,10 +210,11 @@ def selection(config: Any) -> dict[str, Any]:
     controller = _name_or_none(_cfg(config, CONTROLLER_KEY, None))
     if controller is not None:
         raise StableRLError(
-            f"algorithm.{CONTROLLER_KEY}={controller!r}: entropy controllers are not wired into verl's trainer loop "
-            "(they must change the rollout temperature / add a loss term every step and be checkpointed with the "
-            "trainer; verl 0.9.1 has no hook for either). Use the TRL adapter, or stablerl.make_controller in your "
-            "own trainer subclass"
+            f"algorithm.{CONTROLLER_KEY}={controller!r}: an entropy controller runs in the actor workers, which do "
+            "not see the algorithm config: select it on the stablerl policy-loss config "
+            "(actor_rollout_ref.actor.policy_loss._target_=stablerl.adapters.verl.StablePolicyLossConfig "
+            f"+actor_rollout_ref.actor.policy_loss.stablerl_entropy_controller={controller}); verl runs only "
+            "controllers that act through its entropy bonus (adaptive_entropy)"
         )
     out: dict[str, Any] = {"shaper": None, "filter": None}
     for slot, kind, key, pkey in (

@@ -1,4 +1,5 @@
-"""Trainer hooks (``stablerl.TrainerHook``, e.g. SFPO) around verl 0.9.1's actor update.
+"""Trainer hooks (``stablerl.TrainerHook``, e.g. SFPO) around verl 0.9.1's actor update (and the entropy
+controller's step, :mod:`stablerl.adapters.verl._controller`).
 
 verl's actor config rejects unknown keys, so a hook is selected on the stablerl policy-loss config, which
 the workers see too::
@@ -170,10 +171,20 @@ def run_passes(worker: Any, hook: Any, update: Any, data: Any, args: tuple, kwar
 def _wrap_update_actor(update):
     @functools.wraps(update)  # keeps verl's dispatch attributes (register's MAGIC_ATTR)
     def update_actor(self, data, *args, **kwargs):
-        hook = hook_for(getattr(self, "config", None))
+        from . import _controller
+
+        config = getattr(self, "config", None)
+        controller = _controller.controller_for(config)
+        applied = _controller.before_update(self, controller) if controller is not None else None
+        hook = hook_for(config)
         if hook is None:
-            return update(self, data, *args, **kwargs)
-        return run_passes(self, hook, update, data, args, kwargs)
+            output = update(self, data, *args, **kwargs)
+        else:
+            output = run_passes(self, hook, update, data, args, kwargs)
+        if controller is not None:
+            name = _controller.selection(_cfg_get(_cfg_get(config, "actor"), "policy_loss"))[0]
+            _controller.after_update(controller, name, output, applied)
+        return output
 
     return update_actor
 
