@@ -38,28 +38,18 @@ def _cfg_get(cfg: Any, key: str, default: Any = None) -> Any:
 
 def selection(policy_loss_cfg: Any) -> tuple[Optional[str], dict]:
     """``(controller name or None, its params)`` from an ``actor.policy_loss`` config."""
-    name = _cfg_get(policy_loss_cfg, KEY)
-    if name is None or (isinstance(name, str) and name.strip().lower() in ("", "none", "null")):
-        return None, {}
-    params = _cfg_get(policy_loss_cfg, PARAMS_KEY) or {}
-    return str(name), {str(k): v for k, v in dict(params).items()}
+    from ._trainer_hook import selection as select
+
+    return select(policy_loss_cfg, KEY, PARAMS_KEY)
 
 
 def check_selection(policy_loss_cfg: Any) -> Optional[str]:
     """Refuse an unknown or unfeedable controller and bad hyper-parameters where the config is built."""
-    import stablerl
     from stablerl.contracts import CONTROLLER
-    from stablerl.frameworks import resolve
-    from stablerl.params import StableRLError, build_params
 
-    name, params = selection(policy_loss_cfg)
-    if name is None:
-        if _cfg_get(policy_loss_cfg, PARAMS_KEY):
-            raise StableRLError(f"policy_loss.{PARAMS_KEY} is set but policy_loss.{KEY} is not")
-        return None
-    resolve("verl", CONTROLLER, name)  # unknown name / an input verl cannot feed: the reason in verl's words
-    build_params(stablerl.get_spec(CONTROLLER, name), params)
-    return name
+    from ._trainer_hook import check_selection as check
+
+    return check(policy_loss_cfg, CONTROLLER, KEY, PARAMS_KEY)
 
 
 def controller_for(worker_config: Any):

@@ -46,29 +46,31 @@ def _cfg_get(cfg: Any, key: str, default: Any = None) -> Any:
     return getter(key, default) if callable(getter) else getattr(cfg, key, default)
 
 
-def selection(policy_loss_cfg: Any) -> tuple[Optional[str], dict]:
-    """``(hook name or None, its params)`` from an ``actor.policy_loss`` config."""
-    name = _cfg_get(policy_loss_cfg, HOOK_KEY)
-    if name is None or (isinstance(name, str) and name.strip().lower() in ("", "none")):
+def selection(policy_loss_cfg: Any, key: str = HOOK_KEY, params_key: str = HOOK_PARAMS_KEY) -> tuple[Optional[str], dict]:
+    """``(name or None, its params)`` of the extension selected by ``key`` on an ``actor.policy_loss`` config
+    (the trainer hook by default; the entropy controller's keys are read the same way)."""
+    name = _cfg_get(policy_loss_cfg, key)
+    if name is None or (isinstance(name, str) and name.strip().lower() in ("", "none", "null")):
         return None, {}
-    params = _cfg_get(policy_loss_cfg, HOOK_PARAMS_KEY) or {}
+    params = _cfg_get(policy_loss_cfg, params_key) or {}
     return str(name), {str(k): v for k, v in dict(params).items()}
 
 
-def check_selection(policy_loss_cfg: Any) -> Optional[str]:
-    """Refuse an unknown, unavailable or unfeedable hook and bad hyper-parameters where the config is built."""
+def check_selection(policy_loss_cfg: Any, kind: str = "trainer_hook", key: str = HOOK_KEY,
+                    params_key: str = HOOK_PARAMS_KEY) -> Optional[str]:
+    """Refuse an unknown, unavailable or unfeedable extension of ``kind`` (a trainer hook by default) and bad
+    hyper-parameters where the config is built."""
     import stablerl
-    from stablerl.contracts import TRAINER_HOOK
     from stablerl.frameworks import resolve
     from stablerl.params import StableRLError, build_params
 
-    name, params = selection(policy_loss_cfg)
+    name, params = selection(policy_loss_cfg, key, params_key)
     if name is None:
-        if _cfg_get(policy_loss_cfg, HOOK_PARAMS_KEY):
-            raise StableRLError(f"policy_loss.{HOOK_PARAMS_KEY} is set but policy_loss.{HOOK_KEY} is not")
+        if _cfg_get(policy_loss_cfg, params_key):
+            raise StableRLError(f"policy_loss.{params_key} is set but policy_loss.{key} is not")
         return None
-    resolve("verl", TRAINER_HOOK, name)
-    build_params(stablerl.get_spec(TRAINER_HOOK, name), params)
+    resolve("verl", kind, name)  # unknown name / an input verl cannot feed: the reason in verl's words
+    build_params(stablerl.get_spec(kind, name), params)
     return name
 
 
