@@ -23,6 +23,8 @@ from __future__ import annotations
 import logging
 from typing import Any, Optional
 
+from stablerl.adapters.verl import _actor_update as _shared
+
 logger = logging.getLogger("stablerl.adapters.verl")
 
 KEY, PARAMS_KEY = "stablerl_entropy_controller", "stablerl_entropy_controller_params"
@@ -30,26 +32,14 @@ ENTROPY_METRIC = "actor/entropy_loss"
 _CONTROLLERS: dict[str, Any] = {}  # name -> the controller of this process (one actor per worker process)
 
 
-def _cfg_get(cfg: Any, key: str, default: Any = None) -> Any:
-    from ._trainer_hook import _cfg_get as get
-
-    return get(cfg, key, default)
-
-
 def selection(policy_loss_cfg: Any) -> tuple[Optional[str], dict]:
     """``(controller name or None, its params)`` from an ``actor.policy_loss`` config."""
-    from ._trainer_hook import selection as select
-
-    return select(policy_loss_cfg, KEY, PARAMS_KEY)
+    return _shared.selection(policy_loss_cfg, KEY, PARAMS_KEY)
 
 
 def check_selection(policy_loss_cfg: Any) -> Optional[str]:
     """Refuse an unknown or unfeedable controller and bad hyper-parameters where the config is built."""
-    from stablerl.contracts import CONTROLLER
-
-    from ._trainer_hook import check_selection as check
-
-    return check(policy_loss_cfg, CONTROLLER, KEY, PARAMS_KEY)
+    return _shared.check_selection(policy_loss_cfg, "controller", KEY, PARAMS_KEY)
 
 
 def controller_for(worker_config: Any):
@@ -60,17 +50,17 @@ def controller_for(worker_config: Any):
 
     from . import _inputs
 
-    actor = _cfg_get(worker_config, "actor")
-    name, params = selection(_cfg_get(actor, "policy_loss"))
+    actor = _shared.cfg_get(worker_config, "actor")
+    name, params = selection(_shared.cfg_get(actor, "policy_loss"))
     if name is None:
         return None
     controller = _CONTROLLERS.get(name)
     if controller is None:
-        if float(_cfg_get(actor, "entropy_coeff", 0.0) or 0.0) != 0.0:
+        if float(_shared.cfg_get(actor, "entropy_coeff", 0.0) or 0.0) != 0.0:
             raise StableRLError(
                 f"policy_loss.{KEY}={name!r} sets verl's entropy bonus coefficient itself: leave "
                 "actor_rollout_ref.actor.entropy_coeff at 0 (the initial coefficient is the controller's entropy_coef)")
-        if not _cfg_get(actor, "calculate_entropy", False):
+        if not _shared.cfg_get(actor, "calculate_entropy", False):
             raise StableRLError(
                 f"policy_loss.{KEY}={name!r} is stepped with verl's {ENTROPY_METRIC}, which verl computes only with "
                 "actor_rollout_ref.actor.calculate_entropy=True (or entropy_coeff != 0, which the controller sets)")
@@ -105,10 +95,8 @@ def after_update(controller: Any, name: str, output: Any, applied: float) -> Non
     """Step the controller with the update's entropy (the same on every rank) and report its decision."""
     from stablerl.params import StableRLError
 
-    from ._trainer_hook import _agreed, _as_float, _metrics
-
-    metrics = _metrics(output)
-    entropy = _agreed(_as_float(metrics.get(ENTROPY_METRIC)) if metrics is not None else None)
+    metrics = _shared.metrics_of(output)
+    entropy = _shared.agreed(_shared.as_float(metrics.get(ENTROPY_METRIC)) if metrics is not None else None)
     if entropy is None:
         raise StableRLError(f"stablerl entropy controller {name!r}: verl reported no {ENTROPY_METRIC} for this update "
                             "(set actor_rollout_ref.actor.calculate_entropy=True)")

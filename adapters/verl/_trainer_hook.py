@@ -25,8 +25,8 @@ import functools
 import logging
 from typing import Any, Optional
 
-import torch
-
+from stablerl.adapters.verl import _actor_update as _shared
+from stablerl.adapters.verl import _controller
 from stablerl.adapters.verl._ledger import LEDGER
 
 logger = logging.getLogger("stablerl.adapters.verl")
@@ -39,39 +39,14 @@ _HOOKS: dict[str, Any] = {}  # name -> the hook of this process (one actor per w
 _WARNED: set = set()
 
 
-def _cfg_get(cfg: Any, key: str, default: Any = None) -> Any:
-    if cfg is None:
-        return default
-    getter = getattr(cfg, "get", None)
-    return getter(key, default) if callable(getter) else getattr(cfg, key, default)
+def selection(policy_loss_cfg: Any) -> tuple[Optional[str], dict]:
+    """``(hook name or None, its params)`` from an ``actor.policy_loss`` config."""
+    return _shared.selection(policy_loss_cfg, HOOK_KEY, HOOK_PARAMS_KEY)
 
 
-def selection(policy_loss_cfg: Any, key: str = HOOK_KEY, params_key: str = HOOK_PARAMS_KEY) -> tuple[Optional[str], dict]:
-    """``(name or None, its params)`` of the extension selected by ``key`` on an ``actor.policy_loss`` config
-    (the trainer hook by default; the entropy controller's keys are read the same way)."""
-    name = _cfg_get(policy_loss_cfg, key)
-    if name is None or (isinstance(name, str) and name.strip().lower() in ("", "none", "null")):
-        return None, {}
-    params = _cfg_get(policy_loss_cfg, params_key) or {}
-    return str(name), {str(k): v for k, v in dict(params).items()}
-
-
-def check_selection(policy_loss_cfg: Any, kind: str = "trainer_hook", key: str = HOOK_KEY,
-                    params_key: str = HOOK_PARAMS_KEY) -> Optional[str]:
-    """Refuse an unknown, unavailable or unfeedable extension of ``kind`` (a trainer hook by default) and bad
-    hyper-parameters where the config is built."""
-    import stablerl
-    from stablerl.frameworks import resolve
-    from stablerl.params import StableRLError, build_params
-
-    name, params = selection(policy_loss_cfg, key, params_key)
-    if name is None:
-        if _cfg_get(policy_loss_cfg, params_key):
-            raise StableRLError(f"policy_loss.{params_key} is set but policy_loss.{key} is not")
-        return None
-    resolve("verl", kind, name)  # unknown name / an input verl cannot feed: the reason in verl's words
-    build_params(stablerl.get_spec(kind, name), params)
-    return name
+def check_selection(policy_loss_cfg: Any) -> Optional[str]:
+    """Refuse an unknown, unavailable or unfeedable hook and bad hyper-parameters where the config is built."""
+    return _shared.check_selection(policy_loss_cfg, "trainer_hook", HOOK_KEY, HOOK_PARAMS_KEY)
 
 
 def hook_for(worker_config: Any):
@@ -81,7 +56,7 @@ def hook_for(worker_config: Any):
 
     from . import _inputs
 
-    policy_loss = _cfg_get(_cfg_get(worker_config, "actor"), "policy_loss")
+    policy_loss = _shared.cfg_get(_shared.cfg_get(worker_config, "actor"), "policy_loss")
     name, params = selection(policy_loss)
     if name is None:
         return None
@@ -92,40 +67,6 @@ def hook_for(worker_config: Any):
         _inputs.STATE.track(TRAINER_HOOK, name, hook)  # saved / restored with the per-rank loss state
         logger.warning("stablerl/verl: trainer hook %r runs with %s", name, params or "its defaults")
     return hook
-
-
-def _as_float(value: Any) -> Optional[float]:
-    if value is None:
-        return None
-    aggregate = getattr(value, "aggregate", None)
-    if callable(aggregate):  # verl's Metric
-        return float(aggregate())
-    if isinstance(value, (list, tuple)):
-        values = [v for v in (_as_float(x) for x in value) if v is not None]
-        return sum(values) / len(values) if values else None
-    if isinstance(value, torch.Tensor):
-        return float(value.float().mean())
-    return float(value)
-
-
-def _metrics(output: Any) -> Optional[dict]:
-    if output is None:
-        return None
-    try:
-        from verl.utils import tensordict_utils as tu
-
-        return tu.get(output, "metrics")
-    except Exception:  # noqa: BLE001 - no metrics on this rank
-        return None
-
-
-def _agreed(value: Optional[float]) -> Optional[float]:
-    """The pass's statistic as rank 0 of those that have it sees it: every rank feeds the hook the same."""
-    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
-        return value
-    gathered: list = [None] * torch.distributed.get_world_size()
-    torch.distributed.all_gather_object(gathered, value)
-    return next((v for v in gathered if v is not None), None)
 
 
 def run_passes(worker: Any, hook: Any, update: Any, data: Any, args: tuple, kwargs: dict) -> Any:
@@ -150,8 +91,8 @@ def run_passes(worker: Any, hook: Any, update: Any, data: Any, args: tuple, kwar
     output = None
     for k in range(passes):
         output = update(worker, data.copy(), *args, **kwargs)  # train_mini_batch pops its options from the batch
-        metrics = _metrics(output)
-        entropy = _agreed(_as_float(metrics.get(ENTROPY_METRIC)) if metrics is not None else None)
+        metrics = _shared.metrics_of(output)
+        entropy = _shared.agreed(_shared.as_float(metrics.get(ENTROPY_METRIC)) if metrics is not None else None)
         if entropy is None and "no_entropy" not in _WARNED:
             _WARNED.add("no_entropy")
             logger.warning("stablerl/verl: the trainer hook gets no entropy (verl reports %s only with "
@@ -161,7 +102,7 @@ def run_passes(worker: Any, hook: Any, update: Any, data: Any, args: tuple, kwar
         for key, v in out.items():
             if isinstance(v, (bool, int, float)):
                 extra[f"stablerl/{key}"] = float(v)
-    metrics = _metrics(output)
+    metrics = _shared.metrics_of(output)
     if metrics is not None:
         name = next(n for n, h in _HOOKS.items() if h is hook)
         for key, v in extra.items():
@@ -173,8 +114,6 @@ def run_passes(worker: Any, hook: Any, update: Any, data: Any, args: tuple, kwar
 def _wrap_update_actor(update):
     @functools.wraps(update)  # keeps verl's dispatch attributes (register's MAGIC_ATTR)
     def update_actor(self, data, *args, **kwargs):
-        from . import _controller
-
         config = getattr(self, "config", None)
         controller = _controller.controller_for(config)
         applied = _controller.before_update(self, controller) if controller is not None else None
@@ -184,7 +123,7 @@ def _wrap_update_actor(update):
         else:
             output = run_passes(self, hook, update, data, args, kwargs)
         if controller is not None:
-            name = _controller.selection(_cfg_get(_cfg_get(config, "actor"), "policy_loss"))[0]
+            name = _controller.selection(_shared.cfg_get(_shared.cfg_get(config, "actor"), "policy_loss"))[0]
             _controller.after_update(controller, name, output, applied)
         return output
 
