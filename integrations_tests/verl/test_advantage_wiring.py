@@ -172,7 +172,7 @@ def test_resampling_filter_and_bad_keys_are_refused(adapter, site, rewards_batch
     with pytest.raises(stablerl.StableRLError, match="scale"):
         _compute(_data(rewards, mask, index), "qae",
                  _algorithm(stablerl_reward_shaper="redit", stablerl_reward_shaper_params={"scael": 0.1}))
-    with pytest.raises(stablerl.StableRLError, match="not wired into verl"):
+    with pytest.raises(stablerl.StableRLError, match="select it on the stablerl policy-loss config"):
         _compute(_data(rewards, mask, index), "qae", _algorithm(stablerl_entropy_controller="aepo"))
     with pytest.raises(stablerl.StableRLError, match="stablerl_reward_shaper is not"):
         _compute(_data(rewards, mask, index), "qae", _algorithm(stablerl_reward_shaper_params={"scale": 0.1}))
