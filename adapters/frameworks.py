@@ -208,7 +208,8 @@ VERL = FrameworkSpec(
               "routing_replay": "+actor_rollout_ref.actor.fsdp_config.router_replay.mode=R2  # or R3 (FSDP engine)"},
     algorithm_notes={
         "a3po": "verl records no per-token versions; its legacy trainer generates each batch with the weights the "
-        "update starts from, so the adapter gives every token that version and policy_version = version + 1: alpha "
+        "update starts from (global_steps - 1, which the adapter's wrap of RayPPOTrainer._update_actor puts in the "
+        "batch), so the adapter gives every token that version and policy_version = version + 1: alpha "
         "= 0, the proximal log-prob is rollout_log_prob (behaviour weight 1) and r = exp(lp - lp_rollout) is clipped "
         "for every mini-batch and epoch (verl's recomputed old_log_prob is unused unless "
         "prox_logp_method=recompute). verl's bypass mode replaces any loss_mode by its own bypass_mode loss",
