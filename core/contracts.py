@@ -88,6 +88,12 @@ OPTIONAL_INPUTS: dict[str, str] = {
     "batch, and control of how many passes run (a trainer hook's ParamsView and passes_per_batch)",
     "sampling_rounds": "a rollout loop that draws more responses for a prompt in further rounds when a trainer "
     "hook's samples_per_prompt asks for them",
+    # what an entropy controller acts on every step (capabilities an adapter provides)
+    "entropy_bonus": "an entropy bonus -c agg(H) in the loss whose coefficient c the controller sets before every "
+    "step, stepped after it with the step's all-reduced mean entropy",
+    "rollout_temperature": "the rollout's sampling temperature, set by the controller every step, and the "
+    "controller's control samples in the batch",
+    "loss_term": "a loss term of the controller's own on the training forward's entropies, added every step",
 }
 
 # inputs every policy loss receives anyway that an advantage estimator may declare (AdvantageBatch fields)

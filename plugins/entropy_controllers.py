@@ -364,6 +364,7 @@ def register_controllers(register):
         title="AEPO (Arbitrary Entropy Policy Optimization): temperature-adjusted REINFORCE samples",
         formula="T = T_high (1.2) if H_prev <= H_target (0.5) else T_low (0.8); replace min(60, #kept) rows (half above target)",
         status=EXPERIMENTAL,
+        requires=("rollout_temperature",),  # the trainer samples the control batch at the returned temperature
         metrics=("temperature", "num_samples", "below_target", "active"),
         reference="597358816/AEPO verl/trainer/ray_trainer.py::fit (alg == 'AEPO'), read via the catalogue",
         notes=(
@@ -386,7 +387,7 @@ def register_controllers(register):
         title="EPO: per-turn entropy history, smoothing penalty and phase schedule (multi-turn agents)",
         formula="L += c_ent c_smooth w(e) agg(P), P = 0 if k_l Hh[s] < H < k_h Hh[s] else pen (s >= S/2); w: E = 150 phase weight",
         status=EXPERIMENTAL,
-        requires=(),
+        requires=("loss_term",),
         metrics=("epo/phase_weight", "epo/out_of_range_frac", "epo/active_sample_frac", "epo/smooth_penalty"),
         reference="WujiangXu/EPO dp_actor.py::{generate_entropy_penalty, _calculate_epoch_based_entropy_weight}, "
         "ray_trainer.py::entropy_history (read via the catalogue)",
@@ -413,6 +414,7 @@ def register_controllers(register):
         formula="c <- clip(c + delta sign(target - H), c_min, c_max) per step (H = target: +delta); L -= c agg(H) "
         "while H_prev <= target; c0 = 0, target 0.2, delta 0.005, [0, 1]",
         status=EXPERIMENTAL,
+        requires=("entropy_bonus",),
         metrics=("entropy_coef", "active", "adaptive_entropy/applied_coef"),
         reference="TRL 1.16 GRPOTrainer use_adaptive_entropy (_compute_loss; its parity test runs both trainers)",
         notes=(
@@ -421,6 +423,7 @@ def register_controllers(register):
             "framework's per-micro-batch entropy means (TRL's controller uses the token-weighted mean over the "
             "accumulation window: equal with gradient_accumulation_steps=1 or equal token counts). The loss term "
             "is aggregated with the adapter's token-mean over the accumulation window (TRL: per-micro-batch mean / "
-            "GA). Selectable where controllers run (TRL); verl and OpenRLHF have their own static entropy_coeff."
+            "GA). verl: the adapter sets actor.entropy_coeff to c before each update (verl's ppo_loss subtracts "
+            "entropy_coeff agg(H), the same term) and steps c once per update_actor call."
         ),
     )

@@ -48,10 +48,11 @@ def test_list_table(capsys):
     erc = next(line.split() for line in out.splitlines() if line.startswith("erc "))
     assert erc[-3:] == ["partial", "yes", "yes"]
     d3s = next(line.split() for line in out.splitlines() if line.startswith("d3s "))
-    assert d3s[-3:] == ["no", "yes", "yes"]
+    assert d3s[-3:] == ["partial", "yes", "yes"]
     # every partial says what to set, every refusal why, per framework
     assert "  partial  pacs: needs index: --train.micro_batch_size" in out
-    assert "  refused  d3s: needs entropy (entropy: no per-token entropy reaches verl's compute_advantage" in out
+    assert "  partial  d3s: needs entropy: the legacy trainer (trainer.use_v1=false) without bypass mode" in out
+    assert "  refused  aepo: needs rollout_temperature (rollout_temperature: verl's rollout temperature" in out
     code, brief, _ = run_cli(capsys, "list", "--brief")
     assert "refused  d3s" not in brief and "reach: verl" in brief
 
@@ -84,7 +85,7 @@ def test_readme_table_is_generated_from_the_reach_rows():
     assert "| [`pacs`](docs/algorithms/policy_loss/pacs.md) | policy_loss | " in table
     assert "| yes | yes | partial |" in table.split("`pacs`")[1].splitlines()[0]
     page = docs.page(stablerl.get_spec("policy_loss", "a3po"))
-    assert "| verl | refused | needs versions, policy_version (versions: verl's batch has no per-token" in page
+    assert "| verl | partial | as `a3po`; needs versions: the legacy trainer (trainer.use_v1=false)" in page
     assert "| trl | selectable | as `erc` |" in docs.page(stablerl.get_spec("policy_loss", "erc"))
 
 

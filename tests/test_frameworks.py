@@ -44,14 +44,20 @@ def test_one_name_rule_in_every_framework():
 def test_refusals_say_why_in_the_frameworks_words():
     with pytest.raises(stablerl.MissingInputError, match=r"hidden_states: OpenRLHF's Actor.forward returns log-probs"):
         F.resolve("openrlhf", POLICY_LOSS, "capo")
-    status, why = F.reach(F.get_framework("verl"), stablerl.get_spec(POLICY_LOSS, "a3po"))
-    assert status == "refused" and "policy_version: verl's ppo_loss is not told how many optimizer steps" in why
-    status, why = F.reach(F.get_framework("verl"), stablerl.get_spec("batch_filter", "d3s"))
-    assert status == "refused" and "the legacy trainer pops the old-log-prob pass's 'entropys'" in why
+    status, why = F.reach(F.get_framework("openrlhf"), stablerl.get_spec(POLICY_LOSS, "a3po"))
+    assert status == "refused" and "versions: OpenRLHF's experiences carry no per-token policy versions" in why
+    # verl: one weight version per batch in its synchronous legacy trainer (A-3PO's alpha = 0), under that setting
+    assert F.reach(F.get_framework("verl"), stablerl.get_spec(POLICY_LOSS, "a3po")) == ("partial", "a3po")
+    assert any(n.startswith("versions: the legacy trainer (trainer.use_v1=false)")
+               for n in F.reach_conditions(F.get_framework("verl"), stablerl.get_spec(POLICY_LOSS, "a3po")))
+    # the old-log-prob pass's entropy at verl's advantage step: kept by the adapter in the legacy trainer only
+    assert F.reach(F.get_framework("verl"), stablerl.get_spec("batch_filter", "d3s")) == ("partial", "d3s")
+    assert F.reach_conditions(F.get_framework("verl"), stablerl.get_spec("batch_filter", "d3s"))[0].startswith(
+        "entropy: the legacy trainer (trainer.use_v1=false) without bypass mode")
     # the old-log-prob pass's entropy: every framework feeds it to erc (verl: under a setting)
     assert F.selectable_in(stablerl.get_spec(POLICY_LOSS, "erc")) == ["verl", "trl", "openrlhf"]
     assert F.selectable_in(stablerl.get_spec(POLICY_LOSS, "m2po")) == ["verl", "trl", "openrlhf"]
-    assert F.selectable_in(stablerl.get_spec("batch_filter", "gtpo_entropy_filter")) == ["trl", "openrlhf"]
+    assert F.selectable_in(stablerl.get_spec("batch_filter", "gtpo_entropy_filter")) == ["verl", "trl", "openrlhf"]
 
 
 def test_partial_reach_says_what_the_user_must_set():
@@ -268,7 +274,13 @@ def test_controllers_reach_trl_and_the_others_say_why():
     assert F.reach(F.get_framework("trl"), aepo) == ("selectable", "aepo")
     assert 'GRPOConfig(entropy_controller="aepo", ...)' in F.config_lines(aepo)["trl"]
     status, why = F.reach(F.get_framework("verl"), aepo)
-    assert status == "refused" and "verl 0.9.1 has no hook for either" in why
+    assert status == "refused" and "rollout_temperature: verl's rollout temperature is one config value" in why
+    # verl runs the controller that acts through its own entropy bonus (actor.entropy_coeff)
+    adaptive = stablerl.get_spec("controller", "adaptive_entropy")
+    assert F.reach(F.get_framework("verl"), adaptive) == ("partial", "adaptive_entropy")
+    assert F.reach(F.get_framework("trl"), adaptive) == ("selectable", "adaptive_entropy")
+    assert "+actor_rollout_ref.actor.policy_loss.stablerl_entropy_controller=adaptive_entropy" in F.config_lines(
+        adaptive)["verl"]
     capo = stablerl.get_spec(POLICY_LOSS, "capo")
     for fw in F.list_frameworks():  # every refusal in the framework's own words, not the input's description
         status, why = F.reach(fw, capo)

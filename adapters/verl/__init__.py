@@ -43,6 +43,12 @@ Trainer hooks (SFPO) around the worker's ``update_actor`` (:mod:`stablerl.adapte
     actor_rollout_ref.actor.policy_loss._target_=stablerl.adapters.verl.StablePolicyLossConfig
     +actor_rollout_ref.actor.policy_loss.stablerl_trainer_hook=sfpo
 
+Entropy controllers that steer verl's entropy bonus (adaptive_entropy), stepped by the same wrapper
+(:mod:`stablerl.adapters.verl._controller`)::
+
+    +actor_rollout_ref.actor.policy_loss.stablerl_entropy_controller=adaptive_entropy
+    actor_rollout_ref.actor.calculate_entropy=True
+
 Fallback when entry points are disabled (``VERL_USE_EXTERNAL_PLUGINS=none``):
 ``actor_rollout_ref.model.external_lib=stablerl.adapters.verl`` or
 ``VERL_USE_EXTERNAL_MODULES=stablerl.adapters.verl``.
@@ -71,6 +77,7 @@ from stablerl.adapters.verl import _engine as engine  # noqa: E402  (imports no 
 from stablerl.adapters.verl import _routing_replay as routing_replay  # noqa: E402
 from stablerl.adapters.verl import _state as checkpoint_state  # noqa: E402
 from stablerl.adapters.verl import _trainer_hook as trainer_hook  # noqa: E402  (imports no verl)
+from stablerl.adapters.verl import _controller as entropy_controller  # noqa: E402  (imports no verl)
 from stablerl.adapters.verl._ledger import LEDGER as _LEDGER  # noqa: E402
 from stablerl.frameworks import UnsupportedVersionError, check_version, get_framework  # noqa: E402
 
@@ -225,8 +232,10 @@ def _check_policy_loss_config(cfg: Any) -> None:
     from stablerl.params import build_params
 
     trainer_hook.check_selection(cfg)  # a trainer hook (e.g. sfpo) may go with any loss, verl's own too
+    entropy_controller.check_selection(cfg)  # so may an entropy controller (adaptive_entropy)
     name = VERL_NAMES["policy_loss"].get(getattr(cfg, "loss_mode", None))
-    extra = set(_REPORT["policy_loss_config_fields"]) - {trainer_hook.HOOK_KEY, trainer_hook.HOOK_PARAMS_KEY}
+    extra = set(_REPORT["policy_loss_config_fields"]) - {trainer_hook.HOOK_KEY, trainer_hook.HOOK_PARAMS_KEY,
+                                                          entropy_controller.KEY, entropy_controller.PARAMS_KEY}
     if name is None:  # a verl loss (or one registered later): verl decides
         return
     spec = stablerl.get_spec(stablerl.POLICY_LOSS, name)
@@ -286,6 +295,7 @@ def registration_report() -> dict[str, Any]:
         "engine": engine.status(),
         "routing_replay": routing_replay.status(),
         "trainer_hook": trainer_hook.status(),
+        "entropy_controller": entropy_controller.status(),
         "advantage_inputs": _adv_site.describe(),
         "ppo_loss_patched": _declared.is_patched(),
         "declared_inputs": _declared.describe(),
@@ -461,4 +471,5 @@ __all__ = [
     "engine",
     "checkpoint_state",
     "trainer_hook",
+    "entropy_controller",
 ]

@@ -30,7 +30,11 @@ What reaches the call site differs by trainer (verl 0.9.1):
 
 * legacy ``RayPPOTrainer``: the whole rollout batch (``responses``, ``old_log_probs``,
   ``rollout_log_probs``, ``token_level_scores``, the reward function's ``reward_extra_info`` as
-  non-tensor fields...), except the old-pass entropies, which it pops (``entropys``) before;
+  non-tensor fields...), except the old-pass entropies, which it pops (``entropys``) before. When the
+  selected shaper, filter or estimator declares ``entropy``, the adapter's wrap of
+  ``RayPPOTrainer._compute_old_log_prob`` keeps them under :data:`KEPT_ENTROPY` (the trainer pops only
+  ``entropys``); this wrapper reads them and removes the field again, so the update gets verl's own batch.
+  The same wrap records the trainer's ``total_training_steps`` (``Context.total_steps``, for schedules);
 * v1 trainer (``trainer.use_v1=true``): ``_compute_advantage`` fetches only ``uid, response_mask,
   rm_scores, rollout_log_probs, old_log_probs, ref_log_prob, values`` from the transfer queue, and
   writes back only ``advantages``/``returns`` (``response_mask`` only with rollout correction).
@@ -103,10 +107,10 @@ SOURCES: dict[str, tuple[tuple[str, ...], str]] = {
         + _V1_FIELDS + ")",
     ),
     "entropy": (
-        ("entropys", "entropy"),
-        "a per-token 'entropys' (or 'entropy') batch field; neither stock trainer has it there: the legacy "
-        "trainer pops 'entropys' after the old-log-prob pass and v1's _compute_advantage fetches only "
-        + _V1_FIELDS + "; a trainer subclass or agent loop must keep/put it in the batch",
+        ("stablerl_old_entropys", "entropys", "entropy"),
+        "the legacy trainer's old-log-prob pass (its 'entropys', which the adapter keeps as 'stablerl_old_entropys' "
+        "when a selected algorithm declares entropy; not in bypass mode, which runs no such pass), else a per-token "
+        "'entropys' / 'entropy' batch field; v1's _compute_advantage fetches only " + _V1_FIELDS,
     ),
     "turn_ids": (
         ("turn_ids",),
@@ -124,6 +128,11 @@ SOURCES: dict[str, tuple[tuple[str, ...], str]] = {
         "written by your agent loop; no stock verl component writes it",
     ),
 }
+
+#: the batch field under which the legacy trainer's old-log-prob-pass entropy is kept for compute_advantage
+KEPT_ENTROPY = "stablerl_old_entropys"
+#: the legacy trainer's total_training_steps, recorded at its old-log-prob pass (Context.total_steps)
+TOTAL_STEPS: dict[str, Optional[int]] = {"value": None}
 
 #: declared inputs of estimators that only a customised pipeline puts in verl's batch (see SOURCES)
 BATCH_FIELD_INPUTS = frozenset({"entropy", "turn_ids", "anchor_ids", "step_returns"})
@@ -201,10 +210,11 @@ def selection(config: Any) -> dict[str, Any]:
     controller = _name_or_none(_cfg(config, CONTROLLER_KEY, None))
     if controller is not None:
         raise StableRLError(
-            f"algorithm.{CONTROLLER_KEY}={controller!r}: entropy controllers are not wired into verl's trainer loop "
-            "(they must change the rollout temperature / add a loss term every step and be checkpointed with the "
-            "trainer; verl 0.9.1 has no hook for either). Use the TRL adapter, or stablerl.make_controller in your "
-            "own trainer subclass"
+            f"algorithm.{CONTROLLER_KEY}={controller!r}: an entropy controller runs in the actor workers, which do "
+            "not see the algorithm config: select it on the stablerl policy-loss config "
+            "(actor_rollout_ref.actor.policy_loss._target_=stablerl.adapters.verl.StablePolicyLossConfig "
+            f"+actor_rollout_ref.actor.policy_loss.stablerl_entropy_controller={controller}); verl runs only "
+            "controllers that act through its entropy bonus (adaptive_entropy)"
         )
     out: dict[str, Any] = {"shaper": None, "filter": None}
     for slot, kind, key, pkey in (
@@ -329,7 +339,7 @@ def gather(kind: str, name: str, data, skip=()) -> dict[str, Any]:
 
 def _context(config: Any, kind: str, name: str) -> Context:
     seed = _cfg(config, SEED_KEY, None)
-    return STATE.context(kind, name, seed=0 if seed is None else int(seed))
+    return STATE.context(kind, name, seed=0 if seed is None else int(seed), total_steps=TOTAL_STEPS["value"])
 
 
 # ----------------------------------------------------------------------------- the three stages
@@ -450,6 +460,8 @@ def _wrap(original):
             _refuse_unregistered(adv_estimator)
         chosen = selection(config)
         if name is None and chosen["shaper"] is None and chosen["filter"] is None:
+            if KEPT_ENTROPY in data.batch.keys():
+                data.batch.pop(KEPT_ENTROPY)
             return original(data, adv_estimator=adv_estimator, gamma=gamma, lam=lam, num_repeat=num_repeat,
                             norm_adv_by_std_in_grpo=norm_adv_by_std_in_grpo, config=config)
         if "response_mask" not in data.batch.keys():  # as verl does for old trainers
@@ -471,6 +483,8 @@ def _wrap(original):
                             norm_adv_by_std_in_grpo=norm_adv_by_std_in_grpo, config=config)
         if chosen["filter"] is not None:
             metrics.update(_filter(data, config, *chosen["filter"]))
+        if KEPT_ENTROPY in data.batch.keys():  # read above; the update gets verl's own batch
+            data.batch.pop(KEPT_ENTROPY)
         STATE.advance()
         LAST_METRICS.clear()
         LAST_METRICS.update({f"stablerl/{k}": float(v) for k, v in metrics.items()})
@@ -479,6 +493,46 @@ def _wrap(original):
     setattr(compute_advantage, _MARK, True)
     compute_advantage.__wrapped__ = original
     return compute_advantage
+
+
+# ----------------------------------------------------------------------------- the legacy old-log-prob pass
+
+
+def needs_entropy(config: Any) -> bool:
+    """True when the stablerl shaper, filter or estimator selected in verl's ``algorithm`` config declares
+    ``entropy`` (the legacy trainer's old-log-prob pass then keeps it for ``compute_advantage``)."""
+    chosen = selection(config)
+    wanted = [(REWARD_SHAPER, chosen["shaper"]), (BATCH_FILTER, chosen["filter"])]
+    estimator = _stablerl_estimator(_cfg(config, "adv_estimator", None))
+    if estimator is not None:
+        wanted.append((ADVANTAGE_ESTIMATOR, (estimator, {})))
+    return any("entropy" in stablerl.get_spec(kind, picked[0]).requires for kind, picked in wanted if picked)
+
+
+def _wrap_old_log_prob(original):
+    @functools.wraps(original)
+    def _compute_old_log_prob(self, batch, *args, **kwargs):
+        out = original(self, batch, *args, **kwargs)
+        TOTAL_STEPS["value"] = getattr(self, "total_training_steps", None)
+        old_log_prob = out[0] if isinstance(out, tuple) else out
+        config = getattr(self, "config", None)
+        algorithm = _cfg(config, "algorithm", None) if config is not None else None
+        if "entropys" in old_log_prob.batch.keys() and needs_entropy(algorithm):
+            # the trainer pops 'entropys' from this result before batch.union(): keep the same tensor by another name
+            old_log_prob.batch[KEPT_ENTROPY] = old_log_prob.batch["entropys"]
+        return out
+
+    return _compute_old_log_prob
+
+
+def _patch_old_log_prob(module) -> None:
+    cls = getattr(module, "RayPPOTrainer", None)
+    if cls is None or not callable(getattr(cls, "_compute_old_log_prob", None)):
+        logger.warning("stablerl: verl's %s has no RayPPOTrainer._compute_old_log_prob; the old-log-prob pass's "
+                       "entropy does not reach compute_advantage", TRAINER_MODULE)
+        return
+    LEDGER.set_attr(f"{PATCH_KEY}:_compute_old_log_prob", cls, "_compute_old_log_prob",
+                    _wrap_old_log_prob(cls._compute_old_log_prob))
 
 
 # ----------------------------------------------------------------------------- patching
@@ -518,6 +572,7 @@ def instrument() -> str:
     ``ray_trainer`` is imported (``"deferred"``), and verl's ``Tracking.log`` so that the step's stablerl
     metrics are logged. Idempotent."""
     LEDGER.on_import(f"{PATCH_KEY}:tracking", {"verl.utils.tracking": _patch_tracking})
+    LEDGER.on_import(f"{PATCH_KEY}:old_log_prob", {TRAINER_MODULE: _patch_old_log_prob})
     return LEDGER.wrap_function(PATCH_KEY, TRAINER_MODULE, "compute_advantage", _wrap, CALLER_MODULES,
                                 missing=_no_compute_advantage)
 

@@ -59,6 +59,11 @@ def hyperparameter_fields(specs, reserved: set[str]) -> tuple[list[tuple[str, An
         if name not in reserved:
             fields.append((name, typ, dataclasses.field(default=None)))
             owners[name] = ["(trainer hook)"]
+    # an entropy controller (stablerl_entropy_controller=adaptive_entropy): stepped by the same wrapper
+    for name, typ in (("stablerl_entropy_controller", Optional[str]), ("stablerl_entropy_controller_params", Optional[dict])):
+        if name not in reserved:
+            fields.append((name, typ, dataclasses.field(default=None)))
+            owners[name] = ["(entropy controller)"]
     return fields, owners
 
 

@@ -1,4 +1,5 @@
-"""Trainer hooks (``stablerl.TrainerHook``, e.g. SFPO) around verl 0.9.1's actor update.
+"""Trainer hooks (``stablerl.TrainerHook``, e.g. SFPO) around verl 0.9.1's actor update (and the entropy
+controller's step, :mod:`stablerl.adapters.verl._controller`).
 
 verl's actor config rejects unknown keys, so a hook is selected on the stablerl policy-loss config, which
 the workers see too::
@@ -24,8 +25,8 @@ import functools
 import logging
 from typing import Any, Optional
 
-import torch
-
+from stablerl.adapters.verl import _actor_update as _shared
+from stablerl.adapters.verl import _controller
 from stablerl.adapters.verl._ledger import LEDGER
 
 logger = logging.getLogger("stablerl.adapters.verl")
@@ -38,37 +39,14 @@ _HOOKS: dict[str, Any] = {}  # name -> the hook of this process (one actor per w
 _WARNED: set = set()
 
 
-def _cfg_get(cfg: Any, key: str, default: Any = None) -> Any:
-    if cfg is None:
-        return default
-    getter = getattr(cfg, "get", None)
-    return getter(key, default) if callable(getter) else getattr(cfg, key, default)
-
-
 def selection(policy_loss_cfg: Any) -> tuple[Optional[str], dict]:
     """``(hook name or None, its params)`` from an ``actor.policy_loss`` config."""
-    name = _cfg_get(policy_loss_cfg, HOOK_KEY)
-    if name is None or (isinstance(name, str) and name.strip().lower() in ("", "none")):
-        return None, {}
-    params = _cfg_get(policy_loss_cfg, HOOK_PARAMS_KEY) or {}
-    return str(name), {str(k): v for k, v in dict(params).items()}
+    return _shared.selection(policy_loss_cfg, HOOK_KEY, HOOK_PARAMS_KEY)
 
 
 def check_selection(policy_loss_cfg: Any) -> Optional[str]:
     """Refuse an unknown, unavailable or unfeedable hook and bad hyper-parameters where the config is built."""
-    import stablerl
-    from stablerl.contracts import TRAINER_HOOK
-    from stablerl.frameworks import resolve
-    from stablerl.params import StableRLError, build_params
-
-    name, params = selection(policy_loss_cfg)
-    if name is None:
-        if _cfg_get(policy_loss_cfg, HOOK_PARAMS_KEY):
-            raise StableRLError(f"policy_loss.{HOOK_PARAMS_KEY} is set but policy_loss.{HOOK_KEY} is not")
-        return None
-    resolve("verl", TRAINER_HOOK, name)
-    build_params(stablerl.get_spec(TRAINER_HOOK, name), params)
-    return name
+    return _shared.check_selection(policy_loss_cfg, "trainer_hook", HOOK_KEY, HOOK_PARAMS_KEY)
 
 
 def hook_for(worker_config: Any):
@@ -78,7 +56,7 @@ def hook_for(worker_config: Any):
 
     from . import _inputs
 
-    policy_loss = _cfg_get(_cfg_get(worker_config, "actor"), "policy_loss")
+    policy_loss = _shared.cfg_get(_shared.cfg_get(worker_config, "actor"), "policy_loss")
     name, params = selection(policy_loss)
     if name is None:
         return None
@@ -89,40 +67,6 @@ def hook_for(worker_config: Any):
         _inputs.STATE.track(TRAINER_HOOK, name, hook)  # saved / restored with the per-rank loss state
         logger.warning("stablerl/verl: trainer hook %r runs with %s", name, params or "its defaults")
     return hook
-
-
-def _as_float(value: Any) -> Optional[float]:
-    if value is None:
-        return None
-    aggregate = getattr(value, "aggregate", None)
-    if callable(aggregate):  # verl's Metric
-        return float(aggregate())
-    if isinstance(value, (list, tuple)):
-        values = [v for v in (_as_float(x) for x in value) if v is not None]
-        return sum(values) / len(values) if values else None
-    if isinstance(value, torch.Tensor):
-        return float(value.float().mean())
-    return float(value)
-
-
-def _metrics(output: Any) -> Optional[dict]:
-    if output is None:
-        return None
-    try:
-        from verl.utils import tensordict_utils as tu
-
-        return tu.get(output, "metrics")
-    except Exception:  # noqa: BLE001 - no metrics on this rank
-        return None
-
-
-def _agreed(value: Optional[float]) -> Optional[float]:
-    """The pass's statistic as rank 0 of those that have it sees it: every rank feeds the hook the same."""
-    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
-        return value
-    gathered: list = [None] * torch.distributed.get_world_size()
-    torch.distributed.all_gather_object(gathered, value)
-    return next((v for v in gathered if v is not None), None)
 
 
 def run_passes(worker: Any, hook: Any, update: Any, data: Any, args: tuple, kwargs: dict) -> Any:
@@ -147,8 +91,8 @@ def run_passes(worker: Any, hook: Any, update: Any, data: Any, args: tuple, kwar
     output = None
     for k in range(passes):
         output = update(worker, data.copy(), *args, **kwargs)  # train_mini_batch pops its options from the batch
-        metrics = _metrics(output)
-        entropy = _agreed(_as_float(metrics.get(ENTROPY_METRIC)) if metrics is not None else None)
+        metrics = _shared.metrics_of(output)
+        entropy = _shared.agreed(_shared.as_float(metrics.get(ENTROPY_METRIC)) if metrics is not None else None)
         if entropy is None and "no_entropy" not in _WARNED:
             _WARNED.add("no_entropy")
             logger.warning("stablerl/verl: the trainer hook gets no entropy (verl reports %s only with "
@@ -158,7 +102,7 @@ def run_passes(worker: Any, hook: Any, update: Any, data: Any, args: tuple, kwar
         for key, v in out.items():
             if isinstance(v, (bool, int, float)):
                 extra[f"stablerl/{key}"] = float(v)
-    metrics = _metrics(output)
+    metrics = _shared.metrics_of(output)
     if metrics is not None:
         name = next(n for n, h in _HOOKS.items() if h is hook)
         for key, v in extra.items():
@@ -170,10 +114,18 @@ def run_passes(worker: Any, hook: Any, update: Any, data: Any, args: tuple, kwar
 def _wrap_update_actor(update):
     @functools.wraps(update)  # keeps verl's dispatch attributes (register's MAGIC_ATTR)
     def update_actor(self, data, *args, **kwargs):
-        hook = hook_for(getattr(self, "config", None))
+        config = getattr(self, "config", None)
+        controller = _controller.controller_for(config)
+        applied = _controller.before_update(self, controller) if controller is not None else None
+        hook = hook_for(config)
         if hook is None:
-            return update(self, data, *args, **kwargs)
-        return run_passes(self, hook, update, data, args, kwargs)
+            output = update(self, data, *args, **kwargs)
+        else:
+            output = run_passes(self, hook, update, data, args, kwargs)
+        if controller is not None:
+            name = _controller.selection(_shared.cfg_get(_shared.cfg_get(config, "actor"), "policy_loss"))[0]
+            _controller.after_update(controller, name, output, applied)
+        return output
 
     return update_actor
 

@@ -104,7 +104,7 @@ def test_batch_field_estimators_by_config_key(adapter, site, monkeypatch):
 def test_missing_declared_input_names_the_field(adapter, site):
     adapter.register_batch_field_estimators()
     rewards, mask, index, entropys, turn_ids = _multi_turn()
-    with pytest.raises(stablerl.MissingInputError, match=r"'entropy'.*pops 'entropys'"):
+    with pytest.raises(stablerl.MissingInputError, match=r"'entropy'.*legacy trainer's old-log-prob pass"):
         _compute(_data(rewards, mask, index, turn_ids=turn_ids), "empg", _algorithm())
     with pytest.raises(stablerl.MissingInputError, match=r"'turn_ids'.*agent loop"):
         _compute(_data(rewards, mask, index, entropys=entropys), "empg", _algorithm())
@@ -172,7 +172,7 @@ def test_resampling_filter_and_bad_keys_are_refused(adapter, site, rewards_batch
     with pytest.raises(stablerl.StableRLError, match="scale"):
         _compute(_data(rewards, mask, index), "qae",
                  _algorithm(stablerl_reward_shaper="redit", stablerl_reward_shaper_params={"scael": 0.1}))
-    with pytest.raises(stablerl.StableRLError, match="not wired into verl"):
+    with pytest.raises(stablerl.StableRLError, match="select it on the stablerl policy-loss config"):
         _compute(_data(rewards, mask, index), "qae", _algorithm(stablerl_entropy_controller="aepo"))
     with pytest.raises(stablerl.StableRLError, match="stablerl_reward_shaper is not"):
         _compute(_data(rewards, mask, index), "qae", _algorithm(stablerl_reward_shaper_params={"scale": 0.1}))

@@ -18,6 +18,8 @@ import torch.nn.functional as F
 
 import stablerl
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the sibling test modules' batch builders
+
 P = [3, 2, 4, 1, 2, 3]  # prompt lengths
 R = [4, 3, 5, 2, 5, 1]  # response lengths
 UIDS = ["a", "b", "a", "b", "a", "b"]  # two interleaved groups of 3
@@ -362,11 +364,11 @@ def test_fresh_process_registers_the_losses_with_declared_inputs():
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     have = set(stablerl.get_registry().names("policy_loss"))
-    new = {"steer", "entropic", "gtpo", "erc", "decoupled_ppo", "pacs", "gvpo"} & have
+    new = {"steer", "entropic", "gtpo", "erc", "decoupled_ppo", "pacs", "gvpo", "a3po"} & have
     assert new, "none of the input-needing losses exists in this checkout"
     for name in new:
         assert name in out["losses"] and "stablerl_" + name in out["losses"], name
-    for name in ("turn_ppo", "a3po", "rspo"):
+    for name in ("turn_ppo", "rspo"):
         assert name not in out["losses"] and "stablerl_" + name not in out["losses"], name
     # deferred at `import verl` (the adapter imports nothing heavy), then in place before any caller binds it
     assert out["patch"] == "deferred" and out["wrapped"] and out["distill_bound"] and out["ew_bound"] in (True, None)
@@ -492,3 +494,102 @@ def test_top_entropy_quantile_without_entropy_names_the_key(adapter, declared):
 def test_top_entropy_quantile_bad_value_refused_at_config(adapter):
     with pytest.raises(stablerl.StableRLError, match=r"top_entropy_quantile must be in \(0, 1\]"):
         _top_entropy_config(adapter, 1.5)
+
+
+# ----------------------------------------------------------------------------- A-3PO: one weight version per batch
+
+
+def _marked(data, version, lo=None, hi=None):
+    """The legacy trainer's batch as the adapter marks it (its weight version in the meta info, which verl hands
+    every micro-batch as non-tensor data), with verl's per-trajectory min/max_global_steps when given."""
+    from tensordict.tensorclass import NonTensorData, NonTensorStack
+    from verl.utils import tensordict_utils as tu
+
+    from stablerl.adapters.verl._inputs import VERSION_KEY
+
+    tu.assign_non_tensor(data, **{VERSION_KEY: version})
+    for field, values in (("min_global_steps", lo), ("max_global_steps", hi)):
+        if values is not None:
+            data[field] = NonTensorStack.from_list([NonTensorData(v) for v in values])
+    return data
+
+
+def test_a3po_gets_one_version_per_batch_through_ppo_loss(adapter, declared):
+    """verl's synchronous legacy trainer generates a batch with the weights its update starts from: every token is
+    of A-3PO's proximal version (v_theta - 1), alpha = 0, and the loss is decoupled PPO with the rollout log-prob as
+    the proximal one (behaviour weight 1): PPO's clip of exp(lp - lp_rollout), whatever verl's old_log_probs are."""
+    assert set(stablerl.get_spec("policy_loss", "a3po").requires) == {"rollout_log_prob", "versions", "policy_version"}
+    data, model_output, leaves, padded = _batch(seed=11)
+    loss, grad, metrics = _through_verl(_config(adapter, "a3po"), _marked(data, 4), model_output, leaves)
+    versions = torch.full(padded["response_mask"].shape, 4, dtype=torch.long)
+    ref_loss, ref_grad, ref_metrics = _direct("a3po", {**padded, "versions": versions, "policy_version": 5}, leaves,
+                                              ("rollout_log_prob", "versions", "policy_version"), **CLIP)
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-9, atol=1e-12)
+    torch.testing.assert_close(grad, ref_grad, rtol=1e-9, atol=1e-12)
+    assert metrics["actor/a3po/alpha_mean"] == 0.0 and metrics["actor/behave_imp_weight"] == pytest.approx(1.0)
+    # = the plain PPO clip against the rollout log-probs (the proximal policy), verl's old_log_probs unused
+    ppo = _direct("vanilla", {**padded, "old_log_prob": padded["rollout_log_prob"]}, leaves, (), **CLIP)
+    torch.testing.assert_close(loss, ppo[0], rtol=1e-9, atol=1e-12)
+    torch.testing.assert_close(grad, ppo[1], rtol=1e-9, atol=1e-12)
+    decoupled = _through_verl(_config(adapter, "decoupled_ppo"), data, model_output, leaves)[0]
+    assert abs(float(decoupled) - float(loss)) > 1e-4  # decoupled_ppo's proximal policy is verl's recompute
+    # verl's agent loop records each trajectory's weight version: one version throughout is accepted
+    same = _marked(_batch(seed=11)[0], 4, [4] * len(R), [4] * len(R))
+    torch.testing.assert_close(_through_verl(_config(adapter, "a3po"), same, model_output, leaves)[0], loss,
+                               rtol=0, atol=0)
+    assert declared.current() is None
+
+
+def test_a3po_refuses_unmarked_batches_and_several_versions(adapter, declared):
+    data, model_output, leaves, _ = _batch(seed=12)
+    with pytest.raises(stablerl.StableRLError, match=r"a3po.*legacy trainer \(trainer.use_v1=false\).*no such mark"):
+        _through_verl(_config(adapter, "a3po"), data, model_output, leaves)  # the v1 / an asynchronous trainer
+    data, model_output, leaves, _ = _batch(seed=12)
+    mixed = _marked(data, 3, [3, 3, 3, 3, 3, 2], [3, 3, 3, 3, 3, 3])  # one partial rollout spans versions 2-3
+    with pytest.raises(stablerl.StableRLError, match=r"a3po.*weight versions \[2, 3\].*min/max_global_steps"):
+        _through_verl(_config(adapter, "a3po"), mixed, model_output, leaves)
+    assert declared.current() is None
+
+
+class _ActorGroup:
+    def __init__(self):
+        self.batches = []
+
+    def update_actor(self, batch_td):
+        from verl.utils import tensordict_utils as tu
+
+        self.batches.append(batch_td)
+        return tu.get_tensordict({}, non_tensor_dict={"metrics": {"mfu": 0.0}})
+
+
+def _legacy_trainer(cls, global_steps):
+    from omegaconf import OmegaConf
+
+    trainer = cls.__new__(cls)  # _update_actor reads only these attributes
+    trainer.config = OmegaConf.create({
+        "actor_rollout_ref": {
+            "rollout": {"multi_turn": {"enable": False}, "temperature": 1.0, "n": 2},
+            "actor": {"calculate_entropy": False, "entropy_coeff": 0.0, "ppo_mini_batch_size": 2, "ppo_epochs": 1,
+                      "data_loader_seed": 0, "shuffle": False}}})
+    trainer.actor_rollout_wg = _ActorGroup()
+    trainer.global_steps = global_steps
+    return trainer
+
+
+def test_the_legacy_trainer_marks_its_batch_with_the_weight_version(adapter):
+    """verl's own RayPPOTrainer._update_actor, wrapped: the batch the workers get carries global_steps - 1 (the
+    weights that generated it); the one-step-off / fully-async trainers (verl.experimental) do not mark theirs."""
+    from verl.trainer.ppo.ray_trainer import RayPPOTrainer
+    from verl.utils import tensordict_utils as tu
+
+    from stablerl.adapters.verl._inputs import VERSION_KEY
+    from test_advantage_entropy import _legacy_batch
+
+    assert getattr(RayPPOTrainer._update_actor, "_stablerl_verl_patch", False)
+    trainer = _legacy_trainer(RayPPOTrainer, global_steps=3)
+    trainer._update_actor(_legacy_batch()[0])
+    assert tu.get_non_tensor_data(trainer.actor_rollout_wg.batches[0], VERSION_KEY, None) == 2
+    stale = type("OneStepOffRayTrainer", (RayPPOTrainer,), {"__module__": "verl.experimental.one_step_off_policy.x"})
+    trainer = _legacy_trainer(stale, global_steps=3)
+    trainer._update_actor(_legacy_batch()[0])
+    assert tu.get_non_tensor_data(trainer.actor_rollout_wg.batches[0], VERSION_KEY, None) is None

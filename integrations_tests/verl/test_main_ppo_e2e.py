@@ -257,3 +257,62 @@ def test_sfpo_runs_its_passes_in_verls_trainer(workdir):
             d = r["data"]
             assert d["actor/stablerl/sfpo/reposition_shift"] == pytest.approx(
                 (1 - alpha) * d["actor/stablerl/sfpo/fast_drift"], rel=1e-4)
+
+
+ENTROPY_AT_ADVANTAGE = [
+    "trainer.total_training_steps=2", "trainer.save_freq=-1", "trainer.resume_mode=disable",
+    "algorithm.adv_estimator=grpo",
+    # verl's actor/entropy (the old-log-prob pass's, logged by the trainer) is then the mean of the per-response
+    # token means, which is what gtpo_entropy_filter reports of the entropy it was given
+    "actor_rollout_ref.actor.loss_agg_mode=seq-mean-token-mean",
+]
+
+
+def test_a3po_and_gtpo_entropy_filter_get_verls_versions_and_old_pass_entropy(workdir):
+    """A-3PO in the legacy (synchronous) trainer: every token is of the proximal version, alpha = 0 and the
+    behaviour weight 1; gtpo_entropy_filter at compute_advantage gets the old-log-prob pass's entropies, whose
+    mean is verl's own actor/entropy of the step."""
+    out, rows = run_main_ppo(workdir, "a3po_gtpo", [
+        *ENTROPY_AT_ADVANTAGE, "actor_rollout_ref.actor.policy_loss.loss_mode=a3po",
+        "+algorithm.stablerl_batch_filter=gtpo_entropy_filter",
+        # the tiny model's entropies (~2.8) are above the default 0.7, which would drop every completion
+        "+algorithm.stablerl_batch_filter_params.ent_threshold=10.0",
+    ])
+    _assert_steps_and_reward(rows, [1, 2])
+    for r in rows:
+        d = r["data"]
+        assert d["stablerl/gtpo_filter/entropy_mean"] == pytest.approx(d["actor/entropy"], rel=1e-5), sorted(d)
+        assert d["stablerl/gtpo_filter/dropped_frac"] == 0.0  # every completion penalised by 0.1 H_i, none dropped
+        assert d["actor/a3po/alpha_mean"] == 0.0
+        assert d["actor/behave_imp_weight"] == pytest.approx(1.0)
+
+
+def test_d3s_schedule_follows_verls_total_training_steps(workdir):
+    """d3s's N/K schedule: p = compute_advantage calls so far / the trainer's total_training_steps (2)."""
+    _, rows = run_main_ppo(workdir, "d3s", [
+        *ENTROPY_AT_ADVANTAGE, "+algorithm.stablerl_batch_filter=d3s",
+        "+algorithm.stablerl_batch_filter_params.n_init=0.5", "+algorithm.stablerl_batch_filter_params.k_init=0.2",
+    ])
+    _assert_steps_and_reward(rows, [1, 2])
+    assert [r["data"]["stablerl/d3s/progress"] for r in rows] == [0.0, 0.5]
+    for r in rows:
+        d = r["data"]
+        assert 0.0 <= d["stablerl/d3s/kept_token_frac"] <= 1.0 and 0.0 <= d["stablerl/d3s/kept_sample_frac"] <= 1.0
+
+
+def test_adaptive_entropy_steers_the_actors_entropy_coeff(workdir):
+    """adaptive_entropy in verl's own trainer: the coefficient after each step rises by delta while the entropy is
+    below target (100), and the next update runs with it (verl's ppo_loss subtracts entropy_coeff * entropy_loss)."""
+    _, rows = run_main_ppo(workdir, "adaptive_entropy", [
+        "trainer.total_training_steps=2", "trainer.save_freq=-1", "trainer.resume_mode=disable",
+        "algorithm.adv_estimator=grpo", "actor_rollout_ref.actor.calculate_entropy=true",
+        "actor_rollout_ref.actor.policy_loss._target_=stablerl.adapters.verl.StablePolicyLossConfig",
+        "+actor_rollout_ref.actor.policy_loss.stablerl_entropy_controller=adaptive_entropy",
+        "+actor_rollout_ref.actor.policy_loss.stablerl_entropy_controller_params={entropy_target:100.0,"
+        "entropy_coef_delta:0.05}",
+    ])
+    _assert_steps_and_reward(rows, [1, 2])
+    coefs = [r["data"]["actor/stablerl/adaptive_entropy/entropy_coef"] for r in rows]
+    applied = [r["data"]["actor/stablerl/adaptive_entropy/applied_coef"] for r in rows]
+    assert coefs == pytest.approx([0.05, 0.1], abs=1e-12) and applied == pytest.approx([0.0, 0.05], abs=1e-12)
+    assert all(r["data"]["actor/stablerl/adaptive_entropy/active"] == 1.0 for r in rows)

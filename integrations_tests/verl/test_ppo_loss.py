@@ -161,7 +161,10 @@ def test_policy_loss_config_fields(adapter):
     # the trainer-hook selection keys are the one exception: owned by the hook kind, not by a loss
     assert {k for k, algos in owners.items() if algos == ["(trainer hook)"]} == {"stablerl_trainer_hook",
                                                                               "stablerl_trainer_hook_params"}
-    assert all(set(algos) <= registered for k, algos in owners.items() if not k.startswith("stablerl_trainer_hook"))
+    assert {k for k, algos in owners.items() if algos == ["(entropy controller)"]} == {
+        "stablerl_entropy_controller", "stablerl_entropy_controller_params"}  # likewise the controller's keys
+    assert all(set(algos) <= registered for k, algos in owners.items()
+               if not k.startswith(("stablerl_trainer_hook", "stablerl_entropy_controller")))
     assert set(owners) == names - verl_names
     cfg = PLC(loss_mode="x")
     assert all(getattr(cfg, n) is None for n in names - verl_names)

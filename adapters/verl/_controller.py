@@ -1,0 +1,112 @@
+"""Entropy controllers (``stablerl.Controller``) in verl 0.9.1: ``adaptive_entropy`` steers verl's own entropy bonus.
+
+verl's actor config rejects unknown keys, so the controller is selected on the stablerl policy-loss config, which
+the workers see (as a trainer hook is)::
+
+    actor_rollout_ref.actor.policy_loss._target_=stablerl.adapters.verl.StablePolicyLossConfig
+    +actor_rollout_ref.actor.policy_loss.stablerl_entropy_controller=adaptive_entropy
+    +actor_rollout_ref.actor.policy_loss.stablerl_entropy_controller_params={entropy_target:0.2}
+    actor_rollout_ref.actor.calculate_entropy=True
+
+verl's ``ppo_loss`` subtracts ``entropy_coeff * agg(H)`` (its ``actor/entropy_loss``, aggregated with the loss's
+``loss_agg_mode``): the controller's loss term ``-c agg(H)`` exactly. The adapter's ``update_actor`` wrapper
+(:mod:`stablerl.adapters.verl._trainer_hook`) sets the ``entropy_coeff`` of the actor config bound into the worker's
+loss function to the controller's coefficient in force before each update, and after it steps the controller
+with the update's ``actor/entropy_loss`` (the same on every rank). One ``update_actor`` call is one controller step
+(TRL steps per optimizer step: the same with one mini-batch and ``ppo_epochs=1``). The controller's state is saved
+with the per-rank loss state (``stablerl_loss_state_rank<r>.pt``). Controllers that need more than the entropy
+bonus (a rollout temperature: aepo; a loss term of their own: epo) are refused where the config is built.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Optional
+
+from stablerl.adapters.verl import _actor_update as _shared
+
+logger = logging.getLogger("stablerl.adapters.verl")
+
+KEY, PARAMS_KEY = "stablerl_entropy_controller", "stablerl_entropy_controller_params"
+ENTROPY_METRIC = "actor/entropy_loss"
+_CONTROLLERS: dict[str, Any] = {}  # name -> the controller of this process (one actor per worker process)
+
+
+def selection(policy_loss_cfg: Any) -> tuple[Optional[str], dict]:
+    """``(controller name or None, its params)`` from an ``actor.policy_loss`` config."""
+    return _shared.selection(policy_loss_cfg, KEY, PARAMS_KEY)
+
+
+def check_selection(policy_loss_cfg: Any) -> Optional[str]:
+    """Refuse an unknown or unfeedable controller and bad hyper-parameters where the config is built."""
+    return _shared.check_selection(policy_loss_cfg, "controller", KEY, PARAMS_KEY)
+
+
+def controller_for(worker_config: Any):
+    """This process's controller for the worker's config (built on first use, tracked in the loss-state store)."""
+    import stablerl
+    from stablerl.contracts import CONTROLLER
+    from stablerl.params import StableRLError
+
+    from . import _inputs
+
+    actor = _shared.cfg_get(worker_config, "actor")
+    name, params = selection(_shared.cfg_get(actor, "policy_loss"))
+    if name is None:
+        return None
+    controller = _CONTROLLERS.get(name)
+    if controller is None:
+        if float(_shared.cfg_get(actor, "entropy_coeff", 0.0) or 0.0) != 0.0:
+            raise StableRLError(
+                f"policy_loss.{KEY}={name!r} sets verl's entropy bonus coefficient itself: leave "
+                "actor_rollout_ref.actor.entropy_coeff at 0 (the initial coefficient is the controller's entropy_coef)")
+        if not _shared.cfg_get(actor, "calculate_entropy", False):
+            raise StableRLError(
+                f"policy_loss.{KEY}={name!r} is stepped with verl's {ENTROPY_METRIC}, which verl computes only with "
+                "actor_rollout_ref.actor.calculate_entropy=True (or entropy_coeff != 0, which the controller sets)")
+        controller = stablerl.make_controller(name, **params)
+        _CONTROLLERS[name] = controller
+        _inputs.STATE.track(CONTROLLER, name, controller)  # saved / restored with the per-rank loss state
+        logger.warning("stablerl/verl: entropy controller %r runs with %s", name, params or "its defaults")
+    return controller
+
+
+def _loss_config(worker: Any) -> Any:
+    """The actor config bound into the worker's loss function (``partial(ppo_loss, config=...)``)."""
+    from stablerl.params import StableRLError
+
+    keywords = getattr(getattr(worker, "loss_fn", None), "keywords", None)
+    config = keywords.get("config") if isinstance(keywords, dict) else None
+    if config is None or not hasattr(config, "entropy_coeff"):
+        raise StableRLError("stablerl entropy controller: the actor worker's loss_fn is not verl's "
+                            "partial(ppo_loss, config=<actor config>); cannot set its entropy_coeff")
+    return config
+
+
+def before_update(worker: Any, controller: Any) -> float:
+    """Set the coefficient in force for this update (``applied_coef``) on verl's loss config."""
+    coef = float(controller.applied_coef)
+    # verl's BaseConfig refuses attribute assignment outside _mutable_fields; this one field is the controller's
+    object.__setattr__(_loss_config(worker), "entropy_coeff", coef)
+    return coef
+
+
+def after_update(controller: Any, name: str, output: Any, applied: float) -> None:
+    """Step the controller with the update's entropy (the same on every rank) and report its decision."""
+    from stablerl.params import StableRLError
+
+    metrics = _shared.metrics_of(output)
+    entropy = _shared.agreed(_shared.as_float(metrics.get(ENTROPY_METRIC)) if metrics is not None else None)
+    if entropy is None:
+        raise StableRLError(f"stablerl entropy controller {name!r}: verl reported no {ENTROPY_METRIC} for this update "
+                            "(set actor_rollout_ref.actor.calculate_entropy=True)")
+    decision = controller.step(entropy=entropy)
+    if metrics is not None:
+        for key, value in decision.items():
+            if isinstance(value, (bool, int, float)):
+                metrics[f"stablerl/{name}/{key}"] = [float(value)]
+        metrics[f"stablerl/{name}/applied_coef"] = [applied]
+
+
+def status() -> dict[str, Any]:
+    return {name: controller.state_dict() for name, controller in _CONTROLLERS.items()}
