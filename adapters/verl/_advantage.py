@@ -334,6 +334,11 @@ def gather(kind: str, name: str, data, skip=()) -> dict[str, Any]:
                 f"compute_advantage, but verl's batch has none; it is taken from {where}"
             )
         out[what] = value
+    for what in spec.optional_inputs:  # a customised pipeline's batch field (turn_ids), when it wrote one
+        if what in BATCH_FIELD_INPUTS and what not in skip:
+            value = gather_one(what, data)
+            if value is not None:
+                out[what] = value
     return out
 
 

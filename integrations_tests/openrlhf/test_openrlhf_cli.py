@@ -93,7 +93,8 @@ def test_choices_cover_the_registry():
     assert names[:2] == ["ppo", "gspo"] and "stablerl_gspo" in names and "gspo" not in names[2:]
     assert "a3po" not in names and "haepo" not in names  # needs versions / unavailable
     est = adapter.openrlhf_choices(stablerl.ADVANTAGE_ESTIMATOR)
-    assert {"stablerl_rloo", "stablerl_dr_grpo", "grpo", "qae"} <= set(est) and "empg" not in est
+    assert {"stablerl_rloo", "stablerl_dr_grpo", "grpo", "qae"} <= set(est) and "gigpo" not in est
+    assert "empg" in est  # the old-pass entropy at the advantage step; steps: the loss mask's runs
     assert json.dumps(names)  # plain strings
 
 

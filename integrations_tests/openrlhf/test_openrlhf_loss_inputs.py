@@ -214,9 +214,9 @@ def test_what_openrlhf_can_and_cannot_feed():
                                                                    "index", "old_entropy"}
     # prompt groups through the replay buffer (test_openrlhf_group_losses); erc: the old-log-prob pass's entropy
     # (test_openrlhf_old_entropy)
-    for name in ("pacs", "gvpo", "gtpo", "erc"):
+    for name in ("pacs", "gvpo", "gtpo", "erc", "turn_ppo"):  # turn_ppo: turns are the action mask's runs
         assert adapter.resolve(kind, name) == name and name in adapter.openrlhf_choices(kind)
-    for name, reason in (("a3po", "no per-token policy versions"), ("turn_ppo", "no per-token turn ids")):
+    for name, reason in (("a3po", "no per-token policy versions"), ("capo", "not the last hidden states")):
         with pytest.raises(stablerl.MissingInputError, match=reason):
             adapter.resolve(kind, name)
         assert name not in adapter.openrlhf_choices(kind)

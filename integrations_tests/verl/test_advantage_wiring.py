@@ -106,8 +106,11 @@ def test_missing_declared_input_names_the_field(adapter, site):
     rewards, mask, index, entropys, turn_ids = _multi_turn()
     with pytest.raises(stablerl.MissingInputError, match=r"'entropy'.*legacy trainer's old-log-prob pass"):
         _compute(_data(rewards, mask, index, turn_ids=turn_ids), "empg", _algorithm())
-    with pytest.raises(stablerl.MissingInputError, match=r"'turn_ids'.*agent loop"):
-        _compute(_data(rewards, mask, index, entropys=entropys), "empg", _algorithm())
+    # turn_ids is optional: without the field a step is a contiguous run of trained tokens (one per response here)
+    out = _compute(_data(rewards, mask, index, entropys=entropys), "empg", _algorithm())
+    expected, _ = stablerl.compute_advantage("empg", token_level_rewards=rewards, response_mask=mask, index=index,
+                                             entropy=entropys)
+    torch.testing.assert_close(out.batch["advantages"], expected.float(), rtol=0, atol=1e-7)
 
 
 def test_redit_shaping_is_seeded_and_changes_advantages(adapter, site, rewards_batch):

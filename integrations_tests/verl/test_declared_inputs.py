@@ -257,21 +257,22 @@ def test_missing_uid_and_old_entropy_are_clear(adapter, declared):
 
 
 def test_input_verl_cannot_provide_is_a_clear_error(adapter, declared, core_algos):
-    """turn_ppo (turn_ids) is not registered, and the report says why; forced into verl's
+    """capo (hidden_states) is not registered, and the report says why; forced into verl's
     registry, the wrapper refuses it with the reason instead of a shape error deep inside."""
-    assert "turn_ppo" not in core_algos.POLICY_LOSS_REGISTRY
-    assert "stablerl_turn_ppo" not in core_algos.POLICY_LOSS_REGISTRY
+    assert "capo" not in core_algos.POLICY_LOSS_REGISTRY
+    assert "stablerl_capo" not in core_algos.POLICY_LOSS_REGISTRY
     reasons = {s["name"]: s["reason"] for s in adapter.registration_report()["skipped"] if s["kind"] == "policy_loss"}
-    assert "turn_ids" in reasons["turn_ppo"] and "cannot provide" in reasons["turn_ppo"]
+    assert "hidden_states" in reasons["capo"] and "cannot provide" in reasons["capo"]
+    assert "turn_ppo" in core_algos.POLICY_LOSS_REGISTRY  # turn ids are optional: the loss mask's runs
     from stablerl.adapters.verl._translate import make_policy_loss_fn
 
-    core_algos.register_policy_loss("_stablerl_test_turn_ppo")(make_policy_loss_fn("turn_ppo"))
+    core_algos.register_policy_loss("_stablerl_test_capo")(make_policy_loss_fn("capo"))
     try:
         data, model_output, leaves, _ = _batch(seed=7)
-        with pytest.raises(stablerl.StableRLError, match=r"turn_ids.*verl 0\.9\.1 cannot provide"):
-            _through_verl(_config(adapter, "_stablerl_test_turn_ppo"), data, model_output, leaves)
+        with pytest.raises(stablerl.StableRLError, match=r"hidden_states.*verl 0\.9\.1 cannot provide"):
+            _through_verl(_config(adapter, "_stablerl_test_capo"), data, model_output, leaves)
     finally:
-        core_algos.POLICY_LOSS_REGISTRY.pop("_stablerl_test_turn_ppo", None)
+        core_algos.POLICY_LOSS_REGISTRY.pop("_stablerl_test_capo", None)
     assert declared.current() is None
 
 
@@ -368,7 +369,8 @@ def test_fresh_process_registers_the_losses_with_declared_inputs():
     assert new, "none of the input-needing losses exists in this checkout"
     for name in new:
         assert name in out["losses"] and "stablerl_" + name in out["losses"], name
-    for name in ("turn_ppo", "rspo"):
+    assert "turn_ppo" in out["losses"]  # turn ids optional: the loss mask's runs of trained tokens
+    for name in ("capo", "rspo"):
         assert name not in out["losses"] and "stablerl_" + name not in out["losses"], name
     # deferred at `import verl` (the adapter imports nothing heavy), then in place before any caller binds it
     assert out["patch"] == "deferred" and out["wrapped"] and out["distill_bound"] and out["ew_bound"] in (True, None)
