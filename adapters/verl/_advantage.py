@@ -53,7 +53,7 @@ import torch
 
 import stablerl
 from stablerl import ADVANTAGE_ESTIMATOR, BATCH_FILTER, REWARD_SHAPER, Context, MissingInputError, StableRLError
-from stablerl.adapters.verl._ledger import LEDGER
+from stablerl.adapters.verl._ledger import LEDGER, patch_ray_trainer_method
 from stablerl.contracts import OPTIONAL_INPUTS
 from stablerl.frameworks import apply_filter_result, check_shaper_and_components
 from stablerl.ops import last_valid_index
@@ -531,13 +531,8 @@ def _wrap_old_log_prob(original):
 
 
 def _patch_old_log_prob(module) -> None:
-    cls = getattr(module, "RayPPOTrainer", None)
-    if cls is None or not callable(getattr(cls, "_compute_old_log_prob", None)):
-        logger.warning("stablerl: verl's %s has no RayPPOTrainer._compute_old_log_prob; the old-log-prob pass's "
-                       "entropy does not reach compute_advantage", TRAINER_MODULE)
-        return
-    LEDGER.set_attr(f"{PATCH_KEY}:_compute_old_log_prob", cls, "_compute_old_log_prob",
-                    _wrap_old_log_prob(cls._compute_old_log_prob))
+    patch_ray_trainer_method(f"{PATCH_KEY}:_compute_old_log_prob", module, "_compute_old_log_prob", _wrap_old_log_prob,
+                             "the old-log-prob pass's entropy does not reach compute_advantage")
 
 
 # ----------------------------------------------------------------------------- patching

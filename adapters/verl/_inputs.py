@@ -64,7 +64,7 @@ import numpy as np
 import torch
 
 from stablerl import POLICY_LOSS, MissingInputError, get_spec
-from stablerl.adapters.verl._ledger import LEDGER
+from stablerl.adapters.verl._ledger import LEDGER, patch_ray_trainer_method
 from stablerl.contracts import OPTIONAL_INPUTS
 from stablerl.frameworks import TOP_ENTROPY_INPUT, get_framework, loss_inputs, pending_loss_inputs, top_entropy_on
 from stablerl.state import StateStore
@@ -272,12 +272,8 @@ def _wrap_update_actor(original):
 
 
 def _patch_update_actor(module) -> None:
-    cls = getattr(module, "RayPPOTrainer", None)
-    if cls is None or not callable(getattr(cls, "_update_actor", None)):
-        logger.warning("stablerl: verl's %s has no RayPPOTrainer._update_actor; losses that need policy versions "
-                       "(a3po) are refused at the first update", TRAINER_MODULE)
-        return
-    LEDGER.set_attr(f"{PATCH_KEY}:_update_actor", cls, "_update_actor", _wrap_update_actor(cls._update_actor))
+    patch_ray_trainer_method(f"{PATCH_KEY}:_update_actor", module, "_update_actor", _wrap_update_actor,
+                             "losses that need policy versions (a3po) are refused at the first update")
 
 
 # ----------------------------------------------------------------------------- the wrapper
