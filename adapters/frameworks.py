@@ -374,6 +374,8 @@ OPENRLHF = FrameworkSpec(
         ADVANTAGE_ESTIMATOR: frozenset({"index", "entropy"}),
         REWARD_SHAPER: _EXTENSION_INPUTS | {"entropy"},
         BATCH_FILTER: _EXTENSION_INPUTS | {"entropy"},
+        # the adapter sets OpenRLHF's own --actor.entropy_coef before every training_step (adaptive_entropy)
+        CONTROLLER: frozenset({"entropy_bonus"}),
     },
     why_not={
         "*": {
@@ -396,6 +398,13 @@ OPENRLHF = FrameworkSpec(
             "samples over rounds, and the adapter passes no per-prompt counts to estimators",
             "neg_count": "OpenRLHF samples --rollout.n_samples_per_prompt per prompt in one round",
         },
+        CONTROLLER: {
+            "rollout_temperature": "OpenRLHF samples every rollout at one --rollout.temperature, in the trainer "
+            "process's samples generator, and draws no control samples to swap into the batch (AEPO)",
+            "loss_term": "a controller's own term is defined per agent turn (EPO: one row per turn, turns >= "
+            "max_steps/2); OpenRLHF keeps a whole episode in one sample with no turn index, so every row would be "
+            "turn 0 and the term 0 (the adapter steers OpenRLHF's entropy bonus, --actor.entropy_coef)",
+        },
         ADVANTAGE_ESTIMATOR: {
             "old_log_prob": "the adapter does not hand OpenRLHF's action_log_probs to estimators: the only ones that "
             "read them (optimal_token_baseline, tir_optimal_token_baseline) also need sum_pi_squared, which "
@@ -410,9 +419,6 @@ OPENRLHF = FrameworkSpec(
         },
     },
     why_no_key={
-        CONTROLLER: "an entropy controller must change the rollout temperature or add a loss term every step and be "
-        "checkpointed with the trainer; the OpenRLHF adapter does not wire one into its trainer loop (the TRL "
-        "adapter runs them)",
         TRAINER_HOOK: "a trainer hook acts between optimizer passes inside the Ray actor (ActorPPOTrainer.ppo_train "
         "loops over --actor.max_epochs passes with no callback between them) and OpenRLHF always trains with "
         "DeepSpeed, whose optimizer keeps the fp32 master weights in its own flat partitions and copies them over the "
@@ -425,6 +431,7 @@ OPENRLHF = FrameworkSpec(
         ADVANTAGE_ESTIMATOR: "--algo.advantage.estimator",
         REWARD_SHAPER: "--algo.advantage.stablerl_reward_shaper",
         BATCH_FILTER: "--algo.advantage.stablerl_batch_filter",
+        CONTROLLER: "--actor.stablerl_entropy_controller",
     },
     hyperparameter_keys={
         POLICY_LOSS: {
@@ -446,6 +453,7 @@ OPENRLHF = FrameworkSpec(
         ADVANTAGE_ESTIMATOR: "--algo.advantage.stablerl_params {name}={value}",
         REWARD_SHAPER: "--algo.advantage.stablerl_reward_shaper_params {name}={value}",
         BATCH_FILTER: "--algo.advantage.stablerl_batch_filter_params {name}={value}",
+        CONTROLLER: "--actor.stablerl_entropy_controller_params {name}={value}",
     },
     usage=OPENRLHF_COMMAND,
     switches={"rollout_correction": "--algo.advantage.is_correction_level",
@@ -527,6 +535,11 @@ def _trl_lines(spec: AlgorithmSpec) -> list[str]:
 
 def _openrlhf_lines(spec: AlgorithmSpec) -> list[str]:
     fields = list(spec.defaults())
+    if spec.kind == CONTROLLER:
+        lines = [OPENRLHF_COMMAND, f"  {OPENRLHF.selection_keys[CONTROLLER]} {spec.name}"]
+        if fields:
+            lines.append(f"  {OPENRLHF.selection_keys[CONTROLLER]}_params " + " ".join(f"{f}=<value>" for f in fields))
+        return lines + ["  (--actor.entropy_coef stays unset: the controller sets OpenRLHF's entropy bonus every step)"]
     if spec.kind in (REWARD_SHAPER, BATCH_FILTER):
         key = "reward_shaper" if spec.kind == REWARD_SHAPER else "batch_filter"
         lines = [OPENRLHF_COMMAND, f"  --algo.advantage.stablerl_{key} {spec.name}"]

@@ -281,6 +281,13 @@ def test_controllers_reach_trl_and_the_others_say_why():
     assert F.reach(F.get_framework("trl"), adaptive) == ("selectable", "adaptive_entropy")
     assert "+actor_rollout_ref.actor.policy_loss.stablerl_entropy_controller=adaptive_entropy" in F.config_lines(
         adaptive)["verl"]
+    # OpenRLHF too (its --actor.entropy_coef); a rollout temperature / a per-turn term of its own it cannot feed
+    assert F.reach(F.get_framework("openrlhf"), adaptive) == ("selectable", "adaptive_entropy")
+    assert "  --actor.stablerl_entropy_controller adaptive_entropy" in F.config_lines(adaptive)["openrlhf"]
+    status, why = F.reach(F.get_framework("openrlhf"), aepo)
+    assert status == "refused" and "rollout_temperature: OpenRLHF samples every rollout at one --rollout.temperature" in why
+    status, why = F.reach(F.get_framework("openrlhf"), stablerl.get_spec("controller", "epo"))
+    assert status == "refused" and "loss_term: a controller's own term is defined per agent turn" in why
     capo = stablerl.get_spec(POLICY_LOSS, "capo")
     for fw in F.list_frameworks():  # every refusal in the framework's own words, not the input's description
         status, why = F.reach(fw, capo)

@@ -11,7 +11,7 @@ import threading
 
 from stablerl.adapters._patching import PatchLedger
 
-from . import _routing_replay, _state
+from . import _controller, _routing_replay, _state
 from ._selection import _load_callable, selection_from_args
 from ._spec import (ENV_CHAINED_SETUP_HOOK, LEGACY_SETUP_HOOK, SETUP_HOOK, check_openrlhf, check_policy_loss_api,
                     openrlhf_version)
@@ -22,9 +22,10 @@ LEDGER = PatchLedger("__stablerl_openrlhf_patch__")
 
 
 def _patch_actor_module(module, ledger) -> None:
-    """``ActorPPOTrainer.__init__``: a stablerl policy_loss_type replaces the loss OpenRLHF built; routing replay
-    and the old-pass entropy arm the policy actor. Also ``training_step`` / ``Actor.forward`` (``_routing_replay``),
-    ``ppo_train``'s DataLoader (whole prompt groups, ``._groups``) and the loss normalisers."""
+    """``ActorPPOTrainer.__init__``: a stablerl policy_loss_type replaces the loss OpenRLHF built; routing replay,
+    the old-pass entropy and an entropy controller (``._controller``) arm the policy actor. Also ``training_step`` /
+    ``Actor.forward`` (``_routing_replay``), ``ppo_train``'s DataLoader (whole prompt groups, ``._groups``) and the
+    loss normalisers."""
     check_policy_loss_api(module.PolicyLoss)
 
     @ledger.around(module.ActorPPOTrainer, "__init__")
@@ -42,6 +43,7 @@ def _patch_actor_module(module, ledger) -> None:
             from ._inputs import WANTS_OLD_ENTROPY
 
             setattr(self.actor, WANTS_OLD_ENTROPY, True)
+        _controller.arm(self)  # an entropy controller steering --actor.entropy_coef, if one is selected
 
     _routing_replay.patch_actor_module(module, ledger)
     from ._groups import group_dataloader

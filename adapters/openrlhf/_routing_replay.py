@@ -23,6 +23,7 @@ from stablerl import routing_replay as rr
 from stablerl.routing_replay import RolloutRoutes, SampleRoutes
 from stablerl.params import StableRLError, UnknownNameError, unknown_name_message
 
+from . import _controller
 from . import _inputs as loss_inputs
 from ._selection import selection_from_args
 from ._spec import ENV_ROUTING_REPLAY as ENV_MODE  # the mode where no args exist (vLLM rollout workers)
@@ -180,19 +181,25 @@ def patch_actor_module(module, ledger) -> None:
 
     @ledger.around(module.ActorPPOTrainer, "training_step")
     def training_step_with_replay(training_step, self, experience, *args, **kwargs):
+        controller = _controller.before_step(self)  # the entropy controller's coefficient, if one is selected
         with loss_inputs.step_inputs(self, experience):
             state = getattr(self.actor, ARMED, None)
             if state is None:
-                return training_step(self, experience, *args, **kwargs)
-            # kept until the optimizer step: gradient checkpointing re-runs the routers in backward
-            with rr.replay(_inner(self.actor.model), batch_routes(state, experience)):
-                return training_step(self, experience, *args, **kwargs)
+                status = training_step(self, experience, *args, **kwargs)
+            else:
+                # kept until the optimizer step: gradient checkpointing re-runs the routers in backward
+                with rr.replay(_inner(self.actor.model), batch_routes(state, experience)):
+                    status = training_step(self, experience, *args, **kwargs)
+        _controller.after_step(self, controller, status)
+        return status
 
     @ledger.around(module.Actor, "forward")
     def forward_recording(forward, self, *args, **kwargs):
         # the old-log-prob pass: PolicyModelActor.forward runs the policy in eval mode under no_grad
         if self.training or torch.is_grad_enabled():
-            return loss_inputs.train_forward(forward, self, *args, **kwargs)  # entropy for the loss, if declared
+            out = loss_inputs.train_forward(forward, self, *args, **kwargs)  # entropy for the loss, if declared
+            _controller.record_entropy(self, args, kwargs, out)  # and for the entropy controller, if one is armed
+            return out
         old_pass = functools.partial(loss_inputs.old_pass_forward, forward)  # + the old-pass entropy, if declared
         state = self.__dict__.get(ARMED)
         return old_pass(self, *args, **kwargs) if state is None else _old_pass(old_pass, self, state, *args, **kwargs)

@@ -11,14 +11,15 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import stablerl
-from stablerl.contracts import ADVANTAGE_ESTIMATOR as _ADV, POLICY_LOSS as _LOSS
+from stablerl.contracts import ADVANTAGE_ESTIMATOR as _ADV, CONTROLLER as _CONTROLLER, POLICY_LOSS as _LOSS
 from stablerl.frameworks import (as_params, check_call_options, check_framework_keys_used, check_shaper_and_components,
                                  effective_hyperparameters, selectable_names, split_call_options)
 from stablerl.frameworks import resolve as _resolve_in
 from stablerl.params import MissingInputError, StableRLError, build_params, parse_params  # noqa: F401 (re-export)
 
-from ._spec import (_FILTER, _FORWARDED_ENV, _SHAPER, COMPONENT_WEIGHTS_FLAG, COMPONENTS_FLAG, ENV_ADVANTAGE,
-                    ENV_ADVANTAGE_PARAMS, ENV_BATCH_FILTER, ENV_BATCH_FILTER_PARAMS, ENV_CHAINED_SETUP_HOOK,
+from ._spec import (_FILTER, _FORWARDED_ENV, _SHAPER, COMPONENT_WEIGHTS_FLAG, COMPONENTS_FLAG, CONTROLLER_FLAG,
+                    ENV_ADVANTAGE, ENV_ADVANTAGE_PARAMS, ENV_BATCH_FILTER, ENV_BATCH_FILTER_PARAMS,
+                    ENV_CHAINED_SETUP_HOOK, ENV_CONTROLLER, ENV_CONTROLLER_PARAMS,
                     ENV_POLICY_LOSS, ENV_POLICY_LOSS_PARAMS, ENV_PREVIOUS_RUNTIME_ENV_HOOK, ENV_REWARD_SHAPER,
                     ENV_REWARD_SHAPER_PARAMS, ENV_ROUTING_REPLAY, FILTER_FLAG, LEGACY_SETUP_HOOK, OPENRLHF, SETUP_HOOK,
                     SHAPER_FLAG)
@@ -69,6 +70,9 @@ class Selection:
     reward_shaper_params: dict = field(default_factory=dict)
     batch_filter: Optional[str] = None
     batch_filter_params: dict = field(default_factory=dict)
+    #: an entropy controller stepped once per optimizer step in the actor workers (._controller)
+    entropy_controller: Optional[str] = None
+    entropy_controller_params: dict = field(default_factory=dict)
     #: the reward function's extra_logs keys handed to the estimator as reward_components (GDPO), their weights
     reward_components: tuple = ()
     reward_weights: tuple = ()
@@ -128,7 +132,9 @@ class Selection:
             raise StableRLError(f"{COMPONENT_WEIGHTS_FLAG} has {len(self.reward_weights)} values for "
                                 f"{len(self.reward_components)} {COMPONENTS_FLAG} names")
         for kind, name, params, flag in ((_SHAPER, self.reward_shaper, self.reward_shaper_params, SHAPER_FLAG),
-                                         (_FILTER, self.batch_filter, self.batch_filter_params, FILTER_FLAG)):
+                                         (_FILTER, self.batch_filter, self.batch_filter_params, FILTER_FLAG),
+                                         (_CONTROLLER, self.entropy_controller, self.entropy_controller_params,
+                                          CONTROLLER_FLAG)):
             if name is not None:
                 build_params(stablerl.get_spec(kind, name), params)
             elif params:
@@ -155,6 +161,8 @@ def _from_env(args: Any = None) -> Selection:
         reward_shaper_params=parse_params(env.get(ENV_REWARD_SHAPER_PARAMS), ENV_REWARD_SHAPER_PARAMS),
         batch_filter=resolve(_FILTER, env.get(ENV_BATCH_FILTER) or None),
         batch_filter_params=parse_params(env.get(ENV_BATCH_FILTER_PARAMS), ENV_BATCH_FILTER_PARAMS),
+        entropy_controller=resolve(_CONTROLLER, env.get(ENV_CONTROLLER) or None),
+        entropy_controller_params=parse_params(env.get(ENV_CONTROLLER_PARAMS), ENV_CONTROLLER_PARAMS),
     )
 
 

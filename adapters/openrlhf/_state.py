@@ -1,10 +1,11 @@
 """stablerl's per-process state in OpenRLHF checkpoints, in core's one format (``StateStore.state_dict()``); this
 module only says where OpenRLHF keeps it:
 
-* actor workers: the policy loss's state (EntroPIC's integral, CAPO's moments) in DeepSpeed's ``client_state``
-  (:data:`LOSS_KEY`), taken out again by ``load_ckpt`` (so it never reaches the driver) and handed to the loss
-  ``ActorPPOTrainer`` builds right after. DeepSpeed writes rank 0's ``client_state`` only: exact for the
-  built-ins, whose state comes from quantities reduced over the ranks;
+* actor workers: the policy loss's state (EntroPIC's integral, CAPO's moments) and the entropy controller's in
+  DeepSpeed's ``client_state`` (:data:`LOSS_KEY`, :data:`CONTROLLER_KEY`), taken out again by ``load_ckpt`` (so
+  they never reach the driver) and handed to the loss / controller ``ActorPPOTrainer`` builds right after.
+  DeepSpeed writes rank 0's ``client_state`` only: exact for the built-ins, whose state comes from quantities
+  reduced over the ranks;
 * the trainer process: the reward shapers' / batch filters' store in the ``client_states`` ``BasePPOTrainer``
   sends the actors (:data:`DRIVER_KEY`). A checkpoint without these keys loads as before.
 """
@@ -22,30 +23,57 @@ from stablerl.state import StateStore
 logger = logging.getLogger("stablerl.adapters.openrlhf")
 
 LOSS_KEY = "stablerl_loss_state"
+CONTROLLER_KEY = "stablerl_controller_state"
 DRIVER_KEY = "stablerl_driver_state"
 
-_live_loss: Optional[weakref.ref] = None  # the StablePolicyLoss this process's actor trains with
-_pending_loss_state: Optional[tuple] = None  # (state, where) read by load_ckpt before the loss exists
+
+class WorkerState:
+    """One stablerl store of an actor worker, saved in DeepSpeed's ``client_state`` under ``key``: the store is
+    adopted when the object that owns it is built (the loss, the controller: in ``ActorPPOTrainer.__init__``),
+    and a state ``load_ckpt`` read before then waits for it."""
+
+    def __init__(self, key: str, holds: str):
+        self.key, self.holds = key, holds
+        self.live: Optional[weakref.ref] = None
+        self.pending: Optional[tuple] = None  # (state, where) read by load_ckpt before the store exists
+
+    def adopt(self, store: StateStore) -> None:
+        self.live = weakref.ref(store)
+        if self.pending is not None:
+            _restore_loss_state(store, *self.pending)
+            self.pending = None
+            logger.info("stablerl: restored the %s state from the checkpoint", self.holds)
+
+    def store(self) -> Optional[StateStore]:
+        return self.live() if self.live is not None else None
+
+    def take(self, states: Any, where: str) -> None:
+        """Take this key out of the client_states ``load_ckpt`` returns (it never reaches the driver)."""
+        if not isinstance(states, dict) or self.key not in states:
+            return
+        state, where = states.pop(self.key), f"{where} ({self.key})"
+        StateStore(holds=self.holds).check(state, where)  # refuse a foreign blob now, not when the owner is built
+        store = self.store()
+        if store is not None:  # a load after the owner was built: restore now
+            _restore_loss_state(store, state, where)
+        else:
+            self.pending = (state, where)
+
+
+#: the policy loss's state (StablePolicyLoss.stablerl_state) and the entropy controller's (._controller)
+LOSS = WorkerState(LOSS_KEY, "loss")
+CONTROLLER = WorkerState(CONTROLLER_KEY, "controller")
+_WORKER_STATES = (LOSS, CONTROLLER)
 
 
 def adopt_loss(loss: Any) -> None:
     """Called when ``ActorPPOTrainer`` built its ``StablePolicyLoss``: its state is saved with this process's
     checkpoints, and a state just loaded from a checkpoint is restored into it."""
-    global _live_loss, _pending_loss_state
-    _live_loss = weakref.ref(loss)
-    if _pending_loss_state is not None:
-        _restore_loss_state(loss.stablerl_state, *_pending_loss_state)
-        _pending_loss_state = None
-        logger.info("stablerl: restored the policy loss's state from the checkpoint")
+    LOSS.adopt(loss.stablerl_state)
 
 
 def _with(states: Optional[dict], key: str, store: Optional[StateStore]) -> Optional[dict]:
     return {**(states or {}), key: store.state_dict()} if store else states
-
-
-def _loss_store() -> Optional[StateStore]:
-    loss = _live_loss() if _live_loss is not None else None
-    return None if loss is None else loss.stablerl_state
 
 
 def _restore_loss_state(store: StateStore, state: Any, where: str, device: Any = None) -> None:
@@ -53,19 +81,6 @@ def _restore_loss_state(store: StateStore, state: Any, where: str, device: Any =
     if device is None and torch.cuda.is_available():
         device = torch.device("cuda", torch.cuda.current_device())
     store.load_state_dict(state, where=where, device=device)
-
-
-def _take_loss_state(states: Any, where: str) -> None:
-    global _pending_loss_state
-    if not isinstance(states, dict) or LOSS_KEY not in states:
-        return
-    state, where = states.pop(LOSS_KEY), f"{where} ({LOSS_KEY})"
-    StateStore(holds="loss").check(state, where)  # refuse a foreign blob now, not when the loss is built
-    store = _loss_store()
-    if store is not None:  # a load after the loss was built: restore now
-        _restore_loss_state(store, state, where)
-    else:
-        _pending_loss_state = (state, where)
 
 
 def _driver_store() -> StateStore:
@@ -83,17 +98,20 @@ def restore_driver_state(states: Any) -> bool:
 
 
 def patch_strategy_module(module, ledger) -> None:
-    """``DeepspeedStrategy.save_ckpt`` / ``load_ckpt``: the actor's loss state in DeepSpeed's client_state."""
+    """``DeepspeedStrategy.save_ckpt`` / ``load_ckpt``: the actor's loss and controller state in DeepSpeed's
+    client_state."""
 
     @ledger.around(module.DeepspeedStrategy, "save_ckpt")
     def save_ckpt(save, self, model, save_dir, tag=None, max_num=3, max_mem=1000, client_state=None, *args, **kwargs):
-        return save(self, model, save_dir, tag, max_num, max_mem, _with(client_state, LOSS_KEY, _loss_store()), *args,
-                    **kwargs)
+        for worker_state in _WORKER_STATES:
+            client_state = _with(client_state, worker_state.key, worker_state.store())
+        return save(self, model, save_dir, tag, max_num, max_mem, client_state, *args, **kwargs)
 
     @ledger.around(module.DeepspeedStrategy, "load_ckpt")
     def load_ckpt(load, self, model, load_dir, *args, **kwargs):
         load_path, states = load(self, model, load_dir, *args, **kwargs)
-        _take_loss_state(states, str(load_path))
+        for worker_state in _WORKER_STATES:
+            worker_state.take(states, str(load_path))
         return load_path, states
 
 

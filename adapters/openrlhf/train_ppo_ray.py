@@ -10,7 +10,8 @@ and ``ray.init`` live in its ``__main__`` block: there is nothing to call or sub
 are never patched) see three modules with one name each replaced:
 
 1. ``argparse.ArgumentParser``: the two name flags also accept stablerl names (argparse still rejects unknown
-   ones, listing the valid ones), and the stablerl flags are added next to them (docs/openrlhf.md, "Flags");
+   ones, listing the valid ones), and the stablerl flags (parameters, shapers, filters, the entropy controller,
+   routing replay) are added next to them (docs/openrlhf.md, "Flags");
 2. ``openrlhf.utils.config.hierarchize``: also attaches ``args.stablerl`` (a validated :class:`Selection`, so a
    bad key fails before Ray starts; it reaches every model actor inside the pickled ``DeepspeedStrategy``);
 3. ``ray.init``: adds stablerl's ``worker_process_setup_hook`` to OpenRLHF's ``runtime_env``; forwards
@@ -34,7 +35,7 @@ from stablerl.params import StableRLError
 from . import _routing_replay
 from ._selection import (Selection, add_setup_hook, check_rollout_log_probs, openrlhf_choices, parse_params,
                          resolve)
-from ._spec import (COMPONENT_WEIGHTS_FLAG, COMPONENTS_FLAG, FILTER_FLAG, OPENRLHF_ADV_ESTIMATORS,
+from ._spec import (COMPONENT_WEIGHTS_FLAG, COMPONENTS_FLAG, CONTROLLER_FLAG, FILTER_FLAG, OPENRLHF_ADV_ESTIMATORS,
                     OPENRLHF_POLICY_LOSSES, PREFIX, SHAPER_FLAG, check_openrlhf)
 
 _LOSS_FLAG = "--actor.policy_loss_type"
@@ -73,7 +74,10 @@ def _stablerl_flags(kind: str) -> list[tuple[str, dict]]:
                     "unset keys take the paper's defaults")
 
     if kind == stablerl.POLICY_LOSS:
-        return [(_LOSS_PARAMS_FLAG, params("loss")), (_routing_replay.FLAG, dict(
+        return [(_LOSS_PARAMS_FLAG, params("loss")), (CONTROLLER_FLAG, dict(type=str, default=None, metavar="NAME", help=(
+            "stablerl entropy controller, stepped once per optimizer step with its mean training entropy; it sets "
+            f"--actor.entropy_coef every step (leave that unset): {', '.join(openrlhf_choices(stablerl.CONTROLLER))}"))),
+            (CONTROLLER_FLAG + "_params", params("entropy controller")), (_routing_replay.FLAG, dict(
             type=lambda v: str(v).strip().upper(), choices=_routing_replay.MODES, default=None, metavar="{R2,R3}",
             help="stablerl MoE routing replay: R2 records the experts of the actor's old-log-prob pass, R3 takes "
             "the experts vLLM chose (vllm>=0.14); replayed in the old-log-prob pass (R3) and every training step"))]
@@ -227,6 +231,9 @@ def selection_from_cli(args) -> Selection:
         reward_shaper_params=parse_params(flag(advantage, "stablerl_reward_shaper_params"), SHAPER_FLAG + "_params"),
         batch_filter=resolve(stablerl.BATCH_FILTER, flag(advantage, "stablerl_batch_filter")),
         batch_filter_params=parse_params(flag(advantage, "stablerl_batch_filter_params"), FILTER_FLAG + "_params"),
+        entropy_controller=resolve(stablerl.CONTROLLER, flag(actor, "stablerl_entropy_controller")),
+        entropy_controller_params=parse_params(flag(actor, "stablerl_entropy_controller_params"),
+                                               CONTROLLER_FLAG + "_params"),
         reward_components=tuple(flag(advantage, "stablerl_reward_components") or ()),
         reward_weights=tuple(float(w) for w in flag(advantage, "stablerl_reward_weights") or ()),
         openrlhf_clip=explicit_clip_flags(args, argv),
@@ -234,6 +241,10 @@ def selection_from_cli(args) -> Selection:
     )
     sel.openrlhf_advantage, sel.reward_clip_range = explicit_advantage_flags(args, argv)
     sel.validate()  # the effective hyper-parameters, clip flags included
+    if sel.entropy_controller is not None and getattr(actor, "entropy_coef", None) not in (None, 0, 0.0):
+        raise StableRLError(f"{CONTROLLER_FLAG} {sel.entropy_controller} sets OpenRLHF's entropy bonus itself: leave "
+                            f"--actor.entropy_coef unset (got {actor.entropy_coef}); the initial coefficient is the "
+                            "controller's entropy_coef")
     if sel.policy_loss is not None:
         spec = stablerl.get_spec(stablerl.POLICY_LOSS, sel.policy_loss)
         check_rollout_log_probs(spec, sel.policy_loss_params, advantage.is_correction_level)

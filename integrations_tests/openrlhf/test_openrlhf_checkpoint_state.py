@@ -29,7 +29,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_policy_loss_state_survives_a_deepspeed_checkpoint():
+def test_policy_loss_and_controller_state_survive_a_deepspeed_checkpoint():
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([HERE_PATH, STUBS_PATH, os.environ.get("PYTHONPATH", "")])}
     # 900 s: DeepSpeed start-up took 245 s at load 15 on 2 cores; a timeout that kills its JIT build of an op
     # leaves a stale lock in ~/.cache/torch_extensions that every later DeepSpeed start waits on
@@ -44,6 +44,10 @@ def test_policy_loss_state_survives_a_deepspeed_checkpoint():
     assert out["restored_state"] == out["saved_state"]
     assert out["same_third_step"] is True and out["third_integral"] != out["saved_state"]["integral"]
     assert out["plain_states_keys"] == ["global_step"] and out["fresh_state"] == {}
+    # the entropy controller: saved beside the loss state, taken out on load, restored into the next trainer
+    assert out["saved_controller"] == {"entropy_coef": 0.02, "last_entropy": 2.5}
+    assert out["controller_states_keys"] == ["global_step"]
+    assert out["restored_controller"] == out["saved_controller"] and out["restored_entropy_coef"] == 0.02
 
 
 class _TrainerStandIn:

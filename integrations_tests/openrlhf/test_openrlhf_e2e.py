@@ -60,12 +60,17 @@ def cluster():
 
 @pytest.fixture(scope="module")
 def entropic_runs(cluster, tmp_path_factory):
-    """Run 1: 2 GRPO steps with a stateful loss (entropic), a checkpoint per step. Run 2, a new process: the same
+    """Run 1: 2 GRPO steps with a stateful loss (entropic) and an entropy controller (adaptive_entropy), a
+    checkpoint per step. Run 2, a new process: the same
     command with --ckpt.load_enable and one more episode: it resumes from step 2's checkpoint."""
     root = tmp_path_factory.mktemp("orlhf_e2e_entropic")
     assets = harness.make_assets(root, n_prompts=N_PROMPTS * STEPS)
     argv = base_flags(assets, root) + STABLERL_FLAGS + [
-        "--actor.policy_loss_type", "entropic", "--actor.stablerl_params", "target_entropy=0.2"]
+        "--actor.policy_loss_type", "entropic", "--actor.stablerl_params", "target_entropy=0.2",
+        # an entropy controller steering OpenRLHF's --actor.entropy_coef; target above the tiny model's entropy:
+        # the coefficient rises by delta at every optimizer step (one per rollout step here)
+        "--actor.stablerl_entropy_controller", "adaptive_entropy",
+        "--actor.stablerl_entropy_controller_params", "entropy_target=100", "entropy_coef_delta=0.01"]
     first = harness.launch(argv, cluster.env, root / "run1.log")
     resumed = None
     if first["rc"] == 0:
@@ -116,6 +121,14 @@ def test_checkpoint_resume_continues_steps_and_loss_state(entropic_runs):
     # near the first step's value.
     assert integral[0] < integral[1] < integral[2] < integral[3], integral
     assert integral[2] - integral[1] < integral[1], integral
+    # the controller's coefficient in force at each step (OpenRLHF's --actor.entropy_coef, set by the adapter):
+    # 0 until it has seen an entropy, then +0.01 per optimizer step, continued across the restart
+    assert "stablerl: restored the controller state from the checkpoint" in resumed["output"]
+    applied = [s["stablerl/adaptive_entropy/applied_coef"] for s in (first["steps"][1], first["steps"][2],
+                                                                      resumed["steps"][3], resumed["steps"][4])]
+    assert applied == pytest.approx([0.0, 0.01, 0.02, 0.03]), applied
+    for status in (*first["steps"].values(), *resumed["steps"].values()):
+        assert 1.0 < status["entropy_loss"] < 20.0, status  # OpenRLHF's own entropy log, on because of the controller
 
 
 def test_m2po_with_rollout_routing_replay_on_a_moe_model(cluster, tmp_path):

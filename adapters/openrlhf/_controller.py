@@ -1,0 +1,135 @@
+"""Entropy controllers (``stablerl.Controller``) in OpenRLHF 0.11.2: ``adaptive_entropy`` steers OpenRLHF's own
+entropy bonus, ``--actor.entropy_coef`` (as the verl adapter steers verl's ``entropy_coeff``).
+
+OpenRLHF's ``ActorPPOTrainer.training_step`` reads ``args.actor.entropy_coef`` on every call: with a value (0
+included) the training forward returns entropy and ``entropy_loss`` is logged; a non-zero value subtracts
+``coef * aggregate_loss(H)`` (token-mean over the optimizer step's global token count) from the loss: the
+controller's loss term ``-c agg(H)`` exactly. In the actor worker the adapter
+
+* sets ``entropy_coef`` to the controller's coefficient in force (``applied_coef``) before every micro-batch;
+* sums the training forward's entropy over the action tokens (the ``Actor.forward`` patch, :func:`record_entropy`)
+  until DeepSpeed takes the optimizer step, all-reduces sum and count over the DP group and steps the controller
+  with their ratio: one controller step per optimizer step, with the step's token-mean entropy over every rank, as
+  the TRL adapter;
+* logs the decision as ``stablerl/<name>/<key>`` and saves the controller in DeepSpeed's client_state (``._state``).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+
+from stablerl.api import get_spec
+from stablerl.contracts import CONTROLLER as _CONTROLLER
+from stablerl.frameworks import effective_hyperparameters, log_effective_settings
+from stablerl.params import StableRLError
+from stablerl.state import StateStore
+from stablerl.trainer_loop import ControllerDriver
+
+from . import _state
+from ._selection import selection_from_args
+from ._spec import CONTROLLER_FLAG, OPENRLHF
+
+#: attribute of the ActorPPOTrainer: its ControllerDriver
+DRIVER = "_stablerl_controller"
+#: attribute of the policy Actor: [entropy sum, token count] of the training forwards since the last optimizer step
+ENTROPY_METER = "_stablerl_entropy_meter"
+
+
+def arm(trainer: Any) -> Optional[ControllerDriver]:
+    """In ``ActorPPOTrainer.__init__``: the selected controller, its state adopted into this worker's checkpoints."""
+    selection = selection_from_args(trainer.args)
+    name = selection.entropy_controller
+    if name is None:
+        return None
+    actor_args = trainer.args.actor
+    if getattr(actor_args, "entropy_coef", None) not in (None, 0, 0.0):
+        raise StableRLError(f"{CONTROLLER_FLAG} {name} sets OpenRLHF's entropy bonus itself: leave --actor.entropy_coef "
+                            f"unset (got {actor_args.entropy_coef}); the initial coefficient is the controller's "
+                            "entropy_coef")
+    driver = ControllerDriver(name, selection.entropy_controller_params, provides=("entropy",), framework="OpenRLHF",
+                              gives="the adapter gives each optimizer step's mean training entropy",
+                              apply=lambda decision: None)  # the coefficient is read before every step
+    if not hasattr(driver.controller, "applied_coef"):
+        raise StableRLError(f"entropy controller {name!r} does not steer an entropy bonus (no applied_coef); "
+                            "OpenRLHF's adapter sets only --actor.entropy_coef")
+    store = StateStore(holds="controller")
+    store.track(_CONTROLLER, name, driver)
+    trainer.__dict__[DRIVER] = driver
+    trainer.__dict__["_stablerl_controller_store"] = store  # kept alive with the trainer (the ledger holds a weakref)
+    _state.CONTROLLER.adopt(store)
+    if getattr(trainer, "actor", None) is not None:
+        trainer.actor.__dict__[ENTROPY_METER] = [0.0, 0.0]
+    actor_args.entropy_coef = float(driver.controller.applied_coef)  # not None: OpenRLHF computes the entropy
+    spec = get_spec(_CONTROLLER, name)  # the effective-settings table, once per process
+    log_effective_settings(OPENRLHF, spec, effective_hyperparameters(OPENRLHF, spec,
+                                                                     selection.entropy_controller_params))
+    return driver
+
+
+def record_entropy(actor: Any, args: tuple, kwargs: dict, result: Any) -> None:
+    """After a training ``Actor.forward`` of an armed actor: add the action tokens' entropy (as OpenRLHF slices and
+    masks it in ``training_step``) to the meter."""
+    meter = actor.__dict__.get(ENTROPY_METER)
+    if meter is None or not kwargs.get("return_output") or not isinstance(result, tuple):
+        return
+    output = result[1]
+    entropy = getattr(output, "entropy", None)
+    action_mask = kwargs.get("action_mask", args[1] if len(args) > 1 else None)
+    if entropy is None or not isinstance(action_mask, torch.Tensor):
+        raise StableRLError("stablerl entropy controller: the training forward returned no entropy for the action "
+                            "mask (OpenRLHF computes it when --actor.entropy_coef is not None, which the adapter sets)")
+    mask = action_mask.to(torch.float64)
+    meter[0] += float((entropy[:, -mask.shape[1]:].detach().to(torch.float64) * mask).sum())
+    meter[1] += float(mask.sum())
+
+
+def _optimizer_steps(trainer: Any) -> Optional[int]:
+    """DeepSpeed's count of optimizer steps taken (``engine.global_steps``); None without a DeepSpeed engine (then
+    every ``training_step`` is one optimizer step)."""
+    steps = getattr(getattr(trainer.actor, "model", None), "global_steps", None)
+    return int(steps) if isinstance(steps, int) else None
+
+
+def before_step(trainer: Any) -> Optional[tuple]:
+    """Before ``training_step``: the coefficient in force on OpenRLHF's args; returns what :func:`after_step` needs."""
+    driver = trainer.__dict__.get(DRIVER)
+    if driver is None:
+        return None
+    coef = float(driver.controller.applied_coef)
+    trainer.args.actor.entropy_coef = coef
+    return driver, coef, _optimizer_steps(trainer)
+
+
+def _reduced(trainer: Any, meter: list) -> tuple[float, float]:
+    total = torch.tensor(meter, dtype=torch.float64)
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        from openrlhf.utils.loss_utils import _get_dp_group
+
+        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
+        total = total.to(device)
+        torch.distributed.all_reduce(total, op=torch.distributed.ReduceOp.SUM, group=_get_dp_group(trainer.strategy))
+    return float(total[0]), float(total[1])
+
+
+def after_step(trainer: Any, armed: Optional[tuple], status: Any) -> None:
+    """After ``training_step``: at an optimizer step, step the controller with the step's entropy; the decision
+    and the coefficient applied go into the status OpenRLHF logs (not reduced: every rank has the same)."""
+    if armed is None:
+        return
+    driver, applied, steps_before = armed
+    if steps_before is None or _optimizer_steps(trainer) != steps_before:
+        meter = trainer.actor.__dict__[ENTROPY_METER]
+        total, count = _reduced(trainer, meter)
+        meter[0] = meter[1] = 0.0
+        driver.step(entropy=total / count if count > 0 else None)  # an all-masked step: no entropy, no change
+    if isinstance(status, dict) and isinstance(status.get("metrics"), dict):
+        values = {**{k: v for k, v in driver.decision.items() if isinstance(v, (bool, int, float))},
+                  "applied_coef": applied}
+        for key, value in values.items():
+            status["metrics"][f"stablerl/{driver.name}/{key}"] = float(value)
+            status.setdefault("weights", {})[f"stablerl/{driver.name}/{key}"] = None
+
+
+__all__ = ["arm", "record_entropy", "before_step", "after_step", "DRIVER", "ENTROPY_METER"]
