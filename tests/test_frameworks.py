@@ -44,12 +44,16 @@ def test_one_name_rule_in_every_framework():
 def test_refusals_say_why_in_the_frameworks_words():
     with pytest.raises(stablerl.MissingInputError, match=r"hidden_states: OpenRLHF's Actor.forward returns log-probs"):
         F.resolve("openrlhf", POLICY_LOSS, "capo")
-    status, why = F.reach(F.get_framework("openrlhf"), stablerl.get_spec(POLICY_LOSS, "a3po"))
-    assert status == "refused" and "versions: OpenRLHF's experiences carry no per-token policy versions" in why
-    # verl: one weight version per batch in its synchronous legacy trainer (A-3PO's alpha = 0), under that setting
+    status, why = F.reach(F.get_framework("trl"), stablerl.get_spec(POLICY_LOSS, "a3po"))
+    assert status == "refused" and "versions: TRL's GRPOTrainer keeps no per-token policy versions" in why
+    # verl and OpenRLHF: one weight version per batch in their synchronous trainers (A-3PO's alpha = 0), under
+    # that setting
     assert F.reach(F.get_framework("verl"), stablerl.get_spec(POLICY_LOSS, "a3po")) == ("partial", "a3po")
     assert any(n.startswith("versions: the legacy trainer (trainer.use_v1=false)")
                for n in F.reach_conditions(F.get_framework("verl"), stablerl.get_spec(POLICY_LOSS, "a3po")))
+    assert F.reach(F.get_framework("openrlhf"), stablerl.get_spec(POLICY_LOSS, "a3po")) == ("partial", "a3po")
+    assert any(n.startswith("versions: the synchronous trainer (no --train.async_enable)")
+               for n in F.reach_conditions(F.get_framework("openrlhf"), stablerl.get_spec(POLICY_LOSS, "a3po")))
     # the old-log-prob pass's entropy at verl's advantage step: kept by the adapter in the legacy trainer only
     assert F.reach(F.get_framework("verl"), stablerl.get_spec("batch_filter", "d3s")) == ("partial", "d3s")
     assert F.reach_conditions(F.get_framework("verl"), stablerl.get_spec("batch_filter", "d3s"))[0].startswith(
@@ -164,8 +168,8 @@ def test_describe_framework_prints_the_effective_settings(capsys):
     out = capsys.readouterr().out
     assert "verl: select with actor_rollout_ref.actor.policy_loss.loss_mode=stablerl_gspo" in out
     assert "clip_ratio_low  = 0.0003" in out and "One precedence rule in every framework" in out
-    assert main(["describe", "a3po", "--framework", "openrlhf"]) == 0
-    assert "openrlhf: 'a3po' cannot be selected: needs" in capsys.readouterr().out
+    assert main(["describe", "a3po", "--framework", "trl"]) == 0
+    assert "trl: 'a3po' cannot be selected: needs" in capsys.readouterr().out
     assert main(["describe", "gspo", "--framework", "jax"]) == 2
     assert "unknown framework 'jax'" in capsys.readouterr().err
 

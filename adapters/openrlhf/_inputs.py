@@ -1,7 +1,8 @@
 """Declared inputs of a stablerl policy loss beyond OpenRLHF 0.11.2's loss call, handed over through core's scoped
 channel (:func:`stablerl.frameworks.loss_inputs`, open for the whole ``training_step``); nothing is computed for a
 loss that does not declare them (docs/openrlhf.md, "Loss inputs"): ``token_ids`` (``sequences[:, -A:]``),
-``scores`` (``experience.rewards``), ``index`` (``._groups``), ``entropy`` (the training forward's, asked of
+``scores`` (``experience.rewards``), ``index`` (``._groups``), ``versions`` / ``policy_version`` (one weight
+version per batch: every generated token 0, the policy 1, a3po), ``entropy`` (the training forward's, asked of
 ``Actor.forward`` and detached) and ``old_entropy``: the old-log-prob pass's, also the ``entropy`` of estimators,
 shapers and filters. That pass (on an actor marked :data:`WANTS_OLD_ENTROPY`) returns it on the CPU log-prob
 tensor (:data:`ENTROPY_ON_LOG_PROBS`, as routing replay's routes), ``make_experience`` moves it into
@@ -21,7 +22,7 @@ from stablerl.params import MissingInputError, StableRLError
 from ._groups import pop_index
 
 #: Inputs this module feeds (with ``rollout_log_prob``, which OpenRLHF passes itself).
-FED_INPUTS = ("entropy", "token_ids", "scores", "index", "old_entropy")
+FED_INPUTS = ("entropy", "token_ids", "scores", "index", "old_entropy", "versions", "policy_version")
 
 #: ``Experience.info`` key of the old-log-prob pass's per-token entropy ([B, A]; per row after the buffer's split)
 OLD_ENTROPY_KEY = "stablerl_old_entropy"
@@ -54,6 +55,10 @@ def step_inputs(trainer, experience) -> Iterator[Optional[dict]]:
         inputs["index"] = index
     if "entropy" in need:
         inputs["entropy"] = None  # asked for: train_forward computes it in the training forward
+    if "versions" in need:  # one weight version per batch (synchronous trainer): relative, batch 0, policy 1
+        inputs["versions"] = torch.where(experience.action_mask.bool(), 0, -1)
+    if "policy_version" in need:
+        inputs["policy_version"] = 1
     if "old_entropy" in need:
         if old_entropy is None:
             raise MissingInputError(_NO_OLD_ENTROPY.format(where="the micro-batch (experience.info)"))

@@ -33,7 +33,8 @@ import stablerl
 from stablerl.params import StableRLError
 
 from . import _routing_replay
-from ._selection import (Selection, add_setup_hook, check_rollout_log_probs, openrlhf_choices, parse_params,
+from ._selection import (Selection, add_setup_hook, check_one_version_per_batch, check_rollout_log_probs,
+                         openrlhf_choices, parse_params,
                          resolve)
 from ._spec import (COMPONENT_WEIGHTS_FLAG, COMPONENTS_FLAG, CONTROLLER_FLAG, FILTER_FLAG, OPENRLHF_ADV_ESTIMATORS,
                     OPENRLHF_POLICY_LOSSES, PREFIX, SHAPER_FLAG, check_openrlhf)
@@ -248,6 +249,7 @@ def selection_from_cli(args) -> Selection:
     if sel.policy_loss is not None:
         spec = stablerl.get_spec(stablerl.POLICY_LOSS, sel.policy_loss)
         check_rollout_log_probs(spec, sel.policy_loss_params, advantage.is_correction_level)
+        check_one_version_per_batch(spec, bool(getattr(args.train, "async_enable", False)))
         if "index" in spec.requires:
             check_group_batching(sel.policy_loss, args)
     return sel

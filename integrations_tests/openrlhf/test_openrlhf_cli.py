@@ -91,7 +91,8 @@ def test_bad_names_get_argparse_errors(capsys, argv, expected):
 def test_choices_cover_the_registry():
     names = adapter.openrlhf_choices(stablerl.POLICY_LOSS)
     assert names[:2] == ["ppo", "gspo"] and "stablerl_gspo" in names and "gspo" not in names[2:]
-    assert "a3po" not in names and "haepo" not in names  # needs versions / unavailable
+    assert "capo" not in names and "haepo" not in names  # needs hidden states / unavailable
+    assert "a3po" in names  # one weight version per batch (synchronous trainer)
     est = adapter.openrlhf_choices(stablerl.ADVANTAGE_ESTIMATOR)
     assert {"stablerl_rloo", "stablerl_dr_grpo", "grpo", "qae"} <= set(est) and "gigpo" not in est
     assert "empg" in est  # the old-pass entropy at the advantage step; steps: the loss mask's runs

@@ -72,7 +72,7 @@ def _reference_entropy(model, batch):
     return entropy[:, :-1][:, -batch.action_mask.shape[1]:]
 
 
-def _trainer(monkeypatch, loss, packing, params=None, entropy_coef=None):
+def _trainer(monkeypatch, loss, packing, params=None, entropy_coef=None, is_level="off"):
     import openrlhf.trainer.ray.ppo_actor as ppo_actor
     from openrlhf.models import Actor
 
@@ -83,7 +83,8 @@ def _trainer(monkeypatch, loss, packing, params=None, entropy_coef=None):
         _torch_bert_padding(monkeypatch)
     monkeypatch.setattr(ppo_actor, "NaiveReplayBuffer", lambda *a, **k: SimpleNamespace())
     monkeypatch.setattr(ppo_actor, "torch_dist_barrier_and_cuda_sync", lambda: None)
-    args = make_args(policy_loss_type=loss, stablerl=Selection(policy_loss=loss, policy_loss_params=params or {}))
+    args = make_args(policy_loss_type=loss, stablerl=Selection(policy_loss=loss, policy_loss_params=params or {}),
+                     is_level=is_level)
     args.ds = SimpleNamespace(packing_samples=packing, ring_attn_size=1, tensor_parallel_size=1)
     args.actor.entropy_coef = entropy_coef
     model = _tiny_dense()
@@ -170,6 +171,59 @@ def test_token_ids_and_scores_are_the_rows_own(monkeypatch, packing):
     assert torch.equal(fed["scores"], torch.tensor([REWARDS[i] for i in ORDER]))
 
 
+@pytest.mark.parametrize("packing", [False, True])
+def test_a3po_gets_one_version_per_batch_through_training_step(monkeypatch, packing):
+    """A-3PO in OpenRLHF's synchronous trainer: every generated token of the batch version 0, the policy 1, so
+    alpha = 0 and the proximal policy is vLLM's (behaviour weight 1): through the real training_step the loss and
+    gradient equal vanilla PPO's clip of exp(lp - lp_rollout), whatever OpenRLHF's old log-probs are."""
+    clip = dict(clip_ratio_low=0.2, clip_ratio_high=0.28, clip_ratio_c=10.0)
+    trainer, model = _trainer(monkeypatch, "a3po", packing, params=clip, is_level="token")
+    assert trainer.actor_loss_fn.fed_inputs == {"versions", "policy_version"}
+    batch, _ = _batch(packing)
+    g = torch.Generator().manual_seed(7)
+    batch.rollout_log_probs = (batch.action_log_probs + 0.3 * torch.randn(batch.action_log_probs.shape, generator=g)
+                               ) * batch.action_mask
+    calls = _spy(monkeypatch)
+    grads = []
+    trainer.strategy.backward = lambda loss, *a: (model.zero_grad(), loss.backward(),
+                                                  grads.append([q.grad.clone() for q in model.parameters()]))
+    status = _step(trainer, batch)
+    fed = calls[0]
+    mask = batch.action_mask.bool()
+    assert torch.equal(fed["versions"], torch.where(mask, 0, -1)) and fed["policy_version"] == 1
+    assert float(status["metrics"]["stablerl/a3po/alpha_mean"]) == 0.0
+    assert float(status["metrics"]["stablerl/behave_imp_weight"]) == pytest.approx(1.0)
+    # the same forward's log-probs, vanilla PPO against the rollout log-probs: loss and gradient
+    lp = fed["log_prob"]
+    kw = dict(advantages=fed["advantages"], response_mask=fed["response_mask"], ctx=fed["ctx"],
+              loss_agg_mode=fed["loss_agg_mode"])
+    model.zero_grad()
+    from stablerl.api import compute_policy_loss as real
+
+    _, reference = _trainer(monkeypatch, "vanilla", packing, params=clip)  # same seed: the same weights
+    assert all(torch.equal(a, b) for a, b in zip(reference.parameters(), model.parameters()))
+    log_probs = trainer.actor(batch.sequences, batch.action_mask, attention_mask=batch.attention_mask)
+    vanilla, _ = real("vanilla", log_prob=log_probs, old_log_prob=batch.rollout_log_probs, **kw, **clip)
+    torch.testing.assert_close(calls[0]["__loss__"], vanilla.detach(), rtol=1e-6, atol=1e-8)
+    model.zero_grad()
+    vanilla.backward()
+    for got, q in zip(grads[0], model.parameters()):
+        torch.testing.assert_close(got, q.grad, rtol=1e-5, atol=1e-7)
+    # and OpenRLHF's own old log-probs are not what it clips against (they differ from the rollout's)
+    old, _ = real("vanilla", log_prob=lp.detach(), old_log_prob=batch.action_log_probs, **kw, **clip)
+    assert abs(float(old) - float(vanilla)) > 1e-4
+
+
+def test_a3po_is_refused_under_the_async_trainer():
+    from stablerl.adapters.openrlhf._loss import build_policy_loss
+
+    args = make_args(policy_loss_type="a3po", is_level="token")
+    args.train.async_enable = True
+    with pytest.raises(stablerl.MissingInputError, match=r"holds only for OpenRLHF's synchronous trainer; "
+                                                         r"--train.async_enable"):
+        build_policy_loss(args, Selection(policy_loss="a3po"))
+
+
 def test_loss_called_without_the_patch_says_so():
     from stablerl.adapters.openrlhf import StablePolicyLoss
 
@@ -211,12 +265,12 @@ def test_what_openrlhf_can_and_cannot_feed():
         lines = frameworks.config_lines(stablerl.get_spec(kind, name))["openrlhf"]
         assert f"  --actor.policy_loss_type {name}" in lines
     assert frameworks.get_framework("openrlhf").feedable[kind] == {"rollout_log_prob", "entropy", "token_ids", "scores",
-                                                                   "index", "old_entropy"}
+                                                                   "index", "old_entropy", "versions", "policy_version"}
     # prompt groups through the replay buffer (test_openrlhf_group_losses); erc: the old-log-prob pass's entropy
-    # (test_openrlhf_old_entropy)
-    for name in ("pacs", "gvpo", "gtpo", "erc", "turn_ppo"):  # turn_ppo: turns are the action mask's runs
+    # (test_openrlhf_old_entropy); a3po: one weight version per batch (above)
+    for name in ("pacs", "gvpo", "gtpo", "erc", "turn_ppo", "a3po"):  # turn_ppo: turns are the action mask's runs
         assert adapter.resolve(kind, name) == name and name in adapter.openrlhf_choices(kind)
-    for name, reason in (("a3po", "no per-token policy versions"), ("capo", "not the last hidden states")):
+    for name, reason in (("rspo", "no router log-probs"), ("capo", "not the last hidden states")):
         with pytest.raises(stablerl.MissingInputError, match=reason):
             adapter.resolve(kind, name)
         assert name not in adapter.openrlhf_choices(kind)

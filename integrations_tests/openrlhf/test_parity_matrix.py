@@ -67,7 +67,8 @@ def _through_policy_loss(name, b, mode, params):
     loss_fn, rollout = _loss_fn(name, mode, params)
     mask = b["response_mask"]
     # what training_step hands over
-    loss_fn.feed({k: b[k] for k in ("entropy", "token_ids", "scores", "index", "old_entropy")})
+    loss_fn.feed({k: b[k] for k in ("entropy", "token_ids", "scores", "index", "old_entropy", "versions",
+                                     "policy_version")})
     leaf = b["log_prob"].clone().requires_grad_(True)
     loss = loss_fn(
         leaf, b["old_log_prob"], b["advantages"], action_mask=mask,

@@ -164,6 +164,10 @@ def loss_batch() -> dict[str, Any]:
         "token_ids": token_ids * mask,
         "index": torch.arange(B) // GROUP_SIZE,
         "scores": scores,
+        # A-3PO's weight versions as verl's and OpenRLHF's synchronous trainers give them: one per batch, the
+        # policy one ahead (alpha = 0); -1 marks tokens that were not generated
+        "versions": torch.where(mask, 0, -1),
+        "policy_version": 1,
         "prompt_lengths": PROMPT_LENGTHS,
         "response_lengths": RESPONSE_LENGTHS,
     }

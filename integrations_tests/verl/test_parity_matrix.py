@@ -46,6 +46,8 @@ def _worker_batch(b, old_entropy=False):
     from tensordict.tensorclass import NonTensorData, NonTensorStack
     from verl.utils import tensordict_utils as tu
 
+    from stablerl.adapters.verl._inputs import VERSION_KEY
+
     P, R = b["prompt_lengths"], b["response_lengths"]
 
     def rows(key):
@@ -69,6 +71,8 @@ def _worker_batch(b, old_entropy=False):
     }, batch_size=[len(R)])
     data["uid"] = NonTensorStack.from_list([NonTensorData(f"g{int(i)}") for i in b["index"]])
     tu.assign_non_tensor(data, dp_size=1, batch_num_tokens=int(sum(R)), global_batch_size=len(R))
+    # the legacy trainer's weight-version mark (the adapter's _update_actor wrap writes it): A-3PO's one version
+    tu.assign_non_tensor(data, **{VERSION_KEY: int(b["policy_version"]) - 1})
     leaves = [x.clone().requires_grad_(True) for x in over_prompt("log_prob")]
     model_output = {"log_probs": _nt(leaves), "entropy": _nt(over_prompt("entropy"))}
     return data, model_output, leaves
