@@ -32,8 +32,8 @@ class WorkerState:
     adopted when the object that owns it is built (the loss, the controller: in ``ActorPPOTrainer.__init__``),
     and a state ``load_ckpt`` read before then waits for it."""
 
-    def __init__(self, key: str, holds: str):
-        self.key, self.holds = key, holds
+    def __init__(self, key: str, holds: str, owner: str):
+        self.key, self.holds, self.owner = key, holds, owner
         self.live: Optional[weakref.ref] = None
         self.pending: Optional[tuple] = None  # (state, where) read by load_ckpt before the store exists
 
@@ -42,7 +42,7 @@ class WorkerState:
         if self.pending is not None:
             _restore_loss_state(store, *self.pending)
             self.pending = None
-            logger.info("stablerl: restored the %s state from the checkpoint", self.holds)
+            logger.info("stablerl: restored the %s state from the checkpoint", self.owner)
 
     def store(self) -> Optional[StateStore]:
         return self.live() if self.live is not None else None
@@ -61,8 +61,8 @@ class WorkerState:
 
 
 #: the policy loss's state (StablePolicyLoss.stablerl_state) and the entropy controller's (._controller)
-LOSS = WorkerState(LOSS_KEY, "loss")
-CONTROLLER = WorkerState(CONTROLLER_KEY, "controller")
+LOSS = WorkerState(LOSS_KEY, "loss", "policy loss's")
+CONTROLLER = WorkerState(CONTROLLER_KEY, "controller", "entropy controller's")
 _WORKER_STATES = (LOSS, CONTROLLER)
 
 

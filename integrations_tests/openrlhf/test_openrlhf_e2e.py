@@ -123,7 +123,7 @@ def test_checkpoint_resume_continues_steps_and_loss_state(entropic_runs):
     assert integral[2] - integral[1] < integral[1], integral
     # the controller's coefficient in force at each step (OpenRLHF's --actor.entropy_coef, set by the adapter):
     # 0 until it has seen an entropy, then +0.01 per optimizer step, continued across the restart
-    assert "stablerl: restored the controller state from the checkpoint" in resumed["output"]
+    assert "stablerl: restored the entropy controller's state from the checkpoint" in resumed["output"]
     applied = [s["stablerl/adaptive_entropy/applied_coef"] for s in (first["steps"][1], first["steps"][2],
                                                                       resumed["steps"][3], resumed["steps"][4])]
     assert applied == pytest.approx([0.0, 0.01, 0.02, 0.03]), applied
