@@ -24,6 +24,14 @@ _EXTENSION_INPUTS = frozenset({"index", "scores", "lengths"}) | _REWARD_FUNCTION
 
 # ----------------------------------------------------------------------------- verl 0.9.1
 
+# the optimal_token_baseline estimators in TRL (adapters/trl/trainer.py, _stablerl_old_pass_stats)
+_TRL_OTB_NOTE = (
+    "old_log_prob and sum_pi_squared come from one forward of the policy through TRL's fused LM head at TRL's "
+    "temperature (its log_sum_sq_probs output, which the adapter adds): TRL's old-log-prob pass where TRL runs one "
+    "(num_iterations > 1, steps_per_generation > gradient_accumulation_steps, or vLLM importance-sampling "
+    "correction), else one extra no-grad forward of the policy that generated the batch (text-only batches)"
+)
+
 VERL_BUILTIN_POLICY_LOSSES = frozenset(
     {"vanilla", "dppo_tv", "dppo_kl", "gspo", "sapo", "gpg", "clip_cov", "kl_cov", "geo_mean", "dro", "cispo", "bypass_mode"}
 )
@@ -239,7 +247,9 @@ TRL = FrameworkSpec(
             {"rollout_log_prob", "entropy", "token_ids", "index", "scores", "router_log_prob", "old_router_log_prob",
              "old_entropy"}
         ),
-        ADVANTAGE_ESTIMATOR: frozenset({"index"}),
+        # old_log_prob / sum_pi_squared: TRL's old-log-prob pass (or, where TRL runs none, one extra no-grad forward
+        # of the generating policy) through TRL's fused LM head, asked for its log_sum_sq_probs output too
+        ADVANTAGE_ESTIMATOR: frozenset({"index", "old_log_prob", "sum_pi_squared"}),
         # filters may also take entropy: the TRL adapter runs one extra no-grad forward for it
         REWARD_SHAPER: _EXTENSION_INPUTS | {"pos_count", "neg_count"},
         BATCH_FILTER: _EXTENSION_INPUTS | {"pos_count", "neg_count", "entropy"},
@@ -265,9 +275,11 @@ TRL = FrameworkSpec(
             "old_router_log_prob": "needs routing_replay='R2' or 'R3' on an MoE model (recorded in the old-log-prob pass)",
             "rollout_log_prob": "needs use_vllm=True and vllm_importance_sampling_correction=True",
             "entropy": "TRL computes entropies only inside _compute_loss, after advantages",
-            "old_log_prob": "TRL computes advantages before (and independently of) old log-probs",
+            "old_log_prob": "the adapter hands the old-log-prob pass's log-probs to advantage estimators only (the "
+            "loss gets TRL's old_per_token_logps as its old policy)",
             "reward_baselines": "TRL's GRPOTrainer generates no greedy baseline response per prompt (ReMax)",
-            "sum_pi_squared": "TRL's old-log-prob pass keeps no vocabulary statistics (sum of squared probabilities)",
+            "sum_pi_squared": "the adapter asks TRL's fused LM head for it (log_sum_sq_probs) in the old-log-prob pass "
+            "for advantage estimators only",
             "hidden_states": "TRL's forward in _compute_loss returns log-probs and entropies, not the last hidden states",
             "lm_head_weight": "TRL's loss computation does not expose the LM-head weight to the loss",
             "sampling_rounds": "TRL's GRPOTrainer generates exactly num_generations completions per prompt in one "
@@ -340,6 +352,8 @@ TRL = FrameworkSpec(
         "steps_per_generation > gradient_accumulation_steps, or vLLM importance-sampling correction), else the "
         "current policy's detached (each micro-batch is then trained once, at the old policy: ratio 1, as TRL's "
         "old log-probs)",
+        "optimal_token_baseline": _TRL_OTB_NOTE,
+        "tir_optimal_token_baseline": _TRL_OTB_NOTE,
         "m2po": "old_log_prob is TRL's old_per_token_logps (recomputed when num_iterations > 1 or "
         "steps_per_generation > gradient_accumulation_steps), else the detached current policy (ratio 1); a "
         "trainer subclass can hand the behaviour policy's log-probs (stablerl_extra_loss_inputs)",
@@ -381,7 +395,9 @@ OPENRLHF = FrameworkSpec(
         # versions / policy_version: one weight version per batch (the synchronous trainer), A-3PO's
         POLICY_LOSS: frozenset({"rollout_log_prob", "entropy", "token_ids", "scores", "index", "old_entropy",
                                 "versions", "policy_version"}),
-        ADVANTAGE_ESTIMATOR: frozenset({"index", "entropy"}),
+        # old_log_prob: experience.action_log_probs; sum_pi_squared: the adapter has the old-log-prob pass compute it
+        # from the same temperature-scaled logits (only when the selected estimator declares it)
+        ADVANTAGE_ESTIMATOR: frozenset({"index", "entropy", "old_log_prob", "sum_pi_squared"}),
         REWARD_SHAPER: _EXTENSION_INPUTS | {"entropy"},
         BATCH_FILTER: _EXTENSION_INPUTS | {"entropy"},
         # the adapter sets OpenRLHF's own --actor.entropy_coef before every training_step (adaptive_entropy)
@@ -403,7 +419,8 @@ OPENRLHF = FrameworkSpec(
             "hidden_states": "OpenRLHF's Actor.forward returns log-probs (and entropy), not the last hidden states",
             "lm_head_weight": "OpenRLHF's loss call gets no handle on the model (its LM-head weight)",
             "reward_baselines": "OpenRLHF generates no greedy baseline response per prompt (ReMax)",
-            "sum_pi_squared": "OpenRLHF's old-log-prob pass returns log-probs only (no sum of squared probabilities)",
+            "sum_pi_squared": "the adapter computes it in OpenRLHF's old-log-prob pass for advantage estimators only "
+            "(OpenRLHF's own pass returns log-probs and entropy, no sum of squared probabilities)",
             "pos_count": "OpenRLHF samples --rollout.n_samples_per_prompt per prompt in one round: nothing counts "
             "samples over rounds, and the adapter passes no per-prompt counts to estimators",
             "neg_count": "OpenRLHF samples --rollout.n_samples_per_prompt per prompt in one round",
@@ -414,11 +431,6 @@ OPENRLHF = FrameworkSpec(
             "loss_term": "a controller's own term is defined per agent turn (EPO: one row per turn, turns >= "
             "max_steps/2); OpenRLHF keeps a whole episode in one sample with no turn index, so every row would be "
             "turn 0 and the term 0 (the adapter steers OpenRLHF's entropy bonus, --actor.entropy_coef)",
-        },
-        ADVANTAGE_ESTIMATOR: {
-            "old_log_prob": "the adapter does not hand OpenRLHF's action_log_probs to estimators: the only ones that "
-            "read them (optimal_token_baseline, tir_optimal_token_baseline) also need sum_pi_squared, which "
-            "OpenRLHF does not compute",
         },
     },
     conditions={
@@ -583,6 +595,9 @@ def _openrlhf_lines(spec: AlgorithmSpec) -> list[str]:
         lines.append("  --algo.advantage.is_correction_level token   # OpenRLHF passes vLLM log-probs only then")
     if loss and "entropy" in spec.requires:
         lines.append("  (entropy: the adapter has OpenRLHF's training forward return it; no flag needed)")
+    if not loss and "sum_pi_squared" in spec.requires:
+        lines.append("  (old_log_prob: OpenRLHF's action_log_probs; sum_pi_squared: the adapter has the old-log-prob pass "
+                     "compute it at --rollout.temperature; no flag needed)")
     if "old_entropy" in spec.requires or (not loss and "entropy" in spec.requires):
         lines.append("  (old-log-prob pass entropy: the adapter has that pass return it and carries it with the rows; "
                      "no flag needed)")

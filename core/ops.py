@@ -421,6 +421,15 @@ def high_entropy_mask(entropy: torch.Tensor, valid: torch.Tensor, top_quantile: 
     return (entropy.detach().float() >= threshold) & valid
 
 
+def sum_pi_squared(logits: torch.Tensor) -> torch.Tensor:
+    """``sum_v softmax(logits)_v^2`` over the last dim, ``[..., V] -> [...]``, computed as verl's
+    ``calculate_sum_pi_squared_from_logits``: ``exp(logsumexp(2 z) - 2 logsumexp(z))`` (no softmax materialised;
+    pass the logits already divided by the sampling temperature). The per-token statistic the
+    ``optimal_token_baseline`` estimators read as ``sum_pi_squared``; a primitive adapters compute in an
+    old-log-prob pass."""
+    return torch.exp(torch.logsumexp(2.0 * logits, dim=-1) - 2.0 * torch.logsumexp(logits, dim=-1))
+
+
 # ----------------------------------------------------------------------------- metrics
 
 

@@ -152,3 +152,18 @@ def test_mask_runs_numbers_each_contiguous_run_of_valid_tokens(rows):
             want.append(k if on else -1)
             prev = on
         assert out == want
+
+
+def test_sum_pi_squared_equals_a_direct_softmax():
+    """``ops.sum_pi_squared`` (verl's logsumexp form) against ``sum softmax(z)^2`` in float64, and its bounds."""
+    from stablerl.ops import sum_pi_squared
+
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(3, 5, 257, generator=g, dtype=torch.float64) * 4.0
+    direct = logits.softmax(-1).pow(2).sum(-1)
+    torch.testing.assert_close(sum_pi_squared(logits), direct, rtol=1e-12, atol=0)
+    torch.testing.assert_close(sum_pi_squared(logits.float()), direct.float(), rtol=1e-5, atol=0)
+    # 1/V for a uniform distribution, 1 for a one-hot one; no overflow at large logits
+    assert float(sum_pi_squared(torch.zeros(257, dtype=torch.float64))) == pytest.approx(1 / 257, rel=1e-12)
+    assert float(sum_pi_squared(torch.tensor([1e4, 0.0, 0.0]))) == pytest.approx(1.0)
+    assert torch.all(direct >= 1 / 257)

@@ -11,7 +11,8 @@ OpenRLHF's trainer worker, or by tests), on the whole rollout batch, in OpenRLHF
    so a dropped row or token gets ``action_mask`` 0 (core's ``apply_filter_result``); resamplers are refused.
 
 Shapers and filters read ``index``, ``scores``, ``lengths``, the old-log-prob pass's ``entropy`` and the reward
-function's per-response ``extra_logs`` (OpenRLHF copies them into ``experience.info``).
+function's per-response ``extra_logs`` (OpenRLHF copies them into ``experience.info``); estimators also the old
+pass's log-probs (``experience.action_log_probs``) as ``old_log_prob`` and its ``sum_pi_squared``.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from stablerl.ops import group_ids, group_stats, scores_on_last_token
 from stablerl.state import StateStore
 
 from ._groups import group_index, tag_groups
-from ._inputs import drop_old_entropy, padded, padded_old_entropy
+from ._inputs import drop_old_pass_stats, padded, padded_old_pass_stat
 from ._selection import Selection, selection_from_args
 from ._spec import OPENRLHF, REWARD_FUNCTION_INPUTS
 
@@ -88,7 +89,7 @@ def _inputs(kind: str, name: str, experiences) -> dict[str, torch.Tensor]:
         if what == "lengths":
             out[what] = torch.cat([e.action_mask.sum(-1) for e in experiences]).float()
         elif what == "entropy":  # the old-log-prob pass's, [N, T_max] (._inputs)
-            out[what] = padded_old_entropy(experiences, max(int(e.action_mask.shape[1]) for e in experiences))
+            out[what] = padded_old_pass_stat(experiences, max(int(e.action_mask.shape[1]) for e in experiences))
         else:  # resolve() refused everything that is neither here nor a reward-function value
             out[what] = from_info(what, experiences, kind, name)
     for what in REWARD_FUNCTION_INPUTS:
@@ -155,8 +156,9 @@ def advantages_and_returns(maker, experiences, openrlhf_method: Callable):
                 else functools.partial(stable_advantages_and_returns, maker, selection=sel))
     experiences = (advantages_with_extensions(maker, experiences, sel, estimate) if sel.has_extensions
                    else estimate(experiences))
-    if not sel.requires(stablerl.POLICY_LOSS, "old_entropy"):  # used by the advantage step only: not sent on
-        drop_old_entropy(experiences)
+    # used by the advantage step only: not sent on (sum_pi_squared never; the entropy unless the loss reads it)
+    drop_old_pass_stats(experiences, ("sum_pi_squared",) if sel.requires(stablerl.POLICY_LOSS, "old_entropy")
+                        else ("entropy", "sum_pi_squared"))
     if sel.requires(stablerl.POLICY_LOSS, "index"):  # the loss's prompt groups, through the replay buffer
         tag_groups(experiences, int(maker.strategy.args.rollout.n_samples_per_prompt))
     return experiences
@@ -201,7 +203,13 @@ def stable_advantages_and_returns(maker, experiences, selection: Selection):
     settings = selection.advantage_settings()  # one precedence rule; printed once per process
     spec = stablerl.get_spec(stablerl.ADVANTAGE_ESTIMATOR, selection.advantage_estimator)
     log_effective_settings(OPENRLHF, spec, settings)
-    extra = {"entropy": padded_old_entropy(experiences, width)} if "entropy" in spec.requires else {}
+    extra = {stat: padded_old_pass_stat(experiences, width, stat) for stat in ("entropy", "sum_pi_squared")
+             if stat in spec.requires}
+    if "old_log_prob" in spec.requires:  # the old-log-prob pass's log-probs (0 outside the action mask)
+        if any(e.action_log_probs is None for e in experiences):
+            raise MissingInputError(f"advantage estimator {selection.advantage_estimator!r} needs old_log_prob, but an "
+                                    "experience has no action_log_probs (OpenRLHF's old-log-prob pass)")
+        extra["old_log_prob"] = padded([e.action_log_probs for e in experiences], width, torch.float32) * mask
     if selection.reward_components:  # the reward function's extra_logs named on the command line (GDPO)
         extra["extras"] = {"reward_components": {
             key: from_info(key, experiences, stablerl.ADVANTAGE_ESTIMATOR, selection.advantage_estimator)

@@ -200,14 +200,14 @@ def patch_actor_module(module, ledger) -> None:
             out = loss_inputs.train_forward(forward, self, *args, **kwargs)  # entropy for the loss, if declared
             _controller.record_entropy(self, args, kwargs, out)  # and for the entropy controller, if one is armed
             return out
-        old_pass = functools.partial(loss_inputs.old_pass_forward, forward)  # + the old-pass entropy, if declared
+        old_pass = functools.partial(loss_inputs.old_pass_forward, forward)  # + old-pass statistics, if declared
         state = self.__dict__.get(ARMED)
         return old_pass(self, *args, **kwargs) if state is None else _old_pass(old_pass, self, state, *args, **kwargs)
 
 
 def patch_maker_module(module, ledger) -> None:
     """``RemoteExperienceMaker.make_experience``: routes into the experiences (R2: recorded; R3: converted), and
-    the old-log-prob pass's entropy when an algorithm declares it (``._inputs``)."""
+    the old-log-prob pass's entropy / sum_pi_squared when an algorithm declares it (``._inputs``)."""
 
     @ledger.around(module.RemoteExperienceMaker, "make_experience")
     def make_experience_with_routes(make_experience, self, samples_list):
@@ -222,8 +222,8 @@ def patch_maker_module(module, ledger) -> None:
         out = make_experience(self, samples_list)
         if mode is not None:
             _attach(out)
-        if selection.needs_old_pass_entropy():
-            loss_inputs.attach_old_entropy(out)
+        if selection.old_pass_stats():
+            loss_inputs.attach_old_pass_stats(out, selection.old_pass_stats())
         return out
 
 

@@ -118,6 +118,12 @@ class Selection:
         the old-log-prob pass): that pass then returns its entropy (``._inputs``)."""
         return self.requires(_LOSS, "old_entropy") or any(self.requires(k, "entropy") for k in (_ADV, _SHAPER, _FILTER))
 
+    def old_pass_stats(self) -> frozenset:
+        """The per-token statistics the old-log-prob pass returns besides its log-probs (``._inputs``): ``entropy``
+        (:meth:`needs_old_pass_entropy`) and ``sum_pi_squared`` (an estimator declaring it: optimal_token_baseline)."""
+        return frozenset({"entropy"} if self.needs_old_pass_entropy() else ()) | frozenset(
+            {"sum_pi_squared"} if self.requires(_ADV, "sum_pi_squared") else ())
+
     @property
     def has_extensions(self) -> bool:
         return self.reward_shaper is not None or self.batch_filter is not None
@@ -225,12 +231,13 @@ def add_setup_hook(runtime_env: Optional[dict] = None, selection: Optional[Selec
     for key in _FORWARDED_ENV:
         if key in os.environ and key not in env_vars:
             env_vars[key] = os.environ[key]
-    if selection.routing_replay or selection.needs_old_pass_entropy():
-        # the routes / old-pass entropy ride on a log-prob tensor as an attribute, which Ray's zero-copy tensor
+    stats = selection.old_pass_stats()
+    if selection.routing_replay or stats:
+        # the routes / old-pass statistics ride on a log-prob tensor as an attribute, which Ray's zero-copy tensor
         # serializer drops (OpenRLHF's train() turns it on unless set): off, said on stderr
-        what = "routes" if selection.routing_replay else "entropy"
+        what = "routes" if selection.routing_replay else " and ".join(sorted(stats))
         if env_vars.get(ZERO_COPY_ENV, "0") != "0":
-            why = "routing replay" if selection.routing_replay else "the old-log-prob pass's entropy"
+            why = "routing replay" if selection.routing_replay else f"the old-log-prob pass's {what}"
             print(f"stablerl/openrlhf: {why} sets {ZERO_COPY_ENV}=0 for the Ray workers (was "
                   f"{env_vars[ZERO_COPY_ENV]!r}): Ray's zero-copy tensor serializer drops the {what} carried on the log-prob tensors",
                   file=sys.stderr, flush=True)

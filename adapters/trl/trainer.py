@@ -16,6 +16,7 @@ term; the stablerl loss is computed from that same forward's log-probs and entro
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import warnings
@@ -96,6 +97,8 @@ def check_trl(trl_module=None) -> None:
 
 
 import trl as _trl  # noqa: E402  (after the guard's definition, before anything uses trl)
+from accelerate.utils import is_peft_model as _is_peft_model  # noqa: E402
+from trl.trainer.utils import add_fused_lm_head as _add_fused_lm_head  # noqa: E402
 from transformers import TrainerCallback as _TrainerCallback  # noqa: E402
 
 
@@ -457,6 +460,13 @@ class GRPOTrainer(_trl.GRPOTrainer):
         # erc: the old-log-prob pass also computes entropies (only then); its sink while a batch is generated
         self._stablerl_wants_old_entropy = "old_entropy" in needs
         self._stablerl_old_entropy: Optional[dict] = None
+        # optimal_token_baseline: the old-log-prob pass's log-probs and sum_pi_squared, from TRL's fused LM head
+        estimator_needs = stablerl.get_spec(ADVANTAGE_ESTIMATOR, self._stablerl_estimator).requires \
+            if self._stablerl_estimator else ()
+        self._stablerl_wants_sum_sq = "sum_pi_squared" in estimator_needs
+        self._stablerl_sum_sq: Optional[dict] = None  # its sink while a batch is generated
+        if self._stablerl_wants_sum_sq:
+            self._stablerl_add_sum_sq_output()
         per_process = cfg.per_device_train_batch_size * cfg.steps_per_generation
         if "index" in needs and (cfg.steps_per_generation > 1 or per_process % cfg.num_generations):
             warnings.warn(
@@ -746,20 +756,25 @@ class GRPOTrainer(_trl.GRPOTrainer):
         self._stablerl_log(mode, {**metrics, "shaped_reward/mean": shaped.float().mean().item()}, gathered=True)
         return shaped.to(rewards.dtype)
 
-    def _ext_rollout_entropy(self, out, mode) -> torch.Tensor:
-        """Per-token entropies ``[n, T]`` of the generating policy on this process's rollout (TRL's temperature, native
-        MoE routing): one extra no-grad forward, as TRL computes entropies only in ``_compute_loss``."""
+    def _ext_rollout_forward(self, out, mode, needed_by: str, compute_entropy: bool = False):
+        """TRL's ``(logps, entropies, aux)`` ``[n, T]`` of the generating policy on this process's rollout (TRL's
+        temperature, native MoE routing): one extra no-grad forward, for text-only batches."""
         multimodal = [k for k in _EXT_MULTIMODAL_KEYS if k in out]
         if multimodal:
-            raise StableRLError(f"batch_filter={self._ext_filter!r} needs the rollout's entropies, computed in an extra "
-                                f"forward pass that stablerl runs for text-only batches; this batch has {multimodal}")
+            raise StableRLError(f"{needed_by} needs an extra forward pass over the rollout, which stablerl runs for "
+                                f"text-only batches; this batch has {multimodal}")
         ids = torch.cat([out["prompt_ids"], out["completion_ids"]], dim=1)
         attention = torch.cat([out["prompt_mask"], out["completion_mask"]], dim=1)
         bs = self.args.per_device_train_batch_size if mode == "train" else self.args.per_device_eval_batch_size
         with torch.no_grad():
-            _, entropies, _ = _trl.GRPOTrainer._get_per_token_logps_and_entropies(
-                self, self.model, ids, attention, out["completion_ids"].size(1), batch_size=bs, compute_entropy=True)
-        return entropies
+            return _trl.GRPOTrainer._get_per_token_logps_and_entropies(
+                self, self.model, ids, attention, out["completion_ids"].size(1), batch_size=bs,
+                compute_entropy=compute_entropy)
+
+    def _ext_rollout_entropy(self, out, mode) -> torch.Tensor:
+        """Per-token entropies ``[n, T]`` of the generating policy (TRL computes entropies only in ``_compute_loss``)."""
+        return self._ext_rollout_forward(out, mode, f"batch_filter={self._ext_filter!r} (the rollout's entropies)",
+                                         compute_entropy=True)[1]
 
     def _ext_filter_batch(self, out, rewards, group, rows, mode):
         """Apply the batch filter on the gathered batch (core's ``apply_filter_result``); TRL's batch is fixed, so
@@ -949,6 +964,9 @@ class GRPOTrainer(_trl.GRPOTrainer):
         # their rows as stablerl_old_entropy (without that pass the loss takes the current entropy, as TRL's logps)
         sink = {"armed": True} if self._stablerl_wants_old_entropy and self._trl_runs_old_pass() else None
         self._stablerl_old_entropy = sink
+        # optimal_token_baseline: TRL's old-log-prob pass, where TRL runs one, also records log sum pi^2
+        sum_sq = {"armed": True, "chunks": []} if self._stablerl_wants_sum_sq and self._trl_runs_old_pass() else None
+        self._stablerl_sum_sq = sum_sq
         try:
             if self._rr_mode is None:
                 out = super()._generate_and_score_completions(inputs)
@@ -956,6 +974,7 @@ class GRPOTrainer(_trl.GRPOTrainer):
                 out = self._rr_generate_and_score(inputs)
         finally:
             self._stablerl_old_entropy = None
+            self._stablerl_sum_sq = None
         if sink is not None:
             if sink.get("entropies") is None:
                 raise StableRLError(f"policy loss {self._stablerl_loss!r} needs the old-log-prob pass's entropies, "
@@ -980,41 +999,102 @@ class GRPOTrainer(_trl.GRPOTrainer):
             out["stablerl_index"] = group[rows].clone()
             out["stablerl_scores"] = rewards[rows].clone()
         if self._stablerl_estimator:
+            old_pass = self._stablerl_old_pass_stats(out, sum_sq, mode) if self._stablerl_wants_sum_sq else {}
             out["advantages"] = self._stablerl_advantages(out, rewards, unscorable, group, rows, mode,
-                                                          components=rewards_per_func)
+                                                          components=rewards_per_func, old_pass=old_pass)
         if self._ext_filter:
             out = self._ext_filter_batch(out, rewards, group, rows, mode)
         self._ext_inputs = None
         return out
 
-    def _stablerl_advantages(self, out, rewards, unscorable, group, rows, mode, components=None):
+    def _stablerl_old_pass_stats(self, out, sink: Optional[dict], mode) -> dict[str, torch.Tensor]:
+        """``old_log_prob`` and ``sum_pi_squared`` ``[n, T]`` of this process's rollout, from one forward of the policy
+        through TRL's fused LM head: TRL's old-log-prob pass where TRL runs one (``sink``: recorded there), else one
+        extra no-grad forward (the current policy, which is the one that generated the batch)."""
+        if sink is not None:
+            if not sink["chunks"] or out.get("old_per_token_logps") is None:
+                raise StableRLError(f"advantage estimator {self._stablerl_estimator!r} needs the old-log-prob pass's "
+                                    "sum_pi_squared, but TRL's old-log-prob pass did not run through "
+                                    "_get_per_token_logps_and_entropies")
+            old = out["old_per_token_logps"]
+        else:
+            sink = {"chunks": []}
+            with self._stablerl_recording_sum_sq(sink, out["completion_ids"].size(1)):
+                old = self._ext_rollout_forward(
+                    out, mode, f"advantage_estimator={self._stablerl_estimator!r} (old_log_prob and sum_pi_squared)")[0]
+        sum_sq = torch.cat(sink["chunks"]).exp()
+        if sum_sq.shape != old.shape:
+            raise StableRLError(f"sum_pi_squared of shape {tuple(sum_sq.shape)} for old log-probs of shape "
+                                f"{tuple(old.shape)}: TRL's fused LM head returned another layout")
+        return {"old_log_prob": old.detach(), "sum_pi_squared": sum_sq}
+
+    def _stablerl_fused_head_model(self):
+        """The model TRL's ``add_fused_lm_head`` patched (the base model of a PEFT policy)."""
+        return self.model.get_base_model() if _is_peft_model(self.model) else self.model
+
+    def _stablerl_add_sum_sq_output(self) -> None:
+        """TRL's fused LM head on the policy again (as ``GRPOTrainer.__init__`` adds it: TRL's temperature and
+        ``cast_lm_head_to_fp32``), with TRL's ``log_sum_sq_probs`` output (log sum_v pi(v)^2 of each scored token)
+        besides log-probs and entropies; the new head replaces the fused path, the model's own forward is kept."""
+        _add_fused_lm_head(self._stablerl_fused_head_model(), temperature=self.temperature,
+                           cast_lm_head_to_fp32=self.args.cast_lm_head_to_fp32,
+                           outputs=("log_probs", "entropy", "log_sum_sq_probs"))
+
+    @contextlib.contextmanager
+    def _stablerl_recording_sum_sq(self, sink: dict, logits_to_keep: int):
+        """While open, every fused-head forward of the policy appends its ``log_sum_sq_probs`` (sliced as TRL slices
+        its log-probs) to ``sink["chunks"]``, in TRL's chunk order."""
+        model = self._stablerl_fused_head_model()
+        fused = model.__dict__.get("forward")
+        if fused is None:
+            raise StableRLError("the policy has no fused LM head (TRL's add_fused_lm_head): sum_pi_squared needs it")
+
+        def recording(*args, **kwargs):
+            output = fused(*args, **kwargs)
+            if kwargs.get("fused_lm_head"):
+                sink["chunks"].append(output.log_sum_sq_probs[:, -logits_to_keep:].detach())
+            return output
+
+        model.forward = recording
+        try:
+            yield
+        finally:
+            model.forward = fused
+
+    def _stablerl_advantages(self, out, rewards, unscorable, group, rows, mode, components=None, old_pass=None):
         """stablerl advantages ``[n_local, T_local]``: core's ``advantages_from_scores`` on the gathered rewards and
         every process's masks (real lengths), sliced as TRL slices its own. ``components``: each reward function's
-        reward ``[N, n_funcs]``, handed over with TRL's ``reward_weights`` (GDPO)."""
+        reward ``[N, n_funcs]``, handed over with TRL's ``reward_weights`` (GDPO). ``old_pass``: ``old_log_prob`` /
+        ``sum_pi_squared`` ``[n_local, T_local]``, gathered like the masks."""
         local_mask = out["completion_mask"]
         mask = self._ext_gathered(local_mask, rewards.device)
+        inputs = {k: self._ext_gathered(v, rewards.device) * mask for k, v in (old_pass or {}).items()}
         extras = None if components is None else {"reward_components": components.to(mask.device),
                                                   "reward_weights": self.reward_weights.to(mask.device)}
         name = self._stablerl_estimator
         ctx = stablerl.Context(step=int(self.state.global_step), state=self._stablerl_store.slot(ADVANTAGE_ESTIMATOR, name))
         adv, metrics = advantages_from_scores(name, rewards, mask, group, unscorable=unscorable, ctx=ctx, extras=extras,
-                                              **self._stablerl_adv_params)
+                                              **inputs, **self._stablerl_adv_params)
         self._stablerl_log(mode, metrics, gathered=True)
         return adv[rows, : local_mask.size(1)].contiguous()
 
     # -- loss ------------------------------------------------------------------------------
 
     def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, *args, **kwargs):
-        old_entropy = self._stablerl_old_entropy
+        old_entropy, sum_sq = self._stablerl_old_entropy, self._stablerl_sum_sq
         # TRL's old-log-prob pass is the first pass of the policy while a batch is generated (the ref pass of a
         # PEFT policy comes after it); it asks for no entropies: for erc it computes them too
-        record_old_entropy = bool(old_entropy and old_entropy["armed"] and not kwargs.get("compute_entropy")
-                                  and self.accelerator.unwrap_model(model) is self.accelerator.unwrap_model(self.model))
+        old_pass = not kwargs.get("compute_entropy") and \
+            self.accelerator.unwrap_model(model) is self.accelerator.unwrap_model(self.model)
+        record_old_entropy = bool(old_entropy and old_entropy["armed"] and old_pass)
         if record_old_entropy:
             old_entropy["armed"] = False
             kwargs["compute_entropy"] = True
         fn = functools.partial(super()._get_per_token_logps_and_entropies, model, input_ids, attention_mask,
                                logits_to_keep, *args, **kwargs)
+        if sum_sq and sum_sq["armed"] and old_pass:  # optimal_token_baseline: log sum pi^2 of the same forward
+            sum_sq["armed"] = False
+            fn = functools.partial(self._stablerl_with_sum_sq, fn, sum_sq, logits_to_keep)
         if self._rr_mode is None:
             out = fn()
         else:
@@ -1028,6 +1108,11 @@ class GRPOTrainer(_trl.GRPOTrainer):
                 if sink is not None:
                     sink["logps"], sink["entropies"] = out[0], out[1]
         return out
+
+    def _stablerl_with_sum_sq(self, fn, sink: dict, logits_to_keep: int):
+        sink["chunks"] = []  # the last run's (a replayed forward runs once; kept exact if one ever re-ran)
+        with self._stablerl_recording_sum_sq(sink, logits_to_keep):
+            return fn()
 
     def _compute_loss(self, model, inputs):
         if self._ext_driver is not None and self._ext_driver.penalty is not None and self._ext_penalty_capture is None:

@@ -210,6 +210,7 @@ def test_no_entropy_reader_costs_nothing(monkeypatch):
     """Neither the loss nor a filter reads the old-pass entropy: the pass computes none and nothing is carried."""
     run = _setup(monkeypatch, Selection(policy_loss="steer", batch_filter="dynamic_sampling"), False)
     assert _inputs.WANTS_OLD_ENTROPY not in run.actor.__dict__
+    assert _inputs.WANTS_SUM_PI_SQUARED not in run.actor.__dict__
     entropy_calls = _count_entropy_calls(monkeypatch)
     experiences = run.maker.compute_advantages_and_returns(run.maker.make_experience(_samples()))
     assert entropy_calls == [] and all(_inputs.OLD_ENTROPY_KEY not in e.info for e in experiences)
