@@ -419,6 +419,9 @@ class GRPOTrainer(_trl.GRPOTrainer):
     _ext_controller: Any = None
     _ext_passes: Optional[HookPasses] = None  # the trainer hook (_ext_hook) over the passes of a generation batch
     _ext_hook: Any = None
+    # optimal_token_baseline's old-pass log sum pi^2 (set in __init__; off for a trainer built without it)
+    _stablerl_wants_sum_sq = False
+    _stablerl_sum_sq: Optional[dict] = None
 
     def __init__(self, *args, **kwargs):
         _rr_check_rollout(args, kwargs)  # before TRL builds (or imports) vLLM

@@ -30,6 +30,7 @@ from orlhf_helpers import make_args, make_maker  # noqa: E402
 import stablerl  # noqa: E402
 import stablerl.adapters.openrlhf as adapter  # noqa: E402
 from stablerl.adapters.openrlhf import Selection  # noqa: E402
+from stablerl.adapters.openrlhf._inputs import SUM_PI_SQUARED_KEY  # noqa: E402
 
 FRAMEWORK = "openrlhf"
 ALGORITHMS = M.matrix_algorithms()
@@ -79,7 +80,7 @@ def _through_policy_loss(name, b, mode, params):
     return loss.detach(), grad
 
 
-def _experiences(b, split):
+def _experiences(b, split, with_sum_pi_squared=False):
     """The rollout as OpenRLHF's trainer hands it over: experiences cut to their own padded width."""
     from openrlhf.trainer.ppo_utils.experience import Experience
 
@@ -88,8 +89,11 @@ def _experiences(b, split):
         mask = b["response_mask"][rows].bool()
         width = int(mask.sum(-1).max())
         lengths = mask.sum(-1)
+        # the old-log-prob pass: its log-probs, and its sum_pi_squared where the adapter asked for it (_inputs.py)
+        info = {SUM_PI_SQUARED_KEY: b["sum_pi_squared"][rows, :width].clone()} if with_sum_pi_squared else {}
         out.append(Experience(action_mask=mask[:, :width], rewards=b["scores"][rows].clone(), kl=None,
-                              index=list(range(b["scores"].numel()))[rows], response_length=lengths.float(), info={}))
+                              action_log_probs=b["old_log_prob"][rows, :width].clone(),
+                              index=list(range(b["scores"].numel()))[rows], response_length=lengths.float(), info=info))
     return out
 
 
@@ -111,7 +115,8 @@ def _through_experience_maker(name, b, params):
     selection.openrlhf_advantage, selection.reward_clip_range = explicit_advantage_flags(args, argv)
     selection.validate()
     experiences = RemoteExperienceMaker.compute_advantages_and_returns(
-        make_maker(args, flag, kl_coef=0.0), _experiences(b, split=5))
+        make_maker(args, flag, kl_coef=0.0),
+        _experiences(b, split=5, with_sum_pi_squared="sum_pi_squared" in selection.old_pass_stats()))
     T = b["response_mask"].shape[1]
     adv = torch.cat([torch.nn.functional.pad(e.advantages, (0, T - e.advantages.shape[1])) for e in experiences])
     return adv * b["response_mask"]

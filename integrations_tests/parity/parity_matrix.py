@@ -189,8 +189,22 @@ def reward_batch() -> dict[str, Any]:
     scores = torch.tensor(REWARDS)
     rewards = torch.zeros(N, T)
     rewards[torch.arange(N), lengths - 1] = scores
+    # the old-log-prob pass's per-token log-probs and sum_v pi(v)^2 (optimal_token_baseline), zero on padding
+    g = torch.Generator().manual_seed(7)
+    old_log_prob = -torch.rand(N, T, generator=g) * 3 * mask
+    sum_pi_squared = (0.05 + 0.9 * torch.rand(N, T, generator=g)) * mask
     return {"scores": scores, "token_level_rewards": rewards, "response_mask": mask,
-            "index": torch.arange(N) // GROUP_SIZE, "group_size": GROUP_SIZE}
+            "index": torch.arange(N) // GROUP_SIZE, "group_size": GROUP_SIZE,
+            "old_log_prob": old_log_prob, "sum_pi_squared": sum_pi_squared}
+
+
+#: per-token estimator inputs of the old-log-prob pass the reward batch carries (each framework feeds them its way)
+OLD_PASS_INPUTS = ("old_log_prob", "sum_pi_squared")
+
+
+def advantage_inputs(name: str, batch: dict) -> dict[str, Any]:
+    """The old-log-prob pass's inputs estimator ``name`` declares, from the batch."""
+    return {k: batch[k] for k in OLD_PASS_INPUTS if k in stablerl.get_spec(ADVANTAGE_ESTIMATOR, name).requires}
 
 
 # ----------------------------------------------------------------------------- the direct core calls
@@ -225,7 +239,7 @@ def core_advantages(name: str, batch: dict, setting: str = "explicit") -> torch.
         params["norm_adv_by_std_in_grpo"] = False
     adv, _ = stablerl.compute_advantage(
         name, token_level_rewards=batch["token_level_rewards"], response_mask=batch["response_mask"],
-        index=batch["index"], ctx=stablerl.Context(state={}), **params,
+        index=batch["index"], ctx=stablerl.Context(state={}), **advantage_inputs(name, batch), **params,
     )
     return adv * batch["response_mask"]
 

@@ -143,7 +143,10 @@ def _through_advantage_step(name, b, params):
     out = {"completion_mask": mask.to(torch.int32)}
     group = torch.arange(n) // b["group_size"]  # TRL's RepeatSampler: contiguous groups
     assert torch.equal(group, b["index"])
-    adv = t._stablerl_advantages(out, b["scores"], torch.zeros(n, dtype=torch.bool), group, slice(0, n), "train")
+    # optimal_token_baseline: the old-log-prob pass's log-probs and sum_pi_squared, as _generate_and_score_completions
+    # hands them over (from TRL's fused LM head)
+    adv = t._stablerl_advantages(out, b["scores"], torch.zeros(n, dtype=torch.bool), group, slice(0, n), "train",
+                                 old_pass=M.advantage_inputs(name, b))
     return adv * mask
 
 

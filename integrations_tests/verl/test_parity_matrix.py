@@ -136,8 +136,11 @@ def _through_compute_advantage(name, b, params):
     with open_dict(algorithm):  # what `+algorithm.<key>=<value>` does
         for k, v in params.items():
             algorithm[k] = v
+    # optimal_token_baseline: verl's old-log-prob pass's batch fields (old_log_probs, sum_pi_squared)
+    fields = {"old_log_prob": "old_log_probs", "sum_pi_squared": "sum_pi_squared"}
+    old_pass = {fields[k]: v for k, v in M.advantage_inputs(name, b).items()}
     data = DataProto.from_dict(
-        tensors={"token_level_rewards": b["token_level_rewards"], "response_mask": b["response_mask"]},
+        tensors={"token_level_rewards": b["token_level_rewards"], "response_mask": b["response_mask"], **old_pass},
         non_tensors={"uid": np.array([f"g{int(i)}" for i in b["index"]], dtype=object)},
     )
     verl_name = M.selection_name(FRAMEWORK, stablerl.get_spec(M.ADVANTAGE_ESTIMATOR, name))
