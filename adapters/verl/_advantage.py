@@ -72,7 +72,7 @@ FILTER_KEY, FILTER_PARAMS_KEY = "stablerl_batch_filter", "stablerl_batch_filter_
 SEED_KEY = "stablerl_seed"
 CONTROLLER_KEY = "stablerl_entropy_controller"
 #: ``+algorithm.stablerl_batch_field_estimators=true``: register the estimators whose inputs only a customised
-#: pipeline puts in the batch (``empg``) on the first call (see ``register_batch_field_estimators``)
+#: pipeline puts in the batch (``gigpo``) on the first call (see ``register_batch_field_estimators``)
 BATCH_FIELDS_KEY = "stablerl_batch_field_estimators"
 
 
@@ -109,8 +109,9 @@ SOURCES: dict[str, tuple[tuple[str, ...], str]] = {
     "entropy": (
         ("stablerl_old_entropys", "entropys", "entropy"),
         "the legacy trainer's old-log-prob pass (its 'entropys', which the adapter keeps as 'stablerl_old_entropys' "
-        "when a selected algorithm declares entropy; not in bypass mode, which runs no such pass), else a per-token "
-        "'entropys' / 'entropy' batch field; v1's _compute_advantage fetches only " + _V1_FIELDS,
+        "when a selected algorithm declares entropy), else a per-token 'entropys' / 'entropy' batch field: set "
+        "trainer.use_v1=false and leave bypass mode off (algorithm.rollout_correction.bypass_mode=false; it runs no "
+        "old-log-prob pass); v1's _compute_advantage fetches only " + _V1_FIELDS,
     ),
     "turn_ids": (
         ("turn_ids",),
@@ -134,8 +135,9 @@ KEPT_ENTROPY = "stablerl_old_entropys"
 #: the legacy trainer's total_training_steps, recorded at its old-log-prob pass (Context.total_steps)
 TOTAL_STEPS: dict[str, Optional[int]] = {"value": None}
 
-#: declared inputs of estimators that only a customised pipeline puts in verl's batch (see SOURCES)
-BATCH_FIELD_INPUTS = frozenset({"entropy", "turn_ids", "anchor_ids", "step_returns"})
+#: declared inputs of estimators that only a customised pipeline puts in verl's batch (see SOURCES); entropy is
+#: not one: the adapter keeps the legacy trainer's old-log-prob pass entropy for an estimator that declares it
+BATCH_FIELD_INPUTS = frozenset({"turn_ids", "anchor_ids", "step_returns"})
 
 #: optional per-response extras an estimator reads when present (not declared: the estimator works
 #: without them or raises its own message): taken from the batch / non-tensor batch by this name
