@@ -151,12 +151,16 @@ _OTHER_WHERE = (
 
 #: per-process state: generators per seed, the call counter (ctx.step), filter/shaper state dicts
 STATE = StateStore(holds="driver")
+#: metrics of the last wrapped call (``stablerl/<name>``); verl's ``Tracking.log`` adds them to the step's
+#: metrics (``_patch_tracking``) and empties the dict; a new ``Tracking`` (a new run) empties it too
+LAST_METRICS: dict[str, float] = {}
 _MARK = "_stablerl_verl_adv_wrapper"
 
 
 def reset_state() -> None:
-    """Forget generators, step counter and state (a fresh process)."""
+    """Forget generators, step counter, state and unlogged metrics (a fresh process)."""
     STATE.clear()
+    LAST_METRICS.clear()
 
 
 class VerlAdvantageInputError(MissingInputError):
@@ -450,11 +454,6 @@ def _filter(data, config, name: str, params: dict) -> dict[str, float]:
     return filtered.metrics
 
 
-#: metrics of the last wrapped call (``stablerl/<name>``); verl's ``Tracking.log`` adds them to the step's
-#: metrics (``_patch_tracking``) and empties the dict
-LAST_METRICS: dict[str, float] = {}
-
-
 def _wrap(original):
     @functools.wraps(original)
     def compute_advantage(data, adv_estimator, gamma=1.0, lam=1.0, num_repeat=1, norm_adv_by_std_in_grpo=True,
@@ -557,7 +556,12 @@ def _patch_tracking(module) -> None:
         logger.warning("stablerl: verl.utils.tracking has no Tracking.log; stablerl's advantage-side metrics "
                        "are not logged (they stay in stablerl.adapters.verl._advantage.LAST_METRICS)")
         return
-    log = cls.log
+    log, init = cls.log, cls.__init__
+
+    @functools.wraps(init)
+    def tracking_init(self, *args, **kwargs):
+        LAST_METRICS.clear()  # a new logger is a new run: an earlier run's unlogged metrics are not its own
+        return init(self, *args, **kwargs)
 
     @functools.wraps(log)
     def tracking_log(self, data, step, *args, **kwargs):
@@ -566,6 +570,7 @@ def _patch_tracking(module) -> None:
             LAST_METRICS.clear()
         return log(self, data, step, *args, **kwargs)
 
+    LEDGER.set_attr(f"{PATCH_KEY}:Tracking.__init__", cls, "__init__", tracking_init)
     LEDGER.set_attr(f"{PATCH_KEY}:Tracking.log", cls, "log", tracking_log)
 
 
