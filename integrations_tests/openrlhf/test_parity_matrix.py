@@ -79,17 +79,21 @@ def _through_policy_loss(name, b, mode, params):
     return loss.detach(), grad
 
 
-def _experiences(b, split):
+def _experiences(b, split, old_entropy=False):
     """The rollout as OpenRLHF's trainer hands it over: experiences cut to their own padded width."""
     from openrlhf.trainer.ppo_utils.experience import Experience
+
+    from stablerl.adapters.openrlhf._inputs import OLD_ENTROPY_KEY
 
     out = []
     for rows in (slice(0, split), slice(split, None)):
         mask = b["response_mask"][rows].bool()
         width = int(mask.sum(-1).max())
         lengths = mask.sum(-1)
+        # the old-log-prob pass's entropy, as the adapter's pass carries it in Experience.info (empg)
+        info = {OLD_ENTROPY_KEY: b["entropy"][rows][:, :width].clone()} if old_entropy else {}
         out.append(Experience(action_mask=mask[:, :width], rewards=b["scores"][rows].clone(), kl=None,
-                              index=list(range(b["scores"].numel()))[rows], response_length=lengths.float(), info={}))
+                              index=list(range(b["scores"].numel()))[rows], response_length=lengths.float(), info=info))
     return out
 
 
@@ -111,7 +115,8 @@ def _through_experience_maker(name, b, params):
     selection.openrlhf_advantage, selection.reward_clip_range = explicit_advantage_flags(args, argv)
     selection.validate()
     experiences = RemoteExperienceMaker.compute_advantages_and_returns(
-        make_maker(args, flag, kl_coef=0.0), _experiences(b, split=5))
+        make_maker(args, flag, kl_coef=0.0),
+        _experiences(b, split=5, old_entropy="entropy" in M.estimator_inputs(name, b)))
     T = b["response_mask"].shape[1]
     adv = torch.cat([torch.nn.functional.pad(e.advantages, (0, T - e.advantages.shape[1])) for e in experiences])
     return adv * b["response_mask"]

@@ -189,8 +189,20 @@ def reward_batch() -> dict[str, Any]:
     scores = torch.tensor(REWARDS)
     rewards = torch.zeros(N, T)
     rewards[torch.arange(N), lengths - 1] = scores
+    # the old-log-prob pass's per-token entropy (empg), zero on padding
+    entropy = torch.rand(N, T, generator=torch.Generator().manual_seed(2468)) * 2.0 * mask
     return {"scores": scores, "token_level_rewards": rewards, "response_mask": mask,
-            "index": torch.arange(N) // GROUP_SIZE, "group_size": GROUP_SIZE}
+            "index": torch.arange(N) // GROUP_SIZE, "group_size": GROUP_SIZE, "entropy": entropy}
+
+
+#: declared estimator inputs the estimator batch carries (each framework's call site feeds them its own way)
+ESTIMATOR_BATCH_INPUTS = ("entropy",)
+
+
+def estimator_inputs(name: str, batch: dict) -> dict[str, Any]:
+    """The declared inputs of estimator ``name`` beyond rewards, mask and groups, from the batch."""
+    spec = stablerl.get_spec(ADVANTAGE_ESTIMATOR, name)
+    return {k: batch[k] for k in spec.requires if k in ESTIMATOR_BATCH_INPUTS}
 
 
 # ----------------------------------------------------------------------------- the direct core calls
@@ -225,7 +237,7 @@ def core_advantages(name: str, batch: dict, setting: str = "explicit") -> torch.
         params["norm_adv_by_std_in_grpo"] = False
     adv, _ = stablerl.compute_advantage(
         name, token_level_rewards=batch["token_level_rewards"], response_mask=batch["response_mask"],
-        index=batch["index"], ctx=stablerl.Context(state={}), **params,
+        index=batch["index"], ctx=stablerl.Context(state={}), **estimator_inputs(name, batch), **params,
     )
     return adv * batch["response_mask"]
 

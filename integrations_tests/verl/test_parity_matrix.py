@@ -126,6 +126,8 @@ def _through_compute_advantage(name, b, params):
     from verl import DataProto
     from verl.trainer.ppo.ray_trainer import compute_advantage
 
+    from stablerl.adapters.verl._advantage import KEPT_ENTROPY
+
     params = dict(params)
     norm = params.pop("norm_adv_by_std_in_grpo", True)  # verl's AlgoConfig default when not set
     if params.pop(M.NO_STD_KNOB, False):  # verl's knob is the same key
@@ -136,8 +138,10 @@ def _through_compute_advantage(name, b, params):
     with open_dict(algorithm):  # what `+algorithm.<key>=<value>` does
         for k, v in params.items():
             algorithm[k] = v
+    # the legacy trainer's old-log-prob pass entropy, as the adapter keeps it for compute_advantage (empg)
+    kept = {KEPT_ENTROPY: b["entropy"]} if "entropy" in M.estimator_inputs(name, b) else {}
     data = DataProto.from_dict(
-        tensors={"token_level_rewards": b["token_level_rewards"], "response_mask": b["response_mask"]},
+        tensors={"token_level_rewards": b["token_level_rewards"], "response_mask": b["response_mask"], **kept},
         non_tensors={"uid": np.array([f"g{int(i)}" for i in b["index"]], dtype=object)},
     )
     verl_name = M.selection_name(FRAMEWORK, stablerl.get_spec(M.ADVANTAGE_ESTIMATOR, name))
