@@ -101,13 +101,14 @@ VERL = FrameworkSpec(
     # verl 0.9.1's policy-loss call passes none beyond the basic tensors and rollout_is_weights: the
     # adapter wraps its call site (verl.workers.utils.losses.ppo_loss) and gathers these from verl's
     # model_output / batch (entropy needs actor.calculate_entropy=True, old_entropy the v1 trainer). The
-    # estimator wrapper gathers only fields both the legacy and the v1 trainer have at compute_advantage.
+    # estimator wrapper gathers fields both the legacy and the v1 trainer have at compute_advantage, and the
+    # legacy trainer's old-log-prob pass entropy, which the adapter keeps for it (a condition, below).
     feedable={
         # versions / policy_version: one weight version per batch (the legacy trainer is synchronous), A-3PO's
         POLICY_LOSS: frozenset({"entropy", "old_entropy", "token_ids", "rollout_log_prob", "index", "scores",
                                 "versions", "policy_version"}),
         ADVANTAGE_ESTIMATOR: frozenset({"index", "scores", "lengths", "old_log_prob", "rollout_log_prob",
-                                        "sum_pi_squared"}),
+                                        "sum_pi_squared", "entropy"}),
         REWARD_SHAPER: _EXTENSION_INPUTS | {"entropy"},
         BATCH_FILTER: _EXTENSION_INPUTS | {"entropy"},
         # the adapter wraps ActorRolloutRefWorker.update_actor: one call = one pass over the batch
@@ -144,9 +145,6 @@ VERL = FrameworkSpec(
             "coefficient, it adds no loss term of a controller's own",
         },
         ADVANTAGE_ESTIMATOR: {
-            "entropy": "the estimators that read per-token entropy are opt-in (+algorithm.stablerl_batch_field_"
-            "estimators=true): the legacy trainer's old-log-prob pass feeds it (the adapter keeps it), the v1 trainer "
-            "does not fetch it",
             "turn_ids": "no stock verl component writes per-token turn ids (opt in with "
             "+algorithm.stablerl_batch_field_estimators=true if your agent loop writes 'turn_ids')",
             "anchor_ids": "no stock verl component writes one row per agent step with anchor-state ids (opt in with "
@@ -161,6 +159,7 @@ VERL = FrameworkSpec(
         # verl's actor config rejects unknown keys: the hook is selected on the stablerl policy-loss config
         TRAINER_HOOK: {"params_view": _VERL_HOOK_TARGET + " (the key lives on the stablerl policy-loss config; any "
                        "loss_mode)"},
+        ADVANTAGE_ESTIMATOR: {"entropy": _VERL_ENTROPY_AT_ADVANTAGE},
         REWARD_SHAPER: {"entropy": _VERL_ENTROPY_AT_ADVANTAGE},
         BATCH_FILTER: {"entropy": _VERL_ENTROPY_AT_ADVANTAGE},
         CONTROLLER: {"entropy_bonus": _VERL_HOOK_TARGET + " (the key lives on the stablerl policy-loss config; any "
@@ -223,6 +222,9 @@ VERL = FrameworkSpec(
         "prox_logp_method=recompute). verl's bypass mode replaces any loss_mode by its own bypass_mode loss",
         "d3s": "entropy is the legacy trainer's old-log-prob pass's; the schedule's p is the number of "
         "compute_advantage calls so far (restored from the checkpoint) over the trainer's total_training_steps",
+        "empg": "entropy is the legacy trainer's old-log-prob pass's (the pre-update policy's); a step is a turn of "
+        "a per-token 'turn_ids' batch field when your agent loop writes one, else a contiguous run of the "
+        "response_mask (verl's multi-turn loop masks tool tokens; single-turn: one step per response)",
         "m2po": "old_log_prob is the actor's recomputed log-prob at the start of the update (the proximal "
         "policy); the rollout engine's (behaviour) policy is used only in verl's bypass mode",
     },

@@ -167,5 +167,5 @@ def register_advantage_estimators(register):
         "token), reduced over DP ranks with ctx.all_reduce (max, sum), so 2 ranks equal 1. Unverified assumptions: "
         "the last step of a trajectory gets bonus 0; the final normalisation is a zero-mean shift only (no std "
         "division). Base advantage: GRPO (verl conventions: std unbiased + epsilon, group of one: baseline 0, std 1). "
-        "verl: needs its entropy opt-in (+algorithm.stablerl_batch_field_estimators=true). returns == advantages.",
+        "returns == advantages.",
     )

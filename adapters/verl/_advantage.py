@@ -72,7 +72,7 @@ FILTER_KEY, FILTER_PARAMS_KEY = "stablerl_batch_filter", "stablerl_batch_filter_
 SEED_KEY = "stablerl_seed"
 CONTROLLER_KEY = "stablerl_entropy_controller"
 #: ``+algorithm.stablerl_batch_field_estimators=true``: register the estimators whose inputs only a customised
-#: pipeline puts in the batch (``empg``) on the first call (see ``register_batch_field_estimators``)
+#: pipeline puts in the batch (``gigpo``) on the first call (see ``register_batch_field_estimators``)
 BATCH_FIELDS_KEY = "stablerl_batch_field_estimators"
 
 
@@ -109,8 +109,9 @@ SOURCES: dict[str, tuple[tuple[str, ...], str]] = {
     "entropy": (
         ("stablerl_old_entropys", "entropys", "entropy"),
         "the legacy trainer's old-log-prob pass (its 'entropys', which the adapter keeps as 'stablerl_old_entropys' "
-        "when a selected algorithm declares entropy; not in bypass mode, which runs no such pass), else a per-token "
-        "'entropys' / 'entropy' batch field; v1's _compute_advantage fetches only " + _V1_FIELDS,
+        "when a selected algorithm declares entropy), else a per-token 'entropys' / 'entropy' batch field: set "
+        "trainer.use_v1=false and leave bypass mode off (algorithm.rollout_correction.bypass_mode=false; it runs no "
+        "old-log-prob pass); v1's _compute_advantage fetches only " + _V1_FIELDS,
     ),
     "turn_ids": (
         ("turn_ids",),
@@ -134,8 +135,9 @@ KEPT_ENTROPY = "stablerl_old_entropys"
 #: the legacy trainer's total_training_steps, recorded at its old-log-prob pass (Context.total_steps)
 TOTAL_STEPS: dict[str, Optional[int]] = {"value": None}
 
-#: declared inputs of estimators that only a customised pipeline puts in verl's batch (see SOURCES)
-BATCH_FIELD_INPUTS = frozenset({"entropy", "turn_ids", "anchor_ids", "step_returns"})
+#: declared inputs of estimators that only a customised pipeline puts in verl's batch (see SOURCES); entropy is
+#: not one: the adapter keeps the legacy trainer's old-log-prob pass entropy for an estimator that declares it
+BATCH_FIELD_INPUTS = frozenset({"turn_ids", "anchor_ids", "step_returns"})
 
 #: optional per-response extras an estimator reads when present (not declared: the estimator works
 #: without them or raises its own message): taken from the batch / non-tensor batch by this name
@@ -149,12 +151,16 @@ _OTHER_WHERE = (
 
 #: per-process state: generators per seed, the call counter (ctx.step), filter/shaper state dicts
 STATE = StateStore(holds="driver")
+#: metrics of the last wrapped call (``stablerl/<name>``); verl's ``Tracking.log`` adds them to the step's
+#: metrics (``_patch_tracking``) and empties the dict; a new ``Tracking`` (a new run) empties it too
+LAST_METRICS: dict[str, float] = {}
 _MARK = "_stablerl_verl_adv_wrapper"
 
 
 def reset_state() -> None:
-    """Forget generators, step counter and state (a fresh process)."""
+    """Forget generators, step counter, state and unlogged metrics (a fresh process)."""
     STATE.clear()
+    LAST_METRICS.clear()
 
 
 class VerlAdvantageInputError(MissingInputError):
@@ -448,11 +454,6 @@ def _filter(data, config, name: str, params: dict) -> dict[str, float]:
     return filtered.metrics
 
 
-#: metrics of the last wrapped call (``stablerl/<name>``); verl's ``Tracking.log`` adds them to the step's
-#: metrics (``_patch_tracking``) and empties the dict
-LAST_METRICS: dict[str, float] = {}
-
-
 def _wrap(original):
     @functools.wraps(original)
     def compute_advantage(data, adv_estimator, gamma=1.0, lam=1.0, num_repeat=1, norm_adv_by_std_in_grpo=True,
@@ -555,7 +556,12 @@ def _patch_tracking(module) -> None:
         logger.warning("stablerl: verl.utils.tracking has no Tracking.log; stablerl's advantage-side metrics "
                        "are not logged (they stay in stablerl.adapters.verl._advantage.LAST_METRICS)")
         return
-    log = cls.log
+    log, init = cls.log, cls.__init__
+
+    @functools.wraps(init)
+    def tracking_init(self, *args, **kwargs):
+        LAST_METRICS.clear()  # a new logger is a new run: an earlier run's unlogged metrics are not its own
+        return init(self, *args, **kwargs)
 
     @functools.wraps(log)
     def tracking_log(self, data, step, *args, **kwargs):
@@ -564,6 +570,7 @@ def _patch_tracking(module) -> None:
             LAST_METRICS.clear()
         return log(self, data, step, *args, **kwargs)
 
+    LEDGER.set_attr(f"{PATCH_KEY}:Tracking.__init__", cls, "__init__", tracking_init)
     LEDGER.set_attr(f"{PATCH_KEY}:Tracking.log", cls, "log", tracking_log)
 
 

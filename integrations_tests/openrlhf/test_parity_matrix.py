@@ -80,17 +80,22 @@ def _through_policy_loss(name, b, mode, params):
     return loss.detach(), grad
 
 
-def _experiences(b, split, with_sum_pi_squared=False):
+def _experiences(b, split, with_sum_pi_squared=False, old_entropy=False):
     """The rollout as OpenRLHF's trainer hands it over: experiences cut to their own padded width."""
     from openrlhf.trainer.ppo_utils.experience import Experience
+
+    from stablerl.adapters.openrlhf._inputs import OLD_ENTROPY_KEY
 
     out = []
     for rows in (slice(0, split), slice(split, None)):
         mask = b["response_mask"][rows].bool()
         width = int(mask.sum(-1).max())
         lengths = mask.sum(-1)
-        # the old-log-prob pass: its log-probs, and its sum_pi_squared where the adapter asked for it (_inputs.py)
+        # the old-log-prob pass: its log-probs, and its sum_pi_squared / entropy where the adapter asked for them
+        # (_inputs.py: sum_pi_squared for optimal_token_baseline, entropy for empg)
         info = {SUM_PI_SQUARED_KEY: b["sum_pi_squared"][rows, :width].clone()} if with_sum_pi_squared else {}
+        if old_entropy:
+            info[OLD_ENTROPY_KEY] = b["entropy"][rows][:, :width].clone()
         out.append(Experience(action_mask=mask[:, :width], rewards=b["scores"][rows].clone(), kl=None,
                               action_log_probs=b["old_log_prob"][rows, :width].clone(),
                               index=list(range(b["scores"].numel()))[rows], response_length=lengths.float(), info=info))
@@ -116,7 +121,8 @@ def _through_experience_maker(name, b, params):
     selection.validate()
     experiences = RemoteExperienceMaker.compute_advantages_and_returns(
         make_maker(args, flag, kl_coef=0.0),
-        _experiences(b, split=5, with_sum_pi_squared="sum_pi_squared" in selection.old_pass_stats()))
+        _experiences(b, split=5, with_sum_pi_squared="sum_pi_squared" in selection.old_pass_stats(),
+                     old_entropy="entropy" in M.advantage_inputs(name, b)))
     T = b["response_mask"].shape[1]
     adv = torch.cat([torch.nn.functional.pad(e.advantages, (0, T - e.advantages.shape[1])) for e in experiences])
     return adv * b["response_mask"]

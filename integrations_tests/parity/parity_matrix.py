@@ -189,17 +189,19 @@ def reward_batch() -> dict[str, Any]:
     scores = torch.tensor(REWARDS)
     rewards = torch.zeros(N, T)
     rewards[torch.arange(N), lengths - 1] = scores
-    # the old-log-prob pass's per-token log-probs and sum_v pi(v)^2 (optimal_token_baseline), zero on padding
+    # the old-log-prob pass's per-token log-probs and sum_v pi(v)^2 (optimal_token_baseline) and its entropy (empg),
+    # zero on padding
     g = torch.Generator().manual_seed(7)
     old_log_prob = -torch.rand(N, T, generator=g) * 3 * mask
     sum_pi_squared = (0.05 + 0.9 * torch.rand(N, T, generator=g)) * mask
+    entropy = torch.rand(N, T, generator=torch.Generator().manual_seed(2468)) * 2.0 * mask
     return {"scores": scores, "token_level_rewards": rewards, "response_mask": mask,
             "index": torch.arange(N) // GROUP_SIZE, "group_size": GROUP_SIZE,
-            "old_log_prob": old_log_prob, "sum_pi_squared": sum_pi_squared}
+            "old_log_prob": old_log_prob, "sum_pi_squared": sum_pi_squared, "entropy": entropy}
 
 
 #: per-token estimator inputs of the old-log-prob pass the reward batch carries (each framework feeds them its way)
-OLD_PASS_INPUTS = ("old_log_prob", "sum_pi_squared")
+OLD_PASS_INPUTS = ("old_log_prob", "sum_pi_squared", "entropy")
 
 
 def advantage_inputs(name: str, batch: dict) -> dict[str, Any]:

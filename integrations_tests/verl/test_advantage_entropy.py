@@ -176,6 +176,7 @@ def test_the_entropy_is_kept_only_for_an_algorithm_that_declares_it(adapter, sit
     old_log_prob, _ = trainer._compute_old_log_prob(batch)
     torch.testing.assert_close(old_log_prob.batch[site.KEPT_ENTROPY], old_log_prob.batch["entropys"], rtol=0, atol=0)
     assert site.needs_entropy(_algorithm(stablerl_batch_filter="gtpo_entropy_filter"))
+    assert site.needs_entropy(_algorithm(adv_estimator="empg"))  # an estimator that declares it, too
     assert not site.needs_entropy(_algorithm(adv_estimator="qae"))
 
 
@@ -187,3 +188,32 @@ def test_without_the_old_pass_the_error_names_the_setting(adapter, site):
     with pytest.raises(stablerl.StableRLError, match=r"gtpo_entropy_filter.*entropy.*legacy trainer's old-log-prob pass"):
         compute_advantage(batch, adv_estimator="grpo", num_repeat=2,
                           config=_algorithm(stablerl_batch_filter="gtpo_entropy_filter"))
+    with pytest.raises(stablerl.MissingInputError, match=r"estimator 'empg' needs 'entropy'.*legacy trainer's "
+                       r"old-log-prob pass.*set trainer\.use_v1=false and leave bypass mode off"):
+        compute_advantage(batch, adv_estimator="empg", num_repeat=2, config=_algorithm(adv_estimator="empg"))
+
+
+def test_empg_gets_the_old_pass_entropy_without_an_opt_in(adapter, site):
+    """algorithm.adv_estimator=empg alone (no +algorithm.stablerl_batch_field_estimators): its advantages equal
+    stablerl.compute_advantage on the pass's entropies, response-aligned by hand. A masked token (a tool
+    response in a multi-turn row) splits that response into two steps: empg's steps are the mask's runs."""
+    from stablerl.ops import mask_runs
+
+    trainer = _trainer(_algorithm(adv_estimator="empg", k=2.0, zeta=0.5))
+    batch, expected = _legacy_batch()
+    batch.batch["response_mask"][2, 2] = 0  # row 2 (5 response tokens): steps [0, 1] and [3, 4]
+    mask = batch.batch["response_mask"].clone()
+    assert int(mask_runs(mask)[2].max()) == 1
+    out = _fit_step(trainer, batch)
+    assert site.KEPT_ENTROPY not in out.batch.keys() and "entropys" not in out.batch.keys()  # verl's own update batch
+    rewards = batch.batch["token_level_rewards"]
+    ref, ref_returns = stablerl.compute_advantage("empg", token_level_rewards=rewards, response_mask=mask,
+                                                  index=UIDS, entropy=expected, k=2.0, zeta=0.5)
+    torch.testing.assert_close(out.batch["advantages"], ref.float(), rtol=0, atol=1e-6)
+    torch.testing.assert_close(out.batch["returns"], ref_returns.float(), rtol=0, atol=1e-6)
+    # the entropy matters: a flat one (every step equally certain) gives other advantages
+    flat, _ = stablerl.compute_advantage("empg", token_level_rewards=rewards, response_mask=mask, index=UIDS,
+                                         entropy=torch.ones_like(expected), k=2.0, zeta=0.5)
+    assert (ref - flat).abs().max() > 0.05
+    # row 2's first step gets the bonus zeta * f of its next step: its two steps' advantages differ
+    assert abs(float(out.batch["advantages"][2, 0] - out.batch["advantages"][2, 3])) > 0.05

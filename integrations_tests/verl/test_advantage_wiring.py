@@ -63,9 +63,9 @@ def _multi_turn(B=8, T=10, seed=0):
 
 
 def test_empg_gets_entropies_and_turn_ids_from_the_batch(adapter, site):
-    adapter.register_batch_field_estimators()
+    # registered without the batch-field opt-in: its entropy is the legacy trainer's old-log-prob pass's
     assert adapter.VERL_NAMES["advantage_estimator"].get("empg") == "empg"
-    assert adapter.register_batch_field_estimators() == []  # idempotent
+    assert "empg" not in adapter.register_batch_field_estimators()
     rewards, mask, index, entropys, turn_ids = _multi_turn()
     out = _compute(_data(rewards, mask, index, entropys=entropys, turn_ids=turn_ids), "empg", _algorithm(k=2.0))
     expected, expected_ret = stablerl.compute_advantage(
@@ -84,27 +84,31 @@ def test_empg_gets_entropies_and_turn_ids_from_the_batch(adapter, site):
 def test_batch_field_estimators_by_config_key(adapter, site, monkeypatch):
     from verl.trainer.ppo import core_algos
 
-    for verl_name in ("empg", "stablerl_empg"):  # as in a fresh TaskRunner process
+    for verl_name in ("gigpo", "stablerl_gigpo"):  # as in a fresh TaskRunner process
         if verl_name in core_algos.ADV_ESTIMATOR_REGISTRY:
             monkeypatch.delitem(core_algos.ADV_ESTIMATOR_REGISTRY, verl_name)
         if verl_name in adapter.VERL_NAMES["advantage_estimator"]:
             monkeypatch.delitem(adapter.VERL_NAMES["advantage_estimator"], verl_name)
-    rewards, mask, index, entropys, turn_ids = _multi_turn(seed=1)
-    data = _data(rewards, mask, index, entropys=entropys, turn_ids=turn_ids)
+    rewards, mask, index, _, _ = _multi_turn(seed=1)
+    anchors, step_returns = torch.tensor([0, 1, 0, 2, 0, 0, 1, 1]), torch.linspace(0.1, 0.8, 8)
+    data = _data(rewards, mask, index, anchor_ids=anchors, step_returns=step_returns)
     with pytest.raises(stablerl.StableRLError, match=r"not registered in verl.*stablerl_batch_field_estimators=true"):
-        _compute(data, "empg", _algorithm())
-    out = _compute(data, "empg", _algorithm(stablerl_batch_field_estimators=True))
+        _compute(data, "gigpo", _algorithm())
+    out = _compute(data, "gigpo", _algorithm(stablerl_batch_field_estimators=True))
     expected, _ = stablerl.compute_advantage(
-        "empg", token_level_rewards=rewards, response_mask=mask, index=index, entropy=entropys, turn_ids=turn_ids
+        "gigpo", token_level_rewards=rewards, response_mask=mask, index=index, anchor_ids=anchors,
+        step_returns=step_returns,
     )
-    torch.testing.assert_close(out.batch["advantages"], expected.float(), rtol=0, atol=1e-7)
-    assert "empg" in adapter.VERL_NAMES["advantage_estimator"]
+    torch.testing.assert_close(out.batch["advantages"], expected.float(), rtol=0, atol=1e-6)
+    assert out.batch["advantages"].abs().max() > 0.5
+    assert "gigpo" in adapter.VERL_NAMES["advantage_estimator"]
 
 
 def test_missing_declared_input_names_the_field(adapter, site):
-    adapter.register_batch_field_estimators()
+    """No entropy in the batch (the v1 trainer, bypass mode): the error names the settings that give one."""
     rewards, mask, index, entropys, turn_ids = _multi_turn()
-    with pytest.raises(stablerl.MissingInputError, match=r"'entropy'.*legacy trainer's old-log-prob pass"):
+    with pytest.raises(stablerl.MissingInputError, match=r"'empg' needs 'entropy'.*legacy trainer's old-log-prob "
+                       r"pass.*trainer\.use_v1=false.*bypass_mode=false"):
         _compute(_data(rewards, mask, index, turn_ids=turn_ids), "empg", _algorithm())
     # turn_ids is optional: without the field a step is a contiguous run of trained tokens (one per response here)
     out = _compute(_data(rewards, mask, index, entropys=entropys), "empg", _algorithm())

@@ -145,3 +145,25 @@ def test_tracking_log_carries_the_advantage_sites_metrics(adapter, tmp_path, mon
     assert rows == [{"step": 1, "data": {"critic/score/mean": 0.5, "stablerl/filter/kept_row_frac": 0.75}},
                     {"step": 2, "data": {"critic/score/mean": 0.25}}]
     assert not _advantage.LAST_METRICS
+
+
+def test_a_new_run_does_not_log_an_earlier_runs_unlogged_metrics(adapter, tmp_path, monkeypatch):
+    """Metrics of a compute_advantage call that no Tracking.log took (a run that stopped, or a test that called
+    compute_advantage alone) are not the next run's: a new Tracking, and the adapter's reset_state, drop them."""
+    import json
+
+    from verl.utils.tracking import Tracking
+
+    from stablerl.adapters.verl import _advantage
+
+    path = tmp_path / "metrics.jsonl"
+    monkeypatch.setenv("VERL_FILE_LOGGER_PATH", str(path))
+    _advantage.LAST_METRICS.update({"stablerl/d3s/progress": 0.25})  # left by an earlier run
+    tracker = Tracking("p", "e", default_backend=["file"])
+    tracker.log({"critic/score/mean": 0.5}, step=1)
+    tracker.logger["file"].finish()
+    assert [json.loads(line) for line in path.read_text().splitlines()] == [
+        {"step": 1, "data": {"critic/score/mean": 0.5}}]
+    _advantage.LAST_METRICS.update({"stablerl/d3s/progress": 0.25})
+    _advantage.reset_state()
+    assert not _advantage.LAST_METRICS

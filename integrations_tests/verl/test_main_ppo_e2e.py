@@ -7,7 +7,8 @@ trainer needs TransferQueue, which the verl session does not install; not tried 
 * ``m2po`` (a loss with a batch statistic) + ``qae`` (estimator) + ``dynamic_sampling`` (batch filter);
 * ``entropic`` (a loss that keeps state) + ``qae``, 2 steps, checkpoint at step 2;
 * the same run resumed in a new process to step 3: step counter and EntroPIC's integral continue;
-* SFPO as a trainer hook (K=1, alpha 1 and 0.5, 2 steps each): passes, reposition and entropy window.
+* SFPO as a trainer hook (K=1, alpha 1 and 0.5, 2 steps each): passes, reposition and entropy window;
+* ``empg`` (an estimator on the old-log-prob pass's entropy), selected by ``algorithm.adv_estimator`` alone.
 
 Everything is asserted from verl's file logger (``trainer.logger=[console,file]``) and console.
 Real: Hydra config + validation, Ray, TaskRunner, legacy RayPPOTrainer, FSDP2 workers on gloo, the
@@ -19,6 +20,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -298,6 +300,23 @@ def test_d3s_schedule_follows_verls_total_training_steps(workdir):
     for r in rows:
         d = r["data"]
         assert 0.0 <= d["stablerl/d3s/kept_token_frac"] <= 1.0 and 0.0 <= d["stablerl/d3s/kept_sample_frac"] <= 1.0
+
+
+def test_empg_runs_on_the_old_pass_entropy_without_an_opt_in(workdir):
+    """algorithm.adv_estimator=empg alone: the adapter keeps the old-log-prob pass's entropy for it (without it the
+    first compute_advantage raises MissingInputError); stablerl's estimator ran (its settings table, k set) and
+    wrote returns == advantages."""
+    out, rows = run_main_ppo(workdir, "empg", [
+        *[o for o in ENTROPY_AT_ADVANTAGE if not o.startswith("algorithm.adv_estimator=")],
+        "algorithm.adv_estimator=empg", "+algorithm.k=2.0",
+    ])
+    _assert_steps_and_reward(rows, [1, 2])
+    assert "advantage estimator 'empg' runs with" in out and re.search(r"\bk\s+= 2\.0\b", out), out[-3000:]
+    for r in rows:
+        d = r["data"]
+        assert math.isfinite(d["critic/advantages/mean"]) and d["critic/advantages/max"] > d["critic/advantages/min"]
+        assert d["critic/returns/mean"] == pytest.approx(d["critic/advantages/mean"], abs=1e-6)
+        assert d["critic/returns/max"] == pytest.approx(d["critic/advantages/max"], abs=1e-6)
 
 
 def test_adaptive_entropy_steers_the_actors_entropy_coeff(workdir):

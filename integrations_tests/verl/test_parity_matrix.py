@@ -126,6 +126,8 @@ def _through_compute_advantage(name, b, params):
     from verl import DataProto
     from verl.trainer.ppo.ray_trainer import compute_advantage
 
+    from stablerl.adapters.verl._advantage import KEPT_ENTROPY
+
     params = dict(params)
     norm = params.pop("norm_adv_by_std_in_grpo", True)  # verl's AlgoConfig default when not set
     if params.pop(M.NO_STD_KNOB, False):  # verl's knob is the same key
@@ -136,8 +138,9 @@ def _through_compute_advantage(name, b, params):
     with open_dict(algorithm):  # what `+algorithm.<key>=<value>` does
         for k, v in params.items():
             algorithm[k] = v
-    # optimal_token_baseline: verl's old-log-prob pass's batch fields (old_log_probs, sum_pi_squared)
-    fields = {"old_log_prob": "old_log_probs", "sum_pi_squared": "sum_pi_squared"}
+    # verl's old-log-prob pass's batch fields (old_log_probs, sum_pi_squared: optimal_token_baseline) and the pass's
+    # entropy as the adapter keeps it for compute_advantage in the legacy trainer (empg)
+    fields = {"old_log_prob": "old_log_probs", "sum_pi_squared": "sum_pi_squared", "entropy": KEPT_ENTROPY}
     old_pass = {fields[k]: v for k, v in M.advantage_inputs(name, b).items()}
     data = DataProto.from_dict(
         tensors={"token_level_rewards": b["token_level_rewards"], "response_mask": b["response_mask"], **old_pass},
