@@ -251,7 +251,8 @@ TRL = FrameworkSpec(
         ),
         # old_log_prob / sum_pi_squared: TRL's old-log-prob pass (or, where TRL runs none, one extra no-grad forward
         # of the generating policy) through TRL's fused LM head, asked for its log_sum_sq_probs output too
-        ADVANTAGE_ESTIMATOR: frozenset({"index", "old_log_prob", "sum_pi_squared"}),
+        # entropy (empg): one extra no-grad forward of the generating policy, as for filters
+        ADVANTAGE_ESTIMATOR: frozenset({"index", "old_log_prob", "sum_pi_squared", "entropy"}),
         # filters may also take entropy: the TRL adapter runs one extra no-grad forward for it
         REWARD_SHAPER: _EXTENSION_INPUTS | {"pos_count", "neg_count"},
         BATCH_FILTER: _EXTENSION_INPUTS | {"pos_count", "neg_count", "entropy"},
@@ -350,6 +351,9 @@ TRL = FrameworkSpec(
     switches={"rollout_correction": "vllm_importance_sampling_correction",
               "routing_replay": 'GRPOConfig(routing_replay="R2", ...)  # or "R3" (with vLLM)'},
     algorithm_notes={
+        "empg": "entropy is the generating policy's, from one extra no-grad forward over the rollout (TRL computes "
+        "entropies only in _compute_loss; shared with a batch filter that reads them too); a step is a contiguous "
+        "run of completion_mask (TRL has no per-token turn ids): one step per completion",
         "erc": "old_entropy is the entropy of TRL's old-log-prob pass where TRL runs one (num_iterations > 1, "
         "steps_per_generation > gradient_accumulation_steps, or vLLM importance-sampling correction), else the "
         "current policy's detached (each micro-batch is then trained once, at the old policy: ratio 1, as TRL's "

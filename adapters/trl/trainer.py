@@ -467,6 +467,7 @@ class GRPOTrainer(_trl.GRPOTrainer):
         estimator_needs = stablerl.get_spec(ADVANTAGE_ESTIMATOR, self._stablerl_estimator).requires \
             if self._stablerl_estimator else ()
         self._stablerl_wants_sum_sq = "sum_pi_squared" in estimator_needs
+        self._stablerl_wants_entropy = "entropy" in estimator_needs  # empg: the generating policy's entropies
         self._stablerl_sum_sq: Optional[dict] = None  # its sink while a batch is generated
         if self._stablerl_wants_sum_sq:
             self._stablerl_add_sum_sq_output()
@@ -683,6 +684,7 @@ class GRPOTrainer(_trl.GRPOTrainer):
         # so every process draws the same numbers); saved with the checkpoint
         self._ext_rng = self._stablerl_store.generator(_EXT_RNG_STREAM, int(cfg.seed))
         self._ext_entropy_seen: tuple = (None, 0)
+        self._ext_entropy_cache: Optional[tuple] = None  # (rollout, its entropies): one extra forward per rollout
         self._ext_step_entropy_cache: tuple = (None, None)
         name = names["entropy_controller"]
         if name:
@@ -775,9 +777,18 @@ class GRPOTrainer(_trl.GRPOTrainer):
                 compute_entropy=compute_entropy)
 
     def _ext_rollout_entropy(self, out, mode) -> torch.Tensor:
-        """Per-token entropies ``[n, T]`` of the generating policy (TRL computes entropies only in ``_compute_loss``)."""
-        return self._ext_rollout_forward(out, mode, f"batch_filter={self._ext_filter!r} (the rollout's entropies)",
-                                         compute_entropy=True)[1]
+        """Per-token entropies ``[n, T]`` of the generating policy (TRL computes entropies only in ``_compute_loss``):
+        one extra forward per rollout, shared by an estimator (empg) and a batch filter that both read them."""
+        cached = getattr(self, "_ext_entropy_cache", None)
+        if cached is not None and cached[0] is out:
+            return cached[1]
+        who = " and ".join(f"{key}={name!r}" for key, name in (("advantage_estimator", self._stablerl_estimator),
+                                                               ("batch_filter", self._ext_filter))
+                           if name and "entropy" in stablerl.get_spec(
+                               ADVANTAGE_ESTIMATOR if key == "advantage_estimator" else BATCH_FILTER, name).requires)
+        entropy = self._ext_rollout_forward(out, mode, f"{who} (the rollout's entropies)", compute_entropy=True)[1]
+        self._ext_entropy_cache = (out, entropy)
+        return entropy
 
     def _ext_filter_batch(self, out, rewards, group, rows, mode):
         """Apply the batch filter on the gathered batch (core's ``apply_filter_result``); TRL's batch is fixed, so
@@ -1003,11 +1014,14 @@ class GRPOTrainer(_trl.GRPOTrainer):
             out["stablerl_scores"] = rewards[rows].clone()
         if self._stablerl_estimator:
             old_pass = self._stablerl_old_pass_stats(out, sum_sq, mode) if self._stablerl_wants_sum_sq else {}
+            if self._stablerl_wants_entropy:
+                old_pass["entropy"] = self._ext_rollout_entropy(out, mode)
             out["advantages"] = self._stablerl_advantages(out, rewards, unscorable, group, rows, mode,
                                                           components=rewards_per_func, old_pass=old_pass)
         if self._ext_filter:
             out = self._ext_filter_batch(out, rewards, group, rows, mode)
         self._ext_inputs = None
+        self._ext_entropy_cache = None
         return out
 
     def _stablerl_old_pass_stats(self, out, sink: Optional[dict], mode) -> dict[str, torch.Tensor]:
@@ -1068,7 +1082,7 @@ class GRPOTrainer(_trl.GRPOTrainer):
         """stablerl advantages ``[n_local, T_local]``: core's ``advantages_from_scores`` on the gathered rewards and
         every process's masks (real lengths), sliced as TRL slices its own. ``components``: each reward function's
         reward ``[N, n_funcs]``, handed over with TRL's ``reward_weights`` (GDPO). ``old_pass``: ``old_log_prob`` /
-        ``sum_pi_squared`` ``[n_local, T_local]``, gathered like the masks."""
+        ``sum_pi_squared`` / ``entropy`` ``[n_local, T_local]``, gathered like the masks."""
         local_mask = out["completion_mask"]
         mask = self._ext_gathered(local_mask, rewards.device)
         inputs = {k: self._ext_gathered(v, rewards.device) * mask for k, v in (old_pass or {}).items()}
