@@ -4,14 +4,12 @@ with a batch filter that reads entropy too. Reference: ``stablerl.compute_advant
 ``softmax(z / T)`` computed here, in float64, from a plain forward of a snapshot of the policy taken when the batch
 was generated."""
 
-import copy
-
 import pytest
 import torch
 
 import trl_helpers as H  # noqa: I001
 
-import stablerl.api as core_api
+from stablerl.api import compute_advantage as core_advantage  # bound before the tests' spy
 from stablerl.adapters.trl import GRPOConfig, GRPOTrainer
 
 TEMPERATURE = 0.8
@@ -29,23 +27,9 @@ def _reference_entropy(model, out):
 
 
 def _run(tmp_path, monkeypatch, **overrides):
-    calls, batches, forwards = [], [], []
-    real = core_api.compute_advantage
+    forwards = []
 
-    def spy(estimator, **kw):
-        calls.append({k: (v.detach().clone() if isinstance(v, torch.Tensor) else v) for k, v in kw.items()})
-        return real(estimator, **kw)
-
-    monkeypatch.setattr(core_api, "compute_advantage", spy)
-
-    class Recording(GRPOTrainer):
-        def _generate_and_score_completions(self, inputs):
-            snapshot = H.tiny_model()
-            snapshot.load_state_dict(copy.deepcopy(self.model.state_dict()))
-            out = super()._generate_and_score_completions(inputs)
-            batches.append((snapshot.eval(), {k: v.clone() for k, v in out.items() if isinstance(v, torch.Tensor)}))
-            return out
-
+    class CountingForwards(GRPOTrainer):
         def _ext_rollout_forward(self, out, mode, needed_by, compute_entropy=False):
             forwards.append(needed_by)
             return super()._ext_rollout_forward(out, mode, needed_by, compute_entropy=compute_entropy)
@@ -53,17 +37,14 @@ def _run(tmp_path, monkeypatch, **overrides):
     args = GRPOConfig(**H.base_kwargs(tmp_path, advantage_estimator="empg", temperature=TEMPERATURE,
                                       stablerl_advantage_params=PARAMS, num_iterations=1,
                                       gradient_accumulation_steps=1, **overrides))
-    trainer, _, initial = H.train(Recording, args)
-    assert len(calls) == len(batches) >= 2
-    moved = torch.cat([p.detach().reshape(-1) for p in trainer.model.parameters()]) - initial
-    assert moved.abs().max() > 0  # it trained
+    _, batches, calls = H.train_recording_estimator(monkeypatch, CountingForwards, args)
     return batches, calls, forwards
 
 
 def test_empg_gets_the_generating_policys_entropy(tmp_path, monkeypatch):
     batches, calls, forwards = _run(tmp_path, monkeypatch)
     assert len(forwards) == len(batches) and all("advantage_estimator='empg'" in f for f in forwards)
-    real = core_api.compute_advantage
+    real = core_advantage
     for (snapshot, out), kw in zip(batches, calls):
         mask = out["completion_mask"].bool()
         ref = _reference_entropy(snapshot, out)

@@ -107,3 +107,35 @@ def train(trainer_cls, args, model_seed=0, reward=copy_reward, model=None, dtype
     )
     trainer.train()
     return trainer, rec, initial
+
+
+def train_recording_estimator(monkeypatch, trainer_cls, args):
+    """Train ``trainer_cls`` with ``args`` and record, per generation batch, a snapshot of the generating weights
+    with the batch TRL returned, and the keyword arguments of every ``stablerl.compute_advantage`` call. Returns
+    (trainer, [(snapshot, batch)], [kwargs]); checks that it trained."""
+    import copy
+
+    import stablerl.api as core_api
+
+    calls, batches = [], []
+    real = core_api.compute_advantage
+
+    def spy(estimator, **kw):
+        calls.append({k: (v.detach().clone() if isinstance(v, torch.Tensor) else v) for k, v in kw.items()})
+        return real(estimator, **kw)
+
+    monkeypatch.setattr(core_api, "compute_advantage", spy)
+
+    class Recording(trainer_cls):
+        def _generate_and_score_completions(self, inputs):
+            snapshot = tiny_model()
+            snapshot.load_state_dict(copy.deepcopy(self.model.state_dict()))
+            out = super()._generate_and_score_completions(inputs)
+            batches.append((snapshot.eval(), {k: v.clone() for k, v in out.items() if isinstance(v, torch.Tensor)}))
+            return out
+
+    trainer, _, initial = train(Recording, args)
+    assert len(calls) == len(batches) >= 2
+    moved = torch.cat([p.detach().reshape(-1) for p in trainer.model.parameters()]) - initial
+    assert moved.abs().max() > 0  # it trained
+    return trainer, batches, calls
