@@ -17,12 +17,7 @@ PARAMS = {"k": 2.0, "zeta": 0.5}
 
 
 def _reference_entropy(model, out):
-    ids = torch.cat([out["prompt_ids"], out["completion_ids"]], dim=1)
-    mask = torch.cat([out["prompt_mask"], out["completion_mask"]], dim=1)
-    with torch.no_grad():
-        logits = model(input_ids=ids, attention_mask=mask).logits.double()
-    T = out["completion_ids"].size(1)
-    logp = (logits[:, -T - 1:-1] / TEMPERATURE).log_softmax(-1)
+    logp = H.completion_log_softmax(model, out, TEMPERATURE)
     return -(logp.exp() * logp).sum(-1)
 
 

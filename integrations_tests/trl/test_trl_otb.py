@@ -19,12 +19,7 @@ TEMPERATURE = 0.8
 
 def _reference(model, out):
     """Old log-probs of the completion tokens and ``sum_pi_squared`` at their positions (float64, ``[n, T]``)."""
-    ids = torch.cat([out["prompt_ids"], out["completion_ids"]], dim=1)
-    mask = torch.cat([out["prompt_mask"], out["completion_mask"]], dim=1)
-    with torch.no_grad():
-        logits = model(input_ids=ids, attention_mask=mask).logits.double()
-    T = out["completion_ids"].size(1)
-    logp = (logits[:, -T - 1:-1] / TEMPERATURE).log_softmax(-1)
+    logp = H.completion_log_softmax(model, out, TEMPERATURE)
     return logp.gather(-1, out["completion_ids"].unsqueeze(-1)).squeeze(-1), logp.exp().pow(2).sum(-1)
 
 

@@ -139,3 +139,14 @@ def train_recording_estimator(monkeypatch, trainer_cls, args):
     moved = torch.cat([p.detach().reshape(-1) for p in trainer.model.parameters()]) - initial
     assert moved.abs().max() > 0  # it trained
     return trainer, batches, calls
+
+
+def completion_log_softmax(model, out, temperature):
+    """float64 ``log_softmax(z / temperature)`` ``[n, T, V]`` of ``model`` at the positions that predict the
+    completion tokens of TRL's batch ``out`` (a plain forward: the reference for what TRL's passes compute)."""
+    ids = torch.cat([out["prompt_ids"], out["completion_ids"]], dim=1)
+    mask = torch.cat([out["prompt_mask"], out["completion_mask"]], dim=1)
+    with torch.no_grad():
+        logits = model(input_ids=ids, attention_mask=mask).logits.double()
+    T = out["completion_ids"].size(1)
+    return (logits[:, -T - 1:-1] / temperature).log_softmax(-1)
