@@ -25,11 +25,11 @@ from stablerl.contracts import CONTROLLER as _CONTROLLER
 from stablerl.frameworks import effective_hyperparameters, log_effective_settings
 from stablerl.params import StableRLError
 from stablerl.state import StateStore
-from stablerl.trainer_loop import ControllerDriver
+from stablerl.trainer_loop import ControllerDriver, scalar_metrics
 
 from . import _state
-from ._selection import selection_from_args
-from ._spec import CONTROLLER_FLAG, OPENRLHF
+from ._selection import check_entropy_coef_unset, selection_from_args
+from ._spec import OPENRLHF
 
 #: attribute of the ActorPPOTrainer: its ControllerDriver
 DRIVER = "_stablerl_controller"
@@ -44,10 +44,7 @@ def arm(trainer: Any) -> Optional[ControllerDriver]:
     if name is None:
         return None
     actor_args = trainer.args.actor
-    if getattr(actor_args, "entropy_coef", None) not in (None, 0, 0.0):
-        raise StableRLError(f"{CONTROLLER_FLAG} {name} sets OpenRLHF's entropy bonus itself: leave --actor.entropy_coef "
-                            f"unset (got {actor_args.entropy_coef}); the initial coefficient is the controller's "
-                            "entropy_coef")
+    check_entropy_coef_unset(name, actor_args)
     driver = ControllerDriver(name, selection.entropy_controller_params, provides=("entropy",), framework="OpenRLHF",
                               gives="the adapter gives each optimizer step's mean training entropy",
                               apply=lambda decision: None)  # the coefficient is read before every step
@@ -81,8 +78,9 @@ def record_entropy(actor: Any, args: tuple, kwargs: dict, result: Any) -> None:
         raise StableRLError("stablerl entropy controller: the training forward returned no entropy for the action "
                             "mask (OpenRLHF computes it when --actor.entropy_coef is not None, which the adapter sets)")
     mask = action_mask.to(torch.float64)
-    meter[0] += float((entropy[:, -mask.shape[1]:].detach().to(torch.float64) * mask).sum())
-    meter[1] += float(mask.sum())
+    # kept as tensors on the forward's device: no host sync per micro-batch, one at the optimizer step
+    meter[0] = meter[0] + (entropy[:, -mask.shape[1]:].detach().to(torch.float64) * mask).sum()
+    meter[1] = meter[1] + mask.sum()
 
 
 def _optimizer_steps(trainer: Any) -> Optional[int]:
@@ -103,7 +101,8 @@ def before_step(trainer: Any) -> Optional[tuple]:
 
 
 def _reduced(trainer: Any, meter: list) -> tuple[float, float]:
-    total = torch.tensor(meter, dtype=torch.float64)
+    """The meter's (entropy sum, token count) summed over the DP group."""
+    total = torch.stack([torch.as_tensor(v, dtype=torch.float64) for v in meter])
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         from openrlhf.utils.loss_utils import _get_dp_group
 
@@ -125,11 +124,9 @@ def after_step(trainer: Any, armed: Optional[tuple], status: Any) -> None:
         meter[0] = meter[1] = 0.0
         driver.step(entropy=total / count if count > 0 else None)  # an all-masked step: no entropy, no change
     if isinstance(status, dict) and isinstance(status.get("metrics"), dict):
-        values = {**{k: v for k, v in driver.decision.items() if isinstance(v, (bool, int, float))},
-                  "applied_coef": applied}
-        for key, value in values.items():
-            status["metrics"][f"stablerl/{driver.name}/{key}"] = float(value)
-            status.setdefault("weights", {})[f"stablerl/{driver.name}/{key}"] = None
+        metrics = scalar_metrics({**driver.decision, "applied_coef": applied}, prefix=f"stablerl/{driver.name}/")
+        status["metrics"].update(metrics)
+        status.setdefault("weights", {}).update(dict.fromkeys(metrics))  # None: OpenRLHF does not reduce them
 
 
 __all__ = ["arm", "record_entropy", "before_step", "after_step", "DRIVER", "ENTROPY_METER"]

@@ -39,10 +39,11 @@ def _patch_actor_module(module, ledger) -> None:
             _state.adopt_loss(self.actor_loss_fn)  # its state goes into this actor's checkpoints, and back
         if sel.routing_replay is not None:
             _routing_replay.arm(self, sel.routing_replay)
-        if sel.old_pass_stats():  # its old-log-prob pass also returns entropy / sum_pi_squared (._inputs)
+        stats = sel.old_pass_stats()
+        if stats:  # its old-log-prob pass also returns entropy / sum_pi_squared (._inputs)
             from ._inputs import arm_old_pass
 
-            arm_old_pass(self.actor, sel.old_pass_stats())
+            arm_old_pass(self.actor, stats)
         _controller.arm(self)  # an entropy controller steering --actor.entropy_coef, if one is selected
 
     _routing_replay.patch_actor_module(module, ledger)

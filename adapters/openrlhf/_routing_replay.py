@@ -222,8 +222,9 @@ def patch_maker_module(module, ledger) -> None:
         out = make_experience(self, samples_list)
         if mode is not None:
             _attach(out)
-        if selection.old_pass_stats():
-            loss_inputs.attach_old_pass_stats(out, selection.old_pass_stats())
+        stats = selection.old_pass_stats()
+        if stats:
+            loss_inputs.attach_old_pass_stats(out, stats)
         return out
 
 

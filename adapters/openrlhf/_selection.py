@@ -47,6 +47,15 @@ def check_rollout_log_probs(spec, call_options: dict, is_correction_level: str) 
             "vLLM log-probs only then; its own IS weights are then not applied)")
 
 
+def check_entropy_coef_unset(controller: Optional[str], actor_args) -> None:
+    """An entropy controller sets OpenRLHF's ``--actor.entropy_coef`` itself: a value the user gave is refused."""
+    coef = getattr(actor_args, "entropy_coef", None)
+    if controller is not None and coef not in (None, 0, 0.0):
+        raise StableRLError(f"{CONTROLLER_FLAG} {controller} sets OpenRLHF's entropy bonus itself: leave "
+                            f"--actor.entropy_coef unset (got {coef}); the initial coefficient is the controller's "
+                            "entropy_coef")
+
+
 #: what the adapter feeds for A-3PO's versions: one weight version per rollout batch (synchronous trainer)
 ONE_VERSION_INPUTS = ("versions", "policy_version")
 

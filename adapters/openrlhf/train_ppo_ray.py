@@ -33,9 +33,8 @@ import stablerl
 from stablerl.params import StableRLError
 
 from . import _routing_replay
-from ._selection import (Selection, add_setup_hook, check_one_version_per_batch, check_rollout_log_probs,
-                         openrlhf_choices, parse_params,
-                         resolve)
+from ._selection import (Selection, add_setup_hook, check_entropy_coef_unset, check_one_version_per_batch,
+                         check_rollout_log_probs, openrlhf_choices, parse_params, resolve)
 from ._spec import (COMPONENT_WEIGHTS_FLAG, COMPONENTS_FLAG, CONTROLLER_FLAG, FILTER_FLAG, OPENRLHF_ADV_ESTIMATORS,
                     OPENRLHF_POLICY_LOSSES, PREFIX, SHAPER_FLAG, check_openrlhf)
 
@@ -242,10 +241,7 @@ def selection_from_cli(args) -> Selection:
     )
     sel.openrlhf_advantage, sel.reward_clip_range = explicit_advantage_flags(args, argv)
     sel.validate()  # the effective hyper-parameters, clip flags included
-    if sel.entropy_controller is not None and getattr(actor, "entropy_coef", None) not in (None, 0, 0.0):
-        raise StableRLError(f"{CONTROLLER_FLAG} {sel.entropy_controller} sets OpenRLHF's entropy bonus itself: leave "
-                            f"--actor.entropy_coef unset (got {actor.entropy_coef}); the initial coefficient is the "
-                            "controller's entropy_coef")
+    check_entropy_coef_unset(sel.entropy_controller, actor)
     if sel.policy_loss is not None:
         spec = stablerl.get_spec(stablerl.POLICY_LOSS, sel.policy_loss)
         check_rollout_log_probs(spec, sel.policy_loss_params, advantage.is_correction_level)

@@ -421,6 +421,8 @@ class GRPOTrainer(_trl.GRPOTrainer):
     _ext_hook: Any = None
     # optimal_token_baseline's old-pass log sum pi^2 (set in __init__; off for a trainer built without it)
     _stablerl_wants_sum_sq = False
+    _ext_entropy_cache: Optional[tuple] = None  # (rollout, its entropies): one extra forward per rollout
+    _stablerl_wants_entropy = False  # empg: the rollout's entropies (set in __init__)
     _stablerl_sum_sq: Optional[dict] = None
 
     def __init__(self, *args, **kwargs):
@@ -684,7 +686,6 @@ class GRPOTrainer(_trl.GRPOTrainer):
         # so every process draws the same numbers); saved with the checkpoint
         self._ext_rng = self._stablerl_store.generator(_EXT_RNG_STREAM, int(cfg.seed))
         self._ext_entropy_seen: tuple = (None, 0)
-        self._ext_entropy_cache: Optional[tuple] = None  # (rollout, its entropies): one extra forward per rollout
         self._ext_step_entropy_cache: tuple = (None, None)
         name = names["entropy_controller"]
         if name:
@@ -779,14 +780,14 @@ class GRPOTrainer(_trl.GRPOTrainer):
     def _ext_rollout_entropy(self, out, mode) -> torch.Tensor:
         """Per-token entropies ``[n, T]`` of the generating policy (TRL computes entropies only in ``_compute_loss``):
         one extra forward per rollout, shared by an estimator (empg) and a batch filter that both read them."""
-        cached = getattr(self, "_ext_entropy_cache", None)
+        cached = self._ext_entropy_cache
         if cached is not None and cached[0] is out:
             return cached[1]
-        who = " and ".join(f"{key}={name!r}" for key, name in (("advantage_estimator", self._stablerl_estimator),
-                                                               ("batch_filter", self._ext_filter))
-                           if name and "entropy" in stablerl.get_spec(
-                               ADVANTAGE_ESTIMATOR if key == "advantage_estimator" else BATCH_FILTER, name).requires)
-        entropy = self._ext_rollout_forward(out, mode, f"{who} (the rollout's entropies)", compute_entropy=True)[1]
+        readers = [f"advantage_estimator={self._stablerl_estimator!r}"] if self._stablerl_wants_entropy else []
+        if self._ext_filter and "entropy" in stablerl.get_spec(BATCH_FILTER, self._ext_filter).requires:
+            readers.append(f"batch_filter={self._ext_filter!r}")
+        entropy = self._ext_rollout_forward(out, mode, " and ".join(readers) + " (the rollout's entropies)",
+                                            compute_entropy=True)[1]
         self._ext_entropy_cache = (out, entropy)
         return entropy
 

@@ -349,7 +349,8 @@ def register_batch_field_estimators() -> list[str]:
     verl's batch (per-row ``anchor_ids`` / ``step_returns``, per-token ``turn_ids``; see
     :data:`stablerl.adapters.verl._advantage.SOURCES`): e.g. ``gigpo``. No stock verl 0.9.1 trainer
     writes these fields at ``compute_advantage`` (v1 fetches a fixed field list), so they are opt-in;
-    a missing field raises a ``MissingInputError`` naming it at the first step. Call it in the driver (e.g. from your trainer subclass' module). Idempotent.
+    a missing field raises a ``MissingInputError`` naming it at the first step. Call it in the driver
+    (e.g. from your trainer subclass' module). Idempotent.
     Returns the verl names registered by this call."""
     import stablerl
     from verl.trainer.ppo import core_algos
