@@ -44,6 +44,8 @@ class FrameworkSpec:
     distribution: str  # the pip distribution whose version is checked
     supported: str  # PEP 440 specifier of the versions the adapter supports, e.g. ">=0.9.1,<0.10"
     adapter: str  # import path of the adapter module; imported only by load_adapter()
+    # "module:Class" of the adapter's FrameworkAdapter subclass (stablerl.adapter.get_adapter)
+    adapter_class: str = ""
     # kind -> names the framework ships itself; a stablerl algorithm of the same name is prefix+name
     builtin_names: Mapping[str, frozenset] = field(default_factory=dict)
     # kind -> optional inputs (contracts.OPTIONAL_INPUTS) the adapter can feed to that kind

@@ -5,7 +5,7 @@ import pytest
 
 
 def test_patch_ledger_sets_once_marks_and_restores():
-    from stablerl.adapters._patching import PatchLedger
+    from stablerl.patching import PatchLedger
 
     class Base:
         def run(self):

@@ -7,8 +7,8 @@ from types import ModuleType
 
 import pytest
 
-from stablerl.adapters import _post_import
-from stablerl.adapters._patching import PatchLedger
+from stablerl import post_import as _post_import
+from stablerl.patching import PatchLedger
 
 
 def _module(name: str, **attrs) -> ModuleType:

@@ -9,7 +9,7 @@ import importlib
 import os
 import threading
 
-from stablerl.adapters._patching import PatchLedger
+from stablerl.patching import PatchLedger
 
 from . import _controller, _routing_replay, _state
 from ._selection import _load_callable, selection_from_args

@@ -42,7 +42,7 @@ def install() -> None:
     ds_comm_torch.build_shm_op = lambda: None
 
     # NaiveReplayBuffer builds torch.device(f"cuda:{current_device()}"): the CPU instead
-    from stablerl.adapters import _post_import
+    from stablerl import post_import as _post_import
 
     def patch_replay_buffer(module):
         cls = module.NaiveReplayBuffer

@@ -20,7 +20,7 @@ import sys
 import threading
 from typing import Any, Callable, Iterable, Mapping, MutableMapping
 
-from . import _post_import as post_import
+from . import post_import
 
 _MISSING = object()
 
