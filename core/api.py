@@ -256,7 +256,7 @@ def compute_policy_loss(
     elif rollout_correction_params:
         raise StableRLError("rollout_correction_params given without rollout_correction")
     ctx = ctx or Context()
-    check_aggregation_request(spec, params, loss_agg_mode, loss_agg_params)
+    check_aggregation_request(spec, params, loss_agg_mode, loss_agg_params, ctx)
     top_entropy_quantile = check_top_entropy_quantile(top_entropy_quantile)
     if top_entropy_quantile < 1.0:
         if spec.output != "per_token":
@@ -526,6 +526,10 @@ def compute_advantage(
     if not bool(torch.isfinite(batch.scores).all()):
         _check_finite(("token_level_rewards",), (rewards,), mask)
     _check_missing(spec, {**batch.extras, **inputs, "index": gid})
+    _check_input_shapes(name, inputs, rewards.shape)
+    if rewards.shape[1] == 0:  # no response token in the batch: the one possible result, for every estimator
+        empty = rewards.new_zeros(rewards.shape)
+        return empty, empty
     advantages, returns = spec.fn(batch, params, ctx)
     m = batch.response_mask
     # built by batch.on_response_tokens with a 0/1 mask: masking it again is the identity
@@ -543,6 +547,24 @@ def compute_advantage(
     if not finite:
         raise StableRLError(f"advantage estimator {name!r} produced non-finite advantages")
     return advantages, returns
+
+
+#: estimator inputs laid out like the rewards, one value per response token
+_PER_TOKEN_INPUTS = ("old_log_prob", "sum_pi_squared", "entropy", "old_entropy", "rollout_log_prob", "turn_ids")
+
+
+def _check_input_shapes(name: str, inputs: dict[str, Any], shape: torch.Size) -> None:
+    """A declared input of the wrong shape is refused naming it and both shapes (not a bare size-mismatch error
+    from inside the estimator): per-token inputs are ``[B, T]``, per-response tensors have ``B`` rows."""
+    for key, value in inputs.items():
+        if not isinstance(value, torch.Tensor):
+            continue
+        want = tuple(shape) if key in _PER_TOKEN_INPUTS else (shape[0],)
+        got = tuple(value.shape) if key in _PER_TOKEN_INPUTS else tuple(value.shape[:1])
+        if got != want:
+            layout = "[B, T]" if key in _PER_TOKEN_INPUTS else "B rows"
+            raise StableRLError(f"advantage estimator {name!r}: input {key!r} has shape {tuple(value.shape)}, but the "
+                                f"rewards are {tuple(shape)} ({key} must have {layout} = {want})")
 
 
 def _split_extras(spec: AlgorithmSpec, kwargs: dict[str, Any]) -> dict[str, Any]:

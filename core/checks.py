@@ -13,7 +13,7 @@ from typing import Any, Optional
 
 import torch
 
-from .ops import is_functorch_wrapped
+from .ops import check_mode_settings, is_functorch_wrapped
 from .params import StableRLError, unknown_name_message
 
 _warned_fixed_aggregation: set[tuple[str, str]] = set()
@@ -161,14 +161,18 @@ def known_aggregation(mode: Any) -> None:
         raise StableRLError(unknown_name_message("loss_agg_mode", str(mode), list(AGG_MODES) + names))
 
 
-def check_aggregation_request(spec, params, mode: str, agg_params: Optional[dict]) -> None:
+def check_aggregation_request(spec, params, mode: str, agg_params: Optional[dict], ctx: Any = None) -> None:
     """A loss with its own fixed aggregation refuses ``loss_agg_params`` and says, once, that it
     ignores a different ``loss_agg_mode`` (``token-mean``, every framework's default, passes
-    silently: it is what a framework sends when the user chose nothing)."""
+    silently: it is what a framework sends when the user chose nothing). With the call's ``ctx``, a mode whose
+    own setting is missing (``seq-mean-token-sum-norm`` without ``loss_scale_factor``) is refused for every loss,
+    as the aggregation itself refuses it: an incomplete setting is never swallowed."""
     known_aggregation(mode)
     fixed = spec.fixed_aggregation(params)
     if not fixed:
         return
+    if ctx is not None and mode != fixed:
+        check_mode_settings(mode, ctx)
     if agg_params:
         raise StableRLError(
             f"policy loss {spec.name!r} always aggregates with {fixed!r}; loss_agg_params {sorted(agg_params)} "

@@ -156,6 +156,17 @@ def seq_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 
 
+def check_mode_settings(mode: str, ctx: Optional[Context]) -> None:
+    """Refuse a built-in ``loss_agg_mode`` whose setting the call lacks (``seq-mean-token-sum-norm`` without
+    ``loss_scale_factor``), also where the loss aggregates itself and would otherwise ignore the mode silently."""
+    if mode == "seq-mean-token-sum-norm" and (ctx is None or ctx.loss_scale_factor is None):
+        raise StableRLError(
+            "loss aggregation 'seq-mean-token-sum-norm' (Dr. GRPO) needs a constant normaliser: "
+            "pass loss_scale_factor (e.g. the maximum response length); verl: "
+            "actor_rollout_ref.actor.loss_scale_factor=<max_response_length>"
+        )
+
+
 def aggregate(
     loss_mat: torch.Tensor,
     mask: torch.Tensor,
@@ -225,12 +236,7 @@ def aggregate(
         denom = sequences()
         total = (loss_sum(-1) / row_tokens.clamp(min=1)).sum()
     elif mode == "seq-mean-token-sum-norm":
-        if ctx.loss_scale_factor is None:
-            raise StableRLError(
-                "loss aggregation 'seq-mean-token-sum-norm' (Dr. GRPO) needs a constant normaliser: "
-                "pass loss_scale_factor (e.g. the maximum response length); verl: "
-                "actor_rollout_ref.actor.loss_scale_factor=<max_response_length>"
-            )
+        check_mode_settings(mode, ctx)
         denom = sequences() * float(ctx.loss_scale_factor)
         total = loss_sum()
     else:

@@ -42,7 +42,8 @@ class DecoupledParams(Params):
     behave_imp_weight_level: str = "token"  # token | sequence (geometric mean over the sequence)
 
     def validate(self) -> None:
-        check(self.clip_ratio_low >= 0 and self.clip_ratio_high >= 0, "clip_ratio_low/high must be >= 0")
+        check(self.clip_ratio_low >= 0 and self.clip_ratio_high >= 0, "clip_ratio_low and clip_ratio_high must be "
+              f">= 0, got clip_ratio_low={self.clip_ratio_low}, clip_ratio_high={self.clip_ratio_high}")
         check(self.clip_ratio_c is None or self.clip_ratio_c > 1, f"clip_ratio_c must be > 1 or None, got {self.clip_ratio_c}")
         check(self.behave_imp_weight_cap is None or self.behave_imp_weight_cap > 0, "behave_imp_weight_cap must be > 0 or None")
         check(self.behave_imp_weight_floor is None or self.behave_imp_weight_floor >= 0,

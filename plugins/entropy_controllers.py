@@ -296,7 +296,9 @@ class AdaptiveEntropyParams(Params):
     entropy_coef_max: float = 1.0
 
     def validate(self) -> None:
-        check(math.isfinite(self.entropy_target), f"entropy_target must be finite, got {self.entropy_target}")
+        # an entropy is >= 0: a negative target would leave the bonus off for ever without a word
+        check(math.isfinite(self.entropy_target) and self.entropy_target >= 0,
+              f"entropy_target must be a finite entropy >= 0 (nats), got {self.entropy_target}")
         check(self.entropy_coef_delta >= 0, f"entropy_coef_delta must be >= 0, got {self.entropy_coef_delta}")
         check(0 <= self.entropy_coef_min <= self.entropy_coef_max,
               f"need 0 <= entropy_coef_min <= entropy_coef_max, got {self.entropy_coef_min}, {self.entropy_coef_max}")

@@ -17,6 +17,8 @@ value as mean (A_step = 0), std 1. Defaults: ``mode="mean_norm"``, ``step_advant
 
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass
 
 import torch
@@ -41,6 +43,10 @@ class GiGPOParams(Params):
     def validate(self) -> None:
         check(self.mode in MODES, f"mode must be one of {', '.join(MODES)}, got {self.mode!r}")
         check(self.epsilon >= 0, f"epsilon must be >= 0, got {self.epsilon}")
+        # a negative weight would train against the step-level signal (Eq. 8 adds it): not a setting of the paper
+        check(math.isfinite(self.step_advantage_w) and self.step_advantage_w >= 0,
+              f"step_advantage_w must be a finite value >= 0 (the weight of the step-level advantage), "
+              f"got {self.step_advantage_w}")
 
 
 def _per_row(b, name: str, dtype) -> torch.Tensor:

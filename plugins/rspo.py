@@ -38,6 +38,9 @@ class RSPOParams(Params):
     def validate(self) -> None:
         check(self.base in BASES, f"base must be one of {BASES}, got {self.base!r}")
         check(0 < self.gamma_min <= 1, f"gamma_min must be in (0, 1], got {self.gamma_min}")
+        # checked whatever the base: a dual clip that could never apply is refused, not kept silently
+        check(self.clip_ratio_c is None or self.clip_ratio_c > 1.0,
+              f"clip_ratio_c (dual clip of the vanilla base) must be > 1 or None, got {self.clip_ratio_c}")
         self.base_params().validate()
 
     def base_params(self):

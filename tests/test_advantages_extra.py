@@ -440,7 +440,7 @@ def test_empg_inputs_and_errors():
     assert not torch.allclose(adv("empg", r, mask, ids, entropy=entropy), adv("empg", r, mask, ids, entropy=entropy, turn_ids=turn))
     with pytest.raises(MissingInputError, match="entropy"):
         adv("empg", r, mask, ids, turn_ids=turn)
-    with pytest.raises(StableRLError, match="entropy has shape"):
+    with pytest.raises(StableRLError, match=r"input .entropy. has shape \(8, 9\), but the rewards are \(8, 10\)"):
         adv("empg", r, mask, ids, entropy=entropy[:, :-1], turn_ids=turn)
     with pytest.raises(StableRLError, match="turn_ids must hold integer"):
         adv("empg", r, mask, ids, entropy=entropy, turn_ids=turn.double())

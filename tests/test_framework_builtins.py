@@ -305,7 +305,7 @@ def test_remax_reference():
     G = returns_ref(r, mask, 1.0, skip_masked=False)
     torch.testing.assert_close(ret, G, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(a, (G - base.unsqueeze(-1)) * mask, rtol=1e-12, atol=1e-12)
-    with pytest.raises(stablerl.StableRLError, match=r"reward_baselines has shape \(3,\)"):
+    with pytest.raises(stablerl.StableRLError, match=r"input .reward_baselines. has shape \(3,\)"):
         compute_advantage("remax", token_level_rewards=r, response_mask=mask, index=index, reward_baselines=base[:3])
     with pytest.raises(stablerl.StableRLError, match="non-finite"):
         compute_advantage("remax", token_level_rewards=r, response_mask=mask, index=index,
