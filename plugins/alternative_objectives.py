@@ -25,8 +25,9 @@ import torch.nn.functional as F
 from stablerl import EXPERIMENTAL, STABLE, Params, hookimpl
 from stablerl.ops import aggregate, clamped_log_ratio, mask_runs, masked_mean, masked_sum
 from stablerl.params import StableRLError, check
-
-from .ppo import ClipParams, ppo_clip_terms
+from stablerl.primitives import (
+    ClipParams, group_sum, ppo_clip_terms, refuse_token_weights, score_labels, sequence_mean_loss, valid_rows,
+)
 
 # ------------------------------------------------------------------------------------------- RPG
 
@@ -76,37 +77,6 @@ def rpg_loss(b, p: RPGParams, ctx):
 # ------------------------------------------------------------------------------------------ groups
 
 
-def _group_sum(values: torch.Tensor, gid: torch.Tensor) -> torch.Tensor:
-    """Per-response sum over its group (differentiable), ``[B]``."""
-    n_groups = int(gid.max().item()) + 1 if gid.numel() else 0
-    return torch.zeros(n_groups, dtype=values.dtype, device=values.device).index_add(0, gid, values)[gid]
-
-
-def _labels(b, name: str) -> torch.Tensor:
-    scores = b.scores
-    if scores.dim() != 1 or scores.shape[0] != b.log_prob.shape[0]:
-        raise StableRLError(f"{name}: scores must be a [B] tensor of per-response rewards, got {tuple(scores.shape)}")
-    return scores.to(b.log_prob.dtype)
-
-
-def _valid_rows(b) -> torch.Tensor:
-    """``[B]`` 1.0 for responses with at least one trained token: empty rows are not responses."""
-    return (b.response_mask.sum(-1) > 0).to(b.log_prob.dtype)
-
-
-def _sequence_mean_loss(per_seq: torch.Tensor, valid: torch.Tensor, ctx) -> torch.Tensor:
-    """``sum_i loss_i / seq_count * dp_size`` over valid rows: a mean with global normalisers."""
-    return aggregate(per_seq.unsqueeze(-1), valid.unsqueeze(-1), "seq-mean-token-sum", ctx)
-
-
-def _no_token_weights(b, name: str) -> None:
-    if b.is_weights is not None:
-        raise StableRLError(
-            f"{name} is a sequence-level objective and does not take token-level IS weights; "
-            "turn the framework's rollout correction off (verl: algorithm.rollout_correction.rollout_is=null)"
-        )
-
-
 # ------------------------------------------------------------------------------------------ PACS
 
 
@@ -124,9 +94,9 @@ class PACSParams(Params):
 
 
 def pacs_loss(b, p: PACSParams, ctx):
-    _no_token_weights(b, "pacs")
+    refuse_token_weights(b, "pacs")
     mask = b.response_mask
-    y = _labels(b, "pacs")
+    y = score_labels(b, "pacs")
     if not bool(((y == 0) | (y == 1)).all()):
         raise StableRLError("pacs: scores are used as labels and must be exactly 0 or 1")
     if p.reward_method == "1":
@@ -134,19 +104,19 @@ def pacs_loss(b, p: PACSParams, ctx):
     else:
         s = p.beta * masked_mean(b.log_prob, mask, dim=-1)
     gid = b.index
-    valid = _valid_rows(b)
-    n = _group_sum(valid, gid)  # empty rows take no part in the group statistics
+    valid = valid_rows(b)
+    n = group_sum(valid, gid)  # empty rows take no part in the group statistics
     if p.adv_estimator == "rloo":
-        others = (_group_sum(s, gid) - s) / (n - 1).clamp(min=1)
+        others = (group_sum(s, gid) - s) / (n - 1).clamp(min=1)
         psi = torch.where(n > 1, s - others, s)  # a group of one has no leave-one-out baseline
     elif p.adv_estimator == "grpo":
-        mean = _group_sum(s, gid) / n.clamp(min=1)
-        var = _group_sum(valid * (s - mean) ** 2, gid) / (n - 1).clamp(min=1)
+        mean = group_sum(s, gid) / n.clamp(min=1)
+        var = group_sum(valid * (s - mean) ** 2, gid) / (n - 1).clamp(min=1)
         psi = (s - mean) / (var.sqrt() + 1e-6)
     else:
         psi = s
     if p.use_weight:
-        pos = _group_sum(y * valid, gid)
+        pos = group_sum(y * valid, gid)
         neg = n - pos
         both = (pos > 0) & (neg > 0)
         count_own = torch.where(y > 0, pos, neg).clamp(min=1)
@@ -159,7 +129,7 @@ def pacs_loss(b, p: PACSParams, ctx):
         "pacs/psi_abs_mean": psi.detach().abs().mean() if psi.numel() else psi.new_zeros(()),
         "ppo_kl": masked_mean(b.old_log_prob - b.log_prob.detach(), mask),
     }
-    return _sequence_mean_loss(per_seq, valid, ctx), metrics
+    return sequence_mean_loss(per_seq, valid, ctx), metrics
 
 
 # ------------------------------------------------------------------------------------------ GVPO
@@ -176,25 +146,25 @@ class GVPOParams(Params):
 
 
 def gvpo_loss(b, p: GVPOParams, ctx):
-    _no_token_weights(b, "gvpo")
+    refuse_token_weights(b, "gvpo")
     mask = b.response_mask
-    rewards = _labels(b, "gvpo")
+    rewards = score_labels(b, "gvpo")
     gid = b.index
-    valid = _valid_rows(b)
-    k = _group_sum(valid, gid)  # empty rows take no part in the group statistics
+    valid = valid_rows(b)
+    k = group_sum(valid, gid)  # empty rows take no part in the group statistics
     contrastive = valid * (k >= 2).to(valid.dtype)  # a group of one has no residual to fit
     k = k.clamp(min=1)
     r_theta = p.gvpo_beta * masked_sum(b.log_prob - b.old_log_prob, mask, dim=-1)
     # the group mean of R_theta may be detached: the residuals sum to 0 within a group, so its
     # gradient contribution cancels exactly (and the value is unchanged)
-    r_theta_centred = r_theta - _group_sum(r_theta.detach() * valid, gid) / k
-    reward_centred = rewards - _group_sum(rewards * valid, gid) / k
+    r_theta_centred = r_theta - group_sum(r_theta.detach() * valid, gid) / k
+    reward_centred = rewards - group_sum(rewards * valid, gid) / k
     residual = (r_theta_centred - reward_centred) * contrastive
     per_seq = 0.5 * residual**2 / (k - 1).clamp(min=1)
     if p.reduction == "sum":
         loss = per_seq.sum() * ctx.dp_size
     else:
-        loss = _sequence_mean_loss(per_seq, valid, ctx)
+        loss = sequence_mean_loss(per_seq, valid, ctx)
     metrics = {
         "gvpo/residual_abs_mean": residual.detach().abs().mean() if residual.numel() else residual.new_zeros(()),
         "gvpo/singleton_fraction": masked_mean(valid - contrastive, valid),

@@ -38,7 +38,7 @@ from stablerl import POLICY_LOSS, STABLE, Params, hookimpl
 from stablerl.fused import FusedLoss, fused_log_ratio
 from stablerl.ops import clamped_log_ratio, is_functorch_wrapped, masked_mean
 from stablerl.params import check
-from stablerl.plugins.ppo import ppo_clip_fused, ratio_backward
+from stablerl.primitives import ppo_clip_fused, ratio_backward
 
 MAX_SEARCH_STEPS = 1000
 CONTRIBUTIONS = ("code", "paper")

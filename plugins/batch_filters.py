@@ -30,7 +30,7 @@ import torch
 from stablerl import EXPERIMENTAL, STABLE, FilterResult, Params, hookimpl
 from stablerl.ops import masked_var, seq_mean
 from stablerl.params import StableRLError, check
-from stablerl.plugins.reward_shapers import draw_uniform, per_response, refuse_param_typos
+from stablerl.primitives import draw_uniform, per_response, refuse_param_typos
 
 
 def _scalar(v, device) -> torch.Tensor:

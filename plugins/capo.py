@@ -50,7 +50,7 @@ import torch
 from stablerl import EXPERIMENTAL, Params, hookimpl
 from stablerl.ops import aggregate, clamped_log_ratio, masked_mean
 from stablerl.params import MissingInputError, StableRLError, check
-from stablerl.plugins.ppo import ppo_clip_terms
+from stablerl.primitives import ppo_clip_terms
 
 
 _OPTIMIZERS = ("adam", "sgd")

@@ -27,8 +27,7 @@ from stablerl import EXPERIMENTAL, Params, hookimpl
 from stablerl.fused import FusedLoss, fused_log_ratio
 from stablerl.ops import clamped_log_ratio, masked_mean, seq_mean
 from stablerl.params import StableRLError, check
-
-from .ppo import ppo_clip_fused, ppo_clip_terms, ratio_backward
+from stablerl.primitives import ppo_clip_fused, ppo_clip_terms, ratio_backward
 
 
 @dataclass

@@ -25,7 +25,7 @@ import torch
 from stablerl import EXPERIMENTAL, Params, hookimpl
 from stablerl.ops import masked_extreme, masked_mean, masked_sum, seq_mean
 from stablerl.params import check
-from stablerl.plugins.rollout_correction import _log_rho, _mismatch_metrics
+from stablerl.primitives import rollout_log_rho, rollout_mismatch_metrics
 
 KL_RS_LEVELS = ("token", "seq_sum", "seq_mean", "seq_max")
 # OpenRLHF clamps both probabilities so that the binary-KL logarithms stay finite
@@ -48,7 +48,7 @@ class KLRSParams(Params):
 
 def kl_rs_weights(b, p: KLRSParams, ctx):
     mask = b.response_mask
-    log_rho = _log_rho(b)
+    log_rho = rollout_log_rho(b)
     div = 0.5 * log_rho * log_rho if p.estimator == "k2" else torch.exp(log_rho) - 1.0 - log_rho
     if p.level == "token":
         keep = div <= p.threshold
@@ -61,7 +61,7 @@ def kl_rs_weights(b, p: KLRSParams, ctx):
             stat = masked_extreme(div, mask, "max", dim=-1)
         keep = (stat <= p.threshold).unsqueeze(-1).expand_as(div)
     w = keep.to(log_rho.dtype)
-    metrics = _mismatch_metrics(log_rho, w, mask)
+    metrics = rollout_mismatch_metrics(log_rho, w, mask)
     metrics["rollout_corr/divergence_mean"] = masked_mean(div, mask)
     return w * mask, metrics
 
@@ -82,7 +82,7 @@ class DivergenceISParams(Params):
 
 def divergence_is_weights(b, p: DivergenceISParams, ctx):
     mask = b.response_mask
-    log_rho = _log_rho(b)
+    log_rho = rollout_log_rho(b)
     q_roll = torch.exp(b.rollout_log_prob).clamp(PROB_CLAMP, 1 - PROB_CLAMP)
     q_train = torch.exp(b.old_log_prob).clamp(PROB_CLAMP, 1 - PROB_CLAMP)
     if p.gating == "binary_kl":
@@ -93,7 +93,7 @@ def divergence_is_weights(b, p: DivergenceISParams, ctx):
         stat = seq_mean(stat, mask).unsqueeze(-1)
     keep = stat <= p.threshold
     w = torch.where(keep, torch.exp(log_rho), torch.zeros_like(log_rho))
-    metrics = _mismatch_metrics(log_rho, w, mask)
+    metrics = rollout_mismatch_metrics(log_rho, w, mask)
     metrics["rollout_corr/divergence_mean"] = masked_mean(stat.expand_as(log_rho), mask)
     return w * mask, metrics
 

@@ -26,8 +26,7 @@ import torch
 from stablerl import EXPERIMENTAL, Params, hookimpl
 from stablerl.ops import group_stats, mask_runs
 from stablerl.params import StableRLError, check
-
-from .group_baselines import singleton_convention
+from stablerl.primitives import singleton_convention
 
 # the pseudocode's stabiliser of the min-max normalisation
 MINMAX_EPS = 1e-8

@@ -33,8 +33,7 @@ import torch
 from stablerl import EXPERIMENTAL, hookimpl
 from stablerl.ops import aggregate, clamped_log_ratio, masked_mean
 from stablerl.params import check
-from stablerl.plugins.ppo import ClipParams, ppo_clip_terms
-from stablerl.plugins.steer import entropy_input
+from stablerl.primitives import ClipParams, entropy_input, ppo_clip_terms
 
 STATE_KEY = "entropic"
 

@@ -24,8 +24,7 @@ import torch
 from stablerl import STABLE, hookimpl
 from stablerl.ops import clamped_log_ratio, masked_mean
 from stablerl.params import check
-from stablerl.plugins.ppo import ClipParams, ppo_clip_terms
-from stablerl.plugins.steer import entropy_input
+from stablerl.primitives import ClipParams, entropy_input, gradient_preserving_terms, ppo_clip_terms
 
 ERC_BASES = ("vanilla", "gppo")
 
@@ -58,8 +57,6 @@ def erc_loss(b, p: ERCParams, ctx):
     mask = b.response_mask
     log_ratio = clamped_log_ratio(b.log_prob, b.old_log_prob)
     if p.base == "gppo":
-        from stablerl.plugins.gppo import gradient_preserving_terms
-
         l_base, metrics = gradient_preserving_terms(
             log_ratio, b.advantages, mask, p.clip_ratio_low, p.clip_ratio_high, p.clip_ratio_c
         )

@@ -30,8 +30,7 @@ import torch
 from stablerl import STABLE, Params, hookimpl
 from stablerl.ops import reward_component_matrix
 from stablerl.params import StableRLError, check
-
-from .group_baselines import singleton_convention
+from stablerl.primitives import singleton_convention
 
 FORMS = ("verl", "trl")
 _EPSILON = {"verl": 1e-6, "trl": 1e-4}

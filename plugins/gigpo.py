@@ -26,8 +26,7 @@ import torch
 from stablerl import EXPERIMENTAL, Params, hookimpl
 from stablerl.ops import group_stats
 from stablerl.params import StableRLError, check
-
-from .group_baselines import singleton_convention
+from stablerl.primitives import singleton_convention
 
 MODES = ("mean_norm", "mean_std_norm")
 

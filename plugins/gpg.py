@@ -16,8 +16,7 @@ import torch
 from stablerl import STABLE, NoParams, Params, hookimpl
 from stablerl.ops import broadcast_to_tokens, group_stats, masked_mean
 from stablerl.params import check
-
-from .group_baselines import singleton_convention
+from stablerl.primitives import singleton_convention
 
 
 @dataclass

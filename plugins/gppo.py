@@ -21,12 +21,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-import torch
-
 from stablerl import POLICY_LOSS, STABLE, hookimpl
-from stablerl.ops import clamped_log_ratio, masked_mean
+from stablerl.ops import clamped_log_ratio
 from stablerl.params import check
-from stablerl.plugins.ppo import ClipParams
+from stablerl.primitives import ClipParams, gradient_preserving_terms
 
 
 @dataclass
@@ -52,43 +50,6 @@ class CEGPPOParams(ClipParams):
         super().validate()
         check(self.beta1 >= 0, f"beta1 must be >= 0, got {self.beta1}")
         check(self.beta2 >= 0, f"beta2 must be >= 0, got {self.beta2}")
-
-
-def gradient_preserving_terms(
-    log_ratio: torch.Tensor,
-    advantages: torch.Tensor,
-    mask: torch.Tensor,
-    low: float,
-    high: float,
-    dual_c: Optional[float],
-    beta_low: float = 1.0,
-    beta_high: float = 1.0,
-):
-    """Per-token GPPO / CE-GPPO loss and verl-named metrics (``log_ratio`` already clamped)."""
-    ratio = torch.exp(log_ratio)
-    rs = ratio / ratio.detach()  # value exactly 1, gradient rs * d lp
-    adv = advantages
-    is_low = (adv < 0) & (ratio < 1.0 - low)
-    is_high = (adv > 0) & (ratio > 1.0 + high)
-    loss = torch.where(
-        is_low,
-        -(beta_low * (1.0 - low)) * rs * adv,
-        torch.where(is_high, -(beta_high * (1.0 + high)) * rs * adv, -ratio * adv),
-    )
-    dt = mask.dtype
-    metrics = {
-        "pg_clipfrac": masked_mean((is_low | is_high).to(dt), mask),
-        "clip_high": masked_mean(is_high.to(dt), mask),
-        "clip_low": masked_mean(is_low.to(dt), mask),
-    }
-    if dual_c is None:
-        metrics["pg_clipfrac_lower"] = torch.zeros((), dtype=dt, device=mask.device)
-    else:
-        dual = -adv * dual_c
-        metrics["pg_clipfrac_lower"] = masked_mean(((loss > dual) & (adv < 0)).to(dt), mask)
-        loss = torch.where(adv < 0, torch.minimum(loss, dual), loss)
-    metrics["ppo_kl"] = masked_mean(-log_ratio.detach(), mask)
-    return loss, metrics
 
 
 def gppo_loss(b, p: GPPOParams, ctx):

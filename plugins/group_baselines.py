@@ -17,45 +17,16 @@ returns == advantages. Groups are whole within a call, so no reduction over rank
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
-from stablerl import STABLE, NoParams, Params, hookimpl
+from stablerl import STABLE, NoParams, hookimpl
 from stablerl.ops import group_stats
-from stablerl.params import check
-
-
-@dataclass
-class GRPOParams(Params):
-    """verl's ``compute_grpo_outcome_advantage`` arguments: ``epsilon`` and ``norm_adv_by_std_in_grpo``."""
-
-    epsilon: float = 1e-6
-    norm_adv_by_std_in_grpo: bool = True
-
-    def validate(self) -> None:
-        check(self.epsilon >= 0, f"epsilon must be >= 0, got {self.epsilon}")
-
-
-def singleton_convention(mean: torch.Tensor, std: torch.Tensor, count: torch.Tensor):
-    """verl's group-of-one convention: baseline 0 and std 1 where the group has one response."""
-    single = count < 2
-    return torch.where(single, torch.zeros_like(mean), mean), torch.where(single, torch.ones_like(std), std)
+from stablerl.primitives import GRPOParams, baseline_std_advantage, singleton_convention
 
 
 def _out(per_seq: torch.Tensor, b):
     adv = b.on_response_tokens(per_seq)
     return adv, adv
-
-
-def baseline_std_advantage(scores, baseline, std, p, b):
-    """GRPO's normalisation (arXiv 2402.03300), shared by the estimators that only change its baseline or
-    std (QAE, Reinforce-Ada): ``(S - b) / (std + epsilon)``, or ``S - b`` without ``norm_adv_by_std_in_grpo``
-    (``p`` holds those two); on every response token of the batch ``b``."""
-    adv = scores - baseline
-    if p.norm_adv_by_std_in_grpo:
-        adv = adv / (std + p.epsilon)
-    return _out(adv, b)
 
 
 def grpo_advantage(b, p: GRPOParams, ctx):

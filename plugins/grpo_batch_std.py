@@ -15,8 +15,7 @@ import torch
 from stablerl import STABLE, Params, hookimpl
 from stablerl.ops import broadcast_to_tokens, group_stats
 from stablerl.params import check
-
-from .group_baselines import singleton_convention
+from stablerl.primitives import singleton_convention
 
 
 @dataclass

@@ -19,8 +19,7 @@ import torch
 from stablerl import STABLE, hookimpl
 from stablerl.ops import group_stats
 from stablerl.params import StableRLError
-
-from .group_baselines import GRPOParams
+from stablerl.primitives import GRPOParams
 
 
 def grpo_passk_advantage(b, p: GRPOParams, ctx):

@@ -17,30 +17,15 @@ Defaults (paper): ``clip_ratio_low=3e-4``, ``clip_ratio_high=4e-4``.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
-from stablerl import STABLE, Params, hookimpl
+from stablerl import STABLE, hookimpl
 from stablerl.ops import AGG_MODES, masked_mean, masked_sum
-from stablerl.params import check
 from stablerl.fused import FusedLoss
-from stablerl.plugins.ppo import ppo_clip_fused, ppo_clip_terms, ratio_backward
+from stablerl.primitives import GSPOParams, ppo_clip_fused, ppo_clip_terms, ratio_backward
 
 # verl clamps the log of the sequence ratio at 10 before exp (its gradient is 0 above it)
 GSPO_LOG_RATIO_MAX = 10.0
-
-
-@dataclass
-class GSPOParams(Params):
-    """Ratio-space bounds on the sequence ratio ``[1 - clip_ratio_low, 1 + clip_ratio_high]``."""
-
-    clip_ratio_low: float = 3e-4
-    clip_ratio_high: float = 4e-4
-
-    def validate(self) -> None:
-        check(0 <= self.clip_ratio_low < 1, f"clip_ratio_low must be in [0, 1), got {self.clip_ratio_low}")
-        check(0 <= self.clip_ratio_high, f"clip_ratio_high must be >= 0, got {self.clip_ratio_high}")
 
 
 def _sequence_form(b) -> bool:

@@ -28,7 +28,7 @@ import torch
 from stablerl import EXPERIMENTAL, Params, hookimpl
 from stablerl.ops import aggregate, masked_mean, seq_mean
 from stablerl.params import StableRLError, check
-from stablerl.plugins.steer import entropy_input
+from stablerl.primitives import entropy_input
 
 CONFLICT_COUNTS = ("union", "max_run")
 _ID_BITS = 31  # token ids must be < 2**31 (compared as int32)

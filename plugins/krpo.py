@@ -20,6 +20,7 @@ import torch
 
 from stablerl import STABLE, Params, hookimpl
 from stablerl.params import check
+from stablerl.primitives import position_in_group
 
 
 @dataclass
@@ -34,16 +35,6 @@ class KRPOParams(Params):
         check(self.process_var >= 0, f"process_var must be >= 0, got {self.process_var}")
         check(self.meas_var > 0, f"meas_var must be > 0, got {self.meas_var}")
         check(self.epsilon >= 0, f"epsilon must be >= 0, got {self.epsilon}")
-
-
-def position_in_group(gid: torch.Tensor) -> torch.Tensor:
-    """0-based rank of each response among its group's responses, in row (rollout) order."""
-    order = torch.argsort(gid, stable=True)
-    count = torch.bincount(gid)
-    start = torch.cumsum(count, 0) - count
-    pos = torch.empty_like(gid)
-    pos[order] = torch.arange(gid.numel(), device=gid.device) - start[gid[order]]
-    return pos
 
 
 def krpo_advantage(b, p: KRPOParams, ctx):

@@ -3,8 +3,9 @@
     s_i = exp(mean_t m (log pi - log pi_old))    (GSPO's sequence ratio, with its gradient)
     l_i = max(-A_i s_i, -A_i clip(s_i, 1 - eps_low, 1 + eps_high)),   loss = mean_i (L_i l_i)
 
-GSPO with each sequence's loss scaled by its length L_i: the per-token terms are summed per sequence
-and averaged over sequences (``seq-mean-token-sum``), so long responses are not down-weighted.
+GSPO (the registered ``gspo`` loss) with each sequence's loss scaled by its length L_i: the per-token
+terms are summed per sequence and averaged over sequences (``seq-mean-token-sum``), so long responses
+are not down-weighted.
 Defaults: ``clip_ratio_low=3e-4``, ``clip_ratio_high=4e-4`` (GSPO's bounds; assumed, see notes).
 """
 
@@ -14,9 +15,9 @@ from dataclasses import dataclass
 
 import torch
 
-from stablerl import EXPERIMENTAL, hookimpl
+from stablerl import EXPERIMENTAL, POLICY_LOSS, get_spec, hookimpl
 from stablerl.ops import aggregate
-from stablerl.plugins.gspo import GSPOParams, gspo_loss
+from stablerl.primitives import GSPOParams
 
 LUSPO_AGG_MODE = "seq-mean-token-sum"
 
@@ -27,7 +28,7 @@ class LUSPOParams(GSPOParams):
 
 
 def luspo_loss(b, p: LUSPOParams, ctx):
-    pg_losses, metrics = gspo_loss(b, p, ctx)
+    pg_losses, metrics = get_spec(POLICY_LOSS, "gspo").fn(b, p, ctx)
     if b.is_weights is not None:
         pg_losses = pg_losses * b.is_weights
     loss = aggregate(pg_losses, b.response_mask, LUSPO_AGG_MODE, ctx)

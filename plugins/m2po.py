@@ -30,7 +30,7 @@ import torch
 from stablerl import STABLE, Params, hookimpl
 from stablerl.ops import clamped_log_ratio, masked_mean
 from stablerl.params import check
-from stablerl.plugins.ppo import ppo_clip_terms
+from stablerl.primitives import ppo_clip_terms
 
 VARIANTS = ("mask", "clip_bounds")
 # the authors' "no clipping" bounds: ratio in (1 - 1, 1 + (1e5 - 1)) = (0, 1e5)

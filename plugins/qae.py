@@ -20,8 +20,7 @@ import torch
 from stablerl import STABLE, Params, hookimpl
 from stablerl.ops import group_stats
 from stablerl.params import check
-
-from .group_baselines import baseline_std_advantage, singleton_convention
+from stablerl.primitives import baseline_std_advantage, singleton_convention
 
 # guards ceil() against float rounding when K*G should be an integer (0.55 * 100 = 55.000000000000007)
 _CEIL_TOL = 1e-9

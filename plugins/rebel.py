@@ -24,8 +24,7 @@ import torch
 from stablerl import EXPERIMENTAL, Params, hookimpl
 from stablerl.ops import masked_mean, masked_sum
 from stablerl.params import check
-
-from .alternative_objectives import _group_sum, _labels, _no_token_weights, _sequence_mean_loss, _valid_rows
+from stablerl.primitives import group_sum, refuse_token_weights, score_labels, sequence_mean_loss, valid_rows
 
 
 @dataclass
@@ -39,16 +38,16 @@ class REBELParams(Params):
 
 
 def rebel_loss(b, p: REBELParams, ctx):
-    _no_token_weights(b, "rebel")
+    refuse_token_weights(b, "rebel")
     mask = b.response_mask
-    rewards = _labels(b, "rebel")
+    rewards = score_labels(b, "rebel")
     gid = b.index
-    valid = _valid_rows(b)
-    k = _group_sum(valid, gid)  # responses without a trained token take no part in any pair
+    valid = valid_rows(b)
+    k = group_sum(valid, gid)  # responses without a trained token take no part in any pair
     paired = valid * (k >= 2).to(valid.dtype)  # a group of one has no pair
     s = masked_sum(b.log_prob - b.old_log_prob, mask, dim=-1)
     d = (s - p.eta * rewards) * valid
-    centred = d - _group_sum(d, gid) / k.clamp(min=1)
+    centred = d - group_sum(d, gid) / k.clamp(min=1)
     per_seq = 2.0 * k / (k - 1).clamp(min=1) * centred**2 * paired
     metrics = {
         # the mean |(s - s') - eta (r - r')| is not cheap for large groups; the centred residual is its analogue
@@ -56,7 +55,7 @@ def rebel_loss(b, p: REBELParams, ctx):
         "rebel/unpaired_fraction": masked_mean(valid - paired, valid),
         "ppo_kl": masked_mean(b.old_log_prob - b.log_prob.detach(), mask),
     }
-    return _sequence_mean_loss(per_seq, valid, ctx), metrics
+    return sequence_mean_loss(per_seq, valid, ctx), metrics
 
 
 @hookimpl

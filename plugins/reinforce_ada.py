@@ -26,8 +26,7 @@ import torch
 from stablerl import EXPERIMENTAL, Params, PromptStats, TrainerHook, hookimpl
 from stablerl.ops import group_stats
 from stablerl.params import MissingInputError, StableRLError, check
-
-from .group_baselines import baseline_std_advantage, singleton_convention
+from stablerl.primitives import baseline_std_advantage, singleton_convention
 
 
 @dataclass

@@ -30,8 +30,7 @@ import torch
 from stablerl import STABLE, NoParams, Params, hookimpl
 from stablerl.ops import group_stats, last_valid_index, masked_sum
 from stablerl.params import check
-
-from .group_baselines import singleton_convention
+from stablerl.primitives import singleton_convention
 
 # verl adds 1e-8 to the variance (rsqrt(var + 1e-8)); OpenRLHF clamps it (var.clamp(min=1e-8).rsqrt())
 WHITEN_EPS = 1e-8

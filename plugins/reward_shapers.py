@@ -18,71 +18,17 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any
 
-import numpy as np
 import torch
 
 from stablerl import EXPERIMENTAL, STABLE, Params, hookimpl
 from stablerl.ops import group_stats
-from stablerl.params import StableRLError, check, nearest
+from stablerl.params import check
+from stablerl.primitives import draw_normal, draw_uniform, per_response, refuse_param_typos
 
 
 # ----------------------------------------------------------------------------- shared helpers
-
-
-def per_response(extras: dict, name: str, n: int, device, kind: str = "float", nonnegative: bool = False) -> torch.Tensor:
-    """The per-response extra ``name`` as a ``[n]`` tensor (bool for ``kind="bool"``, float64 otherwise).
-
-    Accepts tensors, numpy arrays and lists; raises a :class:`StableRLError` naming the input on a
-    wrong shape, non-finite values, or (bool) values other than 0/1.
-    """
-    value = extras[name]
-    if not isinstance(value, torch.Tensor):
-        arr = np.asarray(value)
-        if arr.dtype == object or kind == "float":  # e.g. verl's non_tensor_batch object arrays
-            try:
-                arr = arr.astype(np.float64)
-            except (TypeError, ValueError) as e:
-                raise StableRLError(f"{name} must hold numbers / booleans per response: {e}") from None
-        value = torch.from_numpy(np.ascontiguousarray(arr))
-    value = value.detach().to(device).reshape(-1) if value.dim() <= 1 else value.detach().to(device)
-    if tuple(value.shape) != (n,):
-        raise StableRLError(f"{name} must have one entry per response, shape ({n},), got {tuple(value.shape)}")
-    if kind == "bool":
-        if value.dtype != torch.bool:
-            if n and not bool(((value == 0) | (value == 1)).all()):
-                raise StableRLError(f"{name} must be boolean (0/1) per response")
-            value = value != 0
-        return value
-    value = value.to(torch.float64)
-    if not bool(torch.isfinite(value).all()):
-        raise StableRLError(f"{name} has non-finite values (NaN or inf)")
-    if nonnegative and n and float(value.min()) < 0:
-        raise StableRLError(f"{name} must be >= 0 per response (a count), got {float(value.min()):g}")
-    return value
-
-
-def refuse_param_typos(extras: dict, params_cls: type, name: str) -> None:
-    """Extras are every keyword that is not a hyper-parameter, so a misspelt hyper-parameter would be
-    silently ignored: refuse an extra whose name is close to a hyper-parameter's."""
-    fields = params_cls.field_names()
-    for key in extras:
-        hint = nearest(key, fields)
-        if hint:
-            raise StableRLError(f"{name}: {key!r} is not a hyper-parameter nor an input it uses{hint}; "
-                                f"hyper-parameters: {', '.join(fields)}")
-
-
-def draw_uniform(n: int, generator: Optional[torch.Generator], device, dtype=torch.float64) -> torch.Tensor:
-    """``n`` U(0, 1) draws from ``generator`` (on the generator's own device), moved to ``device``."""
-    gen_device = generator.device if generator is not None else "cpu"
-    return torch.rand(n, generator=generator, device=gen_device, dtype=dtype).to(device)
-
-
-def draw_normal(n: int, generator: Optional[torch.Generator], device, dtype=torch.float64) -> torch.Tensor:
-    gen_device = generator.device if generator is not None else "cpu"
-    return torch.randn(n, generator=generator, device=gen_device, dtype=dtype).to(device)
 
 
 def _scalar(v: Any, device) -> torch.Tensor:

@@ -29,8 +29,7 @@ import torch
 from stablerl import EXPERIMENTAL, Params, hookimpl
 from stablerl.ops import group_ids
 from stablerl.params import StableRLError, check
-
-from .krpo import position_in_group
+from stablerl.primitives import position_in_group
 
 CREDIT_MODES = ("uniform", "std", "score", "sum-mean")
 # the reference's floor under which a question's reward std is replaced by 1

@@ -24,22 +24,9 @@ from typing import Optional
 import torch
 
 from stablerl import EXPERIMENTAL, Params, hookimpl
-from stablerl.ops import LOG_RATIO_BOUND, clamped_log_ratio, masked_mean, masked_sum, seq_mean
+from stablerl.ops import LOG_RATIO_BOUND, masked_mean, masked_sum, seq_mean
 from stablerl.params import check
-
-
-def _mismatch_metrics(log_rho: torch.Tensor, weights: torch.Tensor, mask: torch.Tensor) -> dict:
-    rho = torch.exp(log_rho)
-    return {
-        "rollout_corr/weight_mean": masked_mean(weights, mask),
-        "rollout_corr/masked_fraction": masked_mean((weights == 0).float(), mask),
-        "rollout_corr/kl": masked_mean(-log_rho, mask),
-        "rollout_corr/k3_kl": masked_mean(rho - log_rho - 1.0, mask),
-    }
-
-
-def _log_rho(b) -> torch.Tensor:
-    return clamped_log_ratio(b.old_log_prob, b.rollout_log_prob)
+from stablerl.primitives import rollout_log_rho, rollout_mismatch_metrics
 
 
 def _seq_log_rho_sum(log_rho, mask):
@@ -57,13 +44,13 @@ class TISParams(Params):
 
 
 def tis_weights(b, p: TISParams, ctx):
-    log_rho = _log_rho(b)
+    log_rho = rollout_log_rho(b)
     mask = b.response_mask
     if p.level == "token":
         w = torch.exp(log_rho).clamp(max=p.threshold)
     else:
         w = torch.exp(_seq_log_rho_sum(log_rho, mask)).clamp(max=p.threshold).unsqueeze(-1).expand_as(log_rho)
-    return w * mask, _mismatch_metrics(log_rho, w, mask)
+    return w * mask, rollout_mismatch_metrics(log_rho, w, mask)
 
 
 @dataclass
@@ -79,11 +66,11 @@ class BandParams(Params):
 
 
 def icepop_weights(b, p: BandParams, ctx):
-    log_rho = _log_rho(b)
+    log_rho = rollout_log_rho(b)
     rho = torch.exp(log_rho)
     low = 0.0 if p.low is None else p.low
     w = torch.where((rho >= low) & (rho <= p.high), rho, torch.zeros_like(rho))
-    return w * b.response_mask, _mismatch_metrics(log_rho, w, b.response_mask)
+    return w * b.response_mask, rollout_mismatch_metrics(log_rho, w, b.response_mask)
 
 
 @dataclass
@@ -93,14 +80,14 @@ class SeqMISParams(BandParams):
 
 
 def seq_mis_weights(b, p: SeqMISParams, ctx):
-    log_rho = _log_rho(b)
+    log_rho = rollout_log_rho(b)
     mask = b.response_mask
     log_seq = _seq_log_rho_sum(log_rho, mask)
     rho_seq = torch.exp(log_seq)
     low = 0.0 if p.low is None else p.low
     keep = (rho_seq >= low) & (rho_seq <= p.high)
     w = torch.where(keep, rho_seq, torch.zeros_like(rho_seq)).unsqueeze(-1).expand_as(log_rho)
-    return w * mask, _mismatch_metrics(log_rho, w, mask)
+    return w * mask, rollout_mismatch_metrics(log_rho, w, mask)
 
 
 @dataclass
@@ -110,13 +97,13 @@ class GeoRSParams(BandParams):
 
 
 def geo_rs_weights(b, p: GeoRSParams, ctx):
-    log_rho = _log_rho(b)
+    log_rho = rollout_log_rho(b)
     mask = b.response_mask
     geo = torch.exp(seq_mean(log_rho, mask))
     low = 0.0 if p.low is None else p.low
     keep = ((geo >= low) & (geo <= p.high)).to(log_rho.dtype)
     w = keep.unsqueeze(-1).expand_as(log_rho)
-    return w * mask, _mismatch_metrics(log_rho, w, mask)
+    return w * mask, rollout_mismatch_metrics(log_rho, w, mask)
 
 
 @dataclass
@@ -137,8 +124,8 @@ def opsm_weights(b, p: OPSMParams, ctx):
     divergence = seq_mean(b.rollout_log_prob - b.log_prob.detach(), mask)  # mean_t log(mu / pi)
     keep = (seq_mean(b.advantages, mask) >= 0) | (divergence <= p.threshold)
     w = keep.to(b.log_prob.dtype).unsqueeze(-1).expand_as(mask)
-    log_rho = _log_rho(b)
-    metrics = _mismatch_metrics(log_rho, w, mask)
+    log_rho = rollout_log_rho(b)
+    metrics = rollout_mismatch_metrics(log_rho, w, mask)
     metrics["rollout_corr/opsm_divergence"] = masked_mean(divergence, (mask.sum(-1) > 0).to(mask.dtype))
     return w * mask, metrics
 

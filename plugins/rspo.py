@@ -4,8 +4,9 @@
     gamma_t = exp(-D_t / (L K)),   w_t = max(sg(gamma_t), gamma_min)
     log r_t <- log r_t + log w_t   (before the clip and the aggregation of the base loss)
 
-Base loss ``gmpo`` (the paper's best variant, GMPO+RS) or ``vanilla`` (GRPO+RS). Defaults:
-``gamma_min = 0.8`` (unverified), base ``gmpo`` with its defaults.
+Base loss ``gmpo`` (the paper's best variant, GMPO+RS) or ``vanilla`` (GRPO+RS), called through the
+registry with its own params class. Defaults: ``gamma_min = 0.8`` (unverified), base ``gmpo`` with its
+defaults.
 """
 
 from __future__ import annotations
@@ -16,12 +17,9 @@ from typing import Optional
 
 import torch
 
-from stablerl import EXPERIMENTAL, Params, hookimpl
+from stablerl import EXPERIMENTAL, POLICY_LOSS, Params, get_spec, hookimpl
 from stablerl.ops import aggregate, clamped_log_ratio, masked_mean
 from stablerl.params import StableRLError, check
-
-from .gmpo import GMPOParams, gmpo_loss
-from .ppo import ClipParams, vanilla_loss
 
 BASES = ("gmpo", "vanilla")
 
@@ -44,10 +42,11 @@ class RSPOParams(Params):
         self.base_params().validate()
 
     def base_params(self):
+        """The base loss's params (its registered params class): the bounds given here, else its defaults."""
         overrides = {k: v for k, v in (("clip_ratio_low", self.clip_ratio_low), ("clip_ratio_high", self.clip_ratio_high)) if v is not None}
         if self.base == "vanilla":
-            return ClipParams(clip_ratio_c=self.clip_ratio_c, **overrides)
-        return GMPOParams(**overrides)
+            overrides["clip_ratio_c"] = self.clip_ratio_c
+        return get_spec(POLICY_LOSS, self.base).params(**overrides)
 
 
 def router_shift_weight(router_log_prob: torch.Tensor, old_router_log_prob: torch.Tensor, gamma_min: float):
@@ -70,8 +69,7 @@ def rspo_loss(b, p: RSPOParams, ctx):
     w = w.to(b.log_prob.dtype)
     # r * w == exp(lp - (lp_old - log w)): the base loss sees a shifted (detached) old log-prob
     shifted = dataclasses.replace(b, old_log_prob=b.old_log_prob - torch.log(w))
-    base = gmpo_loss if p.base == "gmpo" else vanilla_loss
-    out, metrics = base(shifted, p.base_params(), ctx)
+    out, metrics = get_spec(POLICY_LOSS, p.base).fn(shifted, p.base_params(), ctx)
     mask = b.response_mask
     if p.base == "vanilla":  # a per-token base: weight and aggregate it here (gmpo already did)
         if b.is_weights is not None:

@@ -24,8 +24,7 @@ import torch
 from stablerl import STABLE, Params, hookimpl
 from stablerl.ops import group_stats
 from stablerl.params import check
-
-from .group_baselines import singleton_convention
+from stablerl.primitives import singleton_convention
 
 # the reference's fixed stabiliser inside both square roots of w*
 WEIGHT_EPS = 1e-8

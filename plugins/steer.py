@@ -31,28 +31,10 @@ import torch
 
 from stablerl import STABLE, hookimpl
 from stablerl.ops import clamped_log_ratio, masked_extreme, masked_mean
-from stablerl.params import StableRLError, check
-from stablerl.plugins.ppo import ClipParams, ppo_clip_terms
+from stablerl.params import check
+from stablerl.primitives import ClipParams, entropy_input, ppo_clip_terms
 
 OMEGA_FLOOR = 0.02  # the reference's floor on max |Omega| in the adaptive k
-
-
-def entropy_input(t: Optional[torch.Tensor], mask: torch.Tensor, name: str) -> torch.Tensor:
-    """A per-token entropy input, detached, in fp32 (fp64 kept), zero outside the mask.
-
-    Raises :class:`StableRLError` if it has non-finite values on tokens where the mask is 1
-    (shared by the entropy-aware losses: steer, erc, entropic, gtpo).
-    """
-    if t is None:  # pragma: no cover - core raises MissingInputError for declared inputs first
-        raise StableRLError(f"input {name!r} is required")
-    if tuple(t.shape) != tuple(mask.shape):
-        raise StableRLError(f"{name} has shape {tuple(t.shape)} but log_prob has shape {tuple(mask.shape)}")
-    t = t.detach()
-    t = t if t.dtype == torch.float64 else t.float()
-    valid = mask.bool()
-    if not bool(torch.isfinite(t[valid]).all()):
-        raise StableRLError(f"{name} has non-finite values (NaN or inf) on tokens where response_mask is 1")
-    return torch.where(valid, t, torch.zeros((), dtype=t.dtype, device=t.device))
 
 
 @dataclass

@@ -5,7 +5,10 @@
 * no submodule of an adapter package imports its package's ``__init__`` (what submodules share lives in
   a private module);
 * no adapter imports another adapter;
-* core (``stablerl`` outside ``stablerl.plugins`` / ``stablerl.adapters``) imports neither by name.
+* core (``stablerl`` outside ``stablerl.plugins`` / ``stablerl.adapters``) imports neither by name;
+* plugins are leaves (issue 26, item 5): no module of ``plugins/`` imports another plugin module or the
+  ``stablerl.plugins`` package (imports inside functions count); what two plugins share lives in core
+  (``stablerl.primitives``), and an algorithm built on another calls it through the registry.
 
 ``python tests/test_import_graph.py`` prints every violation.
 """
@@ -20,6 +23,7 @@ ROOT = Path(__file__).resolve().parents[1]
 #: import package -> source folder (pyproject's package-dir)
 PACKAGES = {"stablerl": ROOT / "core", "stablerl.plugins": ROOT / "plugins", "stablerl.adapters": ROOT / "adapters"}
 ADAPTERS = "stablerl.adapters"
+PLUGINS = "stablerl.plugins"
 
 #: core modules that still import adapters by name; the core side of item 6 removes them (the test fails
 #: when one is added, and when one listed here no longer does, so the list only shrinks)
@@ -90,6 +94,11 @@ def _adapter_package(name: str) -> str | None:
     return None
 
 
+def _is_plugin(name: str) -> bool:
+    """A module of ``plugins/`` (the package itself included)."""
+    return name == PLUGINS or name.startswith(PLUGINS + ".")
+
+
 def cycles(edges: dict[str, set[str]], within: str) -> list[list[str]]:
     """Strongly connected components with more than one module (Tarjan), among the modules under ``within``."""
     nodes = [n for n in edges if n == within or n.startswith(within + ".")]
@@ -130,7 +139,7 @@ def cycles(edges: dict[str, set[str]], within: str) -> list[list[str]]:
 
 def violations(edges: dict[str, set[str]]) -> dict[str, list]:
     out: dict[str, list] = {"cycles": cycles(edges, ADAPTERS), "imports_own_package": [], "adapter_imports_adapter": [],
-                            "core_imports_by_name": []}
+                            "core_imports_by_name": [], "plugin_imports_plugin": []}
     for name, targets in sorted(edges.items()):
         own = _adapter_package(name)
         for target in sorted(targets):
@@ -142,6 +151,8 @@ def violations(edges: dict[str, set[str]]) -> dict[str, list]:
             in_core = not name.startswith(("stablerl.plugins", ADAPTERS))
             if in_core and target.startswith(("stablerl.plugins", ADAPTERS)):
                 out["core_imports_by_name"].append((name, target))
+            if _is_plugin(name) and name != PLUGINS and _is_plugin(target):
+                out["plugin_imports_plugin"].append((name, target))
     return out
 
 
@@ -179,6 +190,31 @@ def test_parser_resolves_relative_and_submodule_imports(tmp_path):
         "stablerl.adapters.verl._a", "stablerl.adapters.verl._b", "stablerl.adapters.verl._c"}
     assert imports_of("stablerl.adapters.verl._d", sub, known) == {
         "stablerl.adapters.verl._a", "stablerl.adapters.verl._b", "stablerl.adapters.verl._c", "stablerl.adapters.verl"}
+
+
+def test_the_checker_sees_a_plugin_importing_a_plugin(tmp_path):
+    """The leaf rule can fail: module-level, relative, function-level and package imports between plugins are
+    caught; imports of core are not."""
+    known = {PLUGINS, f"{PLUGINS}.ppo", f"{PLUGINS}.gmpo", f"{PLUGINS}.steer", f"{PLUGINS}.rspo", "stablerl",
+             "stablerl.primitives"}
+    path = tmp_path / "rspo.py"
+    path.write_text("from stablerl.primitives import ClipParams\nfrom .ppo import vanilla_loss\n"
+                    "def f():\n    from stablerl.plugins.gmpo import gmpo_loss\n"
+                    "def g():\n    import stablerl.plugins.steer\n")
+    edges = {f"{PLUGINS}.rspo": imports_of(f"{PLUGINS}.rspo", path, known)}
+    assert sorted(violations(edges)["plugin_imports_plugin"]) == [
+        (f"{PLUGINS}.rspo", f"{PLUGINS}.gmpo"), (f"{PLUGINS}.rspo", f"{PLUGINS}.ppo"), (f"{PLUGINS}.rspo", f"{PLUGINS}.steer")]
+    path.write_text("from stablerl import plugins\n")
+    assert violations({f"{PLUGINS}.rspo": imports_of(f"{PLUGINS}.rspo", path, known)})["plugin_imports_plugin"] == [
+        (f"{PLUGINS}.rspo", PLUGINS)]
+    path.write_text("from stablerl.primitives import ClipParams\nfrom stablerl import get_spec\n")
+    assert violations({f"{PLUGINS}.rspo": imports_of(f"{PLUGINS}.rspo", path, known)})["plugin_imports_plugin"] == []
+
+
+def test_plugins_are_leaves():
+    found = violations(graph())["plugin_imports_plugin"]
+    assert found == [], "a plugin imports another plugin: move the shared piece to stablerl.primitives, or call the " \
+        f"other algorithm through the registry (stablerl.get_spec): {found}"
 
 
 def test_no_import_cycles_in_adapters():
