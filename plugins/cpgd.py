@@ -5,8 +5,9 @@
     drift = clamp(exp(sg(lp) - lp_old) - 1, max=c) * lp          (gradient min(r-1, c) grad lp = k3-KL(old||theta) grad)
     loss = agg(l_pg) + policy_drift_coef * agg(drift)
 
-Defaults (authors' code/scripts): ``eps = 0.2`` (``clip_ratio_low = clip_ratio_high = 0.2``),
-``policy_drift_coef = 0.01``, ``policy_drift_clip_eps = 2.0``; token-mean aggregation.
+Defaults (assumed, not checked against the authors' code; see the spec's notes): ``eps = 0.2``
+(``clip_ratio_low = clip_ratio_high = 0.2``), ``policy_drift_coef = 0.01``, ``policy_drift_clip_eps = 2.0``;
+token-mean aggregation. Status experimental until the authors' code is compared.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from stablerl import STABLE, Params, hookimpl
+from stablerl import EXPERIMENTAL, Params, hookimpl
 from stablerl.ops import aggregate, clamped_log_ratio, masked_mean
 from stablerl.params import check
 
@@ -82,17 +83,19 @@ def register_policy_losses(register):
         title="CPGD: clipped log-prob policy gradient with a clipped policy-drift regularizer",
         formula="loss = agg(-A where(A>0, min(lp, lp_old+ln(1+eps)), max(lp, lp_old+ln(1-eps)))) "
         "+ alpha agg(clamp(exp(sg(lp)-lp_old)-1, max=c) lp)",
-        status=STABLE,
+        status=EXPERIMENTAL,
         output="scalar",
         metrics=("pg_clipfrac", "pg_clipfrac_lower", "clip_high", "clip_low", "ppo_kl",
                  "cpgd/drift_weight_mean", "cpgd/k3_kl"),
-        reference="ModalMinds/MM-EUREKA openrlhf/models/loss.py PolicyLoss(use_cpg_loss) + ppo_trainer.py policy drift",
+        reference="none compared: the formula is the paper's (Eq. for the clipped log-prob PG and the policy drift)",
         notes=(
-            "The reference uses one eps (0.2) for both sides; clip_ratio_low/high follow verl naming and default "
-            "to it. One-sided pessimistic clip of the LOG-PROB (A>0 from above, A<0 from below): beyond the band "
+            "Experimental: the authors' code was never compared (the public MM-EUREKA history read here has no CPGD "
+            "loss). Assumed, unconfirmed: policy_drift_clip_eps = 2.0 (a summary of the authors' repository states "
+            "0.2), policy_drift_coef = 0.01 (a recipe elsewhere uses a drift coefficient of 0.001), one eps (0.2) "
+            "for both sides; clip_ratio_low/high follow verl naming and default to it. One-sided pessimistic clip of the LOG-PROB (A>0 from above, A<0 from below): beyond the band "
             "the PG gradient is exactly 0, inside it is -A grad lp (no ratio factor). Both terms are aggregated "
             "with the caller's loss_agg_mode (reference: token-mean); framework IS weights multiply the PG term "
-            "only. The loss value is not comparable with PPO losses. The optional clip-filter-like advantage "
-            "weight of the reference is an advantage-stage option and is not part of this loss."
+            "only. The loss value is not comparable with PPO losses. The paper's clip-filter-like advantage "
+            "weight is not offered (an advantage-stage option, not part of this loss)."
         ),
     )

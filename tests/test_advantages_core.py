@@ -426,7 +426,8 @@ def test_specs_and_defaults():
     specs = {s.name: s for s in stablerl.list_algorithms("advantage_estimator") if s.name in NAMES}
     assert set(specs) == set(NAMES)
     assert specs["grpo"].defaults() == {"epsilon": 1e-6, "norm_adv_by_std_in_grpo": True}
-    assert specs["qae"].defaults() == {"quantile_k": 0.4, "epsilon": 1e-6, "norm_adv_by_std_in_grpo": True}
+    assert specs["qae"].defaults() == {"quantile_k": 0.4, "epsilon": 1e-6, "norm_adv_by_std_in_grpo": True,
+                                       "quantile_method": "inverted_cdf"}
     assert specs["bnpo"].defaults() == {"min_value": 0.0, "max_value": 1.0, "clamp": 1e6, "decomposition": False}
     papers = {"grpo": "2402.03300", "dr_grpo": "2503.20783", "rloo": "2402.14740", "opo": "2505.23585",
               "qae": "2509.22611", "bnpo": "2506.02864"}
@@ -450,3 +451,33 @@ def test_params_are_validated():
         adv("grpo", r, mask, [0, 0], epsilon=-1.0)
     with pytest.raises(UnknownNameError):
         adv("rloo", r, mask, [0, 0], epsilon=1e-6)
+
+
+@pytest.mark.parametrize("G,k", [(8, 0.4), (8, 0.6), (16, 0.4), (5, 0.3), (7, 0.75)])
+def test_qae_linear_quantile_is_torch_quantile_the_authors_fork(G, k):
+    """quantile_method='linear' is the baseline of the authors' verl fork (torch.quantile, linear interpolation)."""
+    torch.manual_seed(G)
+    groups = 3
+    scores = torch.cat([torch.randint(0, 2, (G,)).double() if g == 0 else torch.randn(G, dtype=torch.float64)
+                        for g in range(groups)])
+    index = torch.arange(groups).repeat_interleave(G)
+    mask = torch.ones(groups * G, 4, dtype=torch.float64)
+    rewards = torch.zeros_like(mask)
+    rewards[:, -1] = scores
+    adv, _ = stablerl.compute_advantage("qae", token_level_rewards=rewards, response_mask=mask, index=index,
+                                        quantile_k=k, quantile_method="linear")
+    expect = []
+    for g in range(groups):
+        s = scores[index == g]
+        expect.append((s - torch.quantile(s, k)) / (s.std() + 1e-6))
+    torch.testing.assert_close(adv[:, 0], torch.cat(expect), rtol=1e-12, atol=1e-12)
+    paper, _ = stablerl.compute_advantage("qae", token_level_rewards=rewards, response_mask=mask, index=index,
+                                          quantile_k=k)
+    if (G, k) in ((8, 0.4), (8, 0.6)):  # the (G, K) pairs where the fork and the paper differ on some groups
+        assert not torch.allclose(adv, paper)
+
+
+def test_qae_refuses_an_unknown_quantile_method():
+    with pytest.raises(stablerl.StableRLError, match="quantile_method must be one of"):
+        stablerl.compute_advantage("qae", token_level_rewards=torch.zeros(2, 3), response_mask=torch.ones(2, 3),
+                                   index=[0, 0], quantile_method="nearest")

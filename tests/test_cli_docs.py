@@ -156,3 +156,33 @@ def test_describe_framework_for_options_and_router_families(capsys):
     assert 'alpha = 1.0  (paper default: stablerl_loss_params={"loss_agg_params": {"alpha": <value>}})' in out
     code, out, _ = run_cli(capsys, "describe", "qwen3_moe", "--framework", "openrlhf")
     assert code == 0 and "openrlhf: select with --actor.stablerl_routing_replay R2" in out
+
+
+def test_the_builtins_page_agrees_with_stablerl_list():
+    """docs/framework-builtins.md: its generated reach table is current (``python -m stablerl.docs``), and every
+    "refused in ..." it says of an algorithm in a table row is what ``stablerl list --json`` says."""
+    import re
+    from pathlib import Path
+
+    from stablerl import docs
+    from stablerl.frameworks import list_frameworks, reach_table
+
+    page = Path(__file__).resolve().parents[1] / "docs" / docs.BUILTINS_PAGE
+    text = page.read_text()
+    assert text == docs.builtins_page(text), "docs/framework-builtins.md is out of date: run python -m stablerl.docs"
+    spelled = {"verl": "verl", "trl": "TRL", "openrlhf": "OpenRLHF"}
+    reach = {row["name"]: row["reach"] for row in reach_table(docs.builtins_page_specs(text))}
+    claims = 0
+    for line in text.split(docs.BUILTINS_BEGIN)[0].splitlines():
+        cells = line.split(" | ")
+        if not line.startswith("| `") or len(cells) < 2:
+            continue
+        names = [n for n in re.findall(r"`([a-z0-9_]+)`", cells[1]) if n in reach]
+        for claim in re.findall(r"refused in (all three|[A-Za-z]+(?: / [A-Za-z]+)*)", line):
+            frameworks = ([fw.name for fw in list_frameworks()][:3] if claim == "all three"
+                          else [k for k, v in spelled.items() if v in claim.split(" / ")])
+            for name in names:
+                for fw in frameworks:
+                    claims += 1
+                    assert reach[name][fw]["status"] == "refused", (name, fw, reach[name][fw])
+    assert claims >= 3  # remax in all three, at least
