@@ -163,13 +163,13 @@ RECOMPUTED = [s.name for s in stablerl.list_algorithms("policy_loss")
 
 
 def _half_inputs(dtype, B=6, T=40):
-    from stablerl import bench
+    from stablerl.tools import bench
 
     return bench.make_inputs(B, T, dtype, vocab=64)
 
 
 def _loss_and_grad(name, inp, **kw):
-    from stablerl import bench
+    from stablerl.tools import bench
 
     # the recompute path; the fused path, which takes precedence where a loss has one, is
     # tests/test_fused.py's
