@@ -43,7 +43,7 @@ from .checks import (  # noqa: F401  (is_binary_mask: also stablerl.api's, as be
 from .ops import (AGG_MODES, aggregate, as_floats, ensure_same_shape, group_ids, high_entropy_mask, is_functorch_wrapped,
                   masked_tangent)
 from .params import MissingInputError, StableRLError, UnknownNameError, build_params, unknown_name_message
-from .registry import get_registry
+from .registry import get_registry, switch_names
 
 _FLOAT_TYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _LOSS_INPUTS = set(OPTIONAL_INPUTS) | {"is_weights"}
@@ -243,8 +243,6 @@ def compute_policy_loss(
         correction = get_spec(ROLLOUT_CORRECTION, rollout_correction)
         correction_params = build_params(correction, rollout_correction_params)
         if inputs.get("is_weights") is not None:
-            from .frameworks import switch_names
-
             raise StableRLError(
                 f"rollout_correction={rollout_correction!r} would be applied on top of the framework's own "
                 f"rollout-correction weights (is_weights); disable one of them ({switch_names('rollout_correction')})"

@@ -263,7 +263,7 @@ def cmd_doctor(args: argparse.Namespace) -> int:
 
 def cmd_demo(argv: list[str]) -> int:
     try:
-        from stablerl import demo
+        from stablerl.tools import demo
     except ImportError as e:
         print(f"stablerl demo needs TRL: pip install 'stablerl[trl]' ({e})", file=sys.stderr)
         return 2
@@ -271,13 +271,13 @@ def cmd_demo(argv: list[str]) -> int:
 
 
 def _add_bench_arguments(p: argparse.ArgumentParser) -> None:
-    from stablerl import bench  # torch-only; verl is imported lazily by the bench itself
+    from stablerl.tools import bench  # torch-only; verl is imported lazily by the bench itself
 
     bench.add_arguments(p)
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from stablerl import bench
+    from stablerl.tools import bench
 
     return bench.main(args=args)
 

@@ -14,6 +14,8 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from .fast_paths import row_sums_of_product
+
 # Kinds of algorithm. Each has its own hook and its own function contract (see hookspecs.py).
 POLICY_LOSS = "policy_loss"
 ADVANTAGE_ESTIMATOR = "advantage_estimator"
@@ -301,8 +303,6 @@ class AdvantageBatch:
             # a product with a 0/1 mask differs from the masked select below only by the sign of zeros
             # on padding, which no sum sees (sums start from +0); exact when no product is NaN, i.e.
             # when the sums are finite (one vectorised pass instead of a bool cast and a select)
-            from .ops import row_sums_of_product  # lazily: params (imported by ops) imports this module
-
             scores = row_sums_of_product(rewards, mask)  # = (rewards * mask).sum(-1), no [B, T] temporary
             if not bool(torch.isfinite(scores).all()):
                 scores = None

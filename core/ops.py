@@ -13,7 +13,12 @@ import numpy as np
 import torch
 
 from .context import Context
-from .params import StableRLError, unknown_name_message
+from .contracts import AGGREGATION, UNAVAILABLE
+from .fast_paths import is_functorch_wrapped, row_sums_of_product  # noqa: F401  (also stablerl.ops')
+from .params import StableRLError, build_params, unknown_name_message
+# registered aggregations (aggregate's other modes); the registry loads the plugins, which import this module,
+# through the plugin manager when first asked for, not when imported
+from .registry import get_registry
 
 # log-ratios are clamped before exp, as verl and OpenRLHF do (+-20)
 LOG_RATIO_BOUND = 20.0
@@ -27,26 +32,6 @@ def masked_sum(values: torch.Tensor, mask: torch.Tensor, dim: Optional[int] = No
     if dim is None:
         return (values * mask).sum()
     return (values * mask).sum(dim)
-
-
-# elements per slice of row_sums_of_product: 1 MiB of fp32, reused by the allocator from one slice
-# to the next (a [B, T] temporary is a fresh multi-MiB mapping whose page faults cost more on CPU
-# than the product itself)
-_ROW_SLICE_ELEMENTS = 1 << 18
-
-
-def row_sums_of_product(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """``(a * b).sum(-1)`` for ``[B, T]`` tensors, bit for bit, without a ``[B, T]`` temporary: the
-    product is formed a slice of rows at a time (each row's sum is reduced on its own, in the same
-    order, whatever rows surround it)."""
-    rows = max(_ROW_SLICE_ELEMENTS // max(a.shape[-1], 1), 1)
-    if (a.dim() != 2 or a.shape != b.shape or rows >= a.shape[0] or a.device.type != "cpu" or a.requires_grad
-            or b.requires_grad or is_functorch_wrapped(a) or is_functorch_wrapped(b)):
-        return (a * b).sum(-1)
-    out = torch.empty(a.shape[0], dtype=torch.result_type(a, b), device=a.device)
-    for start in range(0, a.shape[0], rows):
-        torch.sum(a[start:start + rows] * b[start:start + rows], -1, out=out[start:start + rows])
-    return out
 
 
 def masked_mean(values: torch.Tensor, mask: torch.Tensor, dim: Optional[int] = None) -> torch.Tensor:
@@ -112,10 +97,6 @@ class _ClampKeepingMask(torch.autograd.Function):
     @staticmethod
     def jvp(fctx, x_t: torch.Tensor, lo_t, hi_t) -> torch.Tensor:
         return masked_tangent(fctx.inside, x_t)
-
-
-# torch.func (grad, vmap, jvp) wraps tensors; a wrapped tensor allows no data-dependent Python branch
-is_functorch_wrapped = getattr(getattr(torch._C, "_functorch", None), "is_functorch_wrapped_tensor", lambda t: False)
 
 
 def all_within(t: torch.Tensor, lo: float, hi: float) -> bool:
@@ -255,10 +236,6 @@ def _registered_aggregation(loss_mat, mask, mode: str, ctx: Context, params: Opt
 
     ``params`` (a dict of its hyper-parameters) is only accepted by registered modes.
     """
-    from .contracts import AGGREGATION, UNAVAILABLE  # lazy: the registry imports the plugins, which import ops
-    from .params import build_params
-    from .registry import get_registry
-
     if mode in AGG_MODES:
         raise StableRLError(f"loss aggregation {mode!r} takes no parameters, got {sorted(params or {})}")
     registry = get_registry()

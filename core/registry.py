@@ -1,4 +1,5 @@
-"""The plugin manager and the registry it fills.
+"""The plugin manager, the registry it fills, and the lookups of what is registered (algorithms by kind and
+name, frameworks by name: :func:`get_framework`, :func:`load_adapter`).
 
 Built-in plugins (the algorithms in ``stablerl.plugins`` and the framework declarations in
 ``stablerl.adapters``, both named by stablerl's own entry-point group ``stablerl.builtin``, so core
@@ -19,12 +20,14 @@ import traceback
 import warnings
 from dataclasses import dataclass, field, replace
 from importlib.metadata import entry_points
+from types import ModuleType
 from typing import Any, Optional
 
 import pluggy
 
 from . import hookspecs
 from .contracts import KINDS, AlgorithmSpec
+from .framework_spec import FrameworkSpec
 from .params import UnknownNameError, unknown_name_message
 
 logger = logging.getLogger("stablerl")
@@ -57,7 +60,7 @@ class Registry:
     specs: dict[tuple[str, str], AlgorithmSpec] = field(default_factory=dict)
     failures: list[PluginFailure] = field(default_factory=list)
     plugins: list[str] = field(default_factory=list)
-    frameworks: dict[str, Any] = field(default_factory=dict)  # name -> stablerl.frameworks.FrameworkSpec
+    frameworks: dict[str, FrameworkSpec] = field(default_factory=dict)  # in declaration order
 
     def get(self, kind: str, name: str) -> AlgorithmSpec:
         try:
@@ -116,6 +119,8 @@ def build_registry() -> Registry:
     pm = pluggy.PluginManager("stablerl")
     pm.add_hookspecs(hookspecs)
     registry = Registry()
+    # the plugin manager loads the built-ins (stablerl.plugins, stablerl.adapters.frameworks) by the module names
+    # their entry points give, here, when the registry is first asked for: core imports neither by name
     builtin: list[tuple[str, Any]] = [(m, importlib.import_module(m)) for m in _builtin_modules()]
     third_party: list[tuple[str, Any]] = []
     allowed = _allowed_entry_points()
@@ -183,8 +188,6 @@ def _impls_of(pm: pluggy.PluginManager, hook_name: str, module: Any) -> list:
 
 def _make_framework_register(plugin: str, staged: dict):
     def register(framework: Any) -> Any:
-        from .frameworks import FrameworkSpec
-
         if not isinstance(framework, FrameworkSpec):
             raise TypeError(f"register_frameworks: register() takes a stablerl.frameworks.FrameworkSpec, got {framework!r}")
         if framework.name in staged:
@@ -229,3 +232,37 @@ def reload_registry() -> Registry:
     global _REGISTRY
     _REGISTRY = None
     return get_registry()
+
+
+# ----------------------------------------------------------------------------- frameworks
+
+
+def list_frameworks() -> list[FrameworkSpec]:
+    """Every framework declared through ``register_frameworks`` (built-in and third-party)."""
+    return list(get_registry().frameworks.values())  # in declaration order
+
+
+def get_framework(name: str) -> FrameworkSpec:
+    """The declaration of framework ``name``; unknown names raise naming the declared ones."""
+    frameworks = get_registry().frameworks
+    try:
+        return frameworks[name]
+    except KeyError:
+        raise UnknownNameError(unknown_name_message("framework", name, frameworks)) from None
+
+
+def framework_of(framework: FrameworkSpec | str) -> FrameworkSpec:
+    """``framework`` itself, or the declaration of the framework of that name."""
+    return get_framework(framework) if isinstance(framework, str) else framework
+
+
+def load_adapter(name: str) -> ModuleType:
+    """Import and return the adapter module of framework ``name`` (this imports the framework). Core never
+    imports an adapter by name: this imports the module the framework's declaration names."""
+    return importlib.import_module(get_framework(name).adapter)
+
+
+def switch_names(switch: str) -> str:
+    """``"verl: <key>; trl: <key>; ..."`` for a named framework switch (core's error messages name the
+    frameworks' keys through the declarations, never by writing them itself)."""
+    return "; ".join(f"{fw.name}: {fw.switches[switch]}" for fw in list_frameworks() if switch in fw.switches)

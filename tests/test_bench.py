@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from stablerl import cli
-from stablerl import bench
+from stablerl.tools import bench
 
 TINY = [("B4xT32", 4, 32)]
 
@@ -119,7 +119,7 @@ def test_bench_refuses_bad_arguments_before_running(argv, names, capsys):
 @settings(max_examples=40, deadline=None)
 @given(text=st.text(alphabet="0123456789xX -.ab", max_size=8))
 def test_bench_shape_argument_accepts_only_positive_bxt(text):
-    from stablerl.bench import _shape_arg
+    from stablerl.tools.bench import _shape_arg
 
     parts = text.lower().split("x")
     ok = len(parts) == 2 and all(p.strip().isdigit() and int(p) > 0 for p in parts)  # spaces around a number are fine
@@ -131,7 +131,7 @@ def test_bench_shape_argument_accepts_only_positive_bxt(text):
 
 
 def test_bench_unknown_loss_and_unwritable_out_fail_before_measuring(tmp_path, capsys):
-    from stablerl import bench
+    from stablerl.tools import bench
 
     assert bench.main(["--losses", "bogus_loss", "--no-verl", "--no-trl", "--no-routing", "--no-estimators"]) == 2
     assert "bogus_loss" in capsys.readouterr().err

@@ -163,13 +163,13 @@ RECOMPUTED = [s.name for s in stablerl.list_algorithms("policy_loss")
 
 
 def _half_inputs(dtype, B=6, T=40):
-    from stablerl import bench
+    from stablerl.tools import bench
 
     return bench.make_inputs(B, T, dtype, vocab=64)
 
 
 def _loss_and_grad(name, inp, **kw):
-    from stablerl import bench
+    from stablerl.tools import bench
 
     # the recompute path; the fused path, which takes precedence where a loss has one, is
     # tests/test_fused.py's
@@ -315,17 +315,17 @@ def test_loss_finite_check_passes_finite_inputs_whose_sum_overflows():
 @given(st.integers(1, 40), st.integers(1, 70), st.sampled_from([1, 7, 64, 1000]), st.sampled_from([torch.float32, torch.float64]),
        st.integers(0, 2**31 - 1))
 def test_row_sums_of_product_by_slices_are_bit_identical(B, T, slice_elements, dtype, seed):
-    import stablerl.ops as ops
+    import stablerl.fast_paths as fast_paths
 
     g = torch.Generator().manual_seed(seed)
     a = (torch.randn(B, T, generator=g) * torch.rand(B, T, generator=g) * 1e3).to(dtype)
     b = (torch.rand(B, T, generator=g) > 0.3).to(dtype)
-    before = ops._ROW_SLICE_ELEMENTS
-    ops._ROW_SLICE_ELEMENTS = slice_elements
+    before = fast_paths._ROW_SLICE_ELEMENTS
+    fast_paths._ROW_SLICE_ELEMENTS = slice_elements
     try:
-        got = ops.row_sums_of_product(a, b)
+        got = fast_paths.row_sums_of_product(a, b)
     finally:
-        ops._ROW_SLICE_ELEMENTS = before
+        fast_paths._ROW_SLICE_ELEMENTS = before
     want = (a * b).sum(-1)
     assert got.dtype == want.dtype
     assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))  # bit for bit, signs of zero included
@@ -333,7 +333,7 @@ def test_row_sums_of_product_by_slices_are_bit_identical(B, T, slice_elements, d
 
 @pytest.mark.parametrize("name", ["grpo", "rloo", "dr_grpo", "opo"])
 def test_estimators_with_sliced_scores_are_bit_identical(name, monkeypatch):
-    import stablerl.ops as ops
+    import stablerl.fast_paths as fast_paths
 
     g = torch.Generator().manual_seed(3)
     B, T = 48, 40
@@ -341,7 +341,7 @@ def test_estimators_with_sliced_scores_are_bit_identical(name, monkeypatch):
     mask = (torch.arange(T)[None] < torch.randint(1, T + 1, (B,), generator=g)[:, None]).long()
     index = [str(i // 6) for i in range(B)]
     want = stablerl.compute_advantage(name, token_level_rewards=rewards, response_mask=mask, index=index)
-    monkeypatch.setattr(ops, "_ROW_SLICE_ELEMENTS", 3 * T)  # 16 slices of 3 rows
+    monkeypatch.setattr(fast_paths, "_ROW_SLICE_ELEMENTS", 3 * T)  # 16 slices of 3 rows
     got = stablerl.compute_advantage(name, token_level_rewards=rewards, response_mask=mask, index=index)
     for w, o in zip(want, got):
         assert torch.equal(w.view(torch.uint8), o.view(torch.uint8))

@@ -5,10 +5,17 @@
 * no submodule of an adapter package imports its package's ``__init__`` (what submodules share lives in
   a private module);
 * no adapter imports another adapter;
-* core (``stablerl`` outside ``stablerl.plugins`` / ``stablerl.adapters``) imports neither by name;
+* core (``stablerl`` outside ``stablerl.plugins`` / ``stablerl.adapters``) imports neither by name; the tools
+  package ``stablerl.tools`` (demo, bench), which drives a framework, may import adapters;
 * plugins are leaves (issue 26, item 5): no module of ``plugins/`` imports another plugin module or the
   ``stablerl.plugins`` package (imports inside functions count); what two plugins share lives in core
   (``stablerl.primitives``), and an algorithm built on another calls it through the registry.
+* no import cycle in core (issue 26, item 6), imports inside functions included. Imports of
+  ``stablerl.plugins`` are not edges: core imports no plugin by name (the rule above), the plugin manager loads
+  the built-ins through their entry points when the registry is first built (``stablerl.registry``), and a
+  plugin importing core is the arrow pointing the right way;
+* core names no framework: no ``load_adapter("<literal>")`` outside ``stablerl.tools``, and only the CLI
+  (its ``demo`` / ``bench`` commands) imports ``stablerl.tools``.
 
 ``python tests/test_import_graph.py`` prints every violation.
 """
@@ -24,6 +31,10 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = {"stablerl": ROOT / "core", "stablerl.plugins": ROOT / "plugins", "stablerl.adapters": ROOT / "adapters"}
 ADAPTERS = "stablerl.adapters"
 PLUGINS = "stablerl.plugins"
+#: the tools that drive a framework (``stablerl demo``, ``stablerl bench``): may import adapters and name a framework
+TOOLS = "stablerl.tools"
+#: the one core module that imports the tools (its ``demo`` and ``bench`` commands)
+TOOLS_IMPORTED_BY = {"stablerl.cli"}
 
 #: core modules that still import adapters by name; the core side of item 6 removes them (the test fails
 #: when one is added, and when one listed here no longer does, so the list only shrinks)
@@ -84,6 +95,23 @@ def graph() -> dict[str, set[str]]:
     return {name: imports_of(name, path, known) for name, path in mods.items()}
 
 
+def load_adapter_literals(path: Path) -> list[int]:
+    """Lines of ``path`` that call ``load_adapter("<literal>")`` (or ``<module>.load_adapter("<literal>")``):
+    code that names a framework."""
+    out = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if (isinstance(node, ast.Call) and getattr(node.func, "attr", getattr(node.func, "id", "")) == "load_adapter"
+                and node.args and isinstance(node.args[0], ast.Constant) and isinstance(node.args[0].value, str)):
+            out.append(node.lineno)
+    return sorted(out)
+
+
+def core_names_a_framework() -> list[tuple[str, int]]:
+    """``(module, line)`` of every ``load_adapter("<literal>")`` in core outside the tools."""
+    return [(name, line) for name, path in sorted(modules().items()) if in_core(name) and not _under(name, TOOLS)
+            for line in load_adapter_literals(path)]
+
+
 def _adapter_package(name: str) -> str | None:
     """``stablerl.adapters.verl`` for any module of that adapter package, else None."""
     parts = name.split(".")
@@ -99,9 +127,19 @@ def _is_plugin(name: str) -> bool:
     return name == PLUGINS or name.startswith(PLUGINS + ".")
 
 
+def _under(name: str, package: str) -> bool:
+    return name == package or name.startswith(package + ".")
+
+
+def in_core(name: str) -> bool:
+    """A module of core: ``stablerl`` outside ``stablerl.plugins`` and ``stablerl.adapters`` (the tools included)."""
+    return _under(name, "stablerl") and not _under(name, PLUGINS) and not _under(name, ADAPTERS)
+
+
 def cycles(edges: dict[str, set[str]], within: str) -> list[list[str]]:
-    """Strongly connected components with more than one module (Tarjan), among the modules under ``within``."""
-    nodes = [n for n in edges if n == within or n.startswith(within + ".")]
+    """Strongly connected components with more than one module (Tarjan), among the modules under ``within``
+    (``"stablerl"``: among core's, :func:`in_core`; an import of another room is no edge here)."""
+    nodes = [n for n in edges if (in_core(n) if within == "stablerl" else _under(n, within))]
     index: dict[str, int] = {}
     low: dict[str, int] = {}
     stack: list[str] = []
@@ -138,8 +176,9 @@ def cycles(edges: dict[str, set[str]], within: str) -> list[list[str]]:
 
 
 def violations(edges: dict[str, set[str]]) -> dict[str, list]:
-    out: dict[str, list] = {"cycles": cycles(edges, ADAPTERS), "imports_own_package": [], "adapter_imports_adapter": [],
-                            "core_imports_by_name": [], "plugin_imports_plugin": []}
+    out: dict[str, list] = {"cycles": cycles(edges, ADAPTERS), "core_cycles": cycles(edges, "stablerl"),
+                            "imports_own_package": [], "adapter_imports_adapter": [], "core_imports_by_name": [],
+                            "core_imports_tools": [], "plugin_imports_plugin": []}
     for name, targets in sorted(edges.items()):
         own = _adapter_package(name)
         for target in sorted(targets):
@@ -148,11 +187,13 @@ def violations(edges: dict[str, set[str]]) -> dict[str, list]:
             other = _adapter_package(target)
             if own is not None and other is not None and other != own:
                 out["adapter_imports_adapter"].append((name, target))
-            in_core = not name.startswith(("stablerl.plugins", ADAPTERS))
-            if in_core and target.startswith(("stablerl.plugins", ADAPTERS)):
+            if in_core(name) and (_under(target, PLUGINS) or (_under(target, ADAPTERS) and not _under(name, TOOLS))):
                 out["core_imports_by_name"].append((name, target))
             if _is_plugin(name) and name != PLUGINS and _is_plugin(target):
                 out["plugin_imports_plugin"].append((name, target))
+            if (in_core(name) and not _under(name, TOOLS) and name not in TOOLS_IMPORTED_BY
+                    and _under(target, TOOLS)):
+                out["core_imports_tools"].append((name, target))
     return out
 
 
@@ -176,6 +217,37 @@ def test_the_checker_sees_a_cycle_and_a_package_import(tmp_path):
     assert got["imports_own_package"] == [("stablerl.adapters.verl._x", "stablerl.adapters.verl")]
     assert got["adapter_imports_adapter"] == [("stablerl.adapters.verl._x", "stablerl.adapters.trl.trainer")]
     assert got["core_imports_by_name"] == [("stablerl.frameworks", "stablerl.plugins.losses")]
+
+
+def test_the_checker_sees_a_core_cycle_through_a_function_level_import(tmp_path):
+    """A cycle among core modules is caught, also when one of its imports is inside a function (the ops ->
+    registry -> contracts -> ops kind); an import of a plugin (the plugin manager's loading) is no edge."""
+    (tmp_path / "ops.py").write_text("from .contracts import Spec\n")
+    (tmp_path / "contracts.py").write_text("def scores():\n    from .ops import row_sums\n")
+    (tmp_path / "registry.py").write_text("import importlib\ndef load():\n    importlib.import_module('stablerl.plugins.m2po')\n")
+    known = {"stablerl.ops", "stablerl.contracts", "stablerl.registry", "stablerl.plugins.m2po", "stablerl.tools.demo"}
+    edges = {f"stablerl.{m}": imports_of(f"stablerl.{m}", tmp_path / f"{m}.py", known)
+             for m in ("ops", "contracts", "registry")}
+    edges["stablerl.plugins.m2po"] = {"stablerl.ops", "stablerl.registry"}  # a plugin imports core: no cycle
+    edges["stablerl.tools.demo"] = {"stablerl.cli"}
+    edges["stablerl.cli"] = {"stablerl.tools.demo", "stablerl.registry"}
+    edges["stablerl.docs"] = {"stablerl.tools.demo"}
+    assert edges["stablerl.registry"] == {"stablerl.plugins.m2po"}
+    got = violations(edges)
+    assert sorted(got["core_cycles"]) == [["stablerl.cli", "stablerl.tools.demo"], ["stablerl.contracts", "stablerl.ops"]]
+    assert got["core_imports_by_name"] == [("stablerl.registry", "stablerl.plugins.m2po")]
+    assert got["core_imports_tools"] == [("stablerl.docs", "stablerl.tools.demo")]
+    (tmp_path / "ops.py").write_text("X = 1\n")
+    edges["stablerl.ops"] = imports_of("stablerl.ops", tmp_path / "ops.py", known)
+    assert violations(edges)["core_cycles"] == [["stablerl.cli", "stablerl.tools.demo"]]
+
+
+def test_the_checker_sees_a_framework_named_in_core(tmp_path):
+    path = tmp_path / "mod.py"
+    path.write_text("from stablerl import frameworks\nfrom stablerl.frameworks import load_adapter\n"
+                    "def f(name):\n    load_adapter(name)\n    return load_adapter('trl')\n"
+                    "g = frameworks.load_adapter(\"verl\").GRPOTrainer\n")
+    assert load_adapter_literals(path) == [5, 6]
 
 
 def test_parser_resolves_relative_and_submodule_imports(tmp_path):
@@ -221,6 +293,21 @@ def test_no_import_cycles_in_adapters():
     assert violations(graph())["cycles"] == []
 
 
+def test_no_import_cycles_in_core():
+    """Function-level imports included; imports of stablerl.plugins are the plugin manager's (module docstring)."""
+    assert violations(graph())["core_cycles"] == []
+
+
+def test_core_names_no_framework():
+    """Only the tools (demo, bench) load an adapter by the framework's name; the rest of core reaches a framework
+    through a name it is given (a declaration, a user's choice)."""
+    assert core_names_a_framework() == []
+
+
+def test_only_the_cli_imports_the_tools():
+    assert violations(graph())["core_imports_tools"] == []
+
+
 def test_no_submodule_imports_its_adapter_package():
     assert violations(graph())["imports_own_package"] == []
 
@@ -237,11 +324,12 @@ def test_core_imports_no_adapter_or_plugin_by_name():
 
 if __name__ == "__main__":
     problems = violations(graph())
+    problems["core_names_a_framework"] = core_names_a_framework()
     new = 0
     for rule, items in problems.items():
         for item in items:
             known = rule == "core_imports_by_name" and tuple(item) in KNOWN_CORE_IMPORTS
             new += not known
-            print(f"{rule}: {' -> '.join(item) if isinstance(item, tuple) else ' <-> '.join(item)}"
+            print(f"{rule}: {' -> '.join(map(str, item)) if isinstance(item, tuple) else ' <-> '.join(item)}"
                   + (" (known)" if known else ""))
     sys.exit(1 if new else 0)

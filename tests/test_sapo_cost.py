@@ -12,7 +12,7 @@ import torch
 
 import stablerl.api as api
 from stablerl import Context, compute_policy_loss
-from stablerl import bench
+from stablerl.tools import bench
 from stablerl.api import _zero_padding_bits
 from stablerl.ops import aggregate
 

@@ -1,7 +1,7 @@
 """TRL adapter: ``from stablerl.adapters.trl import GRPOTrainer, GRPOConfig`` (trl >= 1.16, < 1.17); see
 :mod:`stablerl.adapters.trl.trainer` and docs/trl.md.
 
-TRL is imported lazily (on first attribute access), so that ``stablerl.demo`` can set its offline environment
+TRL is imported lazily (on first attribute access), so that ``stablerl.tools.demo`` can set its offline environment
 before TRL and the Hugging Face Hub client are imported.
 """
 

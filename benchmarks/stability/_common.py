@@ -1,6 +1,6 @@
 """Shared pieces of the stability experiments: one TRL GRPO run on the demo's tiny model and task,
 a time budget, and the table / plot writers. The model, tokenizer, data set, reward and GRPOConfig
-come from :mod:`stablerl.demo` (nothing is downloaded; CPU only)."""
+come from :mod:`stablerl.tools.demo` (nothing is downloaded; CPU only)."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ def setup(threads: int = 1) -> None:
     import torch
     import transformers
 
-    from stablerl import demo  # noqa: F401  (sets the offline environment before TRL loads)
+    from stablerl.tools import demo  # noqa: F401  (sets the offline environment before TRL loads)
 
     torch.set_num_threads(max(1, threads))
     warnings.filterwarnings("ignore")
@@ -62,7 +62,7 @@ def train(loss: str, *, steps: int, seed: int, lr: float, out_dir: Path, num_ite
     ``collapsed``: the final reward (mean of the last 10% of logged rewards) is below half of the
     run's best 10%-window mean, after that best was at least 0.3 (it learned, then lost it).
     """
-    from stablerl import demo
+    from stablerl.tools import demo
 
     if off_policy_inputs:
         import _offpolicy_trainer as builders

@@ -52,8 +52,8 @@ def off_policy_inputs_of(loss: str) -> list[str]:
 
 
 def make_config(output_dir: str, loss: str, **kwargs: Any):
-    """:func:`stablerl.demo.make_config`, declaring the inputs this trainer supplies."""
-    from stablerl import demo
+    """:func:`stablerl.tools.demo.make_config`, declaring the inputs this trainer supplies."""
+    from stablerl.tools import demo
 
     return demo.make_config(output_dir, loss, stablerl_extra_loss_inputs=off_policy_inputs_of(loss) or None, **kwargs)
 
@@ -107,10 +107,10 @@ def trainer_class():
 
 
 def make_trainer(args, callbacks=None, seed: int = 0, **kwargs: Any):
-    """:func:`stablerl.demo.make_trainer` with the off-policy subclass."""
+    """:func:`stablerl.tools.demo.make_trainer` with the off-policy subclass."""
     from transformers.trainer_callback import PrinterCallback
 
-    from stablerl import demo
+    from stablerl.tools import demo
 
     tokenizer = kwargs.pop("tokenizer", None) or demo.build_tokenizer()
     model = kwargs.pop("model", None)

@@ -5,13 +5,13 @@ One command (CPU, TRL 1.16, the demo's ~0.3M-parameter Qwen2-style model on "cop
     python benchmarks/stability/rollout_mismatch.py --precisions int3 --lrs 1e-3 --seeds 0,1,2 \
         --arms none,trl_is,trl_tis,vanilla,m2po,tis,icepop,seq_mis,geo_rs,opsm
 
-The rollout engine is :class:`stablerl.demo.mismatch.LowPrecisionRollout`, a stand-in for TRL's
+The rollout engine is :class:`stablerl.tools.demo.mismatch.LowPrecisionRollout`, a stand-in for TRL's
 ``VLLMGeneration``: it samples from a copy of the trained weights rounded to ``--precisions`` (int8 /
 int4 / int3 / int2 per-row absmax, fp8 e4m3, bf16, fp16, or fp32 = no mismatch) and returns the sampled
 tokens' log-probs, and TRL runs its own vLLM code path on them (``use_vllm=True``): the sampling
 log-probs, TRL's ``vllm_importance_sampling_correction`` when on, and the stablerl adapter's
 ``stablerl_rollout_correction`` otherwise. ``num_iterations = 1``: the only off-policyness is the
-mismatch. The arms are :data:`stablerl.demo.mismatch.ARMS`.
+mismatch. The arms are :data:`stablerl.tools.demo.mismatch.ARMS`.
 
 Every run is appended to ``<name>.json`` (``--append`` keeps the runs already there: the grid grows
 with each invocation); ``<name>.md`` tables every (precision, lr) setting and ``<name>.png`` plots the
@@ -35,8 +35,8 @@ import _common as C  # noqa: E402
 
 def train(arm: str, precision: str, *, steps: int, seed: int, lr: float, out_dir: Path,
           completion_length: int = 4) -> dict:
-    from stablerl import demo
-    from stablerl.demo import mismatch
+    from stablerl.tools import demo
+    from stablerl.tools.demo import mismatch
 
     record: dict = {"step": [], "metrics": {}}
     args = mismatch.make_config(str(out_dir / f"{arm}-{precision}-s{seed}"), arm, steps=steps, seed=seed, lr=lr,
@@ -62,8 +62,8 @@ def evaluate(model, precision: str, *, completion_length: int, seed: int, prompt
     the trained policy itself), 16 prompts per digit; after training, so it changes no training run."""
     import torch
 
-    from stablerl import demo
-    from stablerl.demo import mismatch
+    from stablerl.tools import demo
+    from stablerl.tools.demo import mismatch
 
     tokenizer = demo.build_tokenizer()
     engine = mismatch.LowPrecisionRollout(model, tokenizer, precision=precision, max_completion_length=completion_length)
@@ -174,7 +174,7 @@ def plot(runs: list[dict], setting: tuple, arms: list[str], name: str) -> Path:
 
 
 def main() -> int:
-    from stablerl.demo import mismatch
+    from stablerl.tools.demo import mismatch
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--precisions", default="int3")

@@ -1,6 +1,6 @@
 """GPU cost of stablerl's policy losses against verl's native twins (or stablerl's vanilla). Prints one JSON object.
 
-Same measurement as ``stablerl bench`` (``stablerl.bench``), on CUDA: forward + backward of
+Same measurement as ``stablerl bench`` (``stablerl.tools.bench``), on CUDA: forward + backward of
 ours (``stablerl.compute_policy_loss``) and of the native function on the same inputs, interleaved in
 one process (order alternating per repeat), at B=64 T=4096 and B=4 T=65536, fp32 and bf16. Time is
 wall clock around a synchronised step; memory is the CUDA peak allocated above the live inputs
@@ -27,7 +27,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 
 def _import_bench():
-    """stablerl.bench, from the source tree when stablerl is not installed."""
+    """stablerl.tools.bench, from the source tree when stablerl is not installed."""
     try:
         import stablerl  # noqa: F401
     except ImportError:
@@ -37,7 +37,7 @@ def _import_bench():
             mod = importlib.util.module_from_spec(spec)
             sys.modules[name] = mod
             spec.loader.exec_module(mod)
-    from stablerl import bench
+    from stablerl.tools import bench
 
     return bench
 

@@ -7,7 +7,7 @@ stablerl's launcher and setup hook. What stands in (test-only, see e2e/ and stub
 OpenRLHF's RolloutRayActor (Hugging Face ``generate``, weight sync over gloo) and, in each Ray worker, a CPU
 shim for the ``torch.cuda`` calls OpenRLHF makes on its training path (e2e/orlhf_cpu.py).
 
-Task: stablerl.demo's "copy the digit" (prompt ``copy 7 :``, reward = fraction of generated words equal to 7).
+Task: stablerl.tools.demo's "copy the digit" (prompt ``copy 7 :``, reward = fraction of generated words equal to 7).
 """
 
 import pytest

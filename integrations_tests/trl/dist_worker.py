@@ -19,7 +19,7 @@ torch.set_num_threads(1)
 from transformers import TrainerCallback  # noqa: E402
 
 from stablerl.adapters.trl import GRPOConfig, GRPOTrainer  # noqa: E402
-from stablerl.demo import build_dataset, build_model, build_tokenizer  # noqa: E402
+from stablerl.tools.demo import build_dataset, build_model, build_tokenizer  # noqa: E402
 
 
 def digit_reward(prompts, completions, **kwargs):

@@ -9,9 +9,9 @@ import torch
 import trl_helpers as H  # noqa: F401,I001  (offline environment, skips without TRL)
 
 import stablerl
-from stablerl import demo
+from stablerl.tools import demo
 from stablerl.adapters.trl import GRPOConfig
-from stablerl.demo import mismatch
+from stablerl.tools.demo import mismatch
 
 CPU = dict(output_dir="/tmp/stablerl-trl-mismatch-test", use_cpu=True, bf16=False, report_to="none")
 

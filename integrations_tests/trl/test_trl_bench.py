@@ -8,8 +8,8 @@ import torch
 
 import trl
 from stablerl import cli
-from stablerl import bench
-from stablerl.bench import trl as bench_trl
+from stablerl.tools import bench
+from stablerl.tools.bench import trl as bench_trl
 
 TINY = [("B4xT32", 4, 32)]
 

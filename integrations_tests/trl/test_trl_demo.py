@@ -4,7 +4,7 @@ import json
 
 import trl_helpers as H  # noqa: F401,I001  (offline environment, skips without TRL)
 
-from stablerl import demo
+from stablerl.tools import demo
 
 
 def test_demo_smoke(tmp_path, capsys):

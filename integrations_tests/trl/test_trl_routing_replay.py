@@ -19,7 +19,7 @@ import stablerl
 from stablerl import StableRLError, UnknownNameError
 from stablerl import routing_replay as rr
 from stablerl.adapters.trl import GRPOConfig, GRPOTrainer
-from stablerl.demo import DIGITS
+from stablerl.tools.demo import DIGITS
 
 
 def tiny_moe(seed=0):

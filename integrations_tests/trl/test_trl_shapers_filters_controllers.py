@@ -298,7 +298,7 @@ import torch
 torch.set_num_threads(1)
 from transformers import TrainerCallback
 from stablerl.adapters.trl import GRPOConfig, GRPOTrainer
-from stablerl.demo import build_dataset, build_model, build_tokenizer
+from stablerl.tools.demo import build_dataset, build_model, build_tokenizer
 
 VOID = []
 

@@ -15,7 +15,7 @@ torch.set_num_threads(1)  # deterministic and comparable timings on small CPUs
 
 from transformers import TrainerCallback  # noqa: E402
 
-from stablerl.demo import build_dataset, build_model, build_tokenizer, copy_reward  # noqa: E402
+from stablerl.tools.demo import build_dataset, build_model, build_tokenizer, copy_reward  # noqa: E402
 
 TOKENIZER = build_tokenizer()
 

@@ -2,8 +2,8 @@
 
 import time
 
-from stablerl import bench
-from stablerl.bench import estimators
+from stablerl.tools import bench
+from stablerl.tools.bench import estimators
 
 
 def test_estimator_bench_pairs_agree_with_verl_and_report_ratios():

@@ -2,7 +2,7 @@
 
 import pytest
 
-from stablerl import bench
+from stablerl.tools import bench
 
 
 @pytest.mark.filterwarnings("ignore")

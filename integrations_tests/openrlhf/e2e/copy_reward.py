@@ -1,4 +1,4 @@
-"""OpenRLHF ``--reward.remote_url`` reward function for the end-to-end test: stablerl.demo's "copy the
+"""OpenRLHF ``--reward.remote_url`` reward function for the end-to-end test: stablerl.tools.demo's "copy the
 digit" task (prompt ``copy 7 :``, label ``7``): the fraction of generated words equal to the label
 (EOS / padding not counted; 0 for an empty response). A random policy scores about 1/15."""
 

@@ -25,7 +25,7 @@ STEP_LINE = re.compile(r"Global step (\d+): (\{.*\})\s*$")
 
 
 def build_model(tokenizer, seed: int = 0, moe: bool = False):
-    """A tiny Qwen3 (or Qwen3-MoE: 4 experts, top 2) causal LM. Not stablerl.demo's Qwen2: transformers 5's
+    """A tiny Qwen3 (or Qwen3-MoE: 4 experts, top 2) causal LM. Not stablerl.tools.demo's Qwen2: transformers 5's
     AutoTokenizer forces Qwen2Tokenizer on a ``qwen2`` checkpoint (a byte-level BPE that drops the word
     "copy" of the demo's word-level vocabulary), and trusts the saved tokenizer class for ``qwen3``."""
     import torch
@@ -47,7 +47,7 @@ def build_model(tokenizer, seed: int = 0, moe: bool = False):
 
 
 def make_assets(root: Path, n_prompts: int = 16, seed: int = 0, moe: bool = False) -> dict:
-    from stablerl.demo import DIGITS, build_tokenizer
+    from stablerl.tools.demo import DIGITS, build_tokenizer
 
     tokenizer = build_tokenizer()
     model = build_model(tokenizer, seed=seed, moe=moe)

@@ -1,6 +1,6 @@
 """The task of the end-to-end run: stablerl's demo task ("copy the digit") as verl data.
 
-``prepare(dir)`` writes the tiny Qwen2 of :mod:`stablerl.demo` (random init, ~0.3M parameters) with
+``prepare(dir)`` writes the tiny Qwen2 of :mod:`stablerl.tools.demo` (random init, ~0.3M parameters) with
 its word-level tokenizer, and a parquet of prompts in verl's RL format; :func:`compute_score` is the
 reward function verl's reward manager loads (``reward.custom_reward_function.path``).
 """
@@ -30,7 +30,7 @@ _WORD = re.compile(r"copy|:|[0-9]|<unk>")
 def prepare(root: str, n_train: int = 32, n_val: int = 8, seed: int = 0) -> dict[str, str]:
     import pandas as pd
 
-    from stablerl.demo import DIGITS, build_model, build_tokenizer
+    from stablerl.tools.demo import DIGITS, build_model, build_tokenizer
 
     model_dir = os.path.join(root, "tiny_qwen2")
     tok = build_tokenizer()

@@ -34,6 +34,8 @@ import functools
 import re
 from typing import Any, Optional
 
+from . import task
+
 PRECISIONS = ("fp32", "bf16", "fp16", "fp8", "int8", "int4", "int3", "int2",
               "int8-tensor", "int4-tensor", "int3-tensor", "int2-tensor", "fp8-logits")
 # also intN-rowsK (N in 2..8, K >= 1): one absmax scale per block of K output rows, between per-row (K = 1)
@@ -246,19 +248,15 @@ def check_arm(arm: str) -> str:
 def make_config(output_dir: str, arm: str, *, steps: int, seed: int, lr: float, num_iterations: int = 1,
                 **overrides: Any):
     """The demo's GRPOConfig on TRL's vLLM path (``use_vllm=True``), for one arm of the scenario."""
-    from stablerl import demo
-
     loss, arm_overrides = ARMS[check_arm(arm)]
-    return demo.make_config(output_dir, loss, steps=steps, seed=seed, lr=lr, num_iterations=num_iterations,
+    return task.make_config(output_dir, loss, steps=steps, seed=seed, lr=lr, num_iterations=num_iterations,
                             use_vllm=True, vllm_mode="colocate", **{**arm_overrides, **overrides})
 
 
 def make_trainer(args, precision: str, callbacks=None, seed: int = 0):
-    """:func:`stablerl.demo.make_trainer` with the rollout engine replaced by :class:`LowPrecisionRollout`."""
-    from stablerl import demo
-
+    """:func:`stablerl.tools.demo.make_trainer` with the rollout engine replaced by :class:`LowPrecisionRollout`."""
     with simulated_vllm(precision):
-        return demo.make_trainer(args, callbacks=callbacks, seed=seed)
+        return task.make_trainer(args, callbacks=callbacks, seed=seed)
 
 
 # ----------------------------------------------------------------------------- the demo's setting
@@ -281,14 +279,12 @@ DEMO_RECORD: dict[str, dict[int, tuple[float, float]]] = {
 
 def failed(result: dict) -> bool:
     """The issue's criterion: final reward below 0.5, or below half of the run's best (10%-window means)."""
-    from stablerl.demo import _window_mean
-
     reward = [v for v in result["reward"] if v is not None and v == v]
     if not reward:
         return True
     k = max(1, int(round(len(reward) * 0.1)))
     best = max(sum(reward[i:i + k]) / k for i in range(len(reward) - k + 1))
-    final = _window_mean(reward)
+    final = task.window_mean(reward)
     return final < 0.5 or final < 0.5 * best
 
 

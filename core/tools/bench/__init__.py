@@ -14,7 +14,7 @@ With TRL installed, a third table compares stablerl's losses with TRL 1.16's bui
 ``loss_type``\s (``dapo``, ``bnpo``, ``grpo``, ``dr_grpo``, ``luspo``, ``grpo`` at sequence level,
 ``cispo``, ``sapo``): TRL's real ``GRPOTrainer._compute_loss`` against the stablerl TRL adapter's
 own loss methods, both on stand-in trainers whose forward returns the prepared log-probs
-(:mod:`stablerl.bench.trl`). Each pair is first checked to give the same loss and gradient.
+(:mod:`stablerl.tools.bench.trl`). Each pair is first checked to give the same loss and gradient.
 
 Memory. On CUDA: peak allocated bytes above the inputs during forward + backward
 (``torch.cuda.max_memory_allocated``). On CPU PyTorch keeps no allocator statistics, so the bench
@@ -41,7 +41,7 @@ without TRL); ``routing_replay`` has the forward-time ratio
 replay on / off on a tiny Qwen3-MoE and the bytes per token of the stored routes (when
 transformers is installed; ``--no-routing`` skips it); ``estimators.<name>`` the time ratio of
 :func:`stablerl.compute_advantage` against verl's vectorized estimator (and its loop version) at
-B=4096, T=512, groups of 8, string uids (:mod:`stablerl.bench.estimators`; ``--no-estimators``
+B=4096, T=512, groups of 8, string uids (:mod:`stablerl.tools.bench.estimators`; ``--no-estimators``
 skips it).
 
 Clock: on CPU with one torch thread the default is the calling thread's CPU time
@@ -781,9 +781,9 @@ def main(argv: Optional[list[str]] = None, args: Optional[argparse.Namespace] = 
         return 2
     losses = [n.strip() for n in args.losses.split(",") if n.strip()] if args.losses else None
     if args.losses is not None:
-        from ..contracts import POLICY_LOSS
-        from ..params import unknown_name_message
-        from ..registry import get_registry
+        from stablerl.contracts import POLICY_LOSS
+        from stablerl.params import unknown_name_message
+        from stablerl.registry import get_registry
 
         from .trl import TRL_TWINS  # torch-only; labels of TRL's loss types (dapo, ...) select its pairs
 

@@ -11,7 +11,7 @@ changes. Nothing is downloaded: the tokenizer (word level), the model (``Qwen2Co
 data set are built in code and the Hugging Face libraries are put in offline mode before import.
 
 Scenarios (``stablerl demo --list``): ``mismatch`` (the default) trains through TRL's vLLM path with a
-low-precision rollout engine (:mod:`stablerl.demo.mismatch`), with and without a rollout correction;
+low-precision rollout engine (:mod:`stablerl.tools.demo.mismatch`), with and without a rollout correction;
 ``basic`` is the original three-loss comparison above.
 """
 
@@ -19,33 +19,18 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 from pathlib import Path
 from typing import Any, Optional
 
-# Offline and quiet before anything imports huggingface_hub / transformers / trl.
-for _key, _value in {
-    "HF_HUB_OFFLINE": "1",
-    "TRANSFORMERS_OFFLINE": "1",
-    "HF_DATASETS_OFFLINE": "1",
-    "HF_HUB_DISABLE_TELEMETRY": "1",
-    "HF_HUB_DISABLE_PROGRESS_BARS": "1",
-    "TOKENIZERS_PARALLELISM": "false",
-    "TRANSFORMERS_VERBOSITY": "error",
-    "TRL_USE_RICH": "0",
-}.items():
-    os.environ[_key] = _value
+# the task's module first: it puts the Hugging Face libraries in offline mode before anything imports them
+from .task import (DIGITS, VOCAB, build_dataset, build_model, build_tokenizer, copy_reward,  # noqa: F401
+                   load_adapter, make_config, make_trainer, window_mean)
+from . import mismatch  # the mismatch scenario (imports no framework)
 
-from stablerl.frameworks import load_adapter  # noqa: E402  (imports no framework)
-
-DIGITS = [str(d) for d in range(10)]
-VOCAB = ["<pad>", "<eos>", "<unk>", "copy", ":"] + DIGITS
 DEFAULT_LOSSES = ("dapo", "m2po", "gspo")  # TRL's built-in baseline, then two stablerl losses
 DEFAULT_STEPS = 200
-# stablerl losses whose paper objective is a per-sequence mean (TRL's grpo normaliser) rather than token-mean
-_PAPER_AGG_MODE = {"gspo": "seq-mean-token-mean", "sapo": "seq-mean-token-mean", "gmpo": "seq-mean-token-mean"}
 # metrics shown in the "clip/mask" column, first one present wins
 _FRACTION_METRICS = (
     "stablerl/rollout_corr/masked_fraction",  # stablerl_rollout_correction (mismatch scenario)
@@ -54,117 +39,6 @@ _FRACTION_METRICS = (
     "stablerl/m2po/masked_fraction",
     "stablerl/pg_clipfrac",
 )
-
-
-# ----------------------------------------------------------------------------- building blocks
-# (also used by integrations_tests/trl)
-
-
-def build_tokenizer():
-    """A word-level tokenizer over :data:`VOCAB`, built in code (no files, no network)."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(VOCAB)}, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    return PreTrainedTokenizerFast(
-        tokenizer_object=tok, eos_token="<eos>", pad_token="<pad>", unk_token="<unk>", padding_side="left"
-    )
-
-
-def build_model(tokenizer, seed: int = 0, hidden_size: int = 128, num_layers: int = 2):
-    """A tiny Qwen2-style causal LM (hidden 128, 2 layers: ~0.3M parameters), randomly initialised."""
-    import torch
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    torch.manual_seed(seed)
-    config = Qwen2Config(
-        vocab_size=len(tokenizer),
-        hidden_size=hidden_size,
-        intermediate_size=2 * hidden_size,
-        num_hidden_layers=num_layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        tie_word_embeddings=False,
-        pad_token_id=tokenizer.pad_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        bos_token_id=None,
-    )
-    model = Qwen2ForCausalLM(config)
-    model.generation_config.pad_token_id = tokenizer.pad_token_id
-    model.generation_config.eos_token_id = tokenizer.eos_token_id
-    model.generation_config.bos_token_id = None
-    return model
-
-
-def build_dataset(n: int = 200, seed: int = 0):
-    """Prompts ``copy <d> :`` with the digit in a ``target`` column (passed to the reward)."""
-    import random
-
-    from datasets import Dataset
-
-    rng = random.Random(seed)
-    digits = [rng.choice(DIGITS) for _ in range(n)]
-    return Dataset.from_dict({"prompt": [f"copy {d} :" for d in digits], "target": digits})
-
-
-def copy_reward(prompts, completions, target, **kwargs) -> list[float]:
-    """Fraction of generated words equal to the prompt's digit (0 for an empty completion)."""
-    out = []
-    for completion, digit in zip(completions, target):
-        words = completion.split()
-        out.append(sum(w == digit for w in words) / len(words) if words else 0.0)
-    return out
-
-
-def make_config(output_dir: str, loss: str, *, steps: int, seed: int, lr: float = 5e-4, num_iterations: int = 2,
-                estimator: Optional[str] = None, **overrides: Any):
-    """The demo's GRPOConfig: 8 prompts x 8 generations, completions <= 4 tokens, CPU, fp32."""
-    trl_adapter = load_adapter("trl")
-    kwargs: dict[str, Any] = dict(
-        output_dir=output_dir,
-        loss_type=loss,
-        advantage_estimator=estimator,
-        per_device_train_batch_size=64,
-        num_generations=8,
-        max_completion_length=4,
-        num_iterations=num_iterations,
-        gradient_accumulation_steps=1,
-        learning_rate=lr,
-        lr_scheduler_type="constant",
-        max_steps=steps,
-        logging_steps=1,
-        seed=seed,
-        beta=0.0,
-        use_cpu=True,
-        bf16=False,
-        gradient_checkpointing=False,
-        report_to="none",
-        save_strategy="no",
-        dataloader_num_workers=0,
-        disable_tqdm=True,
-        log_level="error",
-    )
-    stablerl_name = trl_adapter.resolve_loss_type(loss)
-    if stablerl_name in _PAPER_AGG_MODE:
-        kwargs["stablerl_loss_agg_mode"] = _PAPER_AGG_MODE[stablerl_name]
-    kwargs.update(overrides)
-    return trl_adapter.GRPOConfig(**kwargs)
-
-
-def make_trainer(args, tokenizer=None, model=None, dataset=None, reward=copy_reward, callbacks=None, seed: int = 0):
-    tokenizer = tokenizer or build_tokenizer()
-    model = model if model is not None else build_model(tokenizer, seed=seed)
-    dataset = dataset if dataset is not None else build_dataset(seed=seed)
-    trainer = load_adapter("trl").GRPOTrainer(
-        model=model, reward_funcs=reward, args=args, train_dataset=dataset, processing_class=tokenizer,
-        callbacks=callbacks,
-    )
-    from transformers.trainer_callback import PrinterCallback
-
-    trainer.remove_callback(PrinterCallback)  # the demo prints its own progress and table
-    return trainer
 
 
 # ----------------------------------------------------------------------------- recording
@@ -200,15 +74,6 @@ def _recorder_callback(record: dict, bar):
     return Recorder()
 
 
-def _window_mean(values: list, frac: float = 0.1, head: bool = False) -> float:
-    values = [v for v in values if v is not None and v == v]
-    if not values:
-        return float("nan")
-    k = max(1, int(round(len(values) * frac)))
-    part = values[:k] if head else values[-k:]
-    return sum(part) / len(part)
-
-
 def run_one(loss: str, *, steps: int, seed: int, out_dir: Path, estimator: Optional[str], lr: float,
             num_iterations: int, progress: bool = True, precision: Optional[str] = None,
             completion_length: int = 4) -> dict:
@@ -225,8 +90,6 @@ def run_one(loss: str, *, steps: int, seed: int, out_dir: Path, estimator: Optio
                            num_iterations=num_iterations, estimator=estimator, max_completion_length=completion_length)
         trainer = make_trainer(args, callbacks=[_recorder_callback(record, bar)], seed=seed)
     else:
-        from stablerl.demo import mismatch
-
         args = mismatch.make_config(str(out_dir / "runs" / loss), loss, steps=steps, seed=seed, lr=lr,
                                     num_iterations=num_iterations, advantage_estimator=estimator,
                                     max_completion_length=completion_length)
@@ -249,10 +112,10 @@ def run_one(loss: str, *, steps: int, seed: int, out_dir: Path, estimator: Optio
         "reward": reward,  # per step; None on steps that reuse a generated batch (num_iterations > 1)
         "entropy": entropy,
         "metrics": {k: v for k, v in m.items() if k not in ("reward", "entropy")},
-        "initial_reward": _window_mean(reward, head=True),
-        "final_reward": _window_mean(reward),
-        "reward_gain": _window_mean(reward) - _window_mean(reward, head=True),
-        "final_entropy": _window_mean(entropy),
+        "initial_reward": window_mean(reward, head=True),
+        "final_reward": window_mean(reward),
+        "reward_gain": window_mean(reward) - window_mean(reward, head=True),
+        "final_entropy": window_mean(entropy),
         "clip_mask_metric": fraction_key,
         "clip_mask_fraction": sum(fractions) / len(fractions) if fractions else None,
         "time_s": elapsed,
@@ -263,8 +126,6 @@ def run_one(loss: str, *, steps: int, seed: int, out_dir: Path, estimator: Optio
 
 def _rollout_history(trainer) -> list[dict]:
     """Per generation: the low-precision engine's mismatch to the trainer (kl, abs, ratio_out_of_2x)."""
-    from stablerl.demo import mismatch
-
     engine = mismatch.rollout_of(trainer)
     return list(engine.history) if engine is not None else []
 
@@ -356,8 +217,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _list_scenarios() -> None:
-    from stablerl.demo import mismatch
-
     for name, text in SCENARIOS.items():
         print(f"{name}{' (default)' if name == DEFAULT_SCENARIO else ''}: {text}")
         if name == "mismatch":
@@ -379,8 +238,6 @@ def main(argv: Optional[list[str]] = None) -> int:
         return 0
     mismatch_scenario = args.scenario == "mismatch"
     if mismatch_scenario:
-        from stablerl.demo import mismatch
-
         if args.losses is not None:
             print("stablerl demo: --losses is for --scenario basic; the mismatch scenario takes --arms",
                   file=sys.stderr)
@@ -480,5 +337,5 @@ def main(argv: Optional[list[str]] = None) -> int:
     return 0
 
 
-if __name__ == "__main__":  # python -m stablerl.demo
+if __name__ == "__main__":  # python -m stablerl.tools.demo
     raise SystemExit(main())
