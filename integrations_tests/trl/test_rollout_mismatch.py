@@ -101,6 +101,14 @@ def test_demo_mismatch_smoke(tmp_path, capsys):
     results = json.loads((tmp_path / "results.json").read_text())
     assert results["config"]["scenario"] == "mismatch" and list(results["arms"]) == ["none", "tis", "trl_is"]
     assert results["config"]["max_completion_length"] == mismatch.DEMO["completion_length"]
+    # the versions this run used, and the recorded runs', in the record and on the console (issue 30)
+    import torch
+
+    env = results["config"]["environment"]
+    assert env["torch"] == torch.__version__ and env["trl"] == "1.16.0" and env["cpu_kernels"]
+    assert results["config"]["recorded_with"]["torch"] == "2.13.0"
+    assert f"versions: torch {torch.__version__}" in out
+    assert ("same versions as the recorded runs" in out) != ("numbers will differ from the recorded ones" in out)
     arms = results["arms"]
     assert arms["tis"]["stablerl_rollout_correction"] == "tis" and not arms["tis"]["trl_importance_sampling"]
     assert arms["trl_is"]["trl_importance_sampling"] and arms["none"]["stablerl_rollout_correction"] is None

@@ -27,7 +27,7 @@ from typing import Any, Optional
 # the task's module first: it puts the Hugging Face libraries in offline mode before anything imports them
 from .task import (DIGITS, VOCAB, build_dataset, build_model, build_tokenizer, copy_reward,  # noqa: F401
                    load_adapter, make_config, make_trainer, window_mean)
-from . import mismatch  # the mismatch scenario (imports no framework)
+from . import mismatch, task  # the mismatch scenario (imports no framework), the shared task
 
 DEFAULT_LOSSES = ("dapo", "m2po", "gspo")  # TRL's built-in baseline, then two stablerl losses
 DEFAULT_STEPS = 200
@@ -308,6 +308,9 @@ def main(argv: Optional[list[str]] = None) -> int:
           f"lr {args.lr}, num_iterations {args.num_iterations}, estimator {args.estimator or 'TRL (group)'}, "
           f"seed {args.seed}, {torch.get_num_threads()} thread(s); imports took {time.perf_counter() - t0:.1f}s")
 
+    env = task.environment()
+    env_lines = task.version_lines(env)
+    print(env_lines[0])
     results: dict[str, dict] = {}
     for name in names:
         results[name] = run_one(name, steps=args.steps, seed=args.seed, out_dir=out, estimator=args.estimator,
@@ -319,6 +322,10 @@ def main(argv: Optional[list[str]] = None) -> int:
                                             "threads")}
     config.update(task="copy the digit", prompts_per_step=8, generations=8, max_completion_length=args.completion_length,
                   model="Qwen2 hidden 128, 2 layers, word-level vocab of %d" % len(VOCAB))
+    config.update(environment=env, recorded_with=task.RECORDED_WITH)
+    print()
+    for line in env_lines:
+        print(line)
     if mismatch_scenario:
         config.update(arms=names, rollout_precision=precision)
         print()

@@ -143,3 +143,41 @@ def window_mean(values: list, frac: float = 0.1, head: bool = False) -> float:
     k = max(1, int(round(len(values) * frac)))
     part = values[:k] if head else values[-k:]
     return sum(part) / len(part)
+
+
+#: the versions the recorded demo runs (docs/stability/, the demo's "other seeds" lines, README) were made with
+RECORDED_WITH = {"torch": "2.13.0", "transformers": "5.24.0", "trl": "1.16.0", "cpu_kernels": "AVX2"}
+
+
+def environment() -> dict[str, str]:
+    """This run's versions of torch, transformers and TRL, and the CPU kernels torch dispatches to (the numbers of a
+    tiny RL run depend on all four: a different reduction order changes a sampled token, and then the run)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    import torch
+
+    def installed(name: str) -> str:
+        try:
+            return version(name)
+        except PackageNotFoundError:
+            return "not installed"
+
+    return {"torch": torch.__version__, "transformers": installed("transformers"), "trl": installed("trl"),
+            "cpu_kernels": str(torch.backends.cpu.get_cpu_capability())}
+
+
+def _release(text: str) -> str:
+    return text.split("+", 1)[0]  # "2.13.0+cpu" is the 2.13.0 release
+
+
+def version_lines(env: dict[str, str], recorded: dict[str, str] = RECORDED_WITH) -> list[str]:
+    """What this run used, and whether its numbers can be compared with the recorded runs'."""
+    lines = ["versions: " + ", ".join(f"{k} {v}" for k, v in env.items())]
+    differ = [k for k in recorded if _release(env.get(k, "")) != recorded[k]]
+    if differ:
+        lines.append("recorded with " + ", ".join(f"{k} {recorded[k]}" for k in recorded) + "; yours differ in "
+                     + ", ".join(f"{k} ({env.get(k)})" for k in differ) + ": numbers will differ from the recorded "
+                     "ones; the verdict below is from this run")
+    else:
+        lines.append("same versions as the recorded runs: the recorded numbers apply to this machine's kernels")
+    return lines
