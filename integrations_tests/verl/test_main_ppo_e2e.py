@@ -1,14 +1,19 @@
 """verl's own trainer, ``python -m verl.trainer.main_ppo``, with stablerl selected by config keys only.
 
-Three processes of the unmodified entry point on CPU (legacy trainer, ``trainer.use_v1=false``: the v1
+Five processes of the unmodified entry point on CPU (legacy trainer, ``trainer.use_v1=false``: the v1
 trainer needs TransferQueue, which the verl session does not install; not tried yet), with the test-only stand-ins of
-``integrations_tests/verl/e2e/verl_cpu_standins.py`` (CPU platform, HF-``generate`` rollout server):
+``integrations_tests/verl/e2e/verl_cpu_standins.py`` (CPU platform, HF-``generate`` rollout server). Each run
+exercises several stablerl features together (one process start costs most of a run's time on CPU):
 
-* ``m2po`` (a loss with a batch statistic) + ``qae`` (estimator) + ``dynamic_sampling`` (batch filter);
-* ``entropic`` (a loss that keeps state) + ``qae``, 2 steps, checkpoint at step 2;
+* ``m2po`` (a loss with a batch statistic) + ``qae`` (estimator) + ``dynamic_sampling`` (batch filter) +
+  ``adaptive_entropy`` (an entropy controller steering verl's ``entropy_coeff``);
+* ``entropic`` (a loss that keeps state) + ``qae`` + ``d3s`` (a filter scheduled on verl's
+  ``total_training_steps``), 2 steps, checkpoint at step 2;
 * the same run resumed in a new process to step 3: step counter and EntroPIC's integral continue;
-* SFPO as a trainer hook (K=1, alpha 1 and 0.5, 2 steps each): passes, reposition and entropy window;
-* ``empg`` (an estimator on the old-log-prob pass's entropy), selected by ``algorithm.adv_estimator`` alone.
+* ``a3po`` (verl's weight versions) + ``gtpo_entropy_filter`` (the old-log-prob pass's entropy at
+  ``compute_advantage``);
+* SFPO as a trainer hook (K=1, alpha 0.5): passes, reposition and entropy window, with ``empg`` (an estimator
+  on the old-log-prob pass's entropy, selected by ``algorithm.adv_estimator`` alone).
 
 Everything is asserted from verl's file logger (``trainer.logger=[console,file]``) and console.
 Real: Hydra config + validation, Ray, TaskRunner, legacy RayPPOTrainer, FSDP2 workers on gloo, the
@@ -156,7 +161,15 @@ def _assert_steps_and_reward(rows: list[dict], steps: list[int]) -> None:
         assert r["data"]["training/global_step"] == r["step"]
 
 
-def test_m2po_qae_batch_filter(workdir):
+ADAPTIVE_ENTROPY = [
+    "actor_rollout_ref.actor.calculate_entropy=true",
+    "+actor_rollout_ref.actor.policy_loss.stablerl_entropy_controller=adaptive_entropy",
+    "+actor_rollout_ref.actor.policy_loss.stablerl_entropy_controller_params={entropy_target:100.0,"
+    "entropy_coef_delta:0.05}",
+]
+
+
+def test_m2po_qae_batch_filter_and_adaptive_entropy(workdir):
     out, rows = run_main_ppo(workdir, "m2po", [
         "actor_rollout_ref.actor.policy_loss._target_=stablerl.adapters.verl.StablePolicyLossConfig",
         "actor_rollout_ref.actor.policy_loss.loss_mode=m2po",
@@ -166,6 +179,7 @@ def test_m2po_qae_batch_filter(workdir):
         # a second pass over the batch: the policy has moved, so M2PO's second moment is not 0
         "actor_rollout_ref.actor.ppo_epochs=2",
         "trainer.total_training_steps=2", "trainer.save_freq=-1",
+        *ADAPTIVE_ENTROPY,
     ])
     _assert_steps_and_reward(rows, [1, 2])
     # the effective settings, printed by the worker at its first loss call (Ray forwards it)
@@ -184,6 +198,12 @@ def test_m2po_qae_batch_filter(workdir):
         # dynamic_sampling drops groups whose rewards are all equal (advantage 0): nothing kept when all scores are 0
         if d["critic/score/max"] == 0.0:
             assert d["stablerl/filter/kept_row_frac"] == 0.0
+    # adaptive_entropy: the coefficient after each step rises by delta while the entropy is below target (100), and
+    # the next update runs with it (verl's ppo_loss subtracts entropy_coeff * entropy_loss)
+    coefs = [r["data"]["actor/stablerl/adaptive_entropy/entropy_coef"] for r in rows]
+    applied = [r["data"]["actor/stablerl/adaptive_entropy/applied_coef"] for r in rows]
+    assert coefs == pytest.approx([0.05, 0.1], abs=1e-12) and applied == pytest.approx([0.0, 0.05], abs=1e-12)
+    assert all(r["data"]["actor/stablerl/adaptive_entropy/active"] == 1.0 for r in rows)
 
 
 def _integral_steps(rows: list[dict]) -> list[tuple[int, float, float]]:
@@ -194,12 +214,19 @@ def _integral_steps(rows: list[dict]) -> list[tuple[int, float, float]]:
 ENTROPIC = [
     "actor_rollout_ref.actor.policy_loss.loss_mode=entropic", "actor_rollout_ref.actor.calculate_entropy=true",
     "algorithm.adv_estimator=qae", "trainer.save_freq=2",
+    # d3s's N/K schedule: p = compute_advantage calls so far / the trainer's total_training_steps
+    "+algorithm.stablerl_batch_filter=d3s",
+    "+algorithm.stablerl_batch_filter_params.n_init=0.5", "+algorithm.stablerl_batch_filter_params.k_init=0.2",
 ]
 
 
-def test_entropic_state_and_step_continue_after_resume(workdir):
+def test_entropic_state_and_step_continue_after_resume_with_the_d3s_schedule(workdir):
     _, first = run_main_ppo(workdir, "entropic", [*ENTROPIC, "trainer.total_training_steps=2"])
     _assert_steps_and_reward(first, [1, 2])
+    assert [r["data"]["stablerl/d3s/progress"] for r in first] == [0.0, 0.5]
+    for r in first:
+        d = r["data"]
+        assert 0.0 <= d["stablerl/d3s/kept_token_frac"] <= 1.0 and 0.0 <= d["stablerl/d3s/kept_sample_frac"] <= 1.0
     step_dir = os.path.join(workdir, "ckpt", "global_step_2")
     assert os.path.exists(os.path.join(step_dir, "actor", "stablerl_loss_state_rank0.pt")), os.listdir(step_dir)
     assert os.path.exists(os.path.join(step_dir, "stablerl_driver_state.pt")), os.listdir(step_dir)
@@ -216,49 +243,6 @@ def test_entropic_state_and_step_continue_after_resume(workdir):
         f"EntroPIC's integral did not continue from the checkpoint: {i3} vs {i2} + {h3} - {TARGET_ENTROPY}"
         f" (a fresh state gives {h3 - TARGET_ENTROPY})")
     assert abs(i3 - (h3 - TARGET_ENTROPY)) > 1.0  # the check can tell a restored state from a fresh one
-
-
-SFPO = [
-    "actor_rollout_ref.actor.policy_loss._target_=stablerl.adapters.verl.StablePolicyLossConfig",
-    "actor_rollout_ref.actor.calculate_entropy=true", "algorithm.adv_estimator=grpo",
-    "trainer.total_training_steps=2", "trainer.save_freq=-1",
-    "trainer.resume_mode=disable",  # the module's runs share trainer.default_local_dir: entropic's checkpoints are there
-]
-
-
-def _sfpo(alpha: float) -> list[str]:
-    return [*SFPO, "+actor_rollout_ref.actor.policy_loss.stablerl_trainer_hook=sfpo",
-            f"+actor_rollout_ref.actor.policy_loss.stablerl_trainer_hook_params={{inner_steps:1,alpha:{alpha},zscore_window:2}}"]
-
-
-def test_sfpo_runs_its_passes_in_verls_trainer(workdir):
-    """verl's own main_ppo with SFPO (K=1): every step runs 2 passes of update_actor and repositions once; the
-    fast pass moved the parameters the hook sees (fast_drift > 0) and the reposition moved them by
-    (1 - alpha) of that (measured on the parameters); the stop rule's window holds verl's actor/entropy_loss.
-    The reposition's exact numbers are checked on verl's update contract in test_trainer_hook.py; runs of this
-    setup are not reproducible enough for a run-against-run reference (two identical ppo_epochs=2 runs gave
-    step-2 entropies 2.762153 and 2.763503, and step-1 rollouts differ between runs)."""
-    _, sfpo = run_main_ppo(workdir, "sfpo_a1", _sfpo(1.0))
-    _, half = run_main_ppo(workdir, "sfpo_a05", _sfpo(0.5))
-    for rows in (sfpo, half):
-        _assert_steps_and_reward(rows, [1, 2])
-        for r in rows:
-            d = r["data"]
-            assert d["actor/stablerl/sfpo/passes"] == 2.0 and d["actor/stablerl/sfpo/repositioned"] == 1.0, sorted(d)
-            assert d["actor/stablerl/sfpo/fast_drift"] > 0.0  # the fast pass moved the parameters the hook sees
-            assert d["actor/stablerl/sfpo/active"] == 1.0
-    # the stop rule's window holds verl's actor/entropy_loss of each step's slow pass (window 2: z is +-1, or 0
-    # when verl reports the same value twice, as its bf16 entropies often do on this tiny model)
-    from stablerl.plugins.sfpo import entropy_zscore
-
-    history = [r["data"]["actor/entropy_loss"] for r in sfpo]
-    assert sfpo[1]["data"]["actor/stablerl/sfpo/zscore"] == pytest.approx(entropy_zscore(history, 2), abs=1e-6)
-    # the reposition moved the weights by (1 - alpha) of the fast pass's drift (none for alpha = 1)
-    for rows, alpha in ((sfpo, 1.0), (half, 0.5)):
-        for r in rows:
-            d = r["data"]
-            assert d["actor/stablerl/sfpo/reposition_shift"] == pytest.approx(
-                (1 - alpha) * d["actor/stablerl/sfpo/fast_drift"], rel=1e-4)
 
 
 ENTROPY_AT_ADVANTAGE = [
@@ -289,49 +273,46 @@ def test_a3po_and_gtpo_entropy_filter_get_verls_versions_and_old_pass_entropy(wo
         assert d["actor/behave_imp_weight"] == pytest.approx(1.0)
 
 
-def test_d3s_schedule_follows_verls_total_training_steps(workdir):
-    """d3s's N/K schedule: p = compute_advantage calls so far / the trainer's total_training_steps (2)."""
-    _, rows = run_main_ppo(workdir, "d3s", [
-        *ENTROPY_AT_ADVANTAGE, "+algorithm.stablerl_batch_filter=d3s",
-        "+algorithm.stablerl_batch_filter_params.n_init=0.5", "+algorithm.stablerl_batch_filter_params.k_init=0.2",
-    ])
+SFPO_EMPG = [
+    "actor_rollout_ref.actor.policy_loss._target_=stablerl.adapters.verl.StablePolicyLossConfig",
+    "actor_rollout_ref.actor.calculate_entropy=true",
+    # empg alone: the adapter keeps the old-log-prob pass's entropy for it (no opt-in key)
+    "algorithm.adv_estimator=empg", "+algorithm.k=2.0",
+    "trainer.total_training_steps=2", "trainer.save_freq=-1",
+    "trainer.resume_mode=disable",  # the module's runs share trainer.default_local_dir: entropic's checkpoints are there
+    "+actor_rollout_ref.actor.policy_loss.stablerl_trainer_hook=sfpo",
+    "+actor_rollout_ref.actor.policy_loss.stablerl_trainer_hook_params={inner_steps:1,alpha:0.5,zscore_window:2}",
+]
+
+
+def test_sfpo_runs_its_passes_in_verls_trainer_with_empg(workdir):
+    """verl's own main_ppo with SFPO (K=1, alpha 0.5): every step runs 2 passes of update_actor and repositions once;
+    the fast pass moved the parameters the hook sees (fast_drift > 0) and the reposition moved them by
+    (1 - alpha) of that (measured on the parameters); the stop rule's window holds verl's actor/entropy_loss.
+    The reposition's exact numbers are checked on verl's update contract in test_trainer_hook.py; runs of this
+    setup are not reproducible enough for a run-against-run reference (two identical ppo_epochs=2 runs gave
+    step-2 entropies 2.762153 and 2.763503, and step-1 rollouts differ between runs).
+    The advantages are empg's on the old-log-prob pass's entropy (without it the first compute_advantage raises
+    MissingInputError): its settings table (k set) printed, returns == advantages."""
+    out, rows = run_main_ppo(workdir, "sfpo_empg", SFPO_EMPG)
     _assert_steps_and_reward(rows, [1, 2])
-    assert [r["data"]["stablerl/d3s/progress"] for r in rows] == [0.0, 0.5]
     for r in rows:
         d = r["data"]
-        assert 0.0 <= d["stablerl/d3s/kept_token_frac"] <= 1.0 and 0.0 <= d["stablerl/d3s/kept_sample_frac"] <= 1.0
+        assert d["actor/stablerl/sfpo/passes"] == 2.0 and d["actor/stablerl/sfpo/repositioned"] == 1.0, sorted(d)
+        assert d["actor/stablerl/sfpo/fast_drift"] > 0.0  # the fast pass moved the parameters the hook sees
+        assert d["actor/stablerl/sfpo/active"] == 1.0
+        # the reposition moved the weights by (1 - alpha) of the fast pass's drift
+        assert d["actor/stablerl/sfpo/reposition_shift"] == pytest.approx(0.5 * d["actor/stablerl/sfpo/fast_drift"],
+                                                                          rel=1e-4)
+    # the stop rule's window holds verl's actor/entropy_loss of each step's slow pass (window 2: z is +-1, or 0
+    # when verl reports the same value twice, as its bf16 entropies often do on this tiny model)
+    from stablerl.plugins.sfpo import entropy_zscore
 
-
-def test_empg_runs_on_the_old_pass_entropy_without_an_opt_in(workdir):
-    """algorithm.adv_estimator=empg alone: the adapter keeps the old-log-prob pass's entropy for it (without it the
-    first compute_advantage raises MissingInputError); stablerl's estimator ran (its settings table, k set) and
-    wrote returns == advantages."""
-    out, rows = run_main_ppo(workdir, "empg", [
-        *[o for o in ENTROPY_AT_ADVANTAGE if not o.startswith("algorithm.adv_estimator=")],
-        "algorithm.adv_estimator=empg", "+algorithm.k=2.0",
-    ])
-    _assert_steps_and_reward(rows, [1, 2])
+    history = [r["data"]["actor/entropy_loss"] for r in rows]
+    assert rows[1]["data"]["actor/stablerl/sfpo/zscore"] == pytest.approx(entropy_zscore(history, 2), abs=1e-6)
     assert "advantage estimator 'empg' runs with" in out and re.search(r"\bk\s+= 2\.0\b", out), out[-3000:]
     for r in rows:
         d = r["data"]
         assert math.isfinite(d["critic/advantages/mean"]) and d["critic/advantages/max"] > d["critic/advantages/min"]
         assert d["critic/returns/mean"] == pytest.approx(d["critic/advantages/mean"], abs=1e-6)
         assert d["critic/returns/max"] == pytest.approx(d["critic/advantages/max"], abs=1e-6)
-
-
-def test_adaptive_entropy_steers_the_actors_entropy_coeff(workdir):
-    """adaptive_entropy in verl's own trainer: the coefficient after each step rises by delta while the entropy is
-    below target (100), and the next update runs with it (verl's ppo_loss subtracts entropy_coeff * entropy_loss)."""
-    _, rows = run_main_ppo(workdir, "adaptive_entropy", [
-        "trainer.total_training_steps=2", "trainer.save_freq=-1", "trainer.resume_mode=disable",
-        "algorithm.adv_estimator=grpo", "actor_rollout_ref.actor.calculate_entropy=true",
-        "actor_rollout_ref.actor.policy_loss._target_=stablerl.adapters.verl.StablePolicyLossConfig",
-        "+actor_rollout_ref.actor.policy_loss.stablerl_entropy_controller=adaptive_entropy",
-        "+actor_rollout_ref.actor.policy_loss.stablerl_entropy_controller_params={entropy_target:100.0,"
-        "entropy_coef_delta:0.05}",
-    ])
-    _assert_steps_and_reward(rows, [1, 2])
-    coefs = [r["data"]["actor/stablerl/adaptive_entropy/entropy_coef"] for r in rows]
-    applied = [r["data"]["actor/stablerl/adaptive_entropy/applied_coef"] for r in rows]
-    assert coefs == pytest.approx([0.05, 0.1], abs=1e-12) and applied == pytest.approx([0.0, 0.05], abs=1e-12)
-    assert all(r["data"]["actor/stablerl/adaptive_entropy/active"] == 1.0 for r in rows)
