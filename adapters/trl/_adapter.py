@@ -28,7 +28,7 @@ from stablerl.providers import provides
 
 _EXTENSIONS = (REWARD_SHAPER, BATCH_FILTER)
 _ROUTING_REPLAY = "routing_replay='R2' or 'R3' on an MoE model"
-# per-response inputs the user provides (reward function via TRL's log_extra, rollout_func extra field or dataset column)
+# per-response inputs the user provides (a reward function's TRL log_extra, a rollout_func field or a dataset column)
 USER_INPUTS = ("correct", "flawed", "void_turn", "pos_count", "neg_count")
 
 
@@ -106,9 +106,10 @@ class TRLAdapter(FrameworkAdapter):
         """TRL's completion_ids."""
         return record.host["completion_ids"]
 
-    @provides("rollout_log_prob", to=(POLICY_LOSS,), condition="use_vllm=True and vllm_importance_sampling_correction=True")
-    @provides("rollout_log_prob", to=(ROLLOUT_CORRECTION,), condition="use_vllm=True (or a rollout_func returning "
-              "logprobs) and vllm_importance_sampling_correction=False")
+    @provides("rollout_log_prob", to=(POLICY_LOSS,),
+              condition="use_vllm=True and vllm_importance_sampling_correction=True")
+    @provides("rollout_log_prob", to=(ROLLOUT_CORRECTION,),
+              condition="use_vllm=True (or a rollout_func returning logprobs) and vllm_importance_sampling_correction=False")
     def rollout_log_prob(self, record):
         """The rollout engine's sampling log-probs (TRL's sampling_per_token_logps; NaN: not scored, no mismatch)."""
         return record.rollout_log_prob

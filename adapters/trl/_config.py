@@ -264,7 +264,7 @@ def validate_stablerl_extensions(args) -> dict[str, Optional[str]]:
 
 
 
-__all__ = ["GRPOConfig", "SUPPORTED_TRL", "TRL_LOSS_TYPES", "TRL_GRPOTrainer", "advantage_settings", "check_extra_loss_inputs",
-           "check_rollout_correction", "loss_inputs_trl_can_feed", "loss_settings", "resolve_loss_type",
-           "rollout_correction_setting", "routing_replay_mode", "validate_stablerl_args", "validate_stablerl_extensions",
-           "without_rollout_correction"]
+__all__ = ["GRPOConfig", "SUPPORTED_TRL", "TRL_LOSS_TYPES", "TRL_GRPOTrainer", "advantage_settings",
+           "check_extra_loss_inputs", "check_rollout_correction", "loss_inputs_trl_can_feed", "loss_settings",
+           "resolve_loss_type", "rollout_correction_setting", "routing_replay_mode", "validate_stablerl_args",
+           "validate_stablerl_extensions", "without_rollout_correction"]

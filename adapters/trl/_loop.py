@@ -12,6 +12,7 @@ from typing import Any, Optional
 
 from transformers import TrainerCallback
 
+import stablerl
 from stablerl.contracts import CONTROLLER, TRAINER_HOOK, ParamsView
 from stablerl.params import StableRLError
 from stablerl.state import LEGACY_FORMAT, StateStore, from_legacy_json, read_state
@@ -39,9 +40,11 @@ class LoopExtras:
         self._step_entropy: tuple = (None, None)
         name = names["entropy_controller"]
         if name:
-            if name == "adaptive_entropy" and (getattr(cfg, "use_adaptive_entropy", False) or getattr(cfg, "entropy_coef", 0.0)):
+            # a controller that sets an entropy bonus (it declares the input: adaptive_entropy) adds its own
+            bonus = "entropy_bonus" in stablerl.get_spec(CONTROLLER, name).requires
+            if bonus and (getattr(cfg, "use_adaptive_entropy", False) or getattr(cfg, "entropy_coef", 0.0)):
                 raise StableRLError(
-                    "entropy_controller='adaptive_entropy' adds its own entropy bonus: leave TRL's use_adaptive_entropy "
+                    f"entropy_controller={name!r} adds its own entropy bonus: leave TRL's use_adaptive_entropy "
                     "False and entropy_coef 0 (set the initial coefficient in stablerl_entropy_controller_params)")
             self.driver = ControllerDriver(name, params_of(cfg, EXTENSION_PARAMS_KEYS["entropy_controller"]),
                                            apply=self.apply, provides=("entropy", "turn_entropy"), framework="TRL",

@@ -144,14 +144,15 @@ class AdvantageCallSite:
         width = out["completion_ids"].size(1)
         local_adv = out["advantages"]
         trl_rows = None
-        if sel.estimator is None:  # TRL's own advantages, filtered
-            if local_adv.dim() == 1:  # one per completion
-                trl_rows = t.accelerator.gather(local_adv.float()).to(batch.response_mask.device)
-            estimate = lambda record: (trl_rows.unsqueeze(-1) if trl_rows is not None  # noqa: E731
-                                       else self.gathered(local_adv, record.response_mask.device)) * record.response_mask
-        else:
-            estimate = None
-        result = self.step.run(batch, estimate=estimate, extras=extras)
+        if sel.estimator is None and local_adv.dim() == 1:  # TRL's own advantages (one per completion), filtered
+            trl_rows = t.accelerator.gather(local_adv.float()).to(batch.response_mask.device)
+
+        def trls_own(record):  # TRL's advantages on the gathered [N, T] layout
+            rows_or_tokens = trl_rows.unsqueeze(-1) if trl_rows is not None else self.gathered(
+                local_adv, record.response_mask.device)
+            return rows_or_tokens * record.response_mask
+
+        result = self.step.run(batch, estimate=None if sel.estimator else trls_own, extras=extras)
         metrics = dict(result.metrics)
         if sel.reward_shaper:
             metrics["shaped_reward/mean"] = result.scores.float().mean().item()
