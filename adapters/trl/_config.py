@@ -35,12 +35,6 @@ TRL_LOSS_TYPES = tuple(sorted(TRL.builtin_names[POLICY_LOSS]))
 PREFIX = TRL.prefix
 
 
-# The inputs TRL can feed in a given run (the declaration lists all of them; these narrow it per run).
-_LOSS_INPUTS_VLLM_IS = {"rollout_log_prob"}  # sampling_per_token_logps, with vllm_importance_sampling_correction
-# router log-probs at the replayed experts, recorded in the old-log-prob pass and the training forward
-_LOSS_INPUTS_ROUTING_REPLAY = {"router_log_prob", "old_router_log_prob"}
-_LOSS_INPUTS_ALWAYS = TRL.feedable[POLICY_LOSS] - _LOSS_INPUTS_VLLM_IS - _LOSS_INPUTS_ROUTING_REPLAY
-
 # ----------------------------------------------------------------------------- names and inputs
 
 
@@ -51,8 +45,11 @@ def resolve_loss_type(loss_type: str) -> Optional[str]:
 
 
 def loss_inputs_trl_can_feed(use_vllm_is: bool, routing_replay: bool = False) -> set[str]:
-    return (set(_LOSS_INPUTS_ALWAYS) | (_LOSS_INPUTS_VLLM_IS if use_vllm_is else set())
-            | (_LOSS_INPUTS_ROUTING_REPLAY if routing_replay else set()))
+    """The policy-loss inputs TRL feeds in a run: its providers' (the declaration lists all), less the conditional
+    ones whose setting is off (vLLM IS correction: the sampler's log-probs; routing replay: router log-probs)."""
+    holds = {"rollout_log_prob": use_vllm_is, "router_log_prob": routing_replay, "old_router_log_prob": routing_replay}
+    conditional = TRL.conditions.get(POLICY_LOSS, {})
+    return {name for name in TRL.feedable[POLICY_LOSS] if name not in conditional or holds[name]}
 
 
 def check_extra_loss_inputs(names) -> tuple[str, ...]:
@@ -151,7 +148,7 @@ def validate_stablerl_args(args, warn: bool = True) -> tuple[Optional[str], Opti
         hyper, options = split_call_options(as_params(loss_settings(args, loss)))
         build_params(spec, hyper)
         check_call_options(TRL, spec, without_rollout_correction(options), hyper,
-                           feedable=TRL.feedable[POLICY_LOSS] - (set() if vllm_is(args) else _LOSS_INPUTS_VLLM_IS))
+                           feedable=loss_inputs_trl_can_feed(vllm_is(args), routing_replay=True))
         if "top_entropy_quantile" in options and getattr(args, "top_entropy_quantile", 1.0) < 1.0:
             raise StableRLError(
                 f"top_entropy_quantile is set twice: TRL's top_entropy_quantile={args.top_entropy_quantile} and "

@@ -39,7 +39,6 @@ class GenerationBatch(BatchRecord):
     record_old_entropy: bool = False
     old_entropy: Optional[torch.Tensor] = None
     sum_sq_chunks: Optional[list] = None  # log sum pi^2 of each fused-head chunk, while recording
-    sum_sq_width: int = 0
     # routing replay: the routes generate recorded (per sequence, prompt lengths), the batch's [B, P+C] routes,
     # whether the old pass records them (R2), the old pass's router log-probs (rspo)
     generated_routes: Optional[tuple] = None
