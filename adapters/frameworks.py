@@ -15,6 +15,8 @@ from stablerl.contracts import (ADVANTAGE_ESTIMATOR, BATCH_FILTER, CONTROLLER, P
 from stablerl.frameworks import CALL_OPTIONS, FrameworkKey, FrameworkSpec
 from stablerl.hookspecs import hookimpl
 
+from .trl._spec import TRL  # TRL's declaration lives in its package (feedable derived from its providers)
+
 # Per-response values a user's reward function provides to reward shapers and batch filters (verl: its
 # reward_extra_info fields; TRL: log_extra / rollout_func fields / dataset columns; OpenRLHF: the
 # extra_logs it copies into experience.info).
@@ -23,14 +25,6 @@ _REWARD_FUNCTION_INPUTS = frozenset({"correct", "flawed", "void_turn"})
 _EXTENSION_INPUTS = frozenset({"index", "scores", "lengths"}) | _REWARD_FUNCTION_INPUTS
 
 # ----------------------------------------------------------------------------- verl 0.9.1
-
-# the optimal_token_baseline estimators in TRL (adapters/trl/trainer.py, _stablerl_old_pass_stats)
-_TRL_OTB_NOTE = (
-    "old_log_prob and sum_pi_squared come from one forward of the policy through TRL's fused LM head at TRL's "
-    "temperature (its log_sum_sq_probs output, which the adapter adds): TRL's old-log-prob pass where TRL runs one "
-    "(num_iterations > 1, steps_per_generation > gradient_accumulation_steps, or vLLM importance-sampling "
-    "correction), else one extra no-grad forward of the policy that generated the batch (text-only batches)"
-)
 
 VERL_BUILTIN_POLICY_LOSSES = frozenset(
     {"vanilla", "dppo_tv", "dppo_kl", "gspo", "sapo", "gpg", "clip_cov", "kl_cov", "geo_mean", "dro", "cispo", "bypass_mode"}
@@ -57,18 +51,6 @@ def _verl_loss_key(name: str, value) -> str:
     if name in VERL_POLICY_LOSS_FIELDS or name in CALL_OPTIONS:
         return f"+{_POLICY_LOSS}stablerl_params={{{name}:{str(value).replace(chr(34), '')}}}"
     return f"+{_POLICY_LOSS}{name}={value}"
-
-
-def _json_value(value) -> str:
-    """A value as a JSON literal in a TRL / OpenRLHF params line (placeholders and JSON objects as written)."""
-    import json
-
-    text = str(value)
-    return text if not isinstance(value, str) or text.startswith(("<", "{")) else json.dumps(value)
-
-
-def _trl_loss_key(name: str, value) -> str:
-    return f'stablerl_loss_params={{"{name}": {_json_value(value)}}}'
 
 
 def _openrlhf_loss_key(name: str, value) -> str:
@@ -227,142 +209,6 @@ VERL = FrameworkSpec(
         "response_mask (verl's multi-turn loop masks tool tokens; single-turn: one step per response)",
         "m2po": "old_log_prob is the actor's recomputed log-prob at the start of the update (the proximal "
         "policy); the rollout engine's (behaviour) policy is used only in verl's bypass mode",
-    },
-)
-
-# ----------------------------------------------------------------------------- TRL 1.16
-
-TRL_BUILTIN_LOSS_TYPES = frozenset({"grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo"})
-
-TRL = FrameworkSpec(
-    name="trl",
-    distribution="trl",
-    supported=">=1.16,<1.17",
-    adapter="stablerl.adapters.trl",
-    builtin_names={POLICY_LOSS: TRL_BUILTIN_LOSS_TYPES},
-    feedable={
-        # rollout_log_prob only with use_vllm=True and vllm_importance_sampling_correction=True;
-        # router log-probs only with routing_replay="R2"|"R3" (the adapter narrows per run)
-        # old_entropy: TRL's old-log-prob pass also computes entropies for a loss that declares it; where TRL
-        # skips that pass its old log-probs are the current policy's, and so is the old entropy
-        POLICY_LOSS: frozenset(
-            {"rollout_log_prob", "entropy", "token_ids", "index", "scores", "router_log_prob", "old_router_log_prob",
-             "old_entropy"}
-        ),
-        # old_log_prob / sum_pi_squared: TRL's old-log-prob pass (or, where TRL runs none, one extra no-grad forward
-        # of the generating policy) through TRL's fused LM head, asked for its log_sum_sq_probs output too
-        # entropy (empg): one extra no-grad forward of the generating policy, as for filters
-        ADVANTAGE_ESTIMATOR: frozenset({"index", "old_log_prob", "sum_pi_squared", "entropy"}),
-        # filters may also take entropy: the TRL adapter runs one extra no-grad forward for it
-        REWARD_SHAPER: _EXTENSION_INPUTS | {"pos_count", "neg_count"},
-        BATCH_FILTER: _EXTENSION_INPUTS | {"pos_count", "neg_count", "entropy"},
-        # the adapter runs num_iterations optimizer passes over each generation batch and calls the hook between them
-        TRAINER_HOOK: frozenset({"params_view"}),
-        # controllers: the generation temperature, and their penalty (an entropy bonus or their own term) in the loss
-        CONTROLLER: frozenset({"entropy_bonus", "rollout_temperature", "loss_term"}),
-        # stablerl_rollout_correction: the engine's sampling log-probs, with TRL's own IS correction off
-        ROLLOUT_CORRECTION: frozenset({"rollout_log_prob"}),
-    },
-    why_not={
-        "*": {
-            "turn_ids": "TRL marks tool tokens with tool_mask but gives no per-token turn ids",
-            "anchor_ids": "TRL's GRPOTrainer has one row per completion (its tool calls stay inside it), no agent "
-            "steps with anchor-state ids",
-            "step_returns": "TRL's GRPOTrainer has one row per completion, no agent steps with step returns",
-            "versions": "TRL's GRPOTrainer keeps no per-token policy versions (a trainer subclass that tracks them can "
-            "supply them through stablerl_extra_loss_inputs, as benchmarks/stability/_offpolicy_trainer.py does)",
-            "policy_version": "TRL's loss call is not given the current policy version (a trainer subclass can supply "
-            "it through stablerl_extra_loss_inputs)",
-            "router_log_prob": "needs routing_replay='R2' or 'R3' on an MoE model (TRL's fused LM head drops router "
-            "logits; stablerl records the router log-probs at the replayed experts)",
-            "old_router_log_prob": "needs routing_replay='R2' or 'R3' on an MoE model (recorded in the old-log-prob pass)",
-            "rollout_log_prob": "needs use_vllm=True and vllm_importance_sampling_correction=True",
-            "entropy": "TRL computes entropies only inside _compute_loss, after advantages",
-            "old_log_prob": "the adapter hands the old-log-prob pass's log-probs to advantage estimators only (the "
-            "loss gets TRL's old_per_token_logps as its old policy)",
-            "reward_baselines": "TRL's GRPOTrainer generates no greedy baseline response per prompt (ReMax)",
-            "sum_pi_squared": "the adapter asks TRL's fused LM head for it (log_sum_sq_probs) in the old-log-prob pass "
-            "for advantage estimators only",
-            "hidden_states": "TRL's forward in _compute_loss returns log-probs and entropies, not the last hidden states",
-            "lm_head_weight": "TRL's loss computation does not expose the LM-head weight to the loss",
-            "sampling_rounds": "TRL's GRPOTrainer generates exactly num_generations completions per prompt in one "
-            "call per generation batch (RepeatSampler fixes the batch layout), so it cannot draw more for a prompt",
-        },
-        ADVANTAGE_ESTIMATOR: {
-            "pos_count": "TRL's GRPOTrainer samples num_generations per prompt in one round: nothing counts samples "
-            "over rounds, and the adapter passes no per-prompt counts to estimators",
-            "neg_count": "TRL's GRPOTrainer samples num_generations per prompt in one round",
-        },
-    },
-    conditions={
-        POLICY_LOSS: {
-            "rollout_log_prob": "use_vllm=True and vllm_importance_sampling_correction=True",
-            "router_log_prob": "routing_replay='R2' or 'R3' on an MoE model",
-            "old_router_log_prob": "routing_replay='R2' or 'R3' on an MoE model",
-        },
-        ROLLOUT_CORRECTION: {
-            "rollout_log_prob": "use_vllm=True (or a rollout_func returning logprobs) and "
-            "vllm_importance_sampling_correction=False",
-        },
-    },
-    selection_keys={
-        POLICY_LOSS: "loss_type",
-        ADVANTAGE_ESTIMATOR: "advantage_estimator",
-        REWARD_SHAPER: "reward_shaper",
-        BATCH_FILTER: "batch_filter",
-        CONTROLLER: "entropy_controller",
-        TRAINER_HOOK: "trainer_hook",
-        # its own key (stablerl_loss_params' rollout_correction is an alias): it replaces TRL's vLLM IS correction
-        ROLLOUT_CORRECTION: "stablerl_rollout_correction",
-    },
-    hyperparameter_keys={
-        POLICY_LOSS: {
-            # TRL's PPO-clip bounds, relative as in its dapo/grpo losses (epsilon_high None = unset)
-            "clip_ratio_low": FrameworkKey("epsilon", 0.2),
-            "clip_ratio_high": FrameworkKey("epsilon_high", None),
-            # INTELLECT-2's two-sided clip (arXiv 2505.07291): -min(min(r, delta) A, clip(r) A) is the dual clip
-            # min(max(-rA, -clip(r)A), -delta A) for A < 0 and PPO for A > 0, value and gradient
-            "clip_ratio_c": FrameworkKey("delta", None),
-        },
-        ADVANTAGE_ESTIMATOR: {
-            # scale_rewards: 'group' (TRL's default) -> True, 'none' -> False; 'batch' is refused
-            "norm_adv_by_std_in_grpo": FrameworkKey(
-                "scale_rewards", True, refuse_if_unused=True, spelled={True: "'group'", False: "'none'"}
-            ),
-            # multi_objective_aggregation: 'sum_then_normalize' (TRL's default: the estimator gets the weighted
-            # sum) -> GDPO's default form; 'normalize_then_sum' (TRL's GDPO) -> gdpo form='trl'; refused for an
-            # estimator without `form` (it works on the weighted sum)
-            "form": FrameworkKey(
-                "multi_objective_aggregation", "verl", refuse_if_unused=True,
-                spelled={"verl": "'sum_then_normalize'", "trl": "'normalize_then_sum'"},
-            ),
-        },
-    },
-    params_keys={
-        POLICY_LOSS: _trl_loss_key,
-        ADVANTAGE_ESTIMATOR: 'stablerl_advantage_params={{"{name}": {value}}}',
-        REWARD_SHAPER: 'stablerl_reward_shaper_params={{"{name}": {value}}}',
-        BATCH_FILTER: 'stablerl_batch_filter_params={{"{name}": {value}}}',
-        CONTROLLER: 'stablerl_entropy_controller_params={{"{name}": {value}}}',
-        TRAINER_HOOK: 'stablerl_trainer_hook_params={{"{name}": {value}}}',
-        ROLLOUT_CORRECTION: 'stablerl_rollout_correction_params={{"{name}": {value}}}',
-    },
-    usage="from stablerl.adapters.trl import GRPOTrainer, GRPOConfig  (instead of trl's)",
-    switches={"rollout_correction": "vllm_importance_sampling_correction",
-              "routing_replay": 'GRPOConfig(routing_replay="R2", ...)  # or "R3" (with vLLM)'},
-    algorithm_notes={
-        "empg": "entropy is the generating policy's, from one extra no-grad forward over the rollout (TRL computes "
-        "entropies only in _compute_loss; shared with a batch filter that reads them too); a step is a contiguous "
-        "run of completion_mask (TRL has no per-token turn ids): one step per completion",
-        "erc": "old_entropy is the entropy of TRL's old-log-prob pass where TRL runs one (num_iterations > 1, "
-        "steps_per_generation > gradient_accumulation_steps, or vLLM importance-sampling correction), else the "
-        "current policy's detached (each micro-batch is then trained once, at the old policy: ratio 1, as TRL's "
-        "old log-probs)",
-        "optimal_token_baseline": _TRL_OTB_NOTE,
-        "tir_optimal_token_baseline": _TRL_OTB_NOTE,
-        "m2po": "old_log_prob is TRL's old_per_token_logps (recomputed when num_iterations > 1 or "
-        "steps_per_generation > gradient_accumulation_steps), else the detached current policy (ratio 1); a "
-        "trainer subclass can hand the behaviour policy's log-probs (stablerl_extra_loss_inputs)",
     },
 )
 
@@ -544,31 +390,6 @@ def _verl_lines(spec: AlgorithmSpec) -> list[str]:
     ]
 
 
-def _trl_lines(spec: AlgorithmSpec) -> list[str]:
-    fields = list(spec.defaults())
-    if spec.kind in (REWARD_SHAPER, BATCH_FILTER, CONTROLLER, TRAINER_HOOK):
-        key = {REWARD_SHAPER: "reward_shaper", BATCH_FILTER: "batch_filter", CONTROLLER: "entropy_controller",
-               TRAINER_HOOK: "trainer_hook"}[spec.kind]
-        lines = ["from stablerl.adapters.trl import GRPOTrainer, GRPOConfig", f'GRPOConfig({key}="{spec.name}", ...)']
-        if fields:
-            example = ", ".join(f'"{f}": <value>' for f in fields)
-            lines.append(f"GRPOConfig(..., stablerl_{key}_params={{{example}}})")
-        if spec.kind == REWARD_SHAPER:
-            lines.append('(needs a stablerl advantage_estimator, e.g. "grpo")')
-        if spec.name == "sfpo":
-            lines.append("(num_iterations = inner_steps + 1, e.g. 4; steps_per_generation = gradient_accumulation_steps)")
-        return lines
-    key = TRL.selection_keys[spec.kind]
-    params_key = "stablerl_loss_params" if spec.kind == POLICY_LOSS else "stablerl_advantage_params"
-    name = _first_name(TRL, spec)
-    lines = ["from stablerl.adapters.trl import GRPOTrainer, GRPOConfig", f'GRPOConfig({key}="{name}", ...)']
-    if fields:
-        example = ", ".join(f'"{f}": <value>' for f in fields)
-        lines.append(f"GRPOConfig(..., {params_key}={{{example}}})")
-        lines.append(f"CLI/YAML: --{key} {name} --{params_key} '{{{example}}}'")
-    return lines
-
-
 def _openrlhf_lines(spec: AlgorithmSpec) -> list[str]:
     fields = list(spec.defaults())
     if spec.kind == CONTROLLER:
@@ -619,7 +440,6 @@ def _first_name(framework: FrameworkSpec, spec: AlgorithmSpec) -> str:
 
 
 VERL = VERL.with_config_lines(_verl_lines)
-TRL = TRL.with_config_lines(_trl_lines)
 OPENRLHF = OPENRLHF.with_config_lines(_openrlhf_lines)
 
 

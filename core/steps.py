@@ -149,7 +149,9 @@ class AdvantageResult:
     """The advantage step's output on the record's ``[N, T]`` layout: ``advantages`` (0 outside the new mask),
     ``returns`` (None when the estimator gave none), ``response_mask`` (the filter's, else the input's),
     ``scores`` / ``token_level_rewards`` after the shaper, ``dropped`` ``[N]`` rows a filter emptied (None: no
-    filter), ``metrics`` (unprefixed: the adapter logs them its framework's way)."""
+    filter), ``metrics`` (unprefixed: the adapter logs them its framework's way), ``filter_result``: the batch
+    filter's own :class:`~stablerl.contracts.FilterResult` (None: no filter; its ``advantages`` None: the filter kept
+    the estimator's)."""
 
     advantages: torch.Tensor
     returns: Optional[torch.Tensor]
@@ -158,6 +160,7 @@ class AdvantageResult:
     token_level_rewards: Optional[torch.Tensor]
     dropped: Optional[torch.Tensor]
     metrics: dict
+    filter_result: Any = None
 
 
 class AdvantageStep:
@@ -251,9 +254,9 @@ class AdvantageStep:
         else:
             out = estimate(record)
             advantages, returns = out if isinstance(out, tuple) else (out, None)
-        mask, dropped = record.response_mask, None
+        mask, dropped, filter_result = record.response_mask, None, None
         if sel.batch_filter:
-            _, filtered = self.filter(record, advantages)
+            filter_result, filtered = self.filter(record, advantages)
             advantages, mask, dropped = filtered.advantages, filtered.response_mask, filtered.dropped
             if returns is not None:
                 returns = returns * mask.to(returns.dtype)
@@ -262,7 +265,7 @@ class AdvantageStep:
             self.state.advance()
         return AdvantageResult(advantages=advantages, returns=returns, response_mask=mask,
                                scores=record.response_scores(), token_level_rewards=record.token_level_rewards,
-                               dropped=dropped, metrics=metrics)
+                               dropped=dropped, metrics=metrics, filter_result=filter_result)
 
 
 def loss_inputs(spec: AlgorithmSpec, record: BatchRecord, *, skip: Iterable[str] = ()) -> dict[str, Any]:

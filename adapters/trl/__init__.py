@@ -1,5 +1,6 @@
 """TRL adapter: ``from stablerl.adapters.trl import GRPOTrainer, GRPOConfig`` (trl >= 1.16, < 1.17); see
-:mod:`stablerl.adapters.trl.trainer` and docs/trl.md.
+:mod:`stablerl.adapters.trl.trainer` and docs/trl.md. The adapter class is
+:class:`stablerl.adapters.trl._adapter.TRLAdapter` (framework-free; TRL's declaration: ``._spec``).
 
 TRL is imported lazily (on first attribute access), so that ``stablerl.tools.demo`` can set its offline environment
 before TRL and the Hugging Face Hub client are imported.

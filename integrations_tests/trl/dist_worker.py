@@ -29,13 +29,19 @@ def digit_reward(prompts, completions, **kwargs):
 class Checked(GRPOTrainer):
     compared = 0
 
-    def _stablerl_advantages(self, out, rewards, unscorable, group, rows, mode, **kwargs):
-        ours = super()._stablerl_advantages(out, rewards, unscorable, group, rows, mode, **kwargs)
-        trl_adv = out["advantages"]  # TRL's own, still in place: (n_local,)
-        per_seq = ours.gather(1, (out["completion_mask"].sum(1, keepdim=True) - 1).clamp(min=0)).squeeze(1)
-        torch.testing.assert_close(per_seq, trl_adv, rtol=1e-6, atol=1e-6)
-        Checked.compared += 1
-        return ours
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        advantage_step = self._stablerl_rollout.run
+
+        def checked(batch, out, **kw):  # the advantage step's call site
+            trl_adv = out["advantages"]  # TRL's own, still in place: (n_local,)
+            ours = advantage_step(batch, out, **kw)["advantages"]
+            per_seq = ours.gather(1, (out["completion_mask"].sum(1, keepdim=True) - 1).clamp(min=0)).squeeze(1)
+            torch.testing.assert_close(per_seq, trl_adv, rtol=1e-6, atol=1e-6)
+            Checked.compared += 1
+            return out
+
+        self._stablerl_rollout.run = checked
 
 
 def rank_main(rank, world, out_dir, loss_type):

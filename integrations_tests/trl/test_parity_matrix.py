@@ -2,7 +2,7 @@
 
 The shared batch goes through the stablerl TRL adapter's real code: ``GRPOTrainer._compute_loss``
 (which runs TRL 1.16's own ``_compute_loss`` around the stablerl loss) and the adapter's advantage
-step ``GRPOTrainer._stablerl_advantages``, on a trainer object built without ``__init__`` that holds
+step (``AdvantageCallSite.run``), on a trainer object built without ``__init__`` that holds
 the attributes those methods read, one process, no gradient accumulation. The model forward is the
 only thing replaced: TRL's ``_get_per_token_logps_and_entropies`` returns the batch's log-probs and
 entropies (the adapter's override of it still runs). Every TRL knob that touches the loss is set
@@ -38,15 +38,21 @@ results = M.Results.fixture(FRAMEWORK)
 def _trainer(loss=None, estimator=None, params=None, *, rollout=False, correction_by_trl=True, mode="token-mean",
              **extra_args):
     """A stablerl ``GRPOTrainer`` without ``__init__``: the attributes ``_compute_loss`` (TRL's and the
-    adapter's) and ``_stablerl_advantages`` read, for one process and GA = 1. ``rollout``: vLLM on (its
+    adapter's) and the advantage step read, for one process and GA = 1. ``rollout``: vLLM on (its
     log-probs in the batch), with TRL's IS correction on unless ``correction_by_trl=False``."""
     from trl import GRPOConfig as TRLConfig
 
     from stablerl.adapters.trl import GRPOConfig, GRPOTrainer
+    from stablerl.adapters.trl._loop import LoopExtras
+    from stablerl.adapters.trl._loss import PolicyLossStep
+    from stablerl.adapters.trl._passes import ForwardPasses
+    from stablerl.adapters.trl._rollout import AdvantageCallSite
+    from stablerl.adapters.trl._routing import RoutingReplay
     from stablerl.adapters.trl.trainer import (advantage_settings, loss_settings, rollout_correction_setting,
                                                 without_rollout_correction)
     from stablerl.frameworks import as_params, get_framework, split_call_options
-    from stablerl.state import StateStore
+    from stablerl.patching import PatchLedger
+    from stablerl.steps import AdvantageSelection
 
     defaults = {f.name: f.default for f in dataclasses.fields(TRLConfig) if f.default is not dataclasses.MISSING}
     ours = {f.name: f.default for f in dataclasses.fields(GRPOConfig) if f.default is not dataclasses.MISSING}
@@ -85,19 +91,21 @@ def _trainer(loss=None, estimator=None, params=None, *, rollout=False, correctio
         pad_across_processes=lambda x, dim=0, pad_index=0: x,
     )
     t._metrics = {"train": defaultdict(list), "eval": defaultdict(list)}
+    # the adapter's collaborators, as its __init__ builds them from the effective hyper-parameters (one precedence
+    # rule), without the config checks (the matrix reaches every offered algorithm's call site)
+    t._stablerl_ledger = PatchLedger("__stablerl_trl_trainer_patch__")
     t._stablerl_loss = loss
-    t._stablerl_spec = stablerl.get_spec(M.POLICY_LOSS, loss) if loss else None
-    t._stablerl_estimator = estimator
-    # the effective hyper-parameters, as the adapter's __init__ resolves them (one precedence rule)
-    t._stablerl_loss_params, options = split_call_options(as_params(loss_settings(t.args, loss))) if loss else ({}, {})
-    t._stablerl_call_options = without_rollout_correction(options)
-    t._stablerl_adv_params = as_params(advantage_settings(t.args, estimator)) if estimator else {}
-    t._stablerl_agg_mode = mode
-    t._stablerl_correction, t._stablerl_correction_params = rollout_correction_setting(t.args)
-    t._stablerl_store = StateStore(holds="trainer")  # fresh algorithm state, as the core call has
-    t._stablerl_capture = None
-    t._rr_router_lp = False
-    t._stablerl_old_entropy = None  # no generation here: nothing armed in the old-log-prob pass
+    loss_params, options = split_call_options(as_params(loss_settings(t.args, loss))) if loss else ({}, {})
+    correction, correction_params = rollout_correction_setting(t.args)
+    t._stablerl_losses = PolicyLossStep(t, loss, params=loss_params, call_options=without_rollout_correction(options),
+                                        agg_mode=mode, correction=correction, correction_params=correction_params)
+    t._stablerl_loop = LoopExtras(t, {"entropy_controller": None, "trainer_hook": None})
+    t._stablerl_store = t._stablerl_loop.store  # fresh algorithm state, as the core call has
+    t._stablerl_routing = RoutingReplay(t, None)
+    t._stablerl_passes = ForwardPasses(t, t._stablerl_routing)
+    adv_params = as_params(advantage_settings(t.args, estimator)) if estimator else {}
+    t._stablerl_rollout = AdvantageCallSite(t, t._stablerl_passes,
+                                            AdvantageSelection(estimator=estimator, estimator_params=adv_params))
     return t
 
 
@@ -140,13 +148,20 @@ def _through_advantage_step(name, b, params):
     t = _trainer(estimator=name, params=params)
     mask = b["response_mask"]
     n = mask.shape[0]
-    out = {"completion_mask": mask.to(torch.int32)}
+    out = {"completion_mask": mask.to(torch.int32), "completion_ids": torch.zeros(mask.shape, dtype=torch.long),
+           "advantages": torch.zeros(n)}
     group = torch.arange(n) // b["group_size"]  # TRL's RepeatSampler: contiguous groups
     assert torch.equal(group, b["index"])
-    # optimal_token_baseline: the old-log-prob pass's log-probs and sum_pi_squared, as _generate_and_score_completions
-    # hands them over (from TRL's fused LM head)
-    adv = t._stablerl_advantages(out, b["scores"], torch.zeros(n, dtype=torch.bool), group, slice(0, n), "train",
-                                 old_pass=M.advantage_inputs(name, b))
+    # the old-log-prob pass's statistics (optimal_token_baseline: log-probs and sum_pi_squared from TRL's fused LM
+    # head; empg: the generating policy's entropies), as the generation batch's record holds them once computed
+    from stablerl.adapters.trl._adapter import TRLAdapter
+    from stablerl.adapters.trl._records import GenerationBatch
+
+    stats = M.advantage_inputs(name, b)
+    batch = GenerationBatch(TRLAdapter(), site=t._stablerl_rollout, response_mask=mask.float(), index=group,
+                            scores=b["scores"], unscorable=torch.zeros(n, dtype=torch.bool), host=out, rows=slice(0, n),
+                            entropy=stats.pop("entropy", None), old_stats=stats or None)
+    adv = t._stablerl_rollout.run(batch, out)["advantages"]
     return adv * mask
 
 

@@ -11,6 +11,8 @@ import trl_helpers as H  # noqa: I001
 
 from stablerl.api import compute_advantage as core_advantage  # bound before the tests' spy
 from stablerl.adapters.trl import GRPOConfig, GRPOTrainer
+from stablerl.adapters.trl._passes import ForwardPasses
+from stablerl.adapters.trl._records import GenerationBatch
 
 TEMPERATURE = 0.8
 PARAMS = {"k": 2.0, "zeta": 0.5}
@@ -24,15 +26,18 @@ def _reference_entropy(model, out):
 def _run(tmp_path, monkeypatch, **overrides):
     forwards = []
 
-    class CountingForwards(GRPOTrainer):
-        def _ext_rollout_forward(self, out, mode, needed_by, compute_entropy=False):
-            forwards.append(needed_by)
-            return super()._ext_rollout_forward(out, mode, needed_by, compute_entropy=compute_entropy)
+    real = ForwardPasses.rollout_forward
+
+    def counting(self, out, mode, needed_by, compute_entropy=False):
+        forwards.append(needed_by)
+        return real(self, out, mode, needed_by, compute_entropy=compute_entropy)
+
+    monkeypatch.setattr(ForwardPasses, "rollout_forward", counting)
 
     args = GRPOConfig(**H.base_kwargs(tmp_path, advantage_estimator="empg", temperature=TEMPERATURE,
                                       stablerl_advantage_params=PARAMS, num_iterations=1,
                                       gradient_accumulation_steps=1, **overrides))
-    _, batches, calls = H.train_recording_estimator(monkeypatch, CountingForwards, args)
+    _, batches, calls = H.train_recording_estimator(monkeypatch, GRPOTrainer, args)
     return batches, calls, forwards
 
 
@@ -67,4 +72,4 @@ def test_empg_refuses_a_multimodal_batch_with_the_reason(tmp_path):
                           train_dataset=H.build_dataset(8, seed=0), processing_class=H.TOKENIZER)
     with pytest.raises(Exception, match=r"advantage_estimator='empg' \(the rollout's entropies\) needs an extra "
                                         r"forward pass .* text-only batches; this batch has \['pixel_values'\]"):
-        trainer._ext_rollout_entropy({"pixel_values": torch.zeros(1)}, "train")
+        trainer._stablerl_rollout.rollout_entropy(GenerationBatch(host={"pixel_values": torch.zeros(1)}, mode="train"))

@@ -49,13 +49,14 @@ class Probe(GRPOTrainer):
         self.calls = []
 
     def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, *args, **kwargs):
-        rollout = self._rr_rollout is not None
+        batch, routing = self._stablerl_batch, self._stablerl_routing
+        rollout = batch is not None and routing.mode is not None
         with rr.capture(self.accelerator.unwrap_model(model)) as cap:
             out = super()._get_per_token_logps_and_entropies(model, input_ids, attention_mask, logits_to_keep, *args,
                                                              **kwargs)
         parts = [r.batch_tensor()[0] for r in cap.routes_list()]
         used = rr.Routes.from_batch_tensor(torch.cat(parts), num_experts=8)
-        meant = (self._rr_rollout["routes"] if rollout else self._rr_current) if self._rr_mode else None
+        meant = (batch.routes if rollout else routing.current) if routing.mode else None
         self.calls.append(dict(phase="rollout" if rollout else "train", step=self.state.global_step, used=used,
                                meant=meant, input_ids=input_ids.detach().clone(),
                                attention_mask=attention_mask.detach().clone(), logits_to_keep=logits_to_keep,
@@ -142,7 +143,7 @@ def test_r3_training_forward_uses_the_generation_routes(tmp_path):
     gen_rows = {tuple(r.indices.flatten().tolist()) for r in rollout[0]["meant"].split(1)}
     for call in train:
         assert all(tuple(r.indices.flatten().tolist()) in gen_rows for r in call["meant"].split(1))
-    assert not trainer._rr_handles  # released after backward
+    assert not trainer._stablerl_routing.handles  # released after backward
     assert math.isfinite(rec.logs[0]["loss"])
 
 
@@ -184,7 +185,7 @@ def test_trains_with_replay(tmp_path, mode):
     for c in train:
         assert c["meant"] is not None and rr.mismatch_fraction(c["meant"], c["used"]) == 0.0
     # R2's routes are the old pass's native routes, R3's the rollout's
-    assert trainer._rr_mode == mode
+    assert trainer._stablerl_routing.mode == mode
 
 
 def test_r2_without_old_pass_records_in_the_training_forward(tmp_path):

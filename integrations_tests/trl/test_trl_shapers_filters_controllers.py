@@ -60,9 +60,8 @@ class Spy(GRPOTrainer):
         return out
 
     def _compute_loss(self, model, inputs):
-        if self._ext_penalty_capture is None:
-            self.loss_inputs.append({k: inputs[k].clone() for k in ("advantages", "completion_mask", "tool_mask")
-                                     if k in inputs})
+        self.loss_inputs.append({k: inputs[k].clone() for k in ("advantages", "completion_mask", "tool_mask")
+                                 if k in inputs})
         return super()._compute_loss(model, inputs)
 
 
@@ -218,7 +217,7 @@ def test_aepo_sets_generation_temperature(tmp_path, entropy_base, expected):
     assert trainer.temperatures == [1.0, expected, expected]
     assert trainer.temperature == 1.0  # log-probs stay at the training temperature (AEPO's convention)
     assert rec.logs[0]["stablerl/aepo/temperature"] == expected
-    assert trainer._ext_controller.last_entropy == pytest.approx(rec.logs[-1]["entropy"], rel=1e-6)
+    assert trainer._stablerl_loop.controller.last_entropy == pytest.approx(rec.logs[-1]["entropy"], rel=1e-6)
 
 
 def test_epo_penalty_is_added(tmp_path):
@@ -227,7 +226,7 @@ def test_epo_penalty_is_added(tmp_path):
                               stablerl_entropy_controller_params={"max_steps": 1})
     assert rec.logs[-1]["stablerl/epo/phase_weight"] > 0
     assert "stablerl/epo/smooth_penalty" in rec.logs[-1]
-    assert trainer._ext_controller.counts[0] == 2  # one history entry per optimizer step
+    assert trainer._stablerl_loop.controller.counts[0] == 2  # one history entry per optimizer step
 
 
 def test_controller_and_loss_state_checkpointed(tmp_path):
@@ -268,7 +267,7 @@ def test_controller_and_loss_state_checkpointed(tmp_path):
                       train_dataset=H.build_dataset(64, seed=0), processing_class=H.TOKENIZER)
     resumed.train(resume_from_checkpoint=ckpt1)
     assert Resumed.restored == saved1
-    assert resumed._ext_controller.steps == 2  # continued from 1, not restarted
+    assert resumed._stablerl_loop.controller.steps == 2  # continued from 1, not restarted
     assert updates(H.plain(resumed.stablerl_state_dict())) > updates(saved1)
 
     # a checkpoint of earlier development versions (stablerl_controller.json, {"format": 1}) still loads
@@ -285,7 +284,7 @@ def test_controller_and_loss_state_checkpointed(tmp_path):
               train_dataset=H.build_dataset(64, seed=0), processing_class=H.TOKENIZER)
     assert old.load_stablerl_state(str(legacy_dir))
     assert H.plain(old.stablerl_state_dict()) == saved
-    assert torch.equal(old._ext_rng.get_state(), fresh._ext_rng.get_state())
+    assert torch.equal(old._stablerl_loop.rng.get_state(), fresh._stablerl_loop.rng.get_state())
 
 
 # ----------------------------------------------------------------------------- two processes

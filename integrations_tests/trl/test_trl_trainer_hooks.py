@@ -37,16 +37,20 @@ class Spy(GRPOTrainer):
     def __init__(self, *a, **k):
         super().__init__(*a, **k)
         self.slow, self.after_hook, self.generations = [], [], 0
+        loop = self._stablerl_loop  # the trainer hook's passes (stablerl.adapters.trl._loop)
+        before, after = loop.before_pass, loop.after_pass
 
-    def _ext_hook_before_pass(self):
-        starts = self._ext_passes.pass_index is None and self.model.training
-        super()._ext_hook_before_pass()
-        if starts:
-            self.slow.append(flat(self.model))
+        def before_pass():
+            starts = loop.passes.pass_index is None and self.model.training
+            before()
+            if starts:
+                self.slow.append(flat(self.model))
 
-    def _ext_hook_after_pass(self):
-        super()._ext_hook_after_pass()
-        self.after_hook.append(flat(self.model))
+        def after_pass():
+            after()
+            self.after_hook.append(flat(self.model))
+
+        loop.before_pass, loop.after_pass = before_pass, after_pass
 
     def _generate_and_score_completions(self, inputs):
         self.generations += 1
@@ -107,7 +111,7 @@ def test_sfpo_stop_rule_switches_to_one_pass(tmp_path):
     params = sfpo_params(zscore_window=2, zscore_threshold=-1e9)
     trainer, rec, _ = H.train(Spy, cfg(tmp_path, trainer_hook="sfpo", stablerl_trainer_hook_params=params,
                                        max_steps=2 * (K + 1) + 2), reward=H.binary_digit_reward)
-    hook = trainer._ext_hook
+    hook = trainer._stablerl_loop.hook
     assert hook.stopped and trainer.num_iterations == 1
     assert trainer.generations == 2 + 2  # two SFPO batches, then one generation per step
     assert len(hook.entropy_history) == 2  # window 2 (one slow-pass entropy per batch; later ones roll in)
@@ -121,7 +125,7 @@ def test_sfpo_state_in_checkpoint(tmp_path):
                                        save_strategy="steps", save_steps=K + 1), reward=H.binary_digit_reward)
     state = torch.load(os.path.join(tmp_path, f"checkpoint-{2 * (K + 1)}", "stablerl_state.pt"), weights_only=False)
     saved = state["objects"]["trainer_hook"]["sfpo"]
-    assert saved == trainer._ext_hook.state_dict()
+    assert saved == trainer._stablerl_loop.hook.state_dict()
     assert saved["batches"] == 2 and len(saved["entropy_history"]) == 2
     assert saved["entropy_history"][-1] == pytest.approx(rec.logs[-1]["entropy"], rel=1e-6)
 
@@ -159,7 +163,7 @@ def test_adaptive_entropy_controller_equals_trl(tmp_path, target):
     expected = [0.25, 0.3, 0.3] if target == 100.0 else [0.15, 0.1, 0.05]
     assert trl_coefs == pytest.approx(expected, abs=1e-12)
     assert our_coefs == pytest.approx(trl_coefs, abs=1e-12)
-    assert ours._ext_controller.last_entropy == pytest.approx(native._last_world_entropy, rel=1e-9)
+    assert ours._stablerl_loop.controller.last_entropy == pytest.approx(native._last_world_entropy, rel=1e-9)
     for a, b in zip(rec_native.params, rec_ours.params):
         torch.testing.assert_close(b, a, rtol=1e-10, atol=1e-12)
     # the bonus acted: without it the weights differ
@@ -182,8 +186,11 @@ def test_trainer_hook_refuses_deepspeed():
 
     fake = SimpleNamespace(args=SimpleNamespace(num_iterations=3, steps_per_generation=1, gradient_accumulation_steps=1),
                            accelerator=SimpleNamespace(state=SimpleNamespace(deepspeed_plugin=SimpleNamespace(zero_stage=2))),
-                           is_deepspeed_enabled=True, _ext_hook_name="sfpo")
+                           is_deepspeed_enabled=True)
+    from stablerl.adapters.trl._loop import LoopExtras
+
+    loop = SimpleNamespace(trainer=fake, hook_name="sfpo")
     with pytest.raises(stablerl.StableRLError, match="DeepSpeed"):
-        GRPOTrainer._ext_hook_check(fake, 3)
+        LoopExtras._check_hook(loop, 3)
     fake.is_deepspeed_enabled = False
-    GRPOTrainer._ext_hook_check(fake, 3)  # DDP / single process: fine
+    LoopExtras._check_hook(loop, 3)  # DDP / single process: fine

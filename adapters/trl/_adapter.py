@@ -1,0 +1,193 @@
+"""The TRL adapter class: what TRL can feed (its providers), the version and signature check. Framework-free at
+import (``stablerl list`` builds TRL's declaration from :meth:`TRLAdapter.feedable` where TRL is not installed).
+
+The adapter extends TRL by subclassing (``stablerl.adapters.trl.GRPOTrainer``): :meth:`TRLAdapter._instrument`
+patches nothing of TRL's, it checks the installed TRL. What one trainer rebinds on its own objects (``loss_type``
+while TRL's loss runs as the host of a stablerl loss, ``model.forward`` for the fused head's ``log_sum_sq_probs``)
+goes through that trainer's :class:`~stablerl.patching.PatchLedger`.
+
+Each provider reads one input from a batch's record: a :class:`~stablerl.adapters.trl._records.GenerationBatch`
+(the advantage step's, gathered over processes) or a :class:`~stablerl.adapters.trl._records.LossBatch` (one
+micro-batch of ``_compute_loss``). A provider marked ``extra_pass`` costs a forward TRL would not run, and runs
+only when a selected algorithm declares its input.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+
+from stablerl.adapter import FrameworkAdapter
+from stablerl.contracts import (ADVANTAGE_ESTIMATOR, BATCH_FILTER, CONTROLLER, POLICY_LOSS, REWARD_SHAPER,
+                                ROLLOUT_CORRECTION, TRAINER_HOOK)
+from stablerl.frameworks import UnsupportedVersionError, check_signatures, check_version
+from stablerl.patching import PatchLedger
+from stablerl.providers import provides
+
+_EXTENSIONS = (REWARD_SHAPER, BATCH_FILTER)
+_ROUTING_REPLAY = "routing_replay='R2' or 'R3' on an MoE model"
+# per-response inputs the user provides (a reward function's TRL log_extra, a rollout_func field or a dataset column)
+USER_INPUTS = ("correct", "flawed", "void_turn", "pos_count", "neg_count")
+
+
+class UnsupportedTRLVersionError(UnsupportedVersionError):
+    """The installed TRL is outside the range this adapter was written and tested against."""
+
+
+# Private TRL methods this adapter overrides or calls, with the parameters it relies on.
+REQUIRED_SIGNATURES = {
+    "_compute_loss": ("model", "inputs"), "_generate_and_score_completions": ("inputs",), "_generate": ("prompts",),
+    "_calculate_rewards": ("inputs", "prompts", "completions", "completion_ids_list"),
+    "_get_per_token_logps_and_entropies": ("model", "input_ids", "attention_mask", "logits_to_keep", "compute_entropy",
+                                           "compute_aux_loss"),
+    "get_high_entropy_mask": ("entropies", "mask", "threshold"),
+    "get_off_policy_mask": ("advantages", "per_token_logps", "sampling_per_token_logps", "mask", "off_policy_threshold"),
+    "_generate_single_turn": ("prompt_ids", "images", "multimodal_fields", "num_generations", "has_tool_images"),
+    "training_step": ("model", "inputs", "num_items_in_batch"),
+    "compute_loss": ("model", "inputs", "return_outputs", "num_items_in_batch"),
+    "_load_optimizer_and_scheduler": ("checkpoint",),  # stablerl state in TRL's checkpoints
+}
+
+
+def _user_input(name: str):
+    @provides(name, to=_EXTENSIONS)
+    def provider(self, record):
+        """A per-completion value of the user's: TRL's log_extra(name, values), a rollout_func field or a column."""
+        return record.user_inputs.get(name)
+
+    provider.__name__ = name
+    return provider
+
+
+class TRLAdapter(FrameworkAdapter):
+    """TRL >= 1.16, < 1.17: ``GRPOTrainer`` / ``GRPOConfig`` subclasses (``stablerl.adapters.trl``)."""
+
+    name = "trl"
+    version_error = UnsupportedTRLVersionError
+
+    # -- instrument: the version and the private signatures (nothing of TRL's is patched) --------------
+
+    def check_dependencies(self, found=None, *, allow=None) -> str:
+        if allow is None and os.environ.get("STABLERL_TRL_SKIP_VERSION_CHECK", "") == "1":
+            allow = True  # the older spelling of STABLERL_ALLOW_UNSUPPORTED=1
+        return super().check_dependencies(found, allow=allow)
+
+    def check(self, trl_module=None) -> None:
+        """Raise :class:`UnsupportedTRLVersionError` unless ``trl_module`` (default: TRL) is in the supported range
+        (core's one version policy) and the private methods this adapter uses have the expected signatures (never
+        waived)."""
+        if trl_module is None:
+            import trl as trl_module
+        found = self.check_dependencies(getattr(trl_module, "__version__", "unknown"))
+        check_signatures("trl", trl_module.GRPOTrainer, REQUIRED_SIGNATURES, found, error=UnsupportedTRLVersionError)
+
+    def _instrument(self, ledger: PatchLedger, **options: Any) -> None:
+        import trl
+
+        check_signatures("trl", trl.GRPOTrainer, REQUIRED_SIGNATURES, self.version, error=UnsupportedTRLVersionError)
+
+    # -- the policy loss's inputs (a LossBatch: one micro-batch of _compute_loss) ------------------------
+
+    @provides("entropy", to=(POLICY_LOSS,))
+    def entropy(self, record):
+        """The training forward's entropies (TRL's _get_per_token_logps_and_entropies in _compute_loss)."""
+        return record.entropies
+
+    @provides("old_entropy", to=(POLICY_LOSS,))
+    def old_entropy(self, record):
+        """TRL's old-log-prob pass's entropies, carried with the rows; without that pass, the current ones."""
+        old = record.host.get("stablerl_old_entropy")
+        return record.entropies.detach() if old is None else old
+
+    @provides("token_ids", to=(POLICY_LOSS,))
+    def token_ids(self, record):
+        """TRL's completion_ids."""
+        return record.host["completion_ids"]
+
+    @provides("rollout_log_prob", to=(POLICY_LOSS,),
+              condition="use_vllm=True and vllm_importance_sampling_correction=True")
+    @provides("rollout_log_prob", to=(ROLLOUT_CORRECTION,),
+              condition="use_vllm=True (or a rollout_func returning logprobs) and vllm_importance_sampling_correction=False")
+    def rollout_log_prob(self, record):
+        """The rollout engine's sampling log-probs (TRL's sampling_per_token_logps; NaN: not scored, no mismatch)."""
+        return record.rollout_log_prob
+
+    @provides("router_log_prob", to=(POLICY_LOSS,), condition=_ROUTING_REPLAY)
+    def router_log_prob(self, record):
+        """Router log-probs at the replayed experts, recorded in the training forward."""
+        return record.router_log_prob
+
+    @provides("old_router_log_prob", to=(POLICY_LOSS,), condition=_ROUTING_REPLAY)
+    def old_router_log_prob(self, record):
+        """Router log-probs of the old-log-prob pass; without that pass, the training forward's (old == current)."""
+        old = record.host.get("stablerl_old_router_log_prob")
+        return record.router_log_prob if old is None or record.router_log_prob is None else \
+            old.to(record.router_log_prob.device)
+
+    # -- prompt groups and scores (both records: the advantage step's gathered batch, or carried rows) -------
+
+    @provides("index", to=(POLICY_LOSS, ADVANTAGE_ESTIMATOR, *_EXTENSIONS))
+    def index(self, record):
+        """Prompt groups: RepeatSampler's contiguous groups of num_generations."""
+        return record.index
+
+    @provides("scores", to=(POLICY_LOSS, *_EXTENSIONS))
+    def scores(self, record):
+        """TRL's reward: the weighted sum of the reward functions (after a reward shaper)."""
+        return record.scores
+
+    @provides("lengths", to=_EXTENSIONS)
+    def lengths(self, record):
+        """The number of trained tokens of each completion."""
+        return record.response_mask.sum(-1).to(torch.float64)
+
+    correct, flawed, void_turn, pos_count, neg_count = map(_user_input, USER_INPUTS)
+
+    # -- statistics of the generating policy (extra passes: only when a selected algorithm reads them) -----
+
+    @provides("entropy", to=(ADVANTAGE_ESTIMATOR,), extra_pass=True)
+    def rollout_entropy(self, record):
+        """The generating policy's entropies (one extra no-grad forward, shared with an entropy-reading filter)."""
+        return record.gathered(record.rollout_entropy()) * record.response_mask
+
+    @provides("entropy", to=(BATCH_FILTER,), extra_pass=True)
+    def filter_entropy(self, record):
+        """As :meth:`rollout_entropy`, unmasked (the filter masks)."""
+        return record.gathered(record.rollout_entropy())
+
+    @provides("old_log_prob", to=(ADVANTAGE_ESTIMATOR,), extra_pass=True)
+    def old_log_prob(self, record):
+        """The old-log-prob pass's log-probs (TRL's, or one extra forward through the fused LM head)."""
+        return record.gathered(record.old_pass_stats()["old_log_prob"]) * record.response_mask
+
+    @provides("sum_pi_squared", to=(ADVANTAGE_ESTIMATOR,), extra_pass=True)
+    def sum_pi_squared(self, record):
+        """sum_v pi(v)^2 of each token: the fused LM head's log_sum_sq_probs, in the same forward as old_log_prob."""
+        return record.gathered(record.old_pass_stats()["sum_pi_squared"]) * record.response_mask
+
+    # -- what the training loop offers controllers and trainer hooks (record: the trainer's LoopExtras) -----
+
+    @provides("params_view", to=(TRAINER_HOOK,))
+    def params_view(self, record):
+        """The trainable parameters and the optimizer, between TRL's num_iterations passes."""
+        return record.params_view()
+
+    @provides("entropy_bonus", to=(CONTROLLER,))
+    def entropy_bonus(self, record):
+        """The controller's entropy bonus, added to the loss of each micro-batch."""
+        return record.loss_term
+
+    @provides("loss_term", to=(CONTROLLER,))
+    def loss_term(self, record):
+        """The controller's own loss term on the training forward's entropies."""
+        return record.loss_term
+
+    @provides("rollout_temperature", to=(CONTROLLER,))
+    def rollout_temperature(self, record):
+        """Sets the sampling temperature of the next generations."""
+        return record.apply
+
+
+__all__ = ["TRLAdapter", "UnsupportedTRLVersionError", "REQUIRED_SIGNATURES", "USER_INPUTS"]
