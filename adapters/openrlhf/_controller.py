@@ -27,18 +27,13 @@ from stablerl.params import StableRLError
 from stablerl.state import StateStore
 from stablerl.trainer_loop import ControllerDriver, scalar_metrics
 
-from . import _state
+from ._flags import NAME
 from ._selection import check_entropy_coef_unset, selection_from_args
-from ._spec import OPENRLHF
-
-#: attribute of the ActorPPOTrainer: its ControllerDriver
-DRIVER = "_stablerl_controller"
-#: attribute of the policy Actor: [entropy sum, token count] of the training forwards since the last optimizer step
-ENTROPY_METER = "_stablerl_entropy_meter"
 
 
-def arm(trainer: Any) -> Optional[ControllerDriver]:
-    """In ``ActorPPOTrainer.__init__``: the selected controller, its state adopted into this worker's checkpoints."""
+def arm(trainer: Any, adapter: Any) -> Optional[ControllerDriver]:
+    """In ``ActorPPOTrainer.__init__``: the selected controller on the policy actor's ``PolicyWorker`` (with its
+    entropy meter), its state adopted into this worker's checkpoints."""
     selection = selection_from_args(trainer.args)
     name = selection.entropy_controller
     if name is None:
@@ -53,24 +48,21 @@ def arm(trainer: Any) -> Optional[ControllerDriver]:
                             "OpenRLHF's adapter sets only --actor.entropy_coef")
     store = StateStore(holds="controller")
     store.track(_CONTROLLER, name, driver)
-    trainer.__dict__[DRIVER] = driver
-    trainer.__dict__["_stablerl_controller_store"] = store  # kept alive with the trainer (the ledger holds a weakref)
-    _state.CONTROLLER.adopt(store)
-    if getattr(trainer, "actor", None) is not None:
-        trainer.actor.__dict__[ENTROPY_METER] = [0.0, 0.0]
+    worker = adapter.worker(trainer, create=True)
+    worker.controller, worker.controller_store, worker.meter = driver, store, [0.0, 0.0]  # the store lives with it
+    adapter.controller_state.adopt(store)
     actor_args.entropy_coef = float(driver.controller.applied_coef)  # not None: OpenRLHF computes the entropy
     spec = get_spec(_CONTROLLER, name)  # the effective-settings table, once per process
-    log_effective_settings(OPENRLHF, spec, effective_hyperparameters(OPENRLHF, spec,
-                                                                     selection.entropy_controller_params))
+    log_effective_settings(NAME, spec, effective_hyperparameters(NAME, spec, selection.entropy_controller_params))
     return driver
 
 
-def record_entropy(actor: Any, args: tuple, kwargs: dict, result: Any) -> None:
+def record_entropy(worker: Any, args: tuple, kwargs: dict, result: Any) -> None:
     """After a training ``Actor.forward`` of an armed actor: add the action tokens' entropy (as OpenRLHF slices and
     masks it in ``training_step``) to the meter."""
-    meter = actor.__dict__.get(ENTROPY_METER)
-    if meter is None or not kwargs.get("return_output") or not isinstance(result, tuple):
+    if worker is None or worker.controller is None or not kwargs.get("return_output") or not isinstance(result, tuple):
         return
+    meter = worker.meter
     output = result[1]
     entropy = getattr(output, "entropy", None)
     action_mask = kwargs.get("action_mask", args[1] if len(args) > 1 else None)
@@ -90,14 +82,14 @@ def _optimizer_steps(trainer: Any) -> Optional[int]:
     return int(steps) if isinstance(steps, int) else None
 
 
-def before_step(trainer: Any) -> Optional[tuple]:
+def before_step(trainer: Any, worker: Any) -> Optional[tuple]:
     """Before ``training_step``: the coefficient in force on OpenRLHF's args; returns what :func:`after_step` needs."""
-    driver = trainer.__dict__.get(DRIVER)
+    driver = worker.controller if worker is not None else None
     if driver is None:
         return None
     coef = float(driver.controller.applied_coef)
     trainer.args.actor.entropy_coef = coef
-    return driver, coef, _optimizer_steps(trainer)
+    return worker, coef, _optimizer_steps(trainer)
 
 
 def _reduced(trainer: Any, meter: list) -> tuple[float, float]:
@@ -117,9 +109,9 @@ def after_step(trainer: Any, armed: Optional[tuple], status: Any) -> None:
     and the coefficient applied go into the status OpenRLHF logs (not reduced: every rank has the same)."""
     if armed is None:
         return
-    driver, applied, steps_before = armed
+    worker, applied, steps_before = armed
+    driver, meter = worker.controller, worker.meter
     if steps_before is None or _optimizer_steps(trainer) != steps_before:
-        meter = trainer.actor.__dict__[ENTROPY_METER]
         total, count = _reduced(trainer, meter)
         meter[0] = meter[1] = 0.0
         driver.step(entropy=total / count if count > 0 else None)  # an all-masked step: no entropy, no change
@@ -129,4 +121,4 @@ def after_step(trainer: Any, armed: Optional[tuple], status: Any) -> None:
         status.setdefault("weights", {}).update(dict.fromkeys(metrics))  # None: OpenRLHF does not reduce them
 
 
-__all__ = ["arm", "record_entropy", "before_step", "after_step", "DRIVER", "ENTROPY_METER"]
+__all__ = ["arm", "record_entropy", "before_step", "after_step"]

@@ -11,29 +11,29 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import stablerl
-from stablerl.contracts import ADVANTAGE_ESTIMATOR as _ADV, CONTROLLER as _CONTROLLER, POLICY_LOSS as _LOSS
+from stablerl.contracts import ADVANTAGE_ESTIMATOR as _ADV, BATCH_FILTER as _FILTER, CONTROLLER as _CONTROLLER
+from stablerl.contracts import POLICY_LOSS as _LOSS, REWARD_SHAPER as _SHAPER
 from stablerl.frameworks import (as_params, check_call_options, check_framework_keys_used, check_shaper_and_components,
-                                 effective_hyperparameters, selectable_names, split_call_options)
+                                 effective_hyperparameters, get_framework, selectable_names, split_call_options)
 from stablerl.frameworks import resolve as _resolve_in
 from stablerl.params import MissingInputError, StableRLError, build_params, parse_params  # noqa: F401 (re-export)
 
-from ._spec import (_FILTER, _FORWARDED_ENV, _SHAPER, COMPONENT_WEIGHTS_FLAG, COMPONENTS_FLAG, CONTROLLER_FLAG,
-                    ENV_ADVANTAGE, ENV_ADVANTAGE_PARAMS, ENV_BATCH_FILTER, ENV_BATCH_FILTER_PARAMS,
-                    ENV_CHAINED_SETUP_HOOK, ENV_CONTROLLER, ENV_CONTROLLER_PARAMS,
-                    ENV_POLICY_LOSS, ENV_POLICY_LOSS_PARAMS, ENV_PREVIOUS_RUNTIME_ENV_HOOK, ENV_REWARD_SHAPER,
-                    ENV_REWARD_SHAPER_PARAMS, ENV_ROUTING_REPLAY, FILTER_FLAG, LEGACY_SETUP_HOOK, OPENRLHF, SETUP_HOOK,
-                    SHAPER_FLAG)
+from ._flags import (COMPONENT_WEIGHTS_FLAG, COMPONENTS_FLAG, CONTROLLER_FLAG, ENV_ADVANTAGE, ENV_ADVANTAGE_PARAMS,
+                     ENV_BATCH_FILTER, ENV_BATCH_FILTER_PARAMS, ENV_CHAINED_SETUP_HOOK, ENV_CONTROLLER,
+                     ENV_CONTROLLER_PARAMS, ENV_POLICY_LOSS, ENV_POLICY_LOSS_PARAMS, ENV_PREVIOUS_RUNTIME_ENV_HOOK,
+                     ENV_REWARD_SHAPER, ENV_REWARD_SHAPER_PARAMS, ENV_ROUTING_REPLAY, FILTER_FLAG, FORWARDED_ENV,
+                     IS_CORRECTION_FLAG, LEGACY_SETUP_HOOK, NAME, SETUP_HOOK, SHAPER_FLAG)
 
 
 def openrlhf_choices(kind: str) -> list[str]:
     """The names the wrapper's argparse lists: OpenRLHF's, then every stablerl algorithm OpenRLHF can feed."""
-    return selectable_names(OPENRLHF, kind)
+    return selectable_names(get_framework(NAME), kind)
 
 
 def resolve(kind: str, name: Optional[str]) -> Optional[str]:
     """The stablerl algorithm ``name`` selects, or None for an OpenRLHF built-in (or None): core's one name rule
     (:func:`stablerl.frameworks.resolve`; unknown names and inputs OpenRLHF cannot feed raise, saying why)."""
-    return _resolve_in(OPENRLHF, kind, name)
+    return _resolve_in(NAME, kind, name)
 
 
 def check_rollout_log_probs(spec, call_options: dict, is_correction_level: str) -> None:
@@ -43,7 +43,7 @@ def check_rollout_log_probs(spec, call_options: dict, is_correction_level: str) 
     if ("rollout_log_prob" in spec.requires or correction) and is_correction_level == "off":
         what = f"rollout_correction={correction!r}" if correction else f"policy loss {spec.name!r}"
         raise MissingInputError(
-            f"{what} needs rollout log-probs: set --algo.advantage.is_correction_level token|seq (OpenRLHF requests "
+            f"{what} needs rollout log-probs: set {IS_CORRECTION_FLAG} token|seq (OpenRLHF requests "
             "vLLM log-probs only then; its own IS weights are then not applied)")
 
 
@@ -105,7 +105,7 @@ class Selection:
         """The loss's effective hyper-parameters with their sources: ``--actor.stablerl_params`` > the clip flags
         given on the command line > the paper's defaults (:data:`stablerl.frameworks.PRECEDENCE`)."""
         clip = dict(self.openrlhf_clip or {})
-        return effective_hyperparameters(OPENRLHF, stablerl.get_spec(_LOSS, self.policy_loss),
+        return effective_hyperparameters(NAME, stablerl.get_spec(_LOSS, self.policy_loss),
                                          self.policy_loss_params, clip, user_set=set(clip))
 
     def advantage_settings(self) -> list:
@@ -113,8 +113,8 @@ class Selection:
         defaults; a knob the estimator cannot honour is refused."""
         spec = stablerl.get_spec(_ADV, self.advantage_estimator)
         given = dict(self.openrlhf_advantage or {})
-        check_framework_keys_used(OPENRLHF, spec, given, user_set=set(given))
-        return effective_hyperparameters(OPENRLHF, spec, self.advantage_params, given, user_set=set(given))
+        check_framework_keys_used(NAME, spec, given, user_set=set(given))
+        return effective_hyperparameters(NAME, spec, self.advantage_params, given, user_set=set(given))
 
     def requires(self, kind: str, what: str) -> bool:
         """Whether the selected algorithm of ``kind`` declares input ``what``."""
@@ -144,7 +144,7 @@ class Selection:
             spec = stablerl.get_spec(_LOSS, self.policy_loss)
             hyper, options = split_call_options(as_params(self.loss_settings()))
             build_params(spec, hyper)
-            check_call_options(OPENRLHF, spec, options, hyper)
+            check_call_options(NAME, spec, options, hyper)
         elif self.policy_loss_params:
             raise StableRLError("stablerl loss hyper-parameters given, but --actor.policy_loss_type is an OpenRLHF "
                                 "built-in")
@@ -207,7 +207,7 @@ def selection_from_args(args) -> Selection:
 # ----------------------------------------------------------------------------- Ray runtime_env
 
 
-def _load_callable(path: str):
+def load_callable(path: str):
     module, _, attr = path.rpartition(".")
     if not module:
         raise ValueError(f"expected 'module.function', got {path!r}")
@@ -227,7 +227,7 @@ def add_setup_hook(runtime_env: Optional[dict] = None, selection: Optional[Selec
     selection = selection or _from_env().validate()
     previous = os.environ.get(ENV_PREVIOUS_RUNTIME_ENV_HOOK)
     if previous and previous != "stablerl.adapters.openrlhf.add_setup_hook":
-        runtime_env = _load_callable(previous)(runtime_env)
+        runtime_env = load_callable(previous)(runtime_env)
     env = dict(runtime_env or {})
     existing = env.get("worker_process_setup_hook")
     env_vars = dict(env.get("env_vars") or {})
@@ -237,7 +237,7 @@ def add_setup_hook(runtime_env: Optional[dict] = None, selection: Optional[Selec
                              "'module.function' string so stablerl can chain it")
         env_vars[ENV_CHAINED_SETUP_HOOK] = existing
     env["worker_process_setup_hook"] = SETUP_HOOK
-    for key in _FORWARDED_ENV:
+    for key in FORWARDED_ENV:
         if key in os.environ and key not in env_vars:
             env_vars[key] = os.environ[key]
     stats = selection.old_pass_stats()

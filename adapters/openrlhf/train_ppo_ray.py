@@ -33,15 +33,11 @@ import stablerl
 from stablerl.params import StableRLError
 
 from . import _routing_replay
+from ._flags import (ADV_FLAG, ADV_PARAMS_FLAG, COMPONENT_WEIGHTS_FLAG, COMPONENTS_FLAG, CONTROLLER_FLAG, FILTER_FLAG,
+                     LOSS_FLAG, LOSS_PARAMS_FLAG, OPENRLHF_ADV_ESTIMATORS, OPENRLHF_POLICY_LOSSES, PREFIX,
+                     SHAPER_FLAG, check_openrlhf)
 from ._selection import (Selection, add_setup_hook, check_entropy_coef_unset, check_one_version_per_batch,
                          check_rollout_log_probs, openrlhf_choices, parse_params, resolve)
-from ._spec import (COMPONENT_WEIGHTS_FLAG, COMPONENTS_FLAG, CONTROLLER_FLAG, FILTER_FLAG, OPENRLHF_ADV_ESTIMATORS,
-                    OPENRLHF_POLICY_LOSSES, PREFIX, SHAPER_FLAG, check_openrlhf)
-
-_LOSS_FLAG = "--actor.policy_loss_type"
-_ADV_FLAG = "--algo.advantage.estimator"
-_LOSS_PARAMS_FLAG = "--actor.stablerl_params"
-_ADV_PARAMS_FLAG = "--algo.advantage.stablerl_params"
 
 
 class _Choices(list):
@@ -74,7 +70,7 @@ def _stablerl_flags(kind: str) -> list[tuple[str, dict]]:
                     "unset keys take the paper's defaults")
 
     if kind == stablerl.POLICY_LOSS:
-        return [(_LOSS_PARAMS_FLAG, params("loss")), (CONTROLLER_FLAG, dict(type=str, default=None, metavar="NAME", help=(
+        return [(LOSS_PARAMS_FLAG, params("loss")), (CONTROLLER_FLAG, dict(type=str, default=None, metavar="NAME", help=(
             "stablerl entropy controller, stepped once per optimizer step with its mean training entropy; it sets "
             f"--actor.entropy_coef every step (leave that unset): {', '.join(openrlhf_choices(stablerl.CONTROLLER))}"))),
             (CONTROLLER_FLAG + "_params", params("entropy controller")), (_routing_replay.FLAG, dict(
@@ -82,7 +78,7 @@ def _stablerl_flags(kind: str) -> list[tuple[str, dict]]:
             help="stablerl MoE routing replay: R2 records the experts of the actor's old-log-prob pass, R3 takes "
             "the experts vLLM chose (vllm>=0.14); replayed in the old-log-prob pass (R3) and every training step"))]
     return [
-        (_ADV_PARAMS_FLAG, params("advantage estimator")),
+        (ADV_PARAMS_FLAG, params("advantage estimator")),
         (COMPONENTS_FLAG, dict(type=str, nargs="+", default=None, metavar="KEY", help=(
             "the reward function's extra_logs keys (one value per response) that are reward components, handed to "
             "the stablerl estimator as reward_components (gdpo normalises each in its group)"))),
@@ -103,7 +99,7 @@ def _extend_name_flag(add_argument: Callable[..., Any], args: tuple, kwargs: dic
     """``add_argument`` for OpenRLHF's two name flags, extended with stablerl's names and followed by the
     stablerl flags that belong to it; None for every other flag."""
     flags = set(a for a in args if isinstance(a, str))
-    kind = stablerl.POLICY_LOSS if _LOSS_FLAG in flags else stablerl.ADVANTAGE_ESTIMATOR if _ADV_FLAG in flags else None
+    kind = stablerl.POLICY_LOSS if LOSS_FLAG in flags else stablerl.ADVANTAGE_ESTIMATOR if ADV_FLAG in flags else None
     if kind is None:
         return None
     own = OPENRLHF_POLICY_LOSSES if kind == stablerl.POLICY_LOSS else OPENRLHF_ADV_ESTIMATORS
@@ -224,9 +220,9 @@ def selection_from_cli(args) -> Selection:
 
     sel = Selection(
         policy_loss=resolve(stablerl.POLICY_LOSS, actor.policy_loss_type),
-        policy_loss_params=parse_params(flag(actor, "stablerl_params"), _LOSS_PARAMS_FLAG),
+        policy_loss_params=parse_params(flag(actor, "stablerl_params"), LOSS_PARAMS_FLAG),
         advantage_estimator=resolve(stablerl.ADVANTAGE_ESTIMATOR, advantage.estimator),
-        advantage_params=parse_params(flag(advantage, "stablerl_params"), _ADV_PARAMS_FLAG),
+        advantage_params=parse_params(flag(advantage, "stablerl_params"), ADV_PARAMS_FLAG),
         reward_shaper=resolve(stablerl.REWARD_SHAPER, flag(advantage, "stablerl_reward_shaper")),
         reward_shaper_params=parse_params(flag(advantage, "stablerl_reward_shaper_params"), SHAPER_FLAG + "_params"),
         batch_filter=resolve(stablerl.BATCH_FILTER, flag(advantage, "stablerl_batch_filter")),
