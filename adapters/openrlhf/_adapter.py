@@ -78,14 +78,14 @@ class OpenRLHFAdapter(FrameworkAdapter):
     def __init__(self) -> None:
         if "driver_state" in vars(self):
             return  # the one instance, already set up
-        from ._state import WorkerState
+        from stablerl.checkpoint_slot import CheckpointSlot
 
         #: the trainer process's reward shapers' / batch filters' state (ctx.step, generators) and last metrics
         self.driver_state = StateStore(holds="driver")
         self.last_metrics: dict[str, float] = {}
         #: the actor workers' checkpointed stores: the policy loss's and the entropy controller's (``_state``)
-        self.loss_state = WorkerState("stablerl_loss_state", "loss", "policy loss's")
-        self.controller_state = WorkerState("stablerl_controller_state", "controller", "entropy controller's")
+        self.loss_state = CheckpointSlot("stablerl_loss_state", "loss", "policy loss's")
+        self.controller_state = CheckpointSlot("stablerl_controller_state", "controller", "entropy controller's")
         self.workers: "weakref.WeakKeyDictionary[Any, PolicyWorker]" = weakref.WeakKeyDictionary()
         self._chained = False
 

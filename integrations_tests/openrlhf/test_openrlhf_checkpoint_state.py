@@ -21,6 +21,7 @@ from stablerl.state import StateStore
 import stablerl.adapters.openrlhf as adapter
 from orlhf_helpers import HERE_PATH, STUBS_PATH, clone, make_args, make_experiences, make_maker
 from stablerl.adapters.openrlhf import Selection, _state
+from stablerl.checkpoint_slot import restore_store
 
 
 def _free_port() -> int:
@@ -140,7 +141,7 @@ def test_restored_tensors_follow_the_worker_device():
     state = {"capo": {"exp_avg": torch.ones(2, 3), "step": 4}, "pair": (torch.zeros(1), [torch.ones(1), "x"])}
     store = StateStore(holds="loss")
     store.slot(stablerl.POLICY_LOSS, "capo").update(state)
-    _state._restore_loss_state(store, store.state_dict(), "ckpt", device=torch.device("meta"))
+    restore_store(store, store.state_dict(), "ckpt", device=torch.device("meta"))
     moved = store.slot(stablerl.POLICY_LOSS, "capo")
     assert moved["capo"]["step"] == 4 and moved["capo"]["exp_avg"].shape == (2, 3)
     assert isinstance(moved["pair"], tuple) and moved["pair"][1][1] == "x"
