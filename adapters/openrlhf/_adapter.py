@@ -126,7 +126,7 @@ class OpenRLHFAdapter(FrameworkAdapter):
                 importlib.import_module(name)  # the post-import hook (or the call above) patches it
         chained = os.environ.get(ENV_CHAINED_SETUP_HOOK)
         if chained and chained not in (SETUP_HOOK, LEGACY_SETUP_HOOK) and not self._chained:
-            from ._selection import load_callable
+            from stablerl.ray_setup import load_callable
 
             self._chained = True
             load_callable(chained)()

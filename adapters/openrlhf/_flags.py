@@ -42,6 +42,7 @@ FORWARDED_ENV = (ENV_POLICY_LOSS, ENV_POLICY_LOSS_PARAMS, ENV_ADVANTAGE, ENV_ADV
 #: Ray's worker_process_setup_hook: instrument() in every worker (the older name still works)
 SETUP_HOOK = "stablerl.adapters.openrlhf.instrument"
 LEGACY_SETUP_HOOK = "stablerl.adapters.openrlhf.setup"
+ADD_SETUP_HOOK = "stablerl.adapters.openrlhf.add_setup_hook"  # the RAY_RUNTIME_ENV_HOOK
 
 
 class UnsupportedOpenRLHFVersionError(UnsupportedVersionError):

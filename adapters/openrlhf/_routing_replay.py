@@ -22,7 +22,7 @@ import torch
 
 from stablerl import routing_replay as rr
 from stablerl.routing_replay import RolloutRoutes, SampleRoutes
-from stablerl.params import StableRLError, UnknownNameError, unknown_name_message
+from stablerl.params import StableRLError
 
 from . import _controller
 from . import _inputs as loss_inputs
@@ -30,7 +30,7 @@ from ._flags import ENV_ROUTING_REPLAY as ENV_MODE  # the mode where no args exi
 from ._flags import ROUTING_REPLAY_FLAG as FLAG
 from ._selection import selection_from_args
 
-MODES = ("R2", "R3")
+MODES = rr.MODES
 #: attribute of the old-log-prob tensor that carries the routes from the actor worker to the maker (Ray pickles the
 #: tensor with it: the one field that travels from the actor worker's forward back to the experience maker)
 ON_LOG_PROBS = "stablerl_routes"
@@ -42,13 +42,8 @@ ROUTED_EXPERTS = "routed_experts"
 
 
 def parse_mode(value) -> Optional[str]:
-    """``"R2"``, ``"R3"`` or None (case-insensitive); an unknown name raises naming the valid ones."""
-    if value is None or value == "":
-        return None
-    mode = str(value).strip().upper()
-    if mode not in MODES:
-        raise UnknownNameError(unknown_name_message(FLAG, str(value), MODES))
-    return mode
+    """``"R2"``, ``"R3"`` or None (core's :func:`stablerl.routing_replay.parse_mode` for :data:`FLAG`)."""
+    return rr.parse_mode(value, FLAG)
 
 
 def check_mode(mode: Optional[str], args) -> Optional[str]:

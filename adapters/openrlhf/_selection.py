@@ -4,7 +4,6 @@ precedence rule), and the Ray ``runtime_env`` hook that carries it to every work
 
 from __future__ import annotations
 
-import importlib
 import os
 import sys
 from dataclasses import dataclass, field
@@ -16,9 +15,10 @@ from stablerl.contracts import POLICY_LOSS as _LOSS, REWARD_SHAPER as _SHAPER
 from stablerl.frameworks import (as_params, check_call_options, check_framework_keys_used, check_shaper_and_components,
                                  effective_hyperparameters, get_framework, selectable_names, split_call_options)
 from stablerl.frameworks import resolve as _resolve_in
+from stablerl.ray_setup import with_setup_hook
 from stablerl.params import MissingInputError, StableRLError, build_params, parse_params  # noqa: F401 (re-export)
 
-from ._flags import (COMPONENT_WEIGHTS_FLAG, COMPONENTS_FLAG, CONTROLLER_FLAG, ENV_ADVANTAGE, ENV_ADVANTAGE_PARAMS,
+from ._flags import (ADD_SETUP_HOOK, COMPONENT_WEIGHTS_FLAG, COMPONENTS_FLAG, CONTROLLER_FLAG, ENV_ADVANTAGE, ENV_ADVANTAGE_PARAMS,
                      ENV_BATCH_FILTER, ENV_BATCH_FILTER_PARAMS, ENV_CHAINED_SETUP_HOOK, ENV_CONTROLLER,
                      ENV_CONTROLLER_PARAMS, ENV_POLICY_LOSS, ENV_POLICY_LOSS_PARAMS, ENV_PREVIOUS_RUNTIME_ENV_HOOK,
                      ENV_REWARD_SHAPER, ENV_REWARD_SHAPER_PARAMS, ENV_ROUTING_REPLAY, FILTER_FLAG, FORWARDED_ENV,
@@ -207,50 +207,29 @@ def selection_from_args(args) -> Selection:
 # ----------------------------------------------------------------------------- Ray runtime_env
 
 
-def load_callable(path: str):
-    module, _, attr = path.rpartition(".")
-    if not module:
-        raise ValueError(f"expected 'module.function', got {path!r}")
-    return getattr(importlib.import_module(module), attr)
-
-
 ZERO_COPY_ENV = "RAY_ENABLE_ZERO_COPY_TORCH_TENSORS"
 
 
 def add_setup_hook(runtime_env: Optional[dict] = None, selection: Optional[Selection] = None) -> dict:
-    """A ``RAY_RUNTIME_ENV_HOOK``: ``runtime_env`` plus the stablerl worker setup hook.
-
-    Also forwards the STABLERL_* selection variables to every worker, keeps a user's own
-    ``worker_process_setup_hook`` (chained through ``$STABLERL_CHAINED_SETUP_HOOK``), calls a previous
-    ``RAY_RUNTIME_ENV_HOOK`` saved in ``$STABLERL_PREVIOUS_RAY_RUNTIME_ENV_HOOK`` and keeps the tensor attributes
-    the ``selection`` (the wrapper's; else the environment's, validated here, before Ray starts) needs."""
+    """A ``RAY_RUNTIME_ENV_HOOK``: ``runtime_env`` plus the stablerl worker setup hook (core's
+    :func:`~stablerl.ray_setup.with_setup_hook`: the STABLERL_* variables forwarded, a user's own setup hook chained
+    through ``$STABLERL_CHAINED_SETUP_HOOK``, a previous ``RAY_RUNTIME_ENV_HOOK`` in
+    ``$STABLERL_PREVIOUS_RAY_RUNTIME_ENV_HOOK`` called first), keeping the tensor attributes the ``selection`` (the
+    wrapper's; else the environment's, validated here, before Ray starts) needs."""
     selection = selection or _from_env().validate()
-    previous = os.environ.get(ENV_PREVIOUS_RUNTIME_ENV_HOOK)
-    if previous and previous != "stablerl.adapters.openrlhf.add_setup_hook":
-        runtime_env = load_callable(previous)(runtime_env)
-    env = dict(runtime_env or {})
-    existing = env.get("worker_process_setup_hook")
-    env_vars = dict(env.get("env_vars") or {})
-    if existing and existing not in (SETUP_HOOK, LEGACY_SETUP_HOOK):
-        if not isinstance(existing, str):
-            raise ValueError("runtime_env already has a callable worker_process_setup_hook; give it as a "
-                             "'module.function' string so stablerl can chain it")
-        env_vars[ENV_CHAINED_SETUP_HOOK] = existing
-    env["worker_process_setup_hook"] = SETUP_HOOK
-    for key in FORWARDED_ENV:
-        if key in os.environ and key not in env_vars:
-            env_vars[key] = os.environ[key]
+    env = with_setup_hook(runtime_env, SETUP_HOOK, ours=(SETUP_HOOK, LEGACY_SETUP_HOOK, ADD_SETUP_HOOK),
+                          chained_env=ENV_CHAINED_SETUP_HOOK, previous_env=ENV_PREVIOUS_RUNTIME_ENV_HOOK,
+                          forward=FORWARDED_ENV)
     stats = selection.old_pass_stats()
     if selection.routing_replay or stats:
         # the routes / old-pass statistics ride on a log-prob tensor as an attribute, which Ray's zero-copy tensor
         # serializer drops (OpenRLHF's train() turns it on unless set): off, said on stderr
+        env_vars = env.setdefault("env_vars", {})
         what = "routes" if selection.routing_replay else " and ".join(sorted(stats))
         if env_vars.get(ZERO_COPY_ENV, "0") != "0":
             why = "routing replay" if selection.routing_replay else f"the old-log-prob pass's {what}"
             print(f"stablerl/openrlhf: {why} sets {ZERO_COPY_ENV}=0 for the Ray workers (was "
-                  f"{env_vars[ZERO_COPY_ENV]!r}): Ray's zero-copy tensor serializer drops the {what} carried on the log-prob tensors",
-                  file=sys.stderr, flush=True)
+                  f"{env_vars[ZERO_COPY_ENV]!r}): Ray's zero-copy tensor serializer drops the {what} carried on the "
+                  "log-prob tensors", file=sys.stderr, flush=True)
         env_vars[ZERO_COPY_ENV] = "0"
-    if env_vars:
-        env["env_vars"] = env_vars
     return env
