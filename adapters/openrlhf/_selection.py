@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import stablerl
+from stablerl.algorithm_selection import AlgorithmSelection
 from stablerl.contracts import ADVANTAGE_ESTIMATOR as _ADV, BATCH_FILTER as _FILTER, CONTROLLER as _CONTROLLER
 from stablerl.contracts import POLICY_LOSS as _LOSS, REWARD_SHAPER as _SHAPER
 from stablerl.frameworks import (as_params, check_call_options, check_framework_keys_used, check_shaper_and_components,
@@ -18,11 +19,11 @@ from stablerl.frameworks import resolve as _resolve_in
 from stablerl.ray_setup import with_setup_hook
 from stablerl.params import MissingInputError, StableRLError, build_params, parse_params  # noqa: F401 (re-export)
 
-from ._flags import (ADD_SETUP_HOOK, COMPONENT_WEIGHTS_FLAG, COMPONENTS_FLAG, CONTROLLER_FLAG, ENV_ADVANTAGE, ENV_ADVANTAGE_PARAMS,
-                     ENV_BATCH_FILTER, ENV_BATCH_FILTER_PARAMS, ENV_CHAINED_SETUP_HOOK, ENV_CONTROLLER,
-                     ENV_CONTROLLER_PARAMS, ENV_POLICY_LOSS, ENV_POLICY_LOSS_PARAMS, ENV_PREVIOUS_RUNTIME_ENV_HOOK,
-                     ENV_REWARD_SHAPER, ENV_REWARD_SHAPER_PARAMS, ENV_ROUTING_REPLAY, FILTER_FLAG, FORWARDED_ENV,
-                     IS_CORRECTION_FLAG, LEGACY_SETUP_HOOK, NAME, SETUP_HOOK, SHAPER_FLAG)
+from ._flags import (ADD_SETUP_HOOK, COMPONENT_WEIGHTS_FLAG, COMPONENTS_FLAG, CONTROLLER_FLAG, ENV_ADVANTAGE,
+                     ENV_ADVANTAGE_PARAMS, ENV_BATCH_FILTER, ENV_BATCH_FILTER_PARAMS, ENV_CHAINED_SETUP_HOOK,
+                     ENV_CONTROLLER, ENV_CONTROLLER_PARAMS, ENV_POLICY_LOSS, ENV_POLICY_LOSS_PARAMS,
+                     ENV_PREVIOUS_RUNTIME_ENV_HOOK, ENV_REWARD_SHAPER, ENV_REWARD_SHAPER_PARAMS, ENV_ROUTING_REPLAY,
+                     FORWARDED_ENV, IS_CORRECTION_FLAG, LEGACY_SETUP_HOOK, NAME, SETUP_HOOK)
 
 
 def openrlhf_choices(kind: str) -> list[str]:
@@ -72,16 +73,13 @@ def check_one_version_per_batch(spec, async_enable: bool) -> None:
 
 
 @dataclass
-class Selection:
-    """What the user selected: stablerl names (None: OpenRLHF's own) and their hyper-parameters.
+class Selection(AlgorithmSelection):
+    """What the user selected (core's :class:`~stablerl.algorithm_selection.AlgorithmSelection`: stablerl names,
+    None: OpenRLHF's own, and their hyper-parameters) with OpenRLHF's own knobs.
 
     The wrapper CLI attaches one to OpenRLHF's args as ``args.stablerl``; it travels to every model
     actor inside the pickled ``DeepspeedStrategy``."""
 
-    policy_loss: Optional[str] = None
-    policy_loss_params: dict = field(default_factory=dict)
-    advantage_estimator: Optional[str] = None
-    advantage_params: dict = field(default_factory=dict)
     #: OpenRLHF knobs given on the command line (one precedence rule: left at OpenRLHF's defaults, they leave the
     #: paper's defaults in place): clip flags as clip_ratio_low/high/c; --algo.advantage.no_std_norm / gamma;
     #: --reward.clip_range (its default is not applied to a stablerl estimator)
@@ -90,16 +88,6 @@ class Selection:
     reward_clip_range: Optional[tuple] = None
     #: MoE routing replay (--actor.stablerl_routing_replay): "R2", "R3", or None (native routing)
     routing_replay: Optional[str] = None
-    reward_shaper: Optional[str] = None
-    reward_shaper_params: dict = field(default_factory=dict)
-    batch_filter: Optional[str] = None
-    batch_filter_params: dict = field(default_factory=dict)
-    #: an entropy controller stepped once per optimizer step in the actor workers (._controller)
-    entropy_controller: Optional[str] = None
-    entropy_controller_params: dict = field(default_factory=dict)
-    #: the reward function's extra_logs keys handed to the estimator as reward_components (GDPO), their weights
-    reward_components: tuple = ()
-    reward_weights: tuple = ()
 
     def loss_settings(self) -> list:
         """The loss's effective hyper-parameters with their sources: ``--actor.stablerl_params`` > the clip flags
@@ -115,27 +103,6 @@ class Selection:
         given = dict(self.openrlhf_advantage or {})
         check_framework_keys_used(NAME, spec, given, user_set=set(given))
         return effective_hyperparameters(NAME, spec, self.advantage_params, given, user_set=set(given))
-
-    def requires(self, kind: str, what: str) -> bool:
-        """Whether the selected algorithm of ``kind`` declares input ``what``."""
-        name = {_LOSS: self.policy_loss, _ADV: self.advantage_estimator, _SHAPER: self.reward_shaper,
-                _FILTER: self.batch_filter}[kind]
-        return name is not None and what in stablerl.get_spec(kind, name).requires
-
-    def needs_old_pass_entropy(self) -> bool:
-        """A loss declaring ``old_entropy``, or an estimator / shaper / filter declaring ``entropy`` (they run after
-        the old-log-prob pass): that pass then returns its entropy (``._inputs``)."""
-        return self.requires(_LOSS, "old_entropy") or any(self.requires(k, "entropy") for k in (_ADV, _SHAPER, _FILTER))
-
-    def old_pass_stats(self) -> frozenset:
-        """The per-token statistics the old-log-prob pass returns besides its log-probs (``._inputs``): ``entropy``
-        (:meth:`needs_old_pass_entropy`) and ``sum_pi_squared`` (an estimator declaring it: optimal_token_baseline)."""
-        return frozenset({"entropy"} if self.needs_old_pass_entropy() else ()) | frozenset(
-            {"sum_pi_squared"} if self.requires(_ADV, "sum_pi_squared") else ())
-
-    @property
-    def has_extensions(self) -> bool:
-        return self.reward_shaper is not None or self.batch_filter is not None
 
     def validate(self) -> "Selection":
         """Build the Params the workers will build (the effective ones) now, so a bad key or value fails in the
@@ -158,17 +125,8 @@ class Selection:
         elif self.reward_components:
             raise StableRLError(f"{COMPONENTS_FLAG} given, but --algo.advantage.estimator is an OpenRLHF built-in "
                                 "(only stablerl estimators read reward components)")
-        if self.reward_weights and len(self.reward_weights) != len(self.reward_components):
-            raise StableRLError(f"{COMPONENT_WEIGHTS_FLAG} has {len(self.reward_weights)} values for "
-                                f"{len(self.reward_components)} {COMPONENTS_FLAG} names")
-        for kind, name, params, flag in ((_SHAPER, self.reward_shaper, self.reward_shaper_params, SHAPER_FLAG),
-                                         (_FILTER, self.batch_filter, self.batch_filter_params, FILTER_FLAG),
-                                         (_CONTROLLER, self.entropy_controller, self.entropy_controller_params,
-                                          CONTROLLER_FLAG)):
-            if name is not None:
-                build_params(stablerl.get_spec(kind, name), params)
-            elif params:
-                raise StableRLError(f"{flag}_params given, but no {flag}")
+        keys = get_framework(NAME).selection_keys
+        self.check_extensions(keys.get, lambda kind: f"{keys[kind]}_params", COMPONENTS_FLAG, COMPONENT_WEIGHTS_FLAG)
         return self
 
 
