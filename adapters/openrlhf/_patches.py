@@ -115,6 +115,7 @@ PATCH_KEYS = (
     "ppo_actor.get_loss_batch_info", "ppo_actor.iter_grad_accum_global_norm", "ppo_critic.get_loss_batch_info",
     "ppo_critic.iter_grad_accum_global_norm", "RemoteExperienceMaker.compute_advantages_and_returns",
     "RemoteExperienceMaker.make_experience", "BaseModelActor.execute_batch",
+    "BaseModelActor.forward_with_rollout_routes",
     "SamplesGenerator._process_response_into_experience", "SingleTurnAgentExecutor.execute",
     "MultiTurnAgentExecutor.execute", "AsyncEngineArgs.__init__", "DeepspeedStrategy.save_ckpt",
     "DeepspeedStrategy.load_ckpt", "BasePPOTrainer.save_logs_and_checkpoints", "BasePPOTrainer.save_best_checkpoint",

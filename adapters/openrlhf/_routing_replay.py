@@ -281,32 +281,29 @@ def patch_samples_module(module, ledger, adapter) -> None:
 
 
 def patch_launcher_module(module, ledger, adapter) -> None:
-    """``BaseModelActor.execute_batch`` (a plain base class of the by-value ``PolicyModelActor``): under R3,
-    each ``forward`` item's ``mm_train_inputs_list`` (the rows' rollout routes) goes to the armed Actor's
-    old-log-prob pass (:data:`ROLLOUT_ROUTES`, for the item's call)."""
+    """``BaseModelActor.execute_batch`` (a plain base class of the by-value ``PolicyModelActor``): under R3, each
+    ``forward`` item runs through ``_stablerl_forward_with_rollout_routes`` (added to the class, inherited), which
+    hands the item's ``mm_train_inputs_list`` (the rows' rollout routes) to the armed Actor's old-log-prob pass
+    (:data:`ROLLOUT_ROUTES`, for that call)."""
+    ledger.set_attr("BaseModelActor.forward_with_rollout_routes", module.BaseModelActor,
+                    "_stablerl_forward_with_rollout_routes", _forward_with_rollout_routes)
 
     @ledger.around(module.BaseModelActor, "execute_batch")
     def execute_batch_with_routes(execute_batch, self, method_name, all_data, start_idx, end_idx):
         # Ray pickles this closure with the by-value actor class: it references module-level names only
-        return _execute_batch(execute_batch, adapter, self, method_name, all_data, start_idx, end_idx)
-
-
-def _execute_batch(execute_batch, adapter, self, method_name, all_data, start_idx, end_idx):
-    worker = adapter.worker(self.__dict__.get("actor"))
-    state = worker.routes if worker is not None else None
-    if method_name != "forward" or state is None or state.mode != "R3":
+        if method_name == "forward" and _armed_mode(adapter, self) == "R3":
+            method_name = "_stablerl_forward_with_rollout_routes"
         return execute_batch(self, method_name, all_data, start_idx, end_idx)
-    forward = self.forward
 
-    def forward_with_rollout_routes(*args, **kwargs):
-        token = ROLLOUT_ROUTES.set(kwargs.get("mm_train_inputs_list"))
-        try:
-            return forward(*args, **kwargs)
-        finally:
-            ROLLOUT_ROUTES.reset(token)
 
-    self.forward = forward_with_rollout_routes  # execute_batch looks the method up on the instance
+def _armed_mode(adapter, model_actor) -> Optional[str]:
+    worker = adapter.worker(model_actor.__dict__.get("actor"))
+    return worker.routes.mode if worker is not None and worker.routes is not None else None
+
+
+def _forward_with_rollout_routes(self, *args, **kwargs):
+    token = ROLLOUT_ROUTES.set(kwargs.get("mm_train_inputs_list"))
     try:
-        return execute_batch(self, method_name, all_data, start_idx, end_idx)
+        return self.forward(*args, **kwargs)
     finally:
-        self.__dict__.pop("forward", None)
+        ROLLOUT_ROUTES.reset(token)
