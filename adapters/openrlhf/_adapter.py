@@ -17,7 +17,7 @@ from __future__ import annotations
 import importlib
 import os
 import weakref
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Optional
 
 from stablerl.adapter import FrameworkAdapter
@@ -52,7 +52,7 @@ class PolicyWorker:
     routes: Any = None
     controller: Any = None
     controller_store: Optional[StateStore] = None
-    meter: list = field(default_factory=lambda: [0.0, 0.0])
+    meter: Any = None
 
 
 def _reward_value(what: str):

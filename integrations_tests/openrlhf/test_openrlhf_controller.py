@@ -131,7 +131,8 @@ def test_one_controller_step_per_deepspeed_optimizer_step(monkeypatch):
         _step(trainer, batch)
         seen.append(driver.controller.coef)
     assert seen == pytest.approx([0.0, 0.01, 0.01, 0.02])
-    assert adapter.OpenRLHFAdapter().worker(trainer).meter == [0.0, 0.0]  # emptied at the optimizer step
+    meter = adapter.OpenRLHFAdapter().worker(trainer).meter
+    assert (meter.total, meter.count) == (0.0, 0.0)  # emptied at the optimizer step
 
 
 def test_above_target_the_coefficient_stays_at_its_floor(monkeypatch):
