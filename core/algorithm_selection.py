@@ -56,6 +56,16 @@ class AlgorithmSelection:
         """A reward shaper or a batch filter is selected (the advantage step runs around any estimator)."""
         return self.reward_shaper is not None or self.batch_filter is not None
 
+    def advantage_selection(self, estimator_params: Optional[dict] = None):
+        """The selection of core's advantage step (:class:`stablerl.steps.AdvantageSelection`); ``estimator_params``:
+        the estimator's effective hyper-parameters (default: the stablerl keys the user set)."""
+        from .steps import AdvantageSelection
+
+        return AdvantageSelection(self.advantage_estimator, dict(self.advantage_params if estimator_params is None
+                                                                  else estimator_params),
+                                  self.reward_shaper, self.reward_shaper_params, self.batch_filter,
+                                  self.batch_filter_params)
+
     def check_extensions(self, key: Callable[[str], str], params_key: Callable[[str], str], components_key: str,
                          weights_key: str) -> None:
         """Build the shaper's, filter's and controller's parameters now (a bad key fails before the framework
