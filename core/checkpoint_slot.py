@@ -1,5 +1,5 @@
-"""One stablerl :class:`~stablerl.state.StateStore` saved under one key of a framework's own checkpoint dict (DeepSpeed's
-``client_state``, a trainer's ``client_states``), for frameworks that build the object owning the store (a loss, a
+"""One stablerl :class:`~stablerl.state.StateStore` saved under one key of a framework's own checkpoint dict
+(DeepSpeed's ``client_state``, a trainer's ``client_states``), for frameworks that build the object owning the store (a loss, a
 controller) only after they read the checkpoint: a state read before then waits for the owner, and is taken out of
 the dict so the framework never sees it."""
 

@@ -95,7 +95,8 @@ def name_flag_help(framework: FrameworkSpec, kind: str, original_help: Optional[
     if text and not text.endswith("."):
         text += "."
     text += (" " if text else "") + f"{label}: {', '.join(own)}. stablerl: {', '.join(names)}"
-    return text + f" (every stablerl name also as {framework.prefix}<name>; `stablerl describe <name>` shows its parameters)."
+    return text + (f" (every stablerl name also as {framework.prefix}<name>; `stablerl describe <name>` shows its "
+                   "parameters).")
 
 
 def flag_given(argv: Sequence[str], flag: str) -> bool:

@@ -23,7 +23,8 @@ from ._selection import (Selection, add_setup_hook, advantage_settings, loss_set
                          parse_params, resolve, selection_from_args)
 
 def instrument(now: bool = False) -> bool:
-    """``OpenRLHFAdapter().instrument(now=now)``: arm the patches in this process (Ray's setup hook, :data:`SETUP_HOOK`)."""
+    """``OpenRLHFAdapter().instrument(now=now)``: arm the patches in this process (Ray's setup hook,
+    :data:`SETUP_HOOK`)."""
     return OpenRLHFAdapter().instrument(now=now)
 
 

@@ -171,7 +171,8 @@ def _advantage_step(adapter, maker, experiences, sel, openrlhf_method: Callable)
         return _batch_advantages(record.host, width)
 
     step = OpenRLHFAdvantageStep(
-        sel.advantage_selection(params), maker, filter_scores, sel.reward_clip_range, ctx=ctx, state=adapter.driver_state, filter_key=FILTER_FLAG,
+        sel.advantage_selection(params), maker, filter_scores, sel.reward_clip_range, ctx=ctx,
+        state=adapter.driver_state, filter_key=FILTER_FLAG,
         why_no_resampling=WHY_NO_RESAMPLING)
     result = step.run(record, estimate=None if sel.advantage_estimator else openrlhf_estimate, extras=extras)
     experiences = record.host

@@ -67,7 +67,8 @@ with tempfile.TemporaryDirectory() as ckpt:
     out["saved_state"] = dict(loss.stablerl_state.slot("policy_loss", "entropic")["entropic"])
     reference = step(loss, 2)  # the uninterrupted third step
 
-    adapter.OpenRLHFAdapter().loss_state.live = None  # a fresh actor process: no loss yet when PolicyModelActor loads the checkpoint
+    # a fresh actor process: no loss yet when PolicyModelActor loads the checkpoint
+    adapter.OpenRLHFAdapter().loss_state.live = None
     load_path, states = strategy.load_ckpt(engine, ckpt)
     out["states_keys"] = sorted(k for k in states if k in ("global_step", adapter.OpenRLHFAdapter().loss_state.key))
     resumed = actor_loss()
@@ -80,7 +81,8 @@ with tempfile.TemporaryDirectory() as ckpt:
     strategy.save_ckpt(engine, ckpt, "global_step3", 3, 1000, {"global_step": 3})
     _, states = strategy.load_ckpt(engine, ckpt)
     fresh = actor_loss()
-    out["plain_states_keys"] = sorted(k for k in states if k in ("global_step", adapter.OpenRLHFAdapter().loss_state.key))
+    out["plain_states_keys"] = sorted(k for k in states
+                                      if k in ("global_step", adapter.OpenRLHFAdapter().loss_state.key))
     out["fresh_state"] = fresh.stablerl_state.state_dict()["slots"]
 
     # the entropy controller's state (the actor worker's second store) through the same save_ckpt / load_ckpt
@@ -94,7 +96,8 @@ with tempfile.TemporaryDirectory() as ckpt:
     adapter.OpenRLHFAdapter().loss_state.live = adapter.OpenRLHFAdapter().controller_state.live = None
     args.actor.entropy_coef = None  # a fresh process's args
     _, states = strategy.load_ckpt(engine, ckpt)
-    out["controller_states_keys"] = sorted(k for k in states if k in ("global_step", adapter.OpenRLHFAdapter().loss_state.key,
+    out["controller_states_keys"] = sorted(k for k in states if k in ("global_step",
+                                                                      adapter.OpenRLHFAdapter().loss_state.key,
                                                                       adapter.OpenRLHFAdapter().controller_state.key))
     resumed = ppo_actor.ActorPPOTrainer(SimpleNamespace(args=args), None, None, None, None)
     out["restored_controller"] = adapter.OpenRLHFAdapter().worker(resumed).controller.controller.state_dict()

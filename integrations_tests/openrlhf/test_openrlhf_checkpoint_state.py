@@ -117,7 +117,8 @@ def test_a_newer_state_format_is_refused_with_its_name():
     blob = {_state.DRIVER_KEY: {**StateStore(holds="driver").state_dict(), "version": 99}}
     with pytest.raises(RuntimeError, match=r"stablerl_driver_state was written by a newer stablerl .*format 99"):
         _state.restore_driver_state(adapter.OpenRLHFAdapter(), blob)
-    assert _state.restore_driver_state(adapter.OpenRLHFAdapter(), {"global_step": 3}) is False  # a checkpoint from before stablerl
+    # a checkpoint from before stablerl
+    assert _state.restore_driver_state(adapter.OpenRLHFAdapter(), {"global_step": 3}) is False
 
 
 def test_patches_are_listed_and_removed():
