@@ -25,6 +25,11 @@ COMPONENTS_FLAG = "--algo.advantage.stablerl_reward_components"
 COMPONENT_WEIGHTS_FLAG = "--algo.advantage.stablerl_reward_weights"
 ROUTING_REPLAY_FLAG = "--actor.stablerl_routing_replay"
 IS_CORRECTION_FLAG = "--algo.advantage.is_correction_level"
+# OpenRLHF's knobs that also set a stablerl hyper-parameter when given on the command line
+EPS_CLIP_FLAG, EPS_CLIP_LOW_HIGH_FLAG = "--actor.eps_clip", "--actor.eps_clip_low_high"
+DUAL_CLIP_FLAG = "--actor.dual_clip"
+NO_STD_NORM_FLAG, GAMMA_FLAG = "--algo.advantage.no_std_norm", "--algo.advantage.gamma"
+REWARD_CLIP_FLAG = "--reward.clip_range"
 COMMAND = "python -m stablerl.adapters.openrlhf.train_ppo_ray <your OpenRLHF flags>"
 
 #: Environment variables of the no-wrapper route (forwarded to every worker by add_setup_hook).
@@ -58,7 +63,8 @@ def check_openrlhf(found: Optional[str] = None) -> str:
     """Raise :class:`UnsupportedOpenRLHFVersionError` unless OpenRLHF is in :data:`SUPPORTED_OPENRLHF`
     (stablerl's one version policy; ``STABLERL_ALLOW_UNSUPPORTED=1`` makes it a warning). 0.11.2 changed
     PolicyLoss (is_correction_* kwargs, 5-value return) and its CLI flags."""
-    return check_version(NAME, found if found is not None else openrlhf_version(), error=UnsupportedOpenRLHFVersionError)
+    found = found if found is not None else openrlhf_version()
+    return check_version(NAME, found, error=UnsupportedOpenRLHFVersionError)
 
 
 def check_policy_loss_api(policy_loss_cls) -> None:

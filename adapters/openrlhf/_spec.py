@@ -9,8 +9,9 @@ from stablerl.contracts import (ADVANTAGE_ESTIMATOR, BATCH_FILTER, CONTROLLER, P
 from stablerl.frameworks import FrameworkKey, FrameworkSpec, framework_names
 
 from ._adapter import OpenRLHFAdapter
-from ._flags import (ADV_FLAG, ADV_PARAMS_FLAG, COMMAND, CONTROLLER_FLAG, FILTER_FLAG, IS_CORRECTION_FLAG, LOSS_FLAG,
-                     LOSS_PARAMS_FLAG, NAME, OPENRLHF_ADV_ESTIMATORS, OPENRLHF_POLICY_LOSSES, ROUTING_REPLAY_FLAG,
+from ._flags import (ADV_FLAG, ADV_PARAMS_FLAG, COMMAND, CONTROLLER_FLAG, DUAL_CLIP_FLAG, EPS_CLIP_FLAG,
+                     EPS_CLIP_LOW_HIGH_FLAG, FILTER_FLAG, GAMMA_FLAG, IS_CORRECTION_FLAG, LOSS_FLAG, LOSS_PARAMS_FLAG,
+                     NAME, NO_STD_NORM_FLAG, OPENRLHF_ADV_ESTIMATORS, OPENRLHF_POLICY_LOSSES, ROUTING_REPLAY_FLAG,
                      SHAPER_FLAG, SUPPORTED_OPENRLHF)
 
 
@@ -32,7 +33,7 @@ OPENRLHF = FrameworkSpec(
     feedable=OpenRLHFAdapter.feedable(),  # derived from its @provides methods (_adapter)
     why_not={
         "*": {
-            "rollout_log_prob": "set --algo.advantage.is_correction_level token|seq (OpenRLHF requests vLLM "
+            "rollout_log_prob": f"set {IS_CORRECTION_FLAG} token|seq (OpenRLHF requests vLLM "
             "log-probs only then)",
             "turn_ids": "OpenRLHF's experiences carry no per-token turn ids",
             "anchor_ids": "OpenRLHF's experiences are one per sample (its agent mode keeps a whole episode in one), "
@@ -76,16 +77,16 @@ OPENRLHF = FrameworkSpec(
     hyperparameter_keys={
         POLICY_LOSS: {
             # applied only when given on the command line (the wrapper reads argv)
-            "clip_ratio_low": FrameworkKey("--actor.eps_clip_low_high[0] / --actor.eps_clip", 0.2),
-            "clip_ratio_high": FrameworkKey("--actor.eps_clip_low_high[1] / --actor.eps_clip", 0.2),
-            "clip_ratio_c": FrameworkKey("--actor.dual_clip", None),
+            "clip_ratio_low": FrameworkKey(f"{EPS_CLIP_LOW_HIGH_FLAG}[0] / {EPS_CLIP_FLAG}", 0.2),
+            "clip_ratio_high": FrameworkKey(f"{EPS_CLIP_LOW_HIGH_FLAG}[1] / {EPS_CLIP_FLAG}", 0.2),
+            "clip_ratio_c": FrameworkKey(DUAL_CLIP_FLAG, None),
         },
         ADVANTAGE_ESTIMATOR: {
             "norm_adv_by_std_in_grpo": FrameworkKey(
-                "--algo.advantage.no_std_norm", True, refuse_if_unused=True, spelled={False: "(given)", True: "(not given)"}
+                NO_STD_NORM_FLAG, True, refuse_if_unused=True, spelled={False: "(given)", True: "(not given)"}
             ),
             # the discount of the REINFORCE-family returns (applied only when given on the command line)
-            "gamma": FrameworkKey("--algo.advantage.gamma", 1.0, refuse_if_unused=True),
+            "gamma": FrameworkKey(GAMMA_FLAG, 1.0, refuse_if_unused=True),
         },
     },
     params_keys={

@@ -35,7 +35,9 @@ from stablerl.script_wrapper import ModuleView, NameChoices, argparse_view, flag
 
 from . import _routing_replay
 from ._flags import (ADV_FLAG, ADV_PARAMS_FLAG, COMPONENT_WEIGHTS_FLAG, COMPONENTS_FLAG, CONTROLLER_FLAG,
-                     ENV_ROUTING_REPLAY, FILTER_FLAG, LOSS_FLAG, LOSS_PARAMS_FLAG, NAME, SHAPER_FLAG, check_openrlhf)
+                     DUAL_CLIP_FLAG, ENV_ROUTING_REPLAY, EPS_CLIP_FLAG, EPS_CLIP_LOW_HIGH_FLAG, FILTER_FLAG, GAMMA_FLAG,
+                     LOSS_FLAG, LOSS_PARAMS_FLAG, NAME, NO_STD_NORM_FLAG, REWARD_CLIP_FLAG, SHAPER_FLAG,
+                     check_openrlhf)
 from ._selection import (Selection, add_setup_hook, check_entropy_coef_unset, check_one_version_per_batch,
                          check_rollout_log_probs, openrlhf_choices, parse_params, resolve)
 
@@ -135,10 +137,10 @@ class _ScriptRun:
 def explicit_clip_flags(args, argv: Sequence[str]) -> dict:
     """The OpenRLHF clip flags the user gave, as stablerl clip fields (see Selection.openrlhf_clip)."""
     out = {}
-    if flag_given(argv, "--actor.eps_clip_low_high") or flag_given(argv, "--actor.eps_clip"):
+    if flag_given(argv, EPS_CLIP_LOW_HIGH_FLAG) or flag_given(argv, EPS_CLIP_FLAG):
         low, high = args.actor.eps_clip_low_high or (args.actor.eps_clip, args.actor.eps_clip)
         out.update(clip_ratio_low=float(low), clip_ratio_high=float(high))
-    if flag_given(argv, "--actor.dual_clip"):
+    if flag_given(argv, DUAL_CLIP_FLAG):
         out["clip_ratio_c"] = args.actor.dual_clip
     return out
 
@@ -147,10 +149,10 @@ def explicit_advantage_flags(args, argv: Sequence[str]) -> tuple[dict, Optional[
     """The OpenRLHF advantage knobs the user gave: ``--algo.advantage.no_std_norm`` as the stablerl
     ``norm_adv_by_std_in_grpo=False``, ``--algo.advantage.gamma`` as ``gamma`` (REINFORCE-family returns), and
     ``--reward.clip_range`` (None when not given)."""
-    framework = {"norm_adv_by_std_in_grpo": False} if flag_given(argv, "--algo.advantage.no_std_norm") else {}
-    if flag_given(argv, "--algo.advantage.gamma") and float(args.algo.advantage.gamma) != 1.0:  # 1.0: the default
+    framework = {"norm_adv_by_std_in_grpo": False} if flag_given(argv, NO_STD_NORM_FLAG) else {}
+    if flag_given(argv, GAMMA_FLAG) and float(args.algo.advantage.gamma) != 1.0:  # 1.0: the default
         framework["gamma"] = float(args.algo.advantage.gamma)
-    clip_range = tuple(args.reward.clip_range) if flag_given(argv, "--reward.clip_range") and args.reward.clip_range else None
+    clip_range = tuple(args.reward.clip_range) if flag_given(argv, REWARD_CLIP_FLAG) and args.reward.clip_range else None
     return framework, clip_range
 
 
