@@ -7,10 +7,9 @@ included) the training forward returns entropy and ``entropy_loss`` is logged; a
 controller's loss term ``-c agg(H)`` exactly. In the actor worker the adapter
 
 * sets ``entropy_coef`` to the controller's coefficient in force (``applied_coef``) before every micro-batch;
-* sums the training forward's entropy over the action tokens (the ``Actor.forward`` patch, :func:`record_entropy`)
-  until DeepSpeed takes the optimizer step, all-reduces sum and count over the DP group and steps the controller
-  with their ratio: one controller step per optimizer step, with the step's token-mean entropy over every rank, as
-  the TRL adapter;
+* meters the training forward's entropy over the action tokens (the ``Actor.forward`` patch, :func:`record_entropy`;
+  core's ``EntropyMeter``) until DeepSpeed takes the optimizer step, and steps the controller with the step's
+  token-mean entropy over every DP rank: one controller step per optimizer step, as the TRL adapter;
 * logs the decision as ``stablerl/<name>/<key>`` and saves the controller in DeepSpeed's client_state (``._state``).
 """
 
@@ -22,23 +21,19 @@ import torch
 
 from stablerl.api import get_spec
 from stablerl.contracts import CONTROLLER as _CONTROLLER
+from stablerl.entropy_meter import EntropyMeter
 from stablerl.frameworks import effective_hyperparameters, log_effective_settings
 from stablerl.params import StableRLError
 from stablerl.state import StateStore
 from stablerl.trainer_loop import ControllerDriver, scalar_metrics
 
-from . import _state
+from ._flags import NAME
 from ._selection import check_entropy_coef_unset, selection_from_args
-from ._spec import OPENRLHF
-
-#: attribute of the ActorPPOTrainer: its ControllerDriver
-DRIVER = "_stablerl_controller"
-#: attribute of the policy Actor: [entropy sum, token count] of the training forwards since the last optimizer step
-ENTROPY_METER = "_stablerl_entropy_meter"
 
 
-def arm(trainer: Any) -> Optional[ControllerDriver]:
-    """In ``ActorPPOTrainer.__init__``: the selected controller, its state adopted into this worker's checkpoints."""
+def arm(trainer: Any, adapter: Any) -> Optional[ControllerDriver]:
+    """In ``ActorPPOTrainer.__init__``: the selected controller on the policy actor's ``PolicyWorker`` (with its
+    entropy meter), its state adopted into this worker's checkpoints."""
     selection = selection_from_args(trainer.args)
     name = selection.entropy_controller
     if name is None:
@@ -53,23 +48,19 @@ def arm(trainer: Any) -> Optional[ControllerDriver]:
                             "OpenRLHF's adapter sets only --actor.entropy_coef")
     store = StateStore(holds="controller")
     store.track(_CONTROLLER, name, driver)
-    trainer.__dict__[DRIVER] = driver
-    trainer.__dict__["_stablerl_controller_store"] = store  # kept alive with the trainer (the ledger holds a weakref)
-    _state.CONTROLLER.adopt(store)
-    if getattr(trainer, "actor", None) is not None:
-        trainer.actor.__dict__[ENTROPY_METER] = [0.0, 0.0]
+    worker = adapter.worker(trainer, create=True)
+    worker.controller, worker.controller_store, worker.meter = driver, store, EntropyMeter()  # the store lives with it
+    adapter.controller_state.adopt(store)
     actor_args.entropy_coef = float(driver.controller.applied_coef)  # not None: OpenRLHF computes the entropy
     spec = get_spec(_CONTROLLER, name)  # the effective-settings table, once per process
-    log_effective_settings(OPENRLHF, spec, effective_hyperparameters(OPENRLHF, spec,
-                                                                     selection.entropy_controller_params))
+    log_effective_settings(NAME, spec, effective_hyperparameters(NAME, spec, selection.entropy_controller_params))
     return driver
 
 
-def record_entropy(actor: Any, args: tuple, kwargs: dict, result: Any) -> None:
+def record_entropy(worker: Any, args: tuple, kwargs: dict, result: Any) -> None:
     """After a training ``Actor.forward`` of an armed actor: add the action tokens' entropy (as OpenRLHF slices and
     masks it in ``training_step``) to the meter."""
-    meter = actor.__dict__.get(ENTROPY_METER)
-    if meter is None or not kwargs.get("return_output") or not isinstance(result, tuple):
+    if worker is None or worker.controller is None or not kwargs.get("return_output") or not isinstance(result, tuple):
         return
     output = result[1]
     entropy = getattr(output, "entropy", None)
@@ -77,10 +68,7 @@ def record_entropy(actor: Any, args: tuple, kwargs: dict, result: Any) -> None:
     if entropy is None or not isinstance(action_mask, torch.Tensor):
         raise StableRLError("stablerl entropy controller: the training forward returned no entropy for the action "
                             "mask (OpenRLHF computes it when --actor.entropy_coef is not None, which the adapter sets)")
-    mask = action_mask.to(torch.float64)
-    # kept as tensors on the forward's device: no host sync per micro-batch, one at the optimizer step
-    meter[0] = meter[0] + (entropy[:, -mask.shape[1]:].detach().to(torch.float64) * mask).sum()
-    meter[1] = meter[1] + mask.sum()
+    worker.meter.add(entropy, action_mask)
 
 
 def _optimizer_steps(trainer: Any) -> Optional[int]:
@@ -90,26 +78,14 @@ def _optimizer_steps(trainer: Any) -> Optional[int]:
     return int(steps) if isinstance(steps, int) else None
 
 
-def before_step(trainer: Any) -> Optional[tuple]:
+def before_step(trainer: Any, worker: Any) -> Optional[tuple]:
     """Before ``training_step``: the coefficient in force on OpenRLHF's args; returns what :func:`after_step` needs."""
-    driver = trainer.__dict__.get(DRIVER)
+    driver = worker.controller if worker is not None else None
     if driver is None:
         return None
     coef = float(driver.controller.applied_coef)
     trainer.args.actor.entropy_coef = coef
-    return driver, coef, _optimizer_steps(trainer)
-
-
-def _reduced(trainer: Any, meter: list) -> tuple[float, float]:
-    """The meter's (entropy sum, token count) summed over the DP group."""
-    total = torch.stack([torch.as_tensor(v, dtype=torch.float64) for v in meter])
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        from openrlhf.utils.loss_utils import _get_dp_group
-
-        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
-        total = total.to(device)
-        torch.distributed.all_reduce(total, op=torch.distributed.ReduceOp.SUM, group=_get_dp_group(trainer.strategy))
-    return float(total[0]), float(total[1])
+    return worker, coef, _optimizer_steps(trainer)
 
 
 def after_step(trainer: Any, armed: Optional[tuple], status: Any) -> None:
@@ -117,16 +93,19 @@ def after_step(trainer: Any, armed: Optional[tuple], status: Any) -> None:
     and the coefficient applied go into the status OpenRLHF logs (not reduced: every rank has the same)."""
     if armed is None:
         return
-    driver, applied, steps_before = armed
+    worker, applied, steps_before = armed
+    driver = worker.controller
     if steps_before is None or _optimizer_steps(trainer) != steps_before:
-        meter = trainer.actor.__dict__[ENTROPY_METER]
-        total, count = _reduced(trainer, meter)
-        meter[0] = meter[1] = 0.0
-        driver.step(entropy=total / count if count > 0 else None)  # an all-masked step: no entropy, no change
+        group = None
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            from openrlhf.utils.loss_utils import _get_dp_group
+
+            group = _get_dp_group(trainer.strategy)
+        driver.step(entropy=worker.meter.take(group))  # an all-masked step: None, no change
     if isinstance(status, dict) and isinstance(status.get("metrics"), dict):
         metrics = scalar_metrics({**driver.decision, "applied_coef": applied}, prefix=f"stablerl/{driver.name}/")
         status["metrics"].update(metrics)
         status.setdefault("weights", {}).update(dict.fromkeys(metrics))  # None: OpenRLHF does not reduce them
 
 
-__all__ = ["arm", "record_entropy", "before_step", "after_step", "DRIVER", "ENTROPY_METER"]
+__all__ = ["arm", "record_entropy", "before_step", "after_step"]

@@ -1,14 +1,17 @@
-"""Declared inputs of a stablerl policy loss beyond OpenRLHF 0.11.2's loss call, handed over through core's scoped
-channel (:func:`stablerl.frameworks.loss_inputs`, open for the whole ``training_step``); nothing is computed for a
-loss that does not declare them (docs/openrlhf.md, "Loss inputs"): ``token_ids`` (``sequences[:, -A:]``),
-``scores`` (``experience.rewards``), ``index`` (``._groups``), ``versions`` / ``policy_version`` (one weight
-version per batch: every generated token 0, the policy 1, a3po), ``entropy`` (the training forward's, asked of
-``Actor.forward`` and detached) and ``old_entropy``: the old-log-prob pass's, also the ``entropy`` of estimators,
-shapers and filters. That pass (on an actor marked :data:`WANTS_OLD_ENTROPY`) returns it on the CPU log-prob
-tensor (:data:`ENTROPY_ON_LOG_PROBS`, as routing replay's routes), ``make_experience`` moves it into
-``experience.info[OLD_ENTROPY_KEY]`` (split row by row by the replay buffer) and ``training_step`` pops it.
-The same route carries the old pass's ``sum_pi_squared`` (actor marked :data:`WANTS_SUM_PI_SQUARED`, info key
-:data:`SUM_PI_SQUARED_KEY`) to the estimators that declare it; it is dropped after the advantage step.
+"""The loss step's record and the old-log-prob pass's statistics in OpenRLHF 0.11.2 (docs/openrlhf.md, "Loss inputs").
+
+``training_step`` builds one :class:`~stablerl.steps.BatchRecord` per micro-batch (host: the ``Experience``) and hands
+it to the loss through core's scoped channel (:func:`stablerl.frameworks.loss_inputs`, open for the whole step);
+``StablePolicyLoss`` reads the inputs its loss declares from it (the adapter's providers): ``token_ids``,
+``scores``, ``index`` (``_groups``), ``versions`` / ``policy_version``, ``entropy`` (the training forward's, which
+the ``Actor.forward`` patch asks OpenRLHF's forward for and puts into ``record.produced``) and ``old_entropy``.
+
+The old-log-prob pass's ``entropy`` / ``sum_pi_squared`` (computed only when a selected algorithm declares them:
+``PolicyWorker.old_pass_stats``) are produced in the actor worker and consumed in the trainer process and, for
+``old_entropy``, in the actor workers again: they ride back on the CPU log-prob tensor (:data:`OLD_PASS_STATS`'
+attributes, as routing replay's routes), ``make_experience`` moves them into ``experience.info`` (the field the
+replay buffer splits row by row), the advantage step reads them and drops what no loss reads, and
+``training_step`` takes ``old_entropy`` out of ``info`` into its record.
 """
 
 from __future__ import annotations
@@ -21,84 +24,51 @@ import torch
 from stablerl.frameworks import loss_inputs, pending_loss_inputs
 from stablerl.ops import sum_pi_squared
 from stablerl.params import MissingInputError, StableRLError
+from stablerl.steps import BatchRecord
 
 from ._groups import pop_index
 
-#: Inputs this module feeds (with ``rollout_log_prob``, which OpenRLHF passes itself).
-FED_INPUTS = ("entropy", "token_ids", "scores", "index", "old_entropy", "versions", "policy_version")
-
-#: ``Experience.info`` key of the old-log-prob pass's per-token entropy ([B, A]; per row after the buffer's split)
-OLD_ENTROPY_KEY = "stablerl_old_entropy"
-#: attribute of the old-log-prob tensor that carries the entropy from the actor worker to the experience maker
-ENTROPY_ON_LOG_PROBS = "stablerl_old_entropy"
-#: attribute of the policy ``Actor`` (set in ActorPPOTrainer.__init__): its old-log-prob pass also returns entropy
-WANTS_OLD_ENTROPY = "_stablerl_old_entropy"
-#: the same for the old pass's per-token sum over the vocabulary of pi(v)^2 (``sum_pi_squared``, OTB estimators)
-SUM_PI_SQUARED_KEY = "stablerl_sum_pi_squared"
-SUM_PI_SQUARED_ON_LOG_PROBS = "stablerl_sum_pi_squared"
-WANTS_SUM_PI_SQUARED = "_stablerl_old_sum_pi_squared"
-#: statistic -> (actor mark, attribute of the CPU log-prob tensor, Experience.info key)
-OLD_PASS_STATS = {
-    "entropy": (WANTS_OLD_ENTROPY, ENTROPY_ON_LOG_PROBS, OLD_ENTROPY_KEY),
-    "sum_pi_squared": (WANTS_SUM_PI_SQUARED, SUM_PI_SQUARED_ON_LOG_PROBS, SUM_PI_SQUARED_KEY),
-}
-
-
-def arm_old_pass(actor, stats) -> None:
-    """Mark the policy ``Actor``: its old-log-prob pass also returns each statistic of ``stats``."""
-    for name in stats:
-        setattr(actor, OLD_PASS_STATS[name][0], True)
+#: statistic -> (attribute of the CPU log-prob tensor, ``Experience.info`` key: [B, A], per row after the buffer's
+#: split); the two fields that carry the old-log-prob pass's statistics between the processes
+OLD_PASS_STATS = {"entropy": ("stablerl_old_entropy", "stablerl_old_entropy"),
+                  "sum_pi_squared": ("stablerl_sum_pi_squared", "stablerl_sum_pi_squared")}
+OLD_ENTROPY_KEY, SUM_PI_SQUARED_KEY = OLD_PASS_STATS["entropy"][1], OLD_PASS_STATS["sum_pi_squared"][1]
 
 
 @contextlib.contextmanager
-def step_inputs(trainer, experience) -> Iterator[Optional[dict]]:
-    """Around ``training_step``: the micro-batch's inputs the loss declares, handed to it (None: it declares none);
-    a stablerl loss also writes its metrics into ``experience.info`` (OpenRLHF's logged status)."""
+def step_inputs(adapter, trainer, experience) -> Iterator[Optional[BatchRecord]]:
+    """Around ``training_step``: the micro-batch's record, handed to a stablerl loss (None for OpenRLHF's own); the
+    inputs its loss declares are read now (a missing one raises before the step), the training forward's entropy
+    when that forward ran. The loss writes its metrics into ``experience.info`` (OpenRLHF's logged status)."""
     loss_fn = getattr(trainer, "actor_loss_fn", None)
-    need = frozenset(getattr(loss_fn, "fed_inputs", ()))  # empty for OpenRLHF's own PolicyLoss
+    spec = getattr(loss_fn, "stablerl_spec", None)  # None for OpenRLHF's own PolicyLoss
+    need = set(spec.requires) if spec is not None else set()
     index = pop_index(experience, "index" in need)  # the group keys never reach OpenRLHF's metrics
     old_entropy = (experience.info or {}).pop(OLD_ENTROPY_KEY, None)  # nor the old-pass entropy
-    if getattr(loss_fn, "stablerl_name", None) is None:
+    if spec is None:
         yield None
         return
-    inputs: dict = {}
-    width = experience.action_mask.shape[1]
-    if "token_ids" in need:
-        inputs["token_ids"] = experience.sequences[:, -width:]
-    if "scores" in need:
-        if experience.rewards is None:
-            raise MissingInputError("the experience has no rewards (OpenRLHF's per-response reward) to pass as scores")
-        inputs["scores"] = experience.rewards.reshape(-1)
-    if "index" in need:
-        inputs["index"] = index
-    if "entropy" in need:
-        inputs["entropy"] = None  # asked for: train_forward computes it in the training forward
-    if "versions" in need:  # one weight version per batch (synchronous trainer): relative, batch 0, policy 1
-        inputs["versions"] = torch.where(experience.action_mask.bool(), 0, -1)
-    if "policy_version" in need:
-        inputs["policy_version"] = 1
-    if "old_entropy" in need:
-        if old_entropy is None:
-            raise _missing("entropy", "the micro-batch (experience.info)")
-        inputs["old_entropy"] = _to_width(old_entropy, experience.action_mask)
-    loss_fn.metrics_sink = experience.info
-    try:
-        with loss_inputs(loss_fn.stablerl_name, inputs) if need else contextlib.nullcontext():
-            yield inputs if need else None
-    finally:
-        loss_fn.metrics_sink = None
+    record = BatchRecord(adapter, response_mask=experience.action_mask, index=index, host=experience,
+                         scores=None if experience.rewards is None else experience.rewards.reshape(-1))
+    if old_entropy is not None:
+        record.produced["old_entropy"] = _to_width(old_entropy, experience.action_mask)
+    if "entropy" in loss_fn.fed_inputs:
+        record.produced["entropy"] = None  # asked for: train_forward computes it in the training forward
+    record.declared(spec, skip=loss_fn.CALL_INPUTS | {"entropy"}, optional=False)
+    with loss_inputs(loss_fn.stablerl_name, record):
+        yield record
 
 
 def train_forward(forward, actor, *args, **kwargs):
     """``Actor.forward`` in training: with ``return_entropy=True`` when the loss declares ``entropy``."""
-    inputs = pending_loss_inputs()
-    if inputs is None or "entropy" not in inputs or not kwargs.get("return_output"):
+    record = pending_loss_inputs()
+    if record is None or "entropy" not in record.produced or not kwargs.get("return_output"):
         return forward(actor, *args, **kwargs)
     log_probs, output = forward(actor, *args, **{**kwargs, "return_entropy": True})
     entropy = output.entropy.detach()
     if not kwargs.get("return_entropy"):
         output.entropy = entropy  # frees the softmax graph: OpenRLHF has no entropy term this step
-    inputs["entropy"] = entropy[:, -log_probs.shape[1]:]
+    record.produced["entropy"] = entropy[:, -log_probs.shape[1]:]
     return log_probs, output
 
 
@@ -112,8 +82,8 @@ _NO_OLD_ENTROPY = (
 )
 
 
-def _missing(stat: str, where: str) -> MissingInputError:
-    return MissingInputError(_NO_OLD_ENTROPY.format(where=where, what=stat, key=OLD_PASS_STATS[stat][2]))
+def missing_stat(stat: str, where: str) -> MissingInputError:
+    return MissingInputError(_NO_OLD_ENTROPY.format(where=where, what=stat, key=OLD_PASS_STATS[stat][1]))
 
 
 def _unpacked(values, sequences, attention_mask, ring_attn_group):
@@ -129,12 +99,12 @@ def _unpacked(values, sequences, attention_mask, ring_attn_group):
     return gather_and_pad_tensor(values, ring_attn_group, pad_len, indices, *sequences.shape)
 
 
-def old_pass_forward(forward, actor, *args, **kwargs):
-    """The old-log-prob ``Actor.forward`` of a marked actor: also ``return_output=True`` (and ``return_entropy``
-    when the entropy is wanted); the action tokens' entropy / ``sum_pi_squared`` (of the temperature-scaled logits
-    OpenRLHF's forward computed the log-probs from; masked like the log-probs) ride back on the CPU log-prob tensor.
-    Unmarked: ``forward`` as is."""
-    wanted = [name for name, (mark, _, _) in OLD_PASS_STATS.items() if actor.__dict__.get(mark)]
+def old_pass_forward(forward, worker, actor, *args, **kwargs):
+    """The old-log-prob ``Actor.forward`` of an armed actor (``worker.old_pass_stats``): also ``return_output=True``
+    (and ``return_entropy`` when the entropy is wanted); the action tokens' entropy / ``sum_pi_squared`` (of the
+    temperature-scaled logits OpenRLHF's forward computed the log-probs from; masked like the log-probs) ride back
+    on the CPU log-prob tensor. Otherwise ``forward`` as is."""
+    wanted = sorted(worker.old_pass_stats) if worker is not None else []
     if not wanted or kwargs.get("return_output"):
         return forward(actor, *args, **kwargs)
     action_mask = kwargs.get("action_mask", args[1] if len(args) > 1 else None)
@@ -145,14 +115,14 @@ def old_pass_forward(forward, actor, *args, **kwargs):
     width, mask = log_probs.shape[1], action_mask.to(log_probs.dtype)
     out = log_probs.cpu()  # PolicyModelActor.forward's .to("cpu") then keeps this tensor and its attributes
     if "entropy" in wanted:
-        setattr(out, ENTROPY_ON_LOG_PROBS, (output.entropy[:, -width:].detach() * mask).cpu())
+        setattr(out, OLD_PASS_STATS["entropy"][0], (output.entropy[:, -width:].detach() * mask).cpu())
     if "sum_pi_squared" in wanted:  # output.logits: fp32, already divided by OpenRLHF's temperature
         per_position = sum_pi_squared(output["logits"].detach())
         if actor.packing_samples:
             sequences = kwargs.get("sequences", args[0] if args else None)
             attention_mask = kwargs.get("attention_mask", args[2] if len(args) > 2 else None)
             per_position = _unpacked(per_position, sequences, attention_mask, kwargs.get("ring_attn_group"))
-        setattr(out, SUM_PI_SQUARED_ON_LOG_PROBS, (per_position[:, :-1][:, -width:] * mask).cpu())
+        setattr(out, OLD_PASS_STATS["sum_pi_squared"][0], (per_position[:, :-1][:, -width:] * mask).cpu())
     return out
 
 
@@ -160,10 +130,10 @@ def attach_old_pass_stats(samples_list, stats) -> None:
     """In the experience maker: each statistic of ``stats`` from the old log-probs into ``experience.info``."""
     for i, samples in enumerate(samples_list):
         for stat in sorted(stats):
-            _, attribute, key = OLD_PASS_STATS[stat]
+            attribute, key = OLD_PASS_STATS[stat]
             value = getattr(samples.action_log_probs, attribute, None)
             if value is None:
-                raise _missing(stat, f"the actor's old-log-prob pass (experience {i})")
+                raise missing_stat(stat, f"the actor's old-log-prob pass (experience {i})")
             delattr(samples.action_log_probs, attribute)
             if value.shape != samples.action_mask.shape:
                 raise StableRLError(f"old-log-prob {stat} of shape {tuple(value.shape)} for an action mask of shape "
@@ -175,7 +145,7 @@ def drop_old_pass_stats(experiences, stats=("entropy", "sum_pi_squared")) -> Non
     """After the advantage step, the statistics no loss reads: not carried through the replay buffer."""
     for experience in experiences:
         for stat in stats:
-            (experience.info or {}).pop(OLD_PASS_STATS[stat][2], None)
+            (experience.info or {}).pop(OLD_PASS_STATS[stat][1], None)
 
 
 def _to_width(value, action_mask):
@@ -203,13 +173,26 @@ def padded_old_pass_stat(experiences, width: int, stat: str = "entropy"):
     batch (advantage step)."""
     rows = []
     for i, experience in enumerate(experiences):
-        value = (experience.info or {}).get(OLD_PASS_STATS[stat][2])
+        value = (experience.info or {}).get(OLD_PASS_STATS[stat][1])
         if value is None:
-            raise _missing(stat, f"experience {i} at compute_advantages_and_returns")
+            raise missing_stat(stat, f"experience {i} at compute_advantages_and_returns")
         rows.append(_to_width(value, padded([experience.action_mask], width, torch.float32)))
     return torch.cat(rows)
 
 
-__all__ = ["FED_INPUTS", "OLD_ENTROPY_KEY", "SUM_PI_SQUARED_KEY", "OLD_PASS_STATS", "arm_old_pass", "step_inputs",
-           "train_forward", "old_pass_forward", "attach_old_pass_stats", "drop_old_pass_stats", "padded",
-           "padded_old_pass_stat"]
+def from_info(what: str, experiences) -> torch.Tensor:
+    """The reward function's per-response ``what`` of every experience (its ``extra_logs``, which OpenRLHF copies into
+    ``experience.info``), as one ``[N]`` tensor."""
+    values = []
+    for e in experiences:
+        v = (e.info or {}).get(what)
+        if v is None:
+            raise MissingInputError(
+                f"stablerl needs {what!r} per response, but OpenRLHF's experience.info has no {what!r}: return "
+                f"{{'rewards': ..., 'scores': ..., 'extra_logs': {{'{what}': ...}}}} from your --reward.remote_url "
+                "reward function or agent (OpenRLHF copies extra_logs into experience.info, one value per response)")
+        v = torch.as_tensor(v).reshape(-1)
+        if v.numel() != len(e.index):
+            raise StableRLError(f"experience.info[{what!r}] has {v.numel()} values for {len(e.index)} responses")
+        values.append(v)
+    return torch.cat(values)

@@ -15,9 +15,8 @@ from stablerl.frameworks import (TOP_ENTROPY_INPUT, as_params, check_call_option
 from stablerl.params import StableRLError, build_params
 from stablerl.state import StateStore
 
-from ._inputs import FED_INPUTS
+from ._flags import NAME, OPENRLHF_POLICY_LOSSES, PREFIX, check_openrlhf, check_policy_loss_api
 from ._selection import Selection, check_one_version_per_batch, check_rollout_log_probs, resolve
-from ._spec import OPENRLHF, OPENRLHF_POLICY_LOSSES, PREFIX, check_openrlhf, check_policy_loss_api
 
 check_openrlhf()
 check_policy_loss_api(PolicyLoss)
@@ -32,11 +31,14 @@ class StablePolicyLoss(PolicyLoss):
     ``seq-mean-token-mean`` and OpenRLHF's normalisers (``batch_num_tokens``, ``global_batch_size``, ``dp_size``),
     so the aggregation equals OpenRLHF's ``aggregate_loss``. OpenRLHF's IS correction is computed by OpenRLHF's code
     (a ``ppo`` probe, :meth:`_openrlhf_is_weights`) and passed as ``is_weights``. Inputs beyond OpenRLHF's call
-    (:attr:`fed_inputs`) come from the ``training_step`` patch (``._inputs``) or, called directly, :meth:`feed`.
+    (:attr:`fed_inputs`) come from the ``training_step`` patch's record (``._inputs``) or, called directly, :meth:`feed`.
     ``clip_ratio`` is stablerl's ``pg_clipfrac``, ``ppo_kl`` OpenRLHF's; every metric of the last call is in
     :attr:`last_metrics` and, inside ``training_step``, in ``experience.info`` as ``stablerl/<metric>`` (OpenRLHF
     averages them into the status it logs).
     """
+
+    #: the declared inputs OpenRLHF's loss call passes itself
+    CALL_INPUTS = frozenset({"rollout_log_prob"})
 
     def __init__(self, clip_eps_low: float = 0.2, clip_eps_high: float = 0.2, dual_clip: Optional[float] = None,
                  token_level_loss: bool = True, policy_loss_type: str = "ppo", is_correction_level: str = "off",
@@ -51,21 +53,20 @@ class StablePolicyLoss(PolicyLoss):
         self.dp_group = dp_group
         self.last_metrics: dict[str, float] = {}
         self.fed_inputs: frozenset = frozenset()
+        self.stablerl_spec = None
         #: persistent per-algorithm state (ctx.state: e.g. entropic's controller integral), kept across calls
         #: by this loss object (one per actor worker); saved in OpenRLHF's DeepSpeed checkpoints (see _state)
         self.stablerl_state = StateStore(holds="loss")
         self._fed: Optional[dict] = None
         #: compute_policy_loss options from --actor.stablerl_params (loss_agg_mode, rollout_correction, ...)
         self.call_options: dict = {}
-        #: the micro-batch's ``experience.info`` while ``training_step`` runs (._inputs.step_inputs), else None
-        self.metrics_sink: Optional[dict] = None
         if self.stablerl_name is None:
             if stablerl_params:
                 raise StableRLError(f"stablerl_params given for OpenRLHF's built-in policy_loss_type {policy_loss_type!r}")
             self.stablerl_params: dict = {}
             return
-        spec = stablerl.get_spec(stablerl.POLICY_LOSS, self.stablerl_name)
-        self.fed_inputs = frozenset(r for r in spec.requires if r in FED_INPUTS)
+        spec = self.stablerl_spec = stablerl.get_spec(stablerl.POLICY_LOSS, self.stablerl_name)
+        self.fed_inputs = frozenset(spec.requires) - self.CALL_INPUTS
         fields = spec.params.field_names()
         params: dict[str, Any] = {}
         # clip_to_params: the clip kwargs set the loss's clip_ratio_low/high/c where it has them; stablerl params win
@@ -78,7 +79,7 @@ class StablePolicyLoss(PolicyLoss):
         hyper, self.call_options = split_call_options(stablerl_params or {})
         params.update(hyper)
         build_params(spec, params)  # fail at construction, not at the first step
-        check_call_options(OPENRLHF, spec, self.call_options, params)
+        check_call_options(NAME, spec, self.call_options, params)
         if top_entropy_on(self.call_options):  # top_entropy_quantile < 1: the training forward's entropy, for any loss
             self.fed_inputs = self.fed_inputs | {TOP_ENTROPY_INPUT}
         self.stablerl_params = params
@@ -97,9 +98,10 @@ class StablePolicyLoss(PolicyLoss):
         OpenRLHF's ``training_step`` the adapter hands them over itself (``stablerl.frameworks.loss_inputs``)."""
         self._fed = inputs
 
-    def _fed_inputs(self) -> dict:
-        fed = pending_loss_inputs(self.stablerl_name)  # open for the whole training_step (._inputs.step_inputs)
-        if fed is None:  # a direct call: what feed() gave, for this one call
+    def _fed_inputs(self, record) -> dict:
+        if record is not None:  # the training_step's record (._inputs.step_inputs): the adapter's providers
+            fed = {name: record.input(stablerl.POLICY_LOSS, name) for name in self.fed_inputs}
+        else:  # a direct call: what feed() gave, for this one call
             fed, self._fed = self._fed or {}, None
         missing = [name for name in sorted(self.fed_inputs) if fed.get(name) is None]
         if missing:
@@ -150,7 +152,8 @@ class StablePolicyLoss(PolicyLoss):
                                    rollout_log_probs=rollout_log_probs, dp_size=dp_size,
                                    batch_num_tokens=batch_num_tokens, global_batch_size=global_batch_size)
         mask = action_mask if action_mask is not None else torch.ones_like(log_probs)
-        fed = self._fed_inputs()
+        record = pending_loss_inputs(self.stablerl_name)  # open for the whole training_step
+        fed = self._fed_inputs(record)
         is_weights = vllm_kl = is_filter_ratio = None
         if self._is_probe is not None:
             if rollout_log_probs is None:
@@ -170,9 +173,9 @@ class StablePolicyLoss(PolicyLoss):
             **fed, **self.stablerl_params)
         self.last_metrics = metrics
         device = log_probs.device
-        if self.metrics_sink is not None:  # before training_step merges experience.info into its status
+        if record is not None and record.host.info is not None:  # training_step merges info into its status
             for key, value in metrics.items():
-                self.metrics_sink[f"stablerl/{key}"] = torch.tensor(float(value), device=device)
+                record.host.info[f"stablerl/{key}"] = torch.tensor(float(value), device=device)
         clip_ratio = torch.tensor(float(metrics.get("pg_clipfrac", 0.0)), device=device)
         ppo_kl = masked_mean(-(log_probs - old_log_probs).detach(), mask, dim=None)
         return loss, clip_ratio, ppo_kl, vllm_kl, is_filter_ratio
@@ -191,7 +194,7 @@ def build_policy_loss(args, selection: Selection, strategy=None) -> StablePolicy
     check_one_version_per_batch(stablerl.get_spec(stablerl.POLICY_LOSS, selection.policy_loss),
                                 bool(getattr(args.train, "async_enable", False)))
     settings = selection.loss_settings()  # one precedence rule; the effective-settings table is printed once
-    log_effective_settings(OPENRLHF, stablerl.get_spec(stablerl.POLICY_LOSS, selection.policy_loss), settings)
+    log_effective_settings(NAME, stablerl.get_spec(stablerl.POLICY_LOSS, selection.policy_loss), settings)
     correction = {k: getattr(args.algo.advantage, k) for k in ("is_correction_level", "is_correction_mode",
                                                              "is_correction_gating", "is_correction_threshold")}
     # clip_to_params=False: only the clip flags the user gave set the loss's clip fields (in settings)

@@ -1,31 +1,29 @@
-"""The OpenRLHF adapter's patches: one ledger, a post-import hook per patched module, and the
-``instrument()`` / ``uninstrument()`` pair the package exports (see the package docstring for what is
-patched and why)."""
+"""Every patch the OpenRLHF adapter makes, by module (each applied when its module is imported, OpenRLHF's only at
+a supported version; every rebinding through the adapter's ledger, undone by ``uninstrument()``):
+
+* ``ActorPPOTrainer.__init__``: a stablerl ``--actor.policy_loss_type`` replaces the ``PolicyLoss`` OpenRLHF built
+  by a ``StablePolicyLoss`` built from the same flags (``_loss``); routing replay, the old-pass statistics and an
+  entropy controller arm the policy ``Actor`` (one ``PolicyWorker``); ``training_step`` / ``Actor.forward``: the
+  loss step's record, routing replay R2/R3 and the controller (``_routing_replay``, ``_inputs``, ``_controller``);
+  ``ppo_actor.DataLoader``: whole prompt groups (``_groups``); the loss normalisers of an all-filtered step;
+* ``RemoteExperienceMaker.compute_advantages_and_returns``: the advantage step (``_advantage``); ``make_experience``:
+  routes and old-pass statistics into the experiences (``_routing_replay``);
+* R3's rollout side: ``BaseModelActor.execute_batch``, ``SamplesGenerator``, the agent executors, vLLM's
+  ``AsyncEngineArgs``; checkpoints: the algorithms' state in DeepSpeed's ``client_state`` (``_state``).
+"""
 
 from __future__ import annotations
 
 import functools
-import importlib
-import os
-import threading
-
-from stablerl.patching import PatchLedger
 
 from . import _controller, _routing_replay, _state
-from ._selection import _load_callable, selection_from_args
-from ._spec import (ENV_CHAINED_SETUP_HOOK, LEGACY_SETUP_HOOK, SETUP_HOOK, check_openrlhf, check_policy_loss_api,
-                    openrlhf_version)
-
-_LOCK = threading.RLock()
-#: every change to OpenRLHF (and vLLM's AsyncEngineArgs) and the post-import hook; uninstrument() undoes them
-LEDGER = PatchLedger("__stablerl_openrlhf_patch__")
+from ._flags import check_openrlhf, check_policy_loss_api
+from ._selection import selection_from_args
 
 
-def _patch_actor_module(module, ledger) -> None:
-    """``ActorPPOTrainer.__init__``: a stablerl policy_loss_type replaces the loss OpenRLHF built; routing replay,
-    the old-pass entropy and an entropy controller (``._controller``) arm the policy actor. Also ``training_step`` /
-    ``Actor.forward`` (``_routing_replay``), ``ppo_train``'s DataLoader (whole prompt groups, ``._groups``) and the
-    loss normalisers."""
+def _patch_actor_module(module, ledger, adapter) -> None:
+    """``ActorPPOTrainer.__init__`` (see the module docstring), ``training_step`` / ``Actor.forward``, the DataLoader
+    and the loss normalisers."""
     check_policy_loss_api(module.PolicyLoss)
 
     @ledger.around(module.ActorPPOTrainer, "__init__")
@@ -36,21 +34,19 @@ def _patch_actor_module(module, ledger) -> None:
             from ._loss import build_policy_loss
 
             self.actor_loss_fn = build_policy_loss(self.args, sel, strategy=self.strategy)
-            _state.adopt_loss(self.actor_loss_fn)  # its state goes into this actor's checkpoints, and back
-        if sel.routing_replay is not None:
-            _routing_replay.arm(self, sel.routing_replay)
+            adapter.loss_state.adopt(self.actor_loss_fn.stablerl_state)  # saved with this actor's checkpoints
         stats = sel.old_pass_stats()
         if stats:  # its old-log-prob pass also returns entropy / sum_pi_squared (._inputs)
-            from ._inputs import arm_old_pass
+            adapter.worker(self.actor, create=True).old_pass_stats = stats
+        if sel.routing_replay is not None:
+            _routing_replay.arm(self, sel.routing_replay, adapter)
+        _controller.arm(self, adapter)  # an entropy controller steering --actor.entropy_coef, if one is selected
 
-            arm_old_pass(self.actor, stats)
-        _controller.arm(self)  # an entropy controller steering --actor.entropy_coef, if one is selected
-
-    _routing_replay.patch_actor_module(module, ledger)
+    _routing_replay.patch_actor_module(module, ledger, adapter)
     from ._groups import group_dataloader
 
     ledger.set_attr("ppo_actor.DataLoader", module, "DataLoader", group_dataloader(module.DataLoader))
-    _patch_loss_normalisers(module, ledger, "ppo_actor")
+    _patch_loss_normalisers(module, ledger, adapter, "ppo_actor")
 
 
 def _nonzero_normalisers(info: dict) -> dict:
@@ -66,7 +62,7 @@ def _nonzero_normalisers(info: dict) -> dict:
     return out
 
 
-def _patch_loss_normalisers(module, ledger, owner: str) -> None:
+def _patch_loss_normalisers(module, ledger, adapter, owner: str) -> None:
     """With a batch filter selected, OpenRLHF's loss normalisers (``get_loss_batch_info``,
     ``iter_grad_accum_global_norm``, as bound in ``module``) never divide by an all-masked step's 0."""
 
@@ -86,21 +82,20 @@ def _patch_loss_normalisers(module, ledger, owner: str) -> None:
             return ((item, _nonzero_normalisers(info)) for item, info in items) if filtering(strategy) else items
 
 
-def _patch_maker_module(module, ledger) -> None:
-    """``RemoteExperienceMaker.compute_advantages_and_returns`` (``_advantage``) and ``make_experience``
-    (``_routing_replay``)."""
+def _patch_maker_module(module, ledger, adapter) -> None:
+    """``RemoteExperienceMaker.compute_advantages_and_returns`` (``_advantage``) and ``make_experience``."""
 
     @ledger.around(module.RemoteExperienceMaker, "compute_advantages_and_returns")
     def compute_advantages_and_returns(original, self, experiences):
         from ._advantage import advantages_and_returns
 
-        return advantages_and_returns(self, experiences, functools.partial(original, self))
+        return advantages_and_returns(adapter, self, experiences, functools.partial(original, self))
 
-    _routing_replay.patch_maker_module(module, ledger)
+    _routing_replay.patch_maker_module(module, ledger, adapter)
 
 
-#: module -> its patcher (each applied when the module is imported; OpenRLHF's only at a supported version)
-_PATCHERS = {
+#: module -> its patcher ``(module, ledger, adapter)``
+PATCHERS = {
     "openrlhf.trainer.ray.ppo_actor": _patch_actor_module,
     # gae + a batch filter: the critic loss sees the same masks
     "openrlhf.trainer.ray.ppo_critic": functools.partial(_patch_loss_normalisers, owner="ppo_critic"),
@@ -120,6 +115,7 @@ PATCH_KEYS = (
     "ppo_actor.get_loss_batch_info", "ppo_actor.iter_grad_accum_global_norm", "ppo_critic.get_loss_batch_info",
     "ppo_critic.iter_grad_accum_global_norm", "RemoteExperienceMaker.compute_advantages_and_returns",
     "RemoteExperienceMaker.make_experience", "BaseModelActor.execute_batch",
+    "BaseModelActor.forward_with_rollout_routes",
     "SamplesGenerator._process_response_into_experience", "SingleTurnAgentExecutor.execute",
     "MultiTurnAgentExecutor.execute", "AsyncEngineArgs.__init__", "DeepspeedStrategy.save_ckpt",
     "DeepspeedStrategy.load_ckpt", "BasePPOTrainer.save_logs_and_checkpoints", "BasePPOTrainer.save_best_checkpoint",
@@ -127,46 +123,12 @@ PATCH_KEYS = (
 )
 
 
-def _patcher(name: str, patch):
-    def patcher(module) -> None:
+def patcher(name: str, patch, ledger, adapter):
+    """The post-import hook's patcher of module ``name``."""
+
+    def patch_module(module) -> None:
         if name.startswith("openrlhf."):  # OpenRLHF's modules are patched only at a supported version
             check_openrlhf()
-        patch(module, LEDGER)
+        patch(module, ledger, adapter)
 
-    return patcher
-
-
-_HOOK_TAG = "stablerl.openrlhf"
-_CHAINED = {"done": False}
-
-
-def instrument(now: bool = False) -> None:
-    """Arm the patches in this process: modules already imported are patched now, the others when (and if)
-    they are imported (a post-import hook; imports no OpenRLHF module). Idempotent. With ``now=True`` also
-    import OpenRLHF's patched modules (and ``vllm.engine.arg_utils``) at once (heavy: ``openrlhf.models``).
-
-    Also Ray's ``worker_process_setup_hook`` (see :data:`SETUP_HOOK`); it then runs
-    ``$STABLERL_CHAINED_SETUP_HOOK`` (a user's own setup hook) once."""
-    found = openrlhf_version()
-    if found is not None or now:
-        check_openrlhf(found)
-    with _LOCK:
-        LEDGER.on_import(_HOOK_TAG, {name: _patcher(name, patch) for name, patch in _PATCHERS.items()})
-    if now:
-        for name in _PATCHERS:
-            importlib.import_module(name)  # the post-import hook (or the call above) patches it
-    chained = os.environ.get(ENV_CHAINED_SETUP_HOOK)
-    if chained and chained not in (SETUP_HOOK, LEGACY_SETUP_HOOK) and not _CHAINED["done"]:
-        _CHAINED["done"] = True
-        _load_callable(chained)()
-
-
-def uninstrument() -> None:
-    """Undo every patch and disarm the import hook (the exact original attributes come back). Idempotent."""
-    with _LOCK:
-        LEDGER.restore()
-
-
-def is_applied() -> dict[str, bool]:
-    """Which patches are in place in this process."""
-    return {key: key in LEDGER for key in PATCH_KEYS}
+    return patch_module

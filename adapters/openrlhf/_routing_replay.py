@@ -12,6 +12,7 @@ actor's old-log-prob pass replays them (``BaseModelActor.execute_batch`` passes 
 
 from __future__ import annotations
 
+import contextvars
 import functools
 import inspect
 import os
@@ -21,34 +22,28 @@ import torch
 
 from stablerl import routing_replay as rr
 from stablerl.routing_replay import RolloutRoutes, SampleRoutes
-from stablerl.params import StableRLError, UnknownNameError, unknown_name_message
+from stablerl.params import StableRLError
 
 from . import _controller
 from . import _inputs as loss_inputs
+from ._flags import ENV_ROUTING_REPLAY as ENV_MODE  # the mode where no args exist (vLLM rollout workers)
+from ._flags import ROUTING_REPLAY_FLAG as FLAG
 from ._selection import selection_from_args
-from ._spec import ENV_ROUTING_REPLAY as ENV_MODE  # the mode where no args exist (vLLM rollout workers)
 
-FLAG = "--actor.stablerl_routing_replay"
-MODES = ("R2", "R3")
-#: attribute of the policy's OpenRLHF ``Actor`` once armed (set in ActorPPOTrainer.__init__)
-ARMED = "_stablerl_routing_replay"
-#: attribute of the old-log-prob tensor that carries the routes from the actor worker to the maker
+MODES = rr.MODES
+#: attribute of the old-log-prob tensor that carries the routes from the actor worker to the maker (Ray pickles the
+#: tensor with it: the one field that travels from the actor worker's forward back to the experience maker)
 ON_LOG_PROBS = "stablerl_routes"
 
-#: attribute of the armed ``Actor`` holding the rollout routes of the rows being forwarded (R3, old-log-prob pass)
-PENDING = "_stablerl_rollout_routes"
+#: R3: the rollout routes of the rows ``BaseModelActor.execute_batch`` is forwarding (its old-log-prob pass)
+ROLLOUT_ROUTES: contextvars.ContextVar = contextvars.ContextVar("stablerl_rollout_routes", default=None)
 #: key of an agent executor's output carrying vLLM's routed experts (R3)
 ROUTED_EXPERTS = "routed_experts"
 
 
 def parse_mode(value) -> Optional[str]:
-    """``"R2"``, ``"R3"`` or None (case-insensitive); an unknown name raises naming the valid ones."""
-    if value is None or value == "":
-        return None
-    mode = str(value).strip().upper()
-    if mode not in MODES:
-        raise UnknownNameError(unknown_name_message(FLAG, str(value), MODES))
-    return mode
+    """``"R2"``, ``"R3"`` or None (core's :func:`stablerl.routing_replay.parse_mode` for :data:`FLAG`)."""
+    return rr.parse_mode(value, FLAG)
 
 
 def check_mode(mode: Optional[str], args) -> Optional[str]:
@@ -82,7 +77,7 @@ def rollout_mode() -> Optional[str]:
 
 
 class _Armed(rr.RowLayout):
-    """The armed policy actor's mode and routers (``Actor.<ARMED>``)."""
+    """The armed policy actor's mode and routers (its ``PolicyWorker.routes``)."""
 
     def __init__(self, mode: str, num_experts: int, layer_ids, packing: bool, top_k: Optional[int] = None):
         super().__init__(num_experts, tuple(layer_ids), packing, top_k)
@@ -97,7 +92,7 @@ def _inner(model):
     return module if isinstance(module, torch.nn.Module) else model
 
 
-def arm(trainer, mode: Optional[str]) -> None:
+def arm(trainer, mode: Optional[str], adapter) -> None:
     """In ``ActorPPOTrainer.__init__``: validate and mark the policy actor (checks that it is MoE)."""
     mode = check_mode(mode, trainer.args)
     if mode is None:
@@ -116,8 +111,8 @@ def arm(trainer, mode: Optional[str]) -> None:
     if mode == "R3" and min(r.top_k for r in routers) < 2:
         # SampleRoutes marks natively routed tokens by zero rows (not k distinct experts): no top-1 routers
         raise StableRLError(f"{FLAG} R3 supports routers with top-k >= 2 (this actor has a top-1 router); use R2")
-    setattr(actor, ARMED, _Armed(mode, max(r.num_experts for r in routers),
-                                 tuple(r.layer_id for r in routers), packing, top_k))
+    adapter.worker(actor, create=True).routes = _Armed(mode, max(r.num_experts for r in routers),
+                                                       tuple(r.layer_id for r in routers), packing, top_k)
 
 
 def _old_pass(forward, actor, state: _Armed, *args, **kwargs):
@@ -126,7 +121,7 @@ def _old_pass(forward, actor, state: _Armed, *args, **kwargs):
     mask = kwargs.get("attention_mask", args[2] if len(args) > 2 else None)
     model = _inner(actor.model)
     if state.mode == "R3":
-        rows = actor.__dict__.get(PENDING)
+        rows = ROLLOUT_ROUTES.get()
         if rows is None:
             raise StableRLError(
                 f"{FLAG} R3: the actor's old-log-prob forward got no rollout routes. Is the stablerl setup hook active "
@@ -175,15 +170,16 @@ def batch_routes(state: _Armed, experience) -> rr.Routes:
 # ----------------------------------------------------------------------------- patches
 
 
-def patch_actor_module(module, ledger) -> None:
+def patch_actor_module(module, ledger, adapter) -> None:
     """``ActorPPOTrainer.training_step`` and ``Actor.forward`` (plain classes, shipped by reference); the same
     two patches feed a stablerl loss's declared inputs and the old-log-prob pass's entropy (``._inputs``)."""
 
     @ledger.around(module.ActorPPOTrainer, "training_step")
     def training_step_with_replay(training_step, self, experience, *args, **kwargs):
-        controller = _controller.before_step(self)  # the entropy controller's coefficient, if one is selected
-        with loss_inputs.step_inputs(self, experience):
-            state = getattr(self.actor, ARMED, None)
+        worker = adapter.worker(self)
+        controller = _controller.before_step(self, worker)  # the entropy controller's coefficient, if one is selected
+        with loss_inputs.step_inputs(adapter, self, experience):
+            state = worker.routes if worker is not None else None
             if state is None:
                 status = training_step(self, experience, *args, **kwargs)
             else:
@@ -196,16 +192,17 @@ def patch_actor_module(module, ledger) -> None:
     @ledger.around(module.Actor, "forward")
     def forward_recording(forward, self, *args, **kwargs):
         # the old-log-prob pass: PolicyModelActor.forward runs the policy in eval mode under no_grad
+        worker = adapter.worker(self)
         if self.training or torch.is_grad_enabled():
             out = loss_inputs.train_forward(forward, self, *args, **kwargs)  # entropy for the loss, if declared
-            _controller.record_entropy(self, args, kwargs, out)  # and for the entropy controller, if one is armed
+            _controller.record_entropy(worker, args, kwargs, out)  # and for the entropy controller, if one is armed
             return out
-        old_pass = functools.partial(loss_inputs.old_pass_forward, forward)  # + old-pass statistics, if declared
-        state = self.__dict__.get(ARMED)
+        old_pass = functools.partial(loss_inputs.old_pass_forward, forward, worker)  # + old-pass statistics
+        state = worker.routes if worker is not None else None
         return old_pass(self, *args, **kwargs) if state is None else _old_pass(old_pass, self, state, *args, **kwargs)
 
 
-def patch_maker_module(module, ledger) -> None:
+def patch_maker_module(module, ledger, adapter) -> None:
     """``RemoteExperienceMaker.make_experience``: routes into the experiences (R2: recorded; R3: converted), and
     the old-log-prob pass's entropy / sum_pi_squared when an algorithm declares it (``._inputs``)."""
 
@@ -231,7 +228,7 @@ def patch_maker_module(module, ledger) -> None:
 # ----------------------------------------------------------------------------- R3: rollout side
 
 
-def patch_vllm_arg_utils(module, ledger) -> None:
+def patch_vllm_arg_utils(module, ledger, adapter) -> None:
     """``AsyncEngineArgs.__init__`` (what ``RolloutRayActor.__init__`` builds as ``vllm.AsyncEngineArgs``):
     ``enable_return_routed_experts=True`` under R3, after the version check."""
 
@@ -243,7 +240,7 @@ def patch_vllm_arg_utils(module, ledger) -> None:
         return init(self, *args, **kwargs)
 
 
-def patch_agent_module(module, ledger) -> None:
+def patch_agent_module(module, ledger, adapter) -> None:
     """``execute`` of OpenRLHF's agent executors: the output gains ``routed_experts`` (R3 only): the engine is
     seen through core's ``RecordingEngine``, which gives the routes of the trajectory's last call."""
     for cls in (module.SingleTurnAgentExecutor, module.MultiTurnAgentExecutor):
@@ -261,7 +258,7 @@ def patch_agent_module(module, ledger) -> None:
             return out
 
 
-def patch_samples_module(module, ledger) -> None:
+def patch_samples_module(module, ledger, adapter) -> None:
     """``SamplesGenerator._process_response_into_experience``: the response's routes into the Experience row."""
 
     @ledger.around(module.SamplesGenerator, "_process_response_into_experience")
@@ -283,27 +280,30 @@ def patch_samples_module(module, ledger) -> None:
         return experience
 
 
-def patch_launcher_module(module, ledger) -> None:
-    """``BaseModelActor.execute_batch`` (a plain base class of the by-value ``PolicyModelActor``): under R3,
-    each ``forward`` item's ``mm_train_inputs_list`` (the rows' rollout routes) goes to the armed Actor."""
+def patch_launcher_module(module, ledger, adapter) -> None:
+    """``BaseModelActor.execute_batch`` (a plain base class of the by-value ``PolicyModelActor``): under R3, each
+    ``forward`` item runs through ``_stablerl_forward_with_rollout_routes`` (added to the class, inherited), which
+    hands the item's ``mm_train_inputs_list`` (the rows' rollout routes) to the armed Actor's old-log-prob pass
+    (:data:`ROLLOUT_ROUTES`, for that call)."""
+    ledger.set_attr("BaseModelActor.forward_with_rollout_routes", module.BaseModelActor,
+                    "_stablerl_forward_with_rollout_routes", _forward_with_rollout_routes)
 
     @ledger.around(module.BaseModelActor, "execute_batch")
     def execute_batch_with_routes(execute_batch, self, method_name, all_data, start_idx, end_idx):
-        actor = self.__dict__.get("actor")
-        state = getattr(actor, "__dict__", {}).get(ARMED) if actor is not None else None
-        if method_name != "forward" or state is None or state.mode != "R3":
-            return execute_batch(self, method_name, all_data, start_idx, end_idx)
-        forward = self.forward
+        # Ray pickles this closure with the by-value actor class: it references module-level names only
+        if method_name == "forward" and _armed_mode(adapter, self) == "R3":
+            method_name = "_stablerl_forward_with_rollout_routes"
+        return execute_batch(self, method_name, all_data, start_idx, end_idx)
 
-        def forward_with_rollout_routes(*args, **kwargs):
-            actor.__dict__[PENDING] = kwargs.get("mm_train_inputs_list")
-            try:
-                return forward(*args, **kwargs)
-            finally:
-                actor.__dict__.pop(PENDING, None)
 
-        self.forward = forward_with_rollout_routes  # execute_batch looks the method up on the instance
-        try:
-            return execute_batch(self, method_name, all_data, start_idx, end_idx)
-        finally:
-            self.__dict__.pop("forward", None)
+def _armed_mode(adapter, model_actor) -> Optional[str]:
+    worker = adapter.worker(model_actor.__dict__.get("actor"))
+    return worker.routes.mode if worker is not None and worker.routes is not None else None
+
+
+def _forward_with_rollout_routes(self, *args, **kwargs):
+    token = ROLLOUT_ROUTES.set(kwargs.get("mm_train_inputs_list"))
+    try:
+        return self.forward(*args, **kwargs)
+    finally:
+        ROLLOUT_ROUTES.reset(token)

@@ -4,36 +4,37 @@ precedence rule), and the Ray ``runtime_env`` hook that carries it to every work
 
 from __future__ import annotations
 
-import importlib
 import os
 import sys
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import stablerl
-from stablerl.contracts import ADVANTAGE_ESTIMATOR as _ADV, CONTROLLER as _CONTROLLER, POLICY_LOSS as _LOSS
+from stablerl.algorithm_selection import AlgorithmSelection
+from stablerl.contracts import ADVANTAGE_ESTIMATOR as _ADV, BATCH_FILTER as _FILTER, CONTROLLER as _CONTROLLER
+from stablerl.contracts import POLICY_LOSS as _LOSS, REWARD_SHAPER as _SHAPER
 from stablerl.frameworks import (as_params, check_call_options, check_framework_keys_used, check_shaper_and_components,
-                                 effective_hyperparameters, selectable_names, split_call_options)
+                                 effective_hyperparameters, get_framework, selectable_names, split_call_options)
 from stablerl.frameworks import resolve as _resolve_in
+from stablerl.ray_setup import with_setup_hook
 from stablerl.params import MissingInputError, StableRLError, build_params, parse_params  # noqa: F401 (re-export)
 
-from ._spec import (_FILTER, _FORWARDED_ENV, _SHAPER, COMPONENT_WEIGHTS_FLAG, COMPONENTS_FLAG, CONTROLLER_FLAG,
-                    ENV_ADVANTAGE, ENV_ADVANTAGE_PARAMS, ENV_BATCH_FILTER, ENV_BATCH_FILTER_PARAMS,
-                    ENV_CHAINED_SETUP_HOOK, ENV_CONTROLLER, ENV_CONTROLLER_PARAMS,
-                    ENV_POLICY_LOSS, ENV_POLICY_LOSS_PARAMS, ENV_PREVIOUS_RUNTIME_ENV_HOOK, ENV_REWARD_SHAPER,
-                    ENV_REWARD_SHAPER_PARAMS, ENV_ROUTING_REPLAY, FILTER_FLAG, LEGACY_SETUP_HOOK, OPENRLHF, SETUP_HOOK,
-                    SHAPER_FLAG)
+from ._flags import (ADD_SETUP_HOOK, COMPONENT_WEIGHTS_FLAG, COMPONENTS_FLAG, CONTROLLER_FLAG, ENV_ADVANTAGE,
+                     ENV_ADVANTAGE_PARAMS, ENV_BATCH_FILTER, ENV_BATCH_FILTER_PARAMS, ENV_CHAINED_SETUP_HOOK,
+                     ENV_CONTROLLER, ENV_CONTROLLER_PARAMS, ENV_POLICY_LOSS, ENV_POLICY_LOSS_PARAMS,
+                     ENV_PREVIOUS_RUNTIME_ENV_HOOK, ENV_REWARD_SHAPER, ENV_REWARD_SHAPER_PARAMS, ENV_ROUTING_REPLAY,
+                     FORWARDED_ENV, IS_CORRECTION_FLAG, LEGACY_SETUP_HOOK, NAME, SETUP_HOOK)
 
 
 def openrlhf_choices(kind: str) -> list[str]:
     """The names the wrapper's argparse lists: OpenRLHF's, then every stablerl algorithm OpenRLHF can feed."""
-    return selectable_names(OPENRLHF, kind)
+    return selectable_names(get_framework(NAME), kind)
 
 
 def resolve(kind: str, name: Optional[str]) -> Optional[str]:
     """The stablerl algorithm ``name`` selects, or None for an OpenRLHF built-in (or None): core's one name rule
     (:func:`stablerl.frameworks.resolve`; unknown names and inputs OpenRLHF cannot feed raise, saying why)."""
-    return _resolve_in(OPENRLHF, kind, name)
+    return _resolve_in(NAME, kind, name)
 
 
 def check_rollout_log_probs(spec, call_options: dict, is_correction_level: str) -> None:
@@ -43,7 +44,7 @@ def check_rollout_log_probs(spec, call_options: dict, is_correction_level: str) 
     if ("rollout_log_prob" in spec.requires or correction) and is_correction_level == "off":
         what = f"rollout_correction={correction!r}" if correction else f"policy loss {spec.name!r}"
         raise MissingInputError(
-            f"{what} needs rollout log-probs: set --algo.advantage.is_correction_level token|seq (OpenRLHF requests "
+            f"{what} needs rollout log-probs: set {IS_CORRECTION_FLAG} token|seq (OpenRLHF requests "
             "vLLM log-probs only then; its own IS weights are then not applied)")
 
 
@@ -72,16 +73,13 @@ def check_one_version_per_batch(spec, async_enable: bool) -> None:
 
 
 @dataclass
-class Selection:
-    """What the user selected: stablerl names (None: OpenRLHF's own) and their hyper-parameters.
+class Selection(AlgorithmSelection):
+    """What the user selected (core's :class:`~stablerl.algorithm_selection.AlgorithmSelection`: stablerl names,
+    None: OpenRLHF's own, and their hyper-parameters) with OpenRLHF's own knobs.
 
     The wrapper CLI attaches one to OpenRLHF's args as ``args.stablerl``; it travels to every model
     actor inside the pickled ``DeepspeedStrategy``."""
 
-    policy_loss: Optional[str] = None
-    policy_loss_params: dict = field(default_factory=dict)
-    advantage_estimator: Optional[str] = None
-    advantage_params: dict = field(default_factory=dict)
     #: OpenRLHF knobs given on the command line (one precedence rule: left at OpenRLHF's defaults, they leave the
     #: paper's defaults in place): clip flags as clip_ratio_low/high/c; --algo.advantage.no_std_norm / gamma;
     #: --reward.clip_range (its default is not applied to a stablerl estimator)
@@ -90,22 +88,12 @@ class Selection:
     reward_clip_range: Optional[tuple] = None
     #: MoE routing replay (--actor.stablerl_routing_replay): "R2", "R3", or None (native routing)
     routing_replay: Optional[str] = None
-    reward_shaper: Optional[str] = None
-    reward_shaper_params: dict = field(default_factory=dict)
-    batch_filter: Optional[str] = None
-    batch_filter_params: dict = field(default_factory=dict)
-    #: an entropy controller stepped once per optimizer step in the actor workers (._controller)
-    entropy_controller: Optional[str] = None
-    entropy_controller_params: dict = field(default_factory=dict)
-    #: the reward function's extra_logs keys handed to the estimator as reward_components (GDPO), their weights
-    reward_components: tuple = ()
-    reward_weights: tuple = ()
 
     def loss_settings(self) -> list:
         """The loss's effective hyper-parameters with their sources: ``--actor.stablerl_params`` > the clip flags
         given on the command line > the paper's defaults (:data:`stablerl.frameworks.PRECEDENCE`)."""
         clip = dict(self.openrlhf_clip or {})
-        return effective_hyperparameters(OPENRLHF, stablerl.get_spec(_LOSS, self.policy_loss),
+        return effective_hyperparameters(NAME, stablerl.get_spec(_LOSS, self.policy_loss),
                                          self.policy_loss_params, clip, user_set=set(clip))
 
     def advantage_settings(self) -> list:
@@ -113,29 +101,8 @@ class Selection:
         defaults; a knob the estimator cannot honour is refused."""
         spec = stablerl.get_spec(_ADV, self.advantage_estimator)
         given = dict(self.openrlhf_advantage or {})
-        check_framework_keys_used(OPENRLHF, spec, given, user_set=set(given))
-        return effective_hyperparameters(OPENRLHF, spec, self.advantage_params, given, user_set=set(given))
-
-    def requires(self, kind: str, what: str) -> bool:
-        """Whether the selected algorithm of ``kind`` declares input ``what``."""
-        name = {_LOSS: self.policy_loss, _ADV: self.advantage_estimator, _SHAPER: self.reward_shaper,
-                _FILTER: self.batch_filter}[kind]
-        return name is not None and what in stablerl.get_spec(kind, name).requires
-
-    def needs_old_pass_entropy(self) -> bool:
-        """A loss declaring ``old_entropy``, or an estimator / shaper / filter declaring ``entropy`` (they run after
-        the old-log-prob pass): that pass then returns its entropy (``._inputs``)."""
-        return self.requires(_LOSS, "old_entropy") or any(self.requires(k, "entropy") for k in (_ADV, _SHAPER, _FILTER))
-
-    def old_pass_stats(self) -> frozenset:
-        """The per-token statistics the old-log-prob pass returns besides its log-probs (``._inputs``): ``entropy``
-        (:meth:`needs_old_pass_entropy`) and ``sum_pi_squared`` (an estimator declaring it: optimal_token_baseline)."""
-        return frozenset({"entropy"} if self.needs_old_pass_entropy() else ()) | frozenset(
-            {"sum_pi_squared"} if self.requires(_ADV, "sum_pi_squared") else ())
-
-    @property
-    def has_extensions(self) -> bool:
-        return self.reward_shaper is not None or self.batch_filter is not None
+        check_framework_keys_used(NAME, spec, given, user_set=set(given))
+        return effective_hyperparameters(NAME, spec, self.advantage_params, given, user_set=set(given))
 
     def validate(self) -> "Selection":
         """Build the Params the workers will build (the effective ones) now, so a bad key or value fails in the
@@ -144,7 +111,7 @@ class Selection:
             spec = stablerl.get_spec(_LOSS, self.policy_loss)
             hyper, options = split_call_options(as_params(self.loss_settings()))
             build_params(spec, hyper)
-            check_call_options(OPENRLHF, spec, options, hyper)
+            check_call_options(NAME, spec, options, hyper)
         elif self.policy_loss_params:
             raise StableRLError("stablerl loss hyper-parameters given, but --actor.policy_loss_type is an OpenRLHF "
                                 "built-in")
@@ -158,17 +125,8 @@ class Selection:
         elif self.reward_components:
             raise StableRLError(f"{COMPONENTS_FLAG} given, but --algo.advantage.estimator is an OpenRLHF built-in "
                                 "(only stablerl estimators read reward components)")
-        if self.reward_weights and len(self.reward_weights) != len(self.reward_components):
-            raise StableRLError(f"{COMPONENT_WEIGHTS_FLAG} has {len(self.reward_weights)} values for "
-                                f"{len(self.reward_components)} {COMPONENTS_FLAG} names")
-        for kind, name, params, flag in ((_SHAPER, self.reward_shaper, self.reward_shaper_params, SHAPER_FLAG),
-                                         (_FILTER, self.batch_filter, self.batch_filter_params, FILTER_FLAG),
-                                         (_CONTROLLER, self.entropy_controller, self.entropy_controller_params,
-                                          CONTROLLER_FLAG)):
-            if name is not None:
-                build_params(stablerl.get_spec(kind, name), params)
-            elif params:
-                raise StableRLError(f"{flag}_params given, but no {flag}")
+        keys = get_framework(NAME).selection_keys
+        self.check_extensions(keys.get, lambda kind: f"{keys[kind]}_params", COMPONENTS_FLAG, COMPONENT_WEIGHTS_FLAG)
         return self
 
 
@@ -207,50 +165,29 @@ def selection_from_args(args) -> Selection:
 # ----------------------------------------------------------------------------- Ray runtime_env
 
 
-def _load_callable(path: str):
-    module, _, attr = path.rpartition(".")
-    if not module:
-        raise ValueError(f"expected 'module.function', got {path!r}")
-    return getattr(importlib.import_module(module), attr)
-
-
 ZERO_COPY_ENV = "RAY_ENABLE_ZERO_COPY_TORCH_TENSORS"
 
 
 def add_setup_hook(runtime_env: Optional[dict] = None, selection: Optional[Selection] = None) -> dict:
-    """A ``RAY_RUNTIME_ENV_HOOK``: ``runtime_env`` plus the stablerl worker setup hook.
-
-    Also forwards the STABLERL_* selection variables to every worker, keeps a user's own
-    ``worker_process_setup_hook`` (chained through ``$STABLERL_CHAINED_SETUP_HOOK``), calls a previous
-    ``RAY_RUNTIME_ENV_HOOK`` saved in ``$STABLERL_PREVIOUS_RAY_RUNTIME_ENV_HOOK`` and keeps the tensor attributes
-    the ``selection`` (the wrapper's; else the environment's, validated here, before Ray starts) needs."""
+    """A ``RAY_RUNTIME_ENV_HOOK``: ``runtime_env`` plus the stablerl worker setup hook (core's
+    :func:`~stablerl.ray_setup.with_setup_hook`: the STABLERL_* variables forwarded, a user's own setup hook chained
+    through ``$STABLERL_CHAINED_SETUP_HOOK``, a previous ``RAY_RUNTIME_ENV_HOOK`` in
+    ``$STABLERL_PREVIOUS_RAY_RUNTIME_ENV_HOOK`` called first), keeping the tensor attributes the ``selection`` (the
+    wrapper's; else the environment's, validated here, before Ray starts) needs."""
     selection = selection or _from_env().validate()
-    previous = os.environ.get(ENV_PREVIOUS_RUNTIME_ENV_HOOK)
-    if previous and previous != "stablerl.adapters.openrlhf.add_setup_hook":
-        runtime_env = _load_callable(previous)(runtime_env)
-    env = dict(runtime_env or {})
-    existing = env.get("worker_process_setup_hook")
-    env_vars = dict(env.get("env_vars") or {})
-    if existing and existing not in (SETUP_HOOK, LEGACY_SETUP_HOOK):
-        if not isinstance(existing, str):
-            raise ValueError("runtime_env already has a callable worker_process_setup_hook; give it as a "
-                             "'module.function' string so stablerl can chain it")
-        env_vars[ENV_CHAINED_SETUP_HOOK] = existing
-    env["worker_process_setup_hook"] = SETUP_HOOK
-    for key in _FORWARDED_ENV:
-        if key in os.environ and key not in env_vars:
-            env_vars[key] = os.environ[key]
+    env = with_setup_hook(runtime_env, SETUP_HOOK, ours=(SETUP_HOOK, LEGACY_SETUP_HOOK, ADD_SETUP_HOOK),
+                          chained_env=ENV_CHAINED_SETUP_HOOK, previous_env=ENV_PREVIOUS_RUNTIME_ENV_HOOK,
+                          forward=FORWARDED_ENV)
     stats = selection.old_pass_stats()
     if selection.routing_replay or stats:
         # the routes / old-pass statistics ride on a log-prob tensor as an attribute, which Ray's zero-copy tensor
         # serializer drops (OpenRLHF's train() turns it on unless set): off, said on stderr
+        env_vars = env.setdefault("env_vars", {})
         what = "routes" if selection.routing_replay else " and ".join(sorted(stats))
         if env_vars.get(ZERO_COPY_ENV, "0") != "0":
             why = "routing replay" if selection.routing_replay else f"the old-log-prob pass's {what}"
             print(f"stablerl/openrlhf: {why} sets {ZERO_COPY_ENV}=0 for the Ray workers (was "
-                  f"{env_vars[ZERO_COPY_ENV]!r}): Ray's zero-copy tensor serializer drops the {what} carried on the log-prob tensors",
-                  file=sys.stderr, flush=True)
+                  f"{env_vars[ZERO_COPY_ENV]!r}): Ray's zero-copy tensor serializer drops the {what} carried on the "
+                  "log-prob tensors", file=sys.stderr, flush=True)
         env_vars[ZERO_COPY_ENV] = "0"
-    if env_vars:
-        env["env_vars"] = env_vars
     return env

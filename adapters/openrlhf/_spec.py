@@ -1,74 +1,156 @@
-"""The OpenRLHF adapter's declarations: supported versions, OpenRLHF's own names, the flags and
-environment variables of the two routes, and the modules it patches (framework-free, imports no OpenRLHF).
-What OpenRLHF can feed to each kind of algorithm is declared once, in ``stablerl.adapters.frameworks``."""
+"""OpenRLHF 0.11.2 as stablerl declares it (its ``FrameworkSpec``, registered by ``stablerl.adapters.frameworks``):
+built-in names, what it cannot feed and why, its flags, and the config lines of every algorithm. What it can feed
+(``feedable``, ``conditions``) is derived from :class:`OpenRLHFAdapter`'s providers. Framework-free."""
 
 from __future__ import annotations
 
-from typing import Optional
+from stablerl.contracts import (ADVANTAGE_ESTIMATOR, BATCH_FILTER, CONTROLLER, POLICY_LOSS, REWARD_SHAPER,
+                                TRAINER_HOOK, AlgorithmSpec)
+from stablerl.frameworks import FrameworkKey, FrameworkSpec, framework_names
 
-from stablerl.contracts import ADVANTAGE_ESTIMATOR as _ADV, POLICY_LOSS as _LOSS
-from stablerl.contracts import BATCH_FILTER as _FILTER, REWARD_SHAPER as _SHAPER
-from stablerl.frameworks import UnsupportedVersionError, check_version, get_framework, installed_version
-
-OPENRLHF = get_framework("openrlhf")
-SUPPORTED_OPENRLHF = OPENRLHF.supported
-OPENRLHF_POLICY_LOSSES = tuple(OPENRLHF.builtin_names[_LOSS])
-OPENRLHF_ADV_ESTIMATORS = tuple(OPENRLHF.builtin_names[_ADV])
-PREFIX = OPENRLHF.prefix
-#: per-response values of the user's reward function (its extra_logs, which OpenRLHF copies into
-#: experience.info) that reward shapers and batch filters may read
-REWARD_FUNCTION_INPUTS = tuple(sorted((OPENRLHF.feedable[_SHAPER] | OPENRLHF.feedable[_FILTER])
-                                      - {"index", "scores", "lengths"}))
-SHAPER_FLAG = "--algo.advantage.stablerl_reward_shaper"
-FILTER_FLAG = "--algo.advantage.stablerl_batch_filter"
-CONTROLLER_FLAG = "--actor.stablerl_entropy_controller"
-COMPONENTS_FLAG = "--algo.advantage.stablerl_reward_components"
-COMPONENT_WEIGHTS_FLAG = "--algo.advantage.stablerl_reward_weights"
-
-#: Environment variables of the no-wrapper route (forwarded to every worker by add_setup_hook).
-ENV_POLICY_LOSS, ENV_POLICY_LOSS_PARAMS = "STABLERL_POLICY_LOSS", "STABLERL_POLICY_LOSS_PARAMS"
-ENV_ADVANTAGE, ENV_ADVANTAGE_PARAMS = "STABLERL_ADVANTAGE_ESTIMATOR", "STABLERL_ADVANTAGE_PARAMS"
-ENV_REWARD_SHAPER, ENV_REWARD_SHAPER_PARAMS = "STABLERL_REWARD_SHAPER", "STABLERL_REWARD_SHAPER_PARAMS"
-ENV_BATCH_FILTER, ENV_BATCH_FILTER_PARAMS = "STABLERL_BATCH_FILTER", "STABLERL_BATCH_FILTER_PARAMS"
-ENV_CONTROLLER, ENV_CONTROLLER_PARAMS = "STABLERL_ENTROPY_CONTROLLER", "STABLERL_ENTROPY_CONTROLLER_PARAMS"
-ENV_ROUTING_REPLAY = "STABLERL_ROUTING_REPLAY"
-ENV_CHAINED_SETUP_HOOK = "STABLERL_CHAINED_SETUP_HOOK"
-ENV_PREVIOUS_RUNTIME_ENV_HOOK = "STABLERL_PREVIOUS_RAY_RUNTIME_ENV_HOOK"
-_FORWARDED_ENV = (ENV_POLICY_LOSS, ENV_POLICY_LOSS_PARAMS, ENV_ADVANTAGE, ENV_ADVANTAGE_PARAMS, ENV_ROUTING_REPLAY,
-                  ENV_REWARD_SHAPER, ENV_REWARD_SHAPER_PARAMS, ENV_BATCH_FILTER, ENV_BATCH_FILTER_PARAMS,
-                  ENV_CONTROLLER, ENV_CONTROLLER_PARAMS, ENV_CHAINED_SETUP_HOOK)
-#: Ray's worker_process_setup_hook: instrument() in every worker (the older name still works)
-SETUP_HOOK = "stablerl.adapters.openrlhf.instrument"
-LEGACY_SETUP_HOOK = "stablerl.adapters.openrlhf.setup"
+from ._adapter import OpenRLHFAdapter
+from ._flags import (ADV_FLAG, ADV_PARAMS_FLAG, COMMAND, CONTROLLER_FLAG, DUAL_CLIP_FLAG, EPS_CLIP_FLAG,
+                     EPS_CLIP_LOW_HIGH_FLAG, FILTER_FLAG, GAMMA_FLAG, IS_CORRECTION_FLAG, LOSS_FLAG, LOSS_PARAMS_FLAG,
+                     NAME, NO_STD_NORM_FLAG, OPENRLHF_ADV_ESTIMATORS, OPENRLHF_POLICY_LOSSES, ROUTING_REPLAY_FLAG,
+                     SHAPER_FLAG, SUPPORTED_OPENRLHF)
 
 
-class UnsupportedOpenRLHFVersionError(UnsupportedVersionError):
-    """The installed OpenRLHF is outside :data:`SUPPORTED_OPENRLHF`."""
+def _loss_key(name: str, value) -> str:
+    text = f"{name}={value}"
+    return f"{LOSS_PARAMS_FLAG} '{text}'" if any(c in text for c in ' "{') else f"{LOSS_PARAMS_FLAG} {text}"
 
 
-def openrlhf_version() -> Optional[str]:
-    """The installed OpenRLHF version (distribution metadata; imports nothing), or None."""
-    return installed_version("openrlhf")
+OPENRLHF = FrameworkSpec(
+    name=NAME,
+    distribution="openrlhf",
+    supported=SUPPORTED_OPENRLHF,
+    adapter="stablerl.adapters.openrlhf",
+    adapter_class="stablerl.adapters.openrlhf._adapter:OpenRLHFAdapter",
+    builtin_names={
+        POLICY_LOSS: OPENRLHF_POLICY_LOSSES,  # tuples: OpenRLHF's argparse order
+        ADVANTAGE_ESTIMATOR: OPENRLHF_ADV_ESTIMATORS,
+    },
+    feedable=OpenRLHFAdapter.feedable(),  # derived from its @provides methods (_adapter)
+    why_not={
+        "*": {
+            "rollout_log_prob": f"set {IS_CORRECTION_FLAG} token|seq (OpenRLHF requests vLLM "
+            "log-probs only then)",
+            "turn_ids": "OpenRLHF's experiences carry no per-token turn ids",
+            "anchor_ids": "OpenRLHF's experiences are one per sample (its agent mode keeps a whole episode in one), "
+            "with no anchor-state ids",
+            "step_returns": "OpenRLHF's experiences carry no per-step discounted returns",
+            "versions": "OpenRLHF's experiences carry no per-token policy versions (its async mode keeps none per token)",
+            "policy_version": "OpenRLHF's loss call does not know the current policy version",
+            "router_log_prob": "OpenRLHF's loss call gets no router log-probs (stablerl's R2/R3 replay there replays "
+            "experts, it records no router log-probs)",
+            "old_router_log_prob": "OpenRLHF's old-log-prob pass returns no router log-probs",
+            "hidden_states": "OpenRLHF's Actor.forward returns log-probs (and entropy), not the last hidden states",
+            "lm_head_weight": "OpenRLHF's loss call gets no handle on the model (its LM-head weight)",
+            "reward_baselines": "OpenRLHF generates no greedy baseline response per prompt (ReMax)",
+            "sum_pi_squared": "the adapter computes it in OpenRLHF's old-log-prob pass for advantage estimators only "
+            "(OpenRLHF's own pass returns log-probs and entropy, no sum of squared probabilities)",
+            "pos_count": "OpenRLHF samples --rollout.n_samples_per_prompt per prompt in one round: nothing counts "
+            "samples over rounds, and the adapter passes no per-prompt counts to estimators",
+            "neg_count": "OpenRLHF samples --rollout.n_samples_per_prompt per prompt in one round",
+        },
+        CONTROLLER: {
+            "rollout_temperature": "OpenRLHF samples every rollout at one --rollout.temperature, in the trainer "
+            "process's samples generator, and draws no control samples to swap into the batch (AEPO)",
+            "loss_term": "a controller's own term is defined per agent turn (EPO: one row per turn, turns >= "
+            "max_steps/2); OpenRLHF keeps a whole episode in one sample with no turn index, so every row would be "
+            "turn 0 and the term 0 (the adapter steers OpenRLHF's entropy bonus, --actor.entropy_coef)",
+        },
+    },
+    conditions=OpenRLHFAdapter.conditions(),
+    why_no_key={
+        TRAINER_HOOK: "a trainer hook acts between optimizer passes inside the Ray actor (ActorPPOTrainer.ppo_train "
+        "loops over --actor.max_epochs passes with no callback between them) and OpenRLHF always trains with "
+        "DeepSpeed, whose optimizer keeps the fp32 master weights in its own flat partitions and copies them over the "
+        "model's parameters after every step, so a reposition of the parameters (SFPO) would be overwritten; an "
+        "adaptive sampler needs a rollout loop that draws more for a prompt (OpenRLHF draws a fixed "
+        "--rollout.n_samples_per_prompt in one call); the TRL adapter runs sfpo",
+    },
+    selection_keys={
+        POLICY_LOSS: LOSS_FLAG, ADVANTAGE_ESTIMATOR: ADV_FLAG, REWARD_SHAPER: SHAPER_FLAG, BATCH_FILTER: FILTER_FLAG,
+        CONTROLLER: CONTROLLER_FLAG,
+    },
+    hyperparameter_keys={
+        POLICY_LOSS: {
+            # applied only when given on the command line (the wrapper reads argv)
+            "clip_ratio_low": FrameworkKey(f"{EPS_CLIP_LOW_HIGH_FLAG}[0] / {EPS_CLIP_FLAG}", 0.2),
+            "clip_ratio_high": FrameworkKey(f"{EPS_CLIP_LOW_HIGH_FLAG}[1] / {EPS_CLIP_FLAG}", 0.2),
+            "clip_ratio_c": FrameworkKey(DUAL_CLIP_FLAG, None),
+        },
+        ADVANTAGE_ESTIMATOR: {
+            "norm_adv_by_std_in_grpo": FrameworkKey(
+                NO_STD_NORM_FLAG, True, refuse_if_unused=True, spelled={False: "(given)", True: "(not given)"}
+            ),
+            # the discount of the REINFORCE-family returns (applied only when given on the command line)
+            "gamma": FrameworkKey(GAMMA_FLAG, 1.0, refuse_if_unused=True),
+        },
+    },
+    params_keys={
+        POLICY_LOSS: _loss_key,
+        ADVANTAGE_ESTIMATOR: ADV_PARAMS_FLAG + " {name}={value}",
+        REWARD_SHAPER: SHAPER_FLAG + "_params {name}={value}",
+        BATCH_FILTER: FILTER_FLAG + "_params {name}={value}",
+        CONTROLLER: CONTROLLER_FLAG + "_params {name}={value}",
+    },
+    usage=COMMAND,
+    switches={"rollout_correction": IS_CORRECTION_FLAG, "routing_replay": ROUTING_REPLAY_FLAG + " R2  # or R3 (vLLM >= 0.14)"},
+    algorithm_notes={
+        "d3s": "OpenRLHF's advantage step does not know the run's total number of steps: the N/K schedule "
+        "(n_init != n_final or k_init != k_final) is refused at the first step; set n_init == n_final and "
+        "k_init == k_final",
+        "a3po": "OpenRLHF records no per-token versions; its synchronous trainer generates each batch with the "
+        "weights the update starts from, so the adapter gives every generated token version 0 and the policy version "
+        "1 (relative): alpha = 0, the proximal log-prob is the vLLM rollout log-prob (behaviour weight 1) and r = "
+        "exp(lp - lp_rollout) is clipped for every micro-batch and epoch (OpenRLHF's recomputed old log-probs are "
+        "unused unless prox_logp_method=recompute)",
+        "m2po": "old_log_prob is the actor's recomputed old-log-prob pass; OpenRLHF offers no way to give the "
+        "behaviour (vLLM) policy as the old policy",
+    },
+)
 
 
-def check_openrlhf(found: Optional[str] = None) -> str:
-    """Raise :class:`UnsupportedOpenRLHFVersionError` unless OpenRLHF is in :data:`SUPPORTED_OPENRLHF`
-    (stablerl's one version policy; ``STABLERL_ALLOW_UNSUPPORTED=1`` makes it a warning). 0.11.2 changed
-    PolicyLoss (is_correction_* kwargs, 5-value return) and its CLI flags."""
-    return check_version("openrlhf", found if found is not None else openrlhf_version(),
-                         error=UnsupportedOpenRLHFVersionError)
+def _config_lines(spec: AlgorithmSpec) -> list[str]:
+    fields = list(spec.defaults())
+    if spec.kind == CONTROLLER:
+        lines = [COMMAND, f"  {CONTROLLER_FLAG} {spec.name}"]
+        if fields:
+            lines.append(f"  {CONTROLLER_FLAG}_params " + " ".join(f"{f}=<value>" for f in fields))
+        return lines + ["  (--actor.entropy_coef stays unset: the controller sets OpenRLHF's entropy bonus every step)"]
+    if spec.kind in (REWARD_SHAPER, BATCH_FILTER):
+        flag = SHAPER_FLAG if spec.kind == REWARD_SHAPER else FILTER_FLAG
+        lines = [COMMAND, f"  {flag} {spec.name}"]
+        if fields:
+            lines.append(f"  {flag}_params " + " ".join(f"{f}=<value>" for f in fields))
+        if spec.kind == BATCH_FILTER:
+            lines.append("  (dropped rows get action_mask 0; filters that repeat rows are refused)")
+        if "entropy" in spec.requires:
+            lines.append("  (entropy: the adapter has OpenRLHF's old-log-prob pass return it; no flag needed)")
+        return lines
+    loss = spec.kind == POLICY_LOSS
+    flag, params_flag = (LOSS_FLAG, LOSS_PARAMS_FLAG) if loss else (ADV_FLAG, ADV_PARAMS_FLAG)
+    lines = [COMMAND, f"  {flag} {framework_names(OPENRLHF, spec)[0]}"]
+    if fields:
+        lines.append(f"  {params_flag} " + " ".join(f"{f}=<value>" for f in fields))
+    if loss and set(fields) & {"clip_ratio_low", "clip_ratio_high", "clip_ratio_c"}:
+        lines.append("  (--actor.eps_clip / --actor.eps_clip_low_high / --actor.dual_clip, when given, "
+                     "set clip_ratio_low/high/c)")
+    if "rollout_log_prob" in spec.requires:
+        lines.append(f"  {IS_CORRECTION_FLAG} token   # OpenRLHF passes vLLM log-probs only then")
+    if loss and "entropy" in spec.requires:
+        lines.append("  (entropy: the adapter has OpenRLHF's training forward return it; no flag needed)")
+    if not loss and "sum_pi_squared" in spec.requires:
+        lines.append("  (old_log_prob: OpenRLHF's action_log_probs; sum_pi_squared: the adapter has the old-log-prob pass "
+                     "compute it at --rollout.temperature; no flag needed)")
+    if "old_entropy" in spec.requires or (not loss and "entropy" in spec.requires):
+        lines.append("  (old-log-prob pass entropy: the adapter has that pass return it and carries it with the rows; "
+                     "no flag needed)")
+    if loss and "index" in spec.requires:
+        lines.append("  (index: the adapter carries prompt groups through the replay buffer and shuffles whole groups)")
+    return lines
 
 
-def check_policy_loss_api(policy_loss_cls) -> None:
-    """Refuse an OpenRLHF whose ``PolicyLoss`` lacks what :class:`StablePolicyLoss` passes or reads."""
-    import inspect
-
-    init, fwd = (inspect.signature(f).parameters for f in (policy_loss_cls.__init__, policy_loss_cls.forward))
-    missing = [p for p in ("clip_eps_low", "clip_eps_high", "dual_clip", "token_level_loss", "policy_loss_type",
-                           "is_correction_level", "is_correction_mode", "is_correction_gating",
-                           "is_correction_threshold") if p not in init]
-    missing += [f"forward({p})" for p in ("rollout_log_probs", "dp_size", "batch_num_tokens", "global_batch_size")
-                if p not in fwd]
-    if missing:
-        raise UnsupportedOpenRLHFVersionError(
-            f"OpenRLHF's PolicyLoss lacks {missing}; stablerl.adapters.openrlhf supports openrlhf{SUPPORTED_OPENRLHF}")
+OPENRLHF = OPENRLHF.with_config_lines(_config_lines)

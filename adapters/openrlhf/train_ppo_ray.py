@@ -4,10 +4,10 @@
         --actor.policy_loss_type m2po --actor.stablerl_params m2_threshold=0.04 \\
         --algo.advantage.estimator qae --algo.advantage.stablerl_params quantile_k=0.4
 
-It runs OpenRLHF's own ``openrlhf.cli.train_ppo_ray`` (``runpy``, as ``__main__``), whose parser, ``hierarchize``
-and ``ray.init`` live in its ``__main__`` block: there is nothing to call or subclass. Instead the script's own
-``import`` statements (through an ``__import__`` in that namespace's builtins only; argparse, Ray and OpenRLHF
-are never patched) see three modules with one name each replaced:
+It runs OpenRLHF's own ``openrlhf.cli.train_ppo_ray`` as ``__main__``, whose parser, ``hierarchize`` and
+``ray.init`` live in its ``__main__`` block (nothing to call or subclass), with core's script wrapper
+(:mod:`stablerl.script_wrapper`: argparse, Ray and OpenRLHF are never patched): its ``import`` statements see
+three modules with one name each replaced:
 
 1. ``argparse.ArgumentParser``: the two name flags also accept stablerl names (argparse still rejects unknown
    ones, listing the valid ones), and the stablerl flags (parameters, shapers, filters, the entropy controller,
@@ -22,47 +22,24 @@ are never patched) see three modules with one name each replaced:
 from __future__ import annotations
 
 import argparse
-import builtins
+import functools
 import os
-import runpy
 import sys
 import types
 from typing import Any, Callable, Optional, Sequence
 
 import stablerl
+from stablerl.frameworks import get_framework
 from stablerl.params import StableRLError
+from stablerl.script_wrapper import ModuleView, NameChoices, argparse_view, flag_given, name_flag_help, run_script
 
 from . import _routing_replay
+from ._flags import (ADV_FLAG, ADV_PARAMS_FLAG, COMPONENT_WEIGHTS_FLAG, COMPONENTS_FLAG, CONTROLLER_FLAG,
+                     DUAL_CLIP_FLAG, ENV_ROUTING_REPLAY, EPS_CLIP_FLAG, EPS_CLIP_LOW_HIGH_FLAG, FILTER_FLAG, GAMMA_FLAG,
+                     LOSS_FLAG, LOSS_PARAMS_FLAG, NAME, NO_STD_NORM_FLAG, REWARD_CLIP_FLAG, SHAPER_FLAG,
+                     check_openrlhf)
 from ._selection import (Selection, add_setup_hook, check_entropy_coef_unset, check_one_version_per_batch,
                          check_rollout_log_probs, openrlhf_choices, parse_params, resolve)
-from ._spec import (COMPONENT_WEIGHTS_FLAG, COMPONENTS_FLAG, CONTROLLER_FLAG, FILTER_FLAG, OPENRLHF_ADV_ESTIMATORS,
-                    OPENRLHF_POLICY_LOSSES, PREFIX, SHAPER_FLAG, check_openrlhf)
-
-_LOSS_FLAG = "--actor.policy_loss_type"
-_ADV_FLAG = "--algo.advantage.estimator"
-_LOSS_PARAMS_FLAG = "--actor.stablerl_params"
-_ADV_PARAMS_FLAG = "--algo.advantage.stablerl_params"
-
-
-class _Choices(list):
-    """argparse choices: lists (and iterates) the names OpenRLHF can run; also accepts ``stablerl_<name>`` for each."""
-
-    def __init__(self, kind: str, own: Sequence[str]):
-        super().__init__(openrlhf_choices(kind))
-        self._prefixed = frozenset(PREFIX + (n[len(PREFIX):] if n.startswith(PREFIX) else n) for n in self if n not in own)
-
-    def __contains__(self, item) -> bool:
-        return list.__contains__(self, item) or item in self._prefixed
-
-
-def _help(kind: str, builtins: Sequence[str], original_help: Optional[str]) -> str:
-    names = [n for n in openrlhf_choices(kind) if n not in builtins]
-    text = (original_help or "").replace("%", "%%").rstrip()
-    if text and not text.endswith("."):
-        text += "."
-    text += (" " if text else "") + f"OpenRLHF: {', '.join(builtins)}. stablerl: {', '.join(names)}"
-    text += f" (every stablerl name also as {PREFIX}<name>; `stablerl describe <name>` shows its parameters)."
-    return text
 
 
 def _stablerl_flags(kind: str) -> list[tuple[str, dict]]:
@@ -74,7 +51,7 @@ def _stablerl_flags(kind: str) -> list[tuple[str, dict]]:
                     "unset keys take the paper's defaults")
 
     if kind == stablerl.POLICY_LOSS:
-        return [(_LOSS_PARAMS_FLAG, params("loss")), (CONTROLLER_FLAG, dict(type=str, default=None, metavar="NAME", help=(
+        return [(LOSS_PARAMS_FLAG, params("loss")), (CONTROLLER_FLAG, dict(type=str, default=None, metavar="NAME", help=(
             "stablerl entropy controller, stepped once per optimizer step with its mean training entropy; it sets "
             f"--actor.entropy_coef every step (leave that unset): {', '.join(openrlhf_choices(stablerl.CONTROLLER))}"))),
             (CONTROLLER_FLAG + "_params", params("entropy controller")), (_routing_replay.FLAG, dict(
@@ -82,7 +59,7 @@ def _stablerl_flags(kind: str) -> list[tuple[str, dict]]:
             help="stablerl MoE routing replay: R2 records the experts of the actor's old-log-prob pass, R3 takes "
             "the experts vLLM chose (vllm>=0.14); replayed in the old-log-prob pass (R3) and every training step"))]
     return [
-        (_ADV_PARAMS_FLAG, params("advantage estimator")),
+        (ADV_PARAMS_FLAG, params("advantage estimator")),
         (COMPONENTS_FLAG, dict(type=str, nargs="+", default=None, metavar="KEY", help=(
             "the reward function's extra_logs keys (one value per response) that are reward components, handed to "
             "the stablerl estimator as reward_components (gdpo normalises each in its group)"))),
@@ -99,33 +76,23 @@ def _stablerl_flags(kind: str) -> list[tuple[str, dict]]:
     ]
 
 
-def _extend_name_flag(add_argument: Callable[..., Any], args: tuple, kwargs: dict) -> Optional[Any]:
+def _extend_name_flag(run: "_ScriptRun", parser, add_argument: Callable[..., Any], args: tuple,
+                      kwargs: dict) -> Optional[Any]:
     """``add_argument`` for OpenRLHF's two name flags, extended with stablerl's names and followed by the
     stablerl flags that belong to it; None for every other flag."""
     flags = set(a for a in args if isinstance(a, str))
-    kind = stablerl.POLICY_LOSS if _LOSS_FLAG in flags else stablerl.ADVANTAGE_ESTIMATOR if _ADV_FLAG in flags else None
+    kind = stablerl.POLICY_LOSS if LOSS_FLAG in flags else stablerl.ADVANTAGE_ESTIMATOR if ADV_FLAG in flags else None
     if kind is None:
         return None
-    own = OPENRLHF_POLICY_LOSSES if kind == stablerl.POLICY_LOSS else OPENRLHF_ADV_ESTIMATORS
-    kwargs["choices"] = _Choices(kind, own)
-    kwargs["help"] = _help(kind, own, kwargs.get("help"))
+    framework = get_framework(NAME)
+    kwargs["choices"] = NameChoices(framework, kind)
+    kwargs["help"] = name_flag_help(framework, kind, kwargs.get("help"), "OpenRLHF")
     kwargs.setdefault("metavar", "NAME")
     action = add_argument(*args, **kwargs)
     for flag, flag_kwargs in _stablerl_flags(kind):
         add_argument(flag, **flag_kwargs)
+    run.parser = parser
     return action
-
-
-class _ModuleView(types.ModuleType):
-    """What OpenRLHF's CLI script sees under ``import <module>``: the real module (read at each access, so
-    it stays live) with the names in ``replaced`` replaced."""
-
-    def __init__(self, module: types.ModuleType, **replaced):
-        super().__init__(module.__name__, module.__doc__)
-        self.__dict__.update(replaced, _stablerl_module=module)
-
-    def __getattr__(self, name: str):
-        return getattr(self.__dict__["_stablerl_module"], name)
 
 
 class _ScriptRun:
@@ -140,19 +107,6 @@ class _ScriptRun:
             self.parser.error(message)  # exits 2, like every argparse error
         raise SystemExit(f"error: {message}")
 
-    def _argparse(self, module: types.ModuleType) -> types.ModuleType:
-        run = self
-
-        class ArgumentParser(module.ArgumentParser):
-            def add_argument(self, *args, **kwargs):
-                action = _extend_name_flag(super().add_argument, args, kwargs)
-                if action is None:
-                    return super().add_argument(*args, **kwargs)
-                run.parser = self
-                return action
-
-        return _ModuleView(module, ArgumentParser=ArgumentParser)
-
     def _config(self, module: types.ModuleType) -> types.ModuleType:
         def hierarchize(args):
             out = module.hierarchize(args)
@@ -162,44 +116,31 @@ class _ScriptRun:
                 self.error(str(e))
             self.selection = out.stablerl
             if out.stablerl.routing_replay == "R3":  # add_setup_hook forwards it to the vLLM workers (no args there)
-                os.environ[_routing_replay.ENV_MODE] = "R3"
+                os.environ[ENV_ROUTING_REPLAY] = "R3"
             return out
 
-        return _ModuleView(module, hierarchize=hierarchize)
+        return ModuleView(module, hierarchize=hierarchize)
 
     def _ray(self, module: types.ModuleType) -> types.ModuleType:
         def init(*args, **kwargs):
             kwargs["runtime_env"] = add_setup_hook(kwargs.get("runtime_env"), self.selection)
             return module.init(*args, **kwargs)
 
-        return _ModuleView(module, init=init)
+        return ModuleView(module, init=init)
 
-    def builtins(self) -> dict:
-        """The script's builtins: its ``import`` of the three modules returns the views, any other import the
-        real module (this namespace only; ``builtins.__import__`` itself is untouched)."""
-        views = {"argparse": self._argparse, "openrlhf.utils.config": self._config, "ray": self._ray}
-        real_import = builtins.__import__
-
-        def __import__(name, globals=None, locals=None, fromlist=(), level=0):
-            module = real_import(name, globals, locals, fromlist, level)
-            if level == 0 and name in views and (fromlist or "." not in name):
-                return views[name](module)
-            return module
-
-        return {**vars(builtins), "__import__": __import__}
-
-
-def _given(argv: Sequence[str], flag: str) -> bool:
-    return any(a == flag or a.startswith(flag + "=") for a in argv)
+    def views(self) -> dict:
+        """What the script's ``import`` of argparse, OpenRLHF's config module and Ray returns."""
+        return {"argparse": lambda module: argparse_view(module, functools.partial(_extend_name_flag, self)),
+                "openrlhf.utils.config": self._config, "ray": self._ray}
 
 
 def explicit_clip_flags(args, argv: Sequence[str]) -> dict:
     """The OpenRLHF clip flags the user gave, as stablerl clip fields (see Selection.openrlhf_clip)."""
     out = {}
-    if _given(argv, "--actor.eps_clip_low_high") or _given(argv, "--actor.eps_clip"):
+    if flag_given(argv, EPS_CLIP_LOW_HIGH_FLAG) or flag_given(argv, EPS_CLIP_FLAG):
         low, high = args.actor.eps_clip_low_high or (args.actor.eps_clip, args.actor.eps_clip)
         out.update(clip_ratio_low=float(low), clip_ratio_high=float(high))
-    if _given(argv, "--actor.dual_clip"):
+    if flag_given(argv, DUAL_CLIP_FLAG):
         out["clip_ratio_c"] = args.actor.dual_clip
     return out
 
@@ -208,10 +149,10 @@ def explicit_advantage_flags(args, argv: Sequence[str]) -> tuple[dict, Optional[
     """The OpenRLHF advantage knobs the user gave: ``--algo.advantage.no_std_norm`` as the stablerl
     ``norm_adv_by_std_in_grpo=False``, ``--algo.advantage.gamma`` as ``gamma`` (REINFORCE-family returns), and
     ``--reward.clip_range`` (None when not given)."""
-    framework = {"norm_adv_by_std_in_grpo": False} if _given(argv, "--algo.advantage.no_std_norm") else {}
-    if _given(argv, "--algo.advantage.gamma") and float(args.algo.advantage.gamma) != 1.0:  # 1.0: the default
+    framework = {"norm_adv_by_std_in_grpo": False} if flag_given(argv, NO_STD_NORM_FLAG) else {}
+    if flag_given(argv, GAMMA_FLAG) and float(args.algo.advantage.gamma) != 1.0:  # 1.0: the default
         framework["gamma"] = float(args.algo.advantage.gamma)
-    clip_range = tuple(args.reward.clip_range) if _given(argv, "--reward.clip_range") and args.reward.clip_range else None
+    clip_range = tuple(args.reward.clip_range) if flag_given(argv, REWARD_CLIP_FLAG) and args.reward.clip_range else None
     return framework, clip_range
 
 
@@ -224,9 +165,9 @@ def selection_from_cli(args) -> Selection:
 
     sel = Selection(
         policy_loss=resolve(stablerl.POLICY_LOSS, actor.policy_loss_type),
-        policy_loss_params=parse_params(flag(actor, "stablerl_params"), _LOSS_PARAMS_FLAG),
+        policy_loss_params=parse_params(flag(actor, "stablerl_params"), LOSS_PARAMS_FLAG),
         advantage_estimator=resolve(stablerl.ADVANTAGE_ESTIMATOR, advantage.estimator),
-        advantage_params=parse_params(flag(advantage, "stablerl_params"), _ADV_PARAMS_FLAG),
+        advantage_params=parse_params(flag(advantage, "stablerl_params"), ADV_PARAMS_FLAG),
         reward_shaper=resolve(stablerl.REWARD_SHAPER, flag(advantage, "stablerl_reward_shaper")),
         reward_shaper_params=parse_params(flag(advantage, "stablerl_reward_shaper_params"), SHAPER_FLAG + "_params"),
         batch_filter=resolve(stablerl.BATCH_FILTER, flag(advantage, "stablerl_batch_filter")),
@@ -272,19 +213,7 @@ def check_group_batching(loss: str, args) -> None:
 def main(argv: Optional[Sequence[str]] = None) -> None:
     """Run ``openrlhf.cli.train_ppo_ray`` with stablerl names accepted (``argv``: its flags)."""
     check_openrlhf()
-    saved_argv = list(sys.argv)
-    if argv is not None:
-        sys.argv = [sys.argv[0], *argv]
-    saved_mode = os.environ.get(_routing_replay.ENV_MODE)
-    try:
-        runpy.run_module("openrlhf.cli.train_ppo_ray", run_name="__main__", alter_sys=True,
-                         init_globals={"__builtins__": _ScriptRun().builtins()})
-    finally:
-        sys.argv = saved_argv
-        if saved_mode is None:
-            os.environ.pop(_routing_replay.ENV_MODE, None)
-        else:
-            os.environ[_routing_replay.ENV_MODE] = saved_mode
+    run_script("openrlhf.cli.train_ppo_ray", _ScriptRun().views(), argv, restore_env=(ENV_ROUTING_REPLAY,))
 
 
 if __name__ == "__main__":

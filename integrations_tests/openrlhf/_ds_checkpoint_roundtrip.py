@@ -19,7 +19,7 @@ import deepspeed.comm.torch as ds_comm_torch  # noqa: E402
 
 import stablerl.adapters.openrlhf as adapter  # noqa: E402
 from orlhf_helpers import make_args  # noqa: E402
-from stablerl.adapters.openrlhf import Selection, _controller, _state  # noqa: E402
+from stablerl.adapters.openrlhf import Selection  # noqa: E402
 
 ds_comm_torch.build_shm_op = lambda: None  # no JIT-compiled shared-memory op: gloo is enough for one process
 adapter.instrument(now=True)
@@ -67,36 +67,39 @@ with tempfile.TemporaryDirectory() as ckpt:
     out["saved_state"] = dict(loss.stablerl_state.slot("policy_loss", "entropic")["entropic"])
     reference = step(loss, 2)  # the uninterrupted third step
 
-    _state.LOSS.live = None  # a fresh actor process: no loss yet when PolicyModelActor loads the checkpoint
+    # a fresh actor process: no loss yet when PolicyModelActor loads the checkpoint
+    adapter.OpenRLHFAdapter().loss_state.live = None
     load_path, states = strategy.load_ckpt(engine, ckpt)
-    out["states_keys"] = sorted(k for k in states if k in ("global_step", _state.LOSS_KEY))
+    out["states_keys"] = sorted(k for k in states if k in ("global_step", adapter.OpenRLHFAdapter().loss_state.key))
     resumed = actor_loss()
     out["restored_state"] = dict(resumed.stablerl_state.slot("policy_loss", "entropic")["entropic"])
     out["same_third_step"] = step(resumed, 2) == reference
     out["third_integral"] = reference[1]["entropic/integral"]
 
     # a checkpoint written without a stablerl loss in the process (e.g. before stablerl) loads as before
-    _state.LOSS.live = None
+    adapter.OpenRLHFAdapter().loss_state.live = None
     strategy.save_ckpt(engine, ckpt, "global_step3", 3, 1000, {"global_step": 3})
     _, states = strategy.load_ckpt(engine, ckpt)
     fresh = actor_loss()
-    out["plain_states_keys"] = sorted(k for k in states if k in ("global_step", _state.LOSS_KEY))
+    out["plain_states_keys"] = sorted(k for k in states
+                                      if k in ("global_step", adapter.OpenRLHFAdapter().loss_state.key))
     out["fresh_state"] = fresh.stablerl_state.state_dict()["slots"]
 
     # the entropy controller's state (the actor worker's second store) through the same save_ckpt / load_ckpt
     args.stablerl = Selection(policy_loss="entropic", entropy_controller="adaptive_entropy",
                               entropy_controller_params={"entropy_target": 10.0, "entropy_coef_delta": 0.01})
     trainer = ppo_actor.ActorPPOTrainer(SimpleNamespace(args=args), None, None, None, None)
-    driver = trainer.__dict__[_controller.DRIVER]
+    driver = adapter.OpenRLHFAdapter().worker(trainer).controller
     driver.step(entropy=3.0), driver.step(entropy=2.5)
     out["saved_controller"] = driver.controller.state_dict()
     strategy.save_ckpt(engine, ckpt, "global_step4", 3, 1000, {"global_step": 4})
-    _state.LOSS.live = _state.CONTROLLER.live = None
+    adapter.OpenRLHFAdapter().loss_state.live = adapter.OpenRLHFAdapter().controller_state.live = None
     args.actor.entropy_coef = None  # a fresh process's args
     _, states = strategy.load_ckpt(engine, ckpt)
-    out["controller_states_keys"] = sorted(k for k in states if k in ("global_step", _state.LOSS_KEY,
-                                                                      _state.CONTROLLER_KEY))
+    out["controller_states_keys"] = sorted(k for k in states if k in ("global_step",
+                                                                      adapter.OpenRLHFAdapter().loss_state.key,
+                                                                      adapter.OpenRLHFAdapter().controller_state.key))
     resumed = ppo_actor.ActorPPOTrainer(SimpleNamespace(args=args), None, None, None, None)
-    out["restored_controller"] = resumed.__dict__[_controller.DRIVER].controller.state_dict()
+    out["restored_controller"] = adapter.OpenRLHFAdapter().worker(resumed).controller.controller.state_dict()
     out["restored_entropy_coef"] = args.actor.entropy_coef
 print(json.dumps(out))

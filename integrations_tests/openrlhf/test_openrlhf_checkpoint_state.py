@@ -20,7 +20,8 @@ import stablerl
 from stablerl.state import StateStore
 import stablerl.adapters.openrlhf as adapter
 from orlhf_helpers import HERE_PATH, STUBS_PATH, clone, make_args, make_experiences, make_maker
-from stablerl.adapters.openrlhf import Selection, _advantage, _state
+from stablerl.adapters.openrlhf import Selection, _state
+from stablerl.checkpoint_slot import restore_store
 
 
 def _free_port() -> int:
@@ -83,7 +84,7 @@ def test_shaper_and_filter_state_survive_the_trainers_checkpoint(monkeypatch, tm
 
     monkeypatch.setattr(ray, "get", lambda refs: refs)
     adapter.instrument(now=True)
-    _advantage.STATE.clear()
+    adapter.OpenRLHFAdapter().driver_state.clear()
     args = make_args(estimator="group_norm", stablerl=Selection(reward_shaper="redit", reward_shaper_params={"scale": 0.1}))
     args.train.seed = 5
     exps = make_experiences(seed=21)
@@ -101,22 +102,23 @@ def test_shaper_and_filter_state_survive_the_trainers_checkpoint(monkeypatch, tm
     loaded = torch.load(path, weights_only=False)
     reference = _redit(args, exps)  # the uninterrupted third step
 
-    _advantage.STATE.clear()  # a fresh trainer process
+    adapter.OpenRLHFAdapter().driver_state.clear()  # a fresh trainer process
     (tmp_path / "_actor").mkdir()
     states = BasePPOTrainer.init_checkpoint_states(_TrainerStandIn(str(tmp_path), loaded=loaded))
-    assert states["global_step"] == 2 and _advantage.STATE.step == 2
+    assert states["global_step"] == 2 and adapter.OpenRLHFAdapter().driver_state.step == 2
     resumed = _redit(args, exps)
     torch.testing.assert_close(resumed, reference, rtol=0, atol=0)
     fresh = _redit(args, exps)
     assert not torch.equal(fresh, resumed)  # the noise moves on: the restored generator is live, not a copy
-    _advantage.STATE.clear()
+    adapter.OpenRLHFAdapter().driver_state.clear()
 
 
 def test_a_newer_state_format_is_refused_with_its_name():
     blob = {_state.DRIVER_KEY: {**StateStore(holds="driver").state_dict(), "version": 99}}
     with pytest.raises(RuntimeError, match=r"stablerl_driver_state was written by a newer stablerl .*format 99"):
-        _state.restore_driver_state(blob)
-    assert _state.restore_driver_state({"global_step": 3}) is False  # a checkpoint from before stablerl
+        _state.restore_driver_state(adapter.OpenRLHFAdapter(), blob)
+    # a checkpoint from before stablerl
+    assert _state.restore_driver_state(adapter.OpenRLHFAdapter(), {"global_step": 3}) is False
 
 
 def test_patches_are_listed_and_removed():
@@ -140,7 +142,7 @@ def test_restored_tensors_follow_the_worker_device():
     state = {"capo": {"exp_avg": torch.ones(2, 3), "step": 4}, "pair": (torch.zeros(1), [torch.ones(1), "x"])}
     store = StateStore(holds="loss")
     store.slot(stablerl.POLICY_LOSS, "capo").update(state)
-    _state._restore_loss_state(store, store.state_dict(), "ckpt", device=torch.device("meta"))
+    restore_store(store, store.state_dict(), "ckpt", device=torch.device("meta"))
     moved = store.slot(stablerl.POLICY_LOSS, "capo")
     assert moved["capo"]["step"] == 4 and moved["capo"]["exp_avg"].shape == (2, 3)
     assert isinstance(moved["pair"], tuple) and moved["pair"][1][1] == "x"

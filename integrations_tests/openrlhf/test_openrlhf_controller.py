@@ -16,7 +16,7 @@ import torch
 import stablerl
 import stablerl.adapters.openrlhf as adapter
 from orlhf_helpers import dry_run, make_args, training_strategy
-from stablerl.adapters.openrlhf import Selection, _controller, _state
+from stablerl.adapters.openrlhf import Selection
 from test_openrlhf_loss_inputs import ORDER, TEMPERATURE, _batch, _reference_entropy, _tiny_dense
 
 PARAMS = {"entropy_coef": 0.0, "entropy_target": 10.0, "entropy_coef_delta": 0.01}  # H ~ 4 <= 10: c rises
@@ -84,7 +84,7 @@ def test_adaptive_entropy_steers_openrlhfs_entropy_coef_as_the_controller_does(m
         assert metrics["stablerl/adaptive_entropy/entropy_coef"] == pytest.approx(reference.coef, abs=1e-12)
         assert status["weights"]["stablerl/adaptive_entropy/entropy_coef"] is None  # not reduced: every rank has it
     assert applied == pytest.approx([0.0, 0.01, 0.02])  # inactive until the first entropy, then +delta per step
-    driver = trainer.__dict__[_controller.DRIVER]
+    driver = adapter.OpenRLHFAdapter().worker(trainer).controller
     assert driver.controller.last_entropy == pytest.approx(entropy, rel=1e-6)  # float32 forward
     assert driver.controller.coef == pytest.approx(0.03)
 
@@ -125,13 +125,14 @@ def test_one_controller_step_per_deepspeed_optimizer_step(monkeypatch):
     with the token-mean entropy of both micro-batches."""
     trainer, model = _trainer(monkeypatch, gas=2)
     batch, _ = _batch(False)
-    driver = trainer.__dict__[_controller.DRIVER]
+    driver = adapter.OpenRLHFAdapter().worker(trainer).controller
     seen = []
     for _ in range(4):
         _step(trainer, batch)
         seen.append(driver.controller.coef)
     assert seen == pytest.approx([0.0, 0.01, 0.01, 0.02])
-    assert trainer.actor.__dict__[_controller.ENTROPY_METER] == [0.0, 0.0]  # emptied at the optimizer step
+    meter = adapter.OpenRLHFAdapter().worker(trainer).meter
+    assert (meter.total, meter.count) == (0.0, 0.0)  # emptied at the optimizer step
 
 
 def test_above_target_the_coefficient_stays_at_its_floor(monkeypatch):
@@ -142,7 +143,7 @@ def test_above_target_the_coefficient_stays_at_its_floor(monkeypatch):
     coefs = []
     for _ in range(3):
         _step(trainer, batch)
-        coefs.append(trainer.__dict__[_controller.DRIVER].controller.coef)
+        coefs.append(adapter.OpenRLHFAdapter().worker(trainer).controller.controller.coef)
         assert trainer.args.actor.entropy_coef == 0.0
     assert coefs == pytest.approx([0.005, 0.0, 0.0])
 
@@ -167,19 +168,21 @@ def test_controller_state_is_saved_with_the_worker_and_restored(monkeypatch):
     trainer, _ = _trainer(monkeypatch)
     batch, _ = _batch(False)
     _step(trainer, batch), _step(trainer, batch)
-    store = _state.CONTROLLER.store()
+    store = adapter.OpenRLHFAdapter().controller_state.store()
     saved = store.state_dict()
     assert saved["holds"] == "controller"
-    states = {"global_step": 2, _state.CONTROLLER_KEY: saved}
-    _state.CONTROLLER.live = None  # a fresh actor process: load_ckpt runs before ActorPPOTrainer is built
-    _state.CONTROLLER.take(states, "ckpt")
+    states = {"global_step": 2, adapter.OpenRLHFAdapter().controller_state.key: saved}
+    # a fresh actor process: load_ckpt runs before ActorPPOTrainer is built
+    adapter.OpenRLHFAdapter().controller_state.live = None
+    adapter.OpenRLHFAdapter().controller_state.take(states, "ckpt")
     assert states == {"global_step": 2}  # taken out: it never reaches the driver
     resumed, _ = _trainer(monkeypatch)
-    controller = resumed.__dict__[_controller.DRIVER].controller
+    controller = adapter.OpenRLHFAdapter().worker(resumed).controller.controller
     assert controller.coef == pytest.approx(0.02) and math.isfinite(controller.last_entropy)
     assert resumed.args.actor.entropy_coef == pytest.approx(0.02)  # the restored coefficient is in force at once
     with pytest.raises(RuntimeError, match="is not a stablerl controller state"):
-        _state.CONTROLLER.take({_state.CONTROLLER_KEY: {**saved, "holds": "loss"}}, "ckpt")
+        state = adapter.OpenRLHFAdapter().controller_state
+        state.take({state.key: {**saved, "holds": "loss"}}, "ckpt")
 
 
 def test_controllers_openrlhf_cannot_feed_are_refused_with_the_reason():

@@ -139,7 +139,7 @@ def _count_entropy_calls(monkeypatch):
 @pytest.mark.parametrize("packing", [False, True], ids=["padded", "packed"])
 def test_erc_and_gtpo_filter_get_the_old_pass_entropy(monkeypatch, packing):
     run = _setup(monkeypatch, Selection(policy_loss="erc", batch_filter="gtpo_entropy_filter"), packing)
-    assert run.actor.__dict__.get(_inputs.WANTS_OLD_ENTROPY) is True
+    assert "entropy" in adapter.OpenRLHFAdapter().worker(run.actor).old_pass_stats
     entropy_calls = _count_entropy_calls(monkeypatch)
     samples_list = _samples()
     references = [_reference_entropy(run.model, s.sequences, s.attention_mask, s.action_mask.shape[1]) for s in
@@ -151,7 +151,7 @@ def test_erc_and_gtpo_filter_get_the_old_pass_entropy(monkeypatch, packing):
     for e, ref in zip(experiences, references):
         fed = e.info[_inputs.OLD_ENTROPY_KEY]
         mask = e.action_mask.bool()
-        assert fed.shape == mask.shape and not hasattr(e.action_log_probs, _inputs.ENTROPY_ON_LOG_PROBS)
+        assert fed.shape == mask.shape and not hasattr(e.action_log_probs, _inputs.OLD_PASS_STATS["entropy"][0])
         torch.testing.assert_close(fed.double()[mask], ref[mask], rtol=1e-5, atol=1e-5)
         assert torch.all(fed[~mask] == 0)
         assert 3.0 < float(ref[mask].mean()) < float(torch.log(torch.tensor(float(VOCAB))))  # near-uniform
@@ -164,7 +164,7 @@ def test_erc_and_gtpo_filter_get_the_old_pass_entropy(monkeypatch, packing):
         seen.update(kwargs)
         return real_filter(name, **kwargs)
 
-    monkeypatch.setattr(stablerl, "filter_batch", spy)
+    monkeypatch.setattr(stablerl.api, "filter_batch", spy)  # what the advantage step calls
     width = max(s.action_mask.shape[1] for s in samples_list)
     expected = torch.cat([torch.nn.functional.pad(r * s.action_mask, (0, width - r.shape[1]))
                           for r, s in zip(references, samples_list)])
@@ -209,8 +209,7 @@ def test_erc_and_gtpo_filter_get_the_old_pass_entropy(monkeypatch, packing):
 def test_no_entropy_reader_costs_nothing(monkeypatch):
     """Neither the loss nor a filter reads the old-pass entropy: the pass computes none and nothing is carried."""
     run = _setup(monkeypatch, Selection(policy_loss="steer", batch_filter="dynamic_sampling"), False)
-    assert _inputs.WANTS_OLD_ENTROPY not in run.actor.__dict__
-    assert _inputs.WANTS_SUM_PI_SQUARED not in run.actor.__dict__
+    assert adapter.OpenRLHFAdapter().worker(run.actor) is None  # neither statistic asked of the old-log-prob pass
     entropy_calls = _count_entropy_calls(monkeypatch)
     experiences = run.maker.compute_advantages_and_returns(run.maker.make_experience(_samples()))
     assert entropy_calls == [] and all(_inputs.OLD_ENTROPY_KEY not in e.info for e in experiences)
@@ -243,7 +242,7 @@ def test_lost_entropy_says_why(monkeypatch):
     batch = SimpleNamespace(info={}, action_mask=torch.ones(1, 2, dtype=torch.bool), sequences=torch.ones(1, 3),
                             rewards=None)
     with pytest.raises(stablerl.MissingInputError, match="carries no old-log-prob entropy"):
-        with _inputs.step_inputs(run.trainer, batch):
+        with _inputs.step_inputs(adapter.OpenRLHFAdapter(), run.trainer, batch):
             pass
 
 

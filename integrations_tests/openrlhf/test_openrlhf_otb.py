@@ -12,6 +12,7 @@ pytest.importorskip("openrlhf", reason="OpenRLHF is not installed (nox -s openrl
 import torch
 
 import stablerl
+import stablerl.adapters.openrlhf as adapter
 from stablerl.adapters.openrlhf import Selection
 from stablerl.adapters.openrlhf import _inputs
 from test_openrlhf_old_entropy import INDEX, REWARDS, TEMPERATURE, VOCAB, _count_entropy_calls, _samples, _setup
@@ -39,8 +40,8 @@ def _padded(rows, width):
 @pytest.mark.parametrize("packing", [False, True], ids=["padded", "packed"])
 def test_otb_gets_old_log_probs_and_sum_pi_squared(monkeypatch, packing, name):
     run = _setup(monkeypatch, Selection(advantage_estimator=name), packing)
-    assert run.actor.__dict__.get(_inputs.WANTS_SUM_PI_SQUARED) is True
-    assert _inputs.WANTS_OLD_ENTROPY not in run.actor.__dict__  # asked for sum_pi_squared only
+    assert "sum_pi_squared" in adapter.OpenRLHFAdapter().worker(run.actor).old_pass_stats
+    assert "entropy" not in adapter.OpenRLHFAdapter().worker(run.actor).old_pass_stats  # asked for sum_pi_squared only
     entropy_calls = _count_entropy_calls(monkeypatch)
     samples_list = _samples()
     references = [_reference(run.model, s) for s in samples_list]
@@ -50,7 +51,7 @@ def test_otb_gets_old_log_probs_and_sum_pi_squared(monkeypatch, packing, name):
     for e, (ref_logp, ref_spp) in zip(experiences, references):
         mask = e.action_mask.bool()
         fed = e.info[_inputs.SUM_PI_SQUARED_KEY]
-        assert fed.shape == mask.shape and not hasattr(e.action_log_probs, _inputs.SUM_PI_SQUARED_ON_LOG_PROBS)
+        assert fed.shape == mask.shape and not hasattr(e.action_log_probs, _inputs.OLD_PASS_STATS["sum_pi_squared"][0])
         torch.testing.assert_close(fed.double(), ref_spp, rtol=1e-5, atol=1e-7)
         assert torch.all(fed[~mask] == 0) and torch.all(fed[mask] > 1.0 / VOCAB)  # sum pi^2 >= 1/V
         torch.testing.assert_close(e.action_log_probs.double(), ref_logp, rtol=1e-5, atol=1e-5)

@@ -28,10 +28,10 @@ def _snapshot() -> dict:
     """Every attribute of every module the adapter patches, and of the classes defined there (by identity)."""
     import importlib
 
-    from stablerl.adapters.openrlhf._patches import _PATCHERS
+    from stablerl.adapters.openrlhf._patches import PATCHERS
 
     snap = {"sys.meta_path": dict(enumerate(sys.meta_path))}
-    for name in _PATCHERS:
+    for name in PATCHERS:
         module = importlib.import_module(name)
         snap[name] = dict(vars(module))
         for value in vars(module).values():  # its classes, and the ones it imported (e.g. Actor in ppo_actor)

@@ -266,10 +266,10 @@ def test_dense_model_r3_and_ring_attention_raise(monkeypatch):
     monkeypatch.setenv(adapter.ENV_ROUTING_REPLAY, "r3")
     args = _args(False, None)
     del args.stablerl
-    armed = getattr(_trainer(monkeypatch, args, tiny_moe()).actor, orr.ARMED)
+    armed = adapter.OpenRLHFAdapter().worker(_trainer(monkeypatch, args, tiny_moe()).actor).routes
     assert (armed.mode, armed.num_experts, armed.layer_ids, armed.top_k) == ("R3", NUM_EXPERTS, (0, 1), TOP_K)
     monkeypatch.setenv(adapter.ENV_ROUTING_REPLAY, "R2")
-    armed = getattr(_trainer(monkeypatch, args, tiny_moe()).actor, orr.ARMED)
+    armed = adapter.OpenRLHFAdapter().worker(_trainer(monkeypatch, args, tiny_moe()).actor).routes
     assert (armed.mode, armed.num_experts, armed.layer_ids, armed.packing) == ("R2", NUM_EXPERTS, (0, 1), False)
     monkeypatch.delenv(adapter.ENV_ROUTING_REPLAY)
     args = _args(True, "R2")

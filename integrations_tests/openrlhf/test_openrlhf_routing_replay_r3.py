@@ -410,7 +410,7 @@ def _probe_execute_batch(worker):
     """In the Ray worker: OpenRLHF's PolicyModelActor.forward, called by Ray's execute_batch, hands the
     rows' mm_train_inputs_list to the armed Actor (what the R3 old-log-prob pass reads)."""
     import torch
-    from stablerl.adapters.openrlhf import _routing_replay as orr
+    from stablerl.adapters.openrlhf import OpenRLHFAdapter, _routing_replay as orr
 
     torch.cuda.current_device = lambda: "cpu"
 
@@ -421,7 +421,7 @@ def _probe_execute_batch(worker):
             self.seen = []
 
         def __call__(self, *args, **kwargs):
-            self.seen.append(self.__dict__.get(orr.PENDING))
+            self.seen.append(orr.ROLLOUT_ROUTES.get())
             return torch.zeros(1)
 
         def eval(self):
@@ -431,7 +431,7 @@ def _probe_execute_batch(worker):
             pass
 
     worker.actor = FakeActor()
-    worker.actor.__dict__[orr.ARMED] = orr._Armed("R3", NUM_EXPERTS, MOE_LAYERS, False, TOP_K)
+    OpenRLHFAdapter().worker(worker.actor, create=True).routes = orr._Armed("R3", NUM_EXPERTS, MOE_LAYERS, False, TOP_K)
     worker.strategy = SimpleNamespace(ring_attn_group=None, is_rank_0=lambda: False)
 
 
@@ -450,7 +450,7 @@ def test_execute_batch_patch_reaches_a_real_ray_worker(monkeypatch):
                     attention_mask=[torch.ones(1, 3)] * 2,
                     mm_train_inputs_list=[["rows of batch 0"], ["rows of batch 1"]])
         ray.get(worker.execute_batch.remote("forward", data, 0, 2), timeout=120)
-        seen = ray.get(worker.__ray_call__.remote(lambda w: (w.actor.seen, w.actor.__dict__.get(orr.PENDING))))
+        seen = ray.get(worker.__ray_call__.remote(lambda w: (w.actor.seen, orr.ROLLOUT_ROUTES.get())))
     finally:
         ray.shutdown()
     assert seen == ([["rows of batch 0"], ["rows of batch 1"]], None)  # per item, and cleared afterwards

@@ -111,9 +111,7 @@ def test_grpo_lambda_gets_lengths_from_the_action_mask():
 
 
 def test_redit_noise_comes_from_the_seeded_generator():
-    from stablerl.adapters.openrlhf import _advantage
-
-    _advantage.STATE.clear()
+    adapter.OpenRLHFAdapter().driver_state.clear()
     exps = make_experiences(seed=13)
     sel = Selection(reward_shaper="redit", reward_shaper_params={"scale": 0.1})
     args = make_args(estimator="group_norm", stablerl=sel)
@@ -122,7 +120,7 @@ def test_redit_noise_comes_from_the_seeded_generator():
     shaped, _ = stablerl.shape_rewards("redit", scores=torch.cat([e.rewards for e in exps]), index=_index(exps),
                                        ctx=stablerl.Context(generator=torch.Generator().manual_seed(7)), scale=0.1)
     torch.testing.assert_close(torch.cat([e.rewards for e in out]), shaped)
-    _advantage.STATE.clear()
+    adapter.OpenRLHFAdapter().driver_state.clear()
 
 
 def test_missing_reward_function_value_says_where_it_comes_from():
@@ -210,8 +208,6 @@ def test_simpletir_masks_void_turn_rows():
 
 
 def test_repeated_rows_are_refused(monkeypatch):
-    from stablerl.adapters.openrlhf import _advantage
-
     exps = make_experiences(seed=18)
     real = stablerl.filter_batch
 
@@ -221,7 +217,7 @@ def test_repeated_rows_are_refused(monkeypatch):
         res.response_mask = torch.cat([res.response_mask, res.response_mask[:1]])
         return res
 
-    monkeypatch.setattr(_advantage.stablerl, "filter_batch", resampling)
+    monkeypatch.setattr(stablerl.api, "filter_batch", resampling)  # what the advantage step calls
     with pytest.raises(stablerl.StableRLError, match="repeated rows"):
         _run(make_args(estimator="group_norm", stablerl=Selection(batch_filter="dynamic_sampling")), "group_norm", exps)
 
