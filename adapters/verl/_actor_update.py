@@ -8,22 +8,14 @@ from typing import Any, Optional
 
 import torch
 
-
-def cfg_get(cfg: Any, key: str, default: Any = None) -> Any:
-    if cfg is None:
-        return default
-    getter = getattr(cfg, "get", None)
-    return getter(key, default) if callable(getter) else getattr(cfg, key, default)
+from stablerl.selection import config_get as cfg_get  # noqa: F401  (the workers' config reader)
+from stablerl.selection import read_selection
 
 
 def selection(policy_loss_cfg: Any, key: str, params_key: str) -> tuple[Optional[str], dict]:
     """``(name or None, its params)`` of the extension selected by ``key`` on an ``actor.policy_loss`` config
     (``stablerl_trainer_hook`` / ``stablerl_entropy_controller`` and their ``_params``)."""
-    name = cfg_get(policy_loss_cfg, key)
-    if name is None or (isinstance(name, str) and name.strip().lower() in ("", "none", "null")):
-        return None, {}
-    params = cfg_get(policy_loss_cfg, params_key) or {}
-    return str(name), {str(k): v for k, v in dict(params).items()}
+    return read_selection(policy_loss_cfg, key, params_key, prefix="policy_loss.")
 
 
 def check_selection(policy_loss_cfg: Any, kind: str, key: str, params_key: str) -> Optional[str]:
@@ -31,15 +23,12 @@ def check_selection(policy_loss_cfg: Any, kind: str, key: str, params_key: str) 
     config is built."""
     import stablerl
     from stablerl.frameworks import resolve
-    from stablerl.params import StableRLError, build_params
+    from stablerl.params import build_params
 
     name, params = selection(policy_loss_cfg, key, params_key)
-    if name is None:
-        if cfg_get(policy_loss_cfg, params_key):
-            raise StableRLError(f"policy_loss.{params_key} is set but policy_loss.{key} is not")
-        return None
-    resolve("verl", kind, name)  # unknown name / an input verl cannot feed: the reason in verl's words
-    build_params(stablerl.get_spec(kind, name), params)
+    if name is not None:
+        resolve("verl", kind, name)  # unknown name / an input verl cannot feed: the reason in verl's words
+        build_params(stablerl.get_spec(kind, name), params)
     return name
 
 

@@ -48,7 +48,7 @@ def controller_for(worker_config: Any):
     from stablerl.contracts import CONTROLLER
     from stablerl.params import StableRLError
 
-    from . import _inputs
+    from stablerl.adapters.verl._adapter import VerlAdapter
 
     actor = _shared.cfg_get(worker_config, "actor")
     name, params = selection(_shared.cfg_get(actor, "policy_loss"))
@@ -66,28 +66,22 @@ def controller_for(worker_config: Any):
                 "actor_rollout_ref.actor.calculate_entropy=True (or entropy_coeff != 0, which the controller sets)")
         controller = stablerl.make_controller(name, **params)
         _CONTROLLERS[name] = controller
-        _inputs.STATE.track(CONTROLLER, name, controller)  # saved / restored with the per-rank loss state
+        VerlAdapter().state.loss.track(CONTROLLER, name, controller)  # saved / restored with the per-rank loss state
         logger.warning("stablerl/verl: entropy controller %r runs with %s", name, params or "its defaults")
     return controller
-
-
-def _loss_config(worker: Any) -> Any:
-    """The actor config bound into the worker's loss function (``partial(ppo_loss, config=...)``)."""
-    from stablerl.params import StableRLError
-
-    keywords = getattr(getattr(worker, "loss_fn", None), "keywords", None)
-    config = keywords.get("config") if isinstance(keywords, dict) else None
-    if config is None or not hasattr(config, "entropy_coeff"):
-        raise StableRLError("stablerl entropy controller: the actor worker's loss_fn is not verl's "
-                            "partial(ppo_loss, config=<actor config>); cannot set its entropy_coeff")
-    return config
 
 
 def before_update(worker: Any, controller: Any) -> float:
     """Set the coefficient in force for this update (``applied_coef``) on verl's loss config."""
     coef = float(controller.applied_coef)
+    from stablerl.adapters.verl._adapter import VerlAdapter
+    from stablerl.contracts import CONTROLLER
+    from stablerl.steps import BatchRecord
+
+    adapter = VerlAdapter()  # its entropy_bonus provider: the actor config bound into the worker's loss function
+    config = adapter.provide(CONTROLLER, "entropy_bonus", BatchRecord(adapter, host=worker))
     # verl's BaseConfig refuses attribute assignment outside _mutable_fields; this one field is the controller's
-    object.__setattr__(_loss_config(worker), "entropy_coeff", coef)
+    object.__setattr__(config, "entropy_coeff", coef)
     return coef
 
 

@@ -3,12 +3,12 @@
 Two kinds of state live outside verl's model/optimizer/dataloader checkpoint:
 
 * **in the actor workers**: each stablerl loss's ``Context.state`` (EntroPIC's controller integral, CAPO's
-  tracked Adam moments), the store :data:`stablerl.adapters.verl._inputs.STATE`. The FSDP engine subclass
+  tracked Adam moments), the adapter's ``state.loss`` store. The FSDP engine subclass
   saves it next to the actor's shards as ``stablerl_loss_state_rank<r>.pt`` and restores it on load (one file per
   rank: the state is per process);
 * **in the driver**: the state of the advantage call site (the call counter ``ctx.step`` that scheduled
   estimators/shapers read, random generators of filters/shapers, their state dicts),
-  the store :data:`stablerl.adapters.verl._advantage.STATE`. verl's trainers' ``_save_checkpoint`` /
+  the adapter's ``state.driver`` store. verl's trainers' ``_save_checkpoint`` /
   ``_load_checkpoint`` (legacy ``RayPPOTrainer`` and v1 ``PPOTrainer``) are wrapped to save it as
   ``global_step_<n>/stablerl_driver_state.pt`` and restore it.
 
@@ -24,6 +24,7 @@ import logging
 import os
 from typing import Any
 
+from stablerl.adapters.verl._adapter import VerlAdapter
 from stablerl.adapters.verl._ledger import LEDGER
 
 logger = logging.getLogger("stablerl.adapters.verl")
@@ -38,32 +39,26 @@ _KEY = "checkpoint_state"  # prefix of this module's ledger keys
 
 
 def save_loss_state(folder: str, rank: int) -> None:
-    from . import _inputs
-
-    if _inputs.STATE:
-        _inputs.STATE.save(os.path.join(folder, LOSS_STATE_FILE.format(rank=rank)))
+    store = VerlAdapter().state.loss
+    if store:
+        store.save(os.path.join(folder, LOSS_STATE_FILE.format(rank=rank)))
 
 
 def load_loss_state(folder: str, rank: int) -> bool:
-    from . import _inputs
-
-    return _inputs.STATE.load(os.path.join(folder, LOSS_STATE_FILE.format(rank=rank)))
+    return VerlAdapter().state.loss.load(os.path.join(folder, LOSS_STATE_FILE.format(rank=rank)))
 
 
 # ---- the driver ----------------------------------------------------------------------------------
 
 
 def save_driver_state(folder: str) -> None:
-    from . import _advantage
-
-    if _advantage.STATE:
-        _advantage.STATE.save(os.path.join(folder, DRIVER_STATE_FILE))
+    store = VerlAdapter().state.driver
+    if store:
+        store.save(os.path.join(folder, DRIVER_STATE_FILE))
 
 
 def load_driver_state(folder: str) -> bool:
-    from . import _advantage
-
-    return _advantage.STATE.load(os.path.join(folder, DRIVER_STATE_FILE))
+    return VerlAdapter().state.driver.load(os.path.join(folder, DRIVER_STATE_FILE))
 
 
 def _step_folder(trainer: Any, loading: bool) -> str:

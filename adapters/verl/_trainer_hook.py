@@ -54,7 +54,7 @@ def hook_for(worker_config: Any):
     import stablerl
     from stablerl.contracts import TRAINER_HOOK
 
-    from . import _inputs
+    from stablerl.adapters.verl._adapter import VerlAdapter
 
     policy_loss = _shared.cfg_get(_shared.cfg_get(worker_config, "actor"), "policy_loss")
     name, params = selection(policy_loss)
@@ -64,14 +64,14 @@ def hook_for(worker_config: Any):
     if hook is None:
         hook = stablerl.make_trainer_hook(name, **params)
         _HOOKS[name] = hook
-        _inputs.STATE.track(TRAINER_HOOK, name, hook)  # saved / restored with the per-rank loss state
+        VerlAdapter().state.loss.track(TRAINER_HOOK, name, hook)  # saved / restored with the per-rank loss state
         logger.warning("stablerl/verl: trainer hook %r runs with %s", name, params or "its defaults")
     return hook
 
 
 def run_passes(worker: Any, hook: Any, update: Any, data: Any, args: tuple, kwargs: dict) -> Any:
     """``hook.passes_per_batch()`` calls of verl's ``update_actor`` on the same batch, the hook between them."""
-    from stablerl import ParamsView
+    from stablerl.contracts import TRAINER_HOOK
     from stablerl.params import StableRLError
 
     from tensordict import TensorDict
@@ -81,10 +81,11 @@ def run_passes(worker: Any, hook: Any, update: Any, data: Any, args: tuple, kwar
             f"stablerl trainer hook: update_actor got a {type(data).__name__}, not verl's TensorDict: trainer hooks "
             "run with verl's legacy trainer (trainer.use_v1=false); under the v1 trainer update_actor receives "
             "TransferQueue metadata, which the adapter does not copy for another pass (untested)")
-    engine = worker.actor.engine
-    module = engine.module
-    view = ParamsView(parameters=lambda: [p for p in module.parameters() if p.requires_grad],
-                      optimizer=getattr(engine, "optimizer", None))
+    from stablerl.adapters.verl._adapter import VerlAdapter
+    from stablerl.steps import BatchRecord
+
+    adapter = VerlAdapter()
+    view = adapter.provide(TRAINER_HOOK, "params_view", BatchRecord(adapter, host=worker))
     passes = hook.passes_per_batch()
     hook.before_batch(view)
     extra: dict[str, Any] = {}

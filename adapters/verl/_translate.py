@@ -22,6 +22,8 @@ from stablerl import get_spec
 
 logger = logging.getLogger("stablerl.adapters.verl")
 
+from stablerl.selection import config_get as cfg_get
+
 from stablerl.frameworks import (
     CALL_OPTIONS,
     TOP_ENTROPY_INPUT,
@@ -47,10 +49,6 @@ ACTOR_KEYS = tuple(n for n, k in VERL.hyperparameter_keys[POLICY_LOSS].items()
 # adapter package is executed a second time under another module name
 from stablerl.adapters.verl import _inputs as _declared
 
-#: extra inputs (``AlgorithmSpec.requires``) verl hands to each kind of function (single source: the
-#: framework declaration, which the docs are generated from)
-VERL_PROVIDES = VERL.feedable
-
 _warned: set[str] = set()
 
 
@@ -58,21 +56,6 @@ def _warn_once(key: str, message: str) -> None:
     if key not in _warned:
         _warned.add(key)
         logger.warning(message)
-
-
-def cfg_get(obj: Any, key: str, default: Any = None) -> Any:
-    """``obj.key`` for a verl BaseConfig/dataclass, OmegaConf DictConfig or plain mapping."""
-    if obj is None:
-        return default
-    getter = getattr(obj, "get", None)
-    if callable(getter):
-        try:
-            return getter(key, default)
-        except Exception:  # noqa: BLE001 - e.g. a struct DictConfig without the key
-            pass
-    if isinstance(obj, Mapping):
-        return obj.get(key, default)
-    return getattr(obj, key, default)
 
 
 # ----------------------------------------------------------------------------- policy losses
