@@ -23,7 +23,7 @@ from stablerl.contracts import ADVANTAGE_ESTIMATOR, POLICY_LOSS
 from stablerl.frameworks import UnsupportedVersionError
 from stablerl.state import StateStore
 
-from ._providers import AdvantageInputs, LossInputs
+from ._providers import BATCH_FIELD_INPUTS, AdvantageInputs, LossInputs
 
 logger = logging.getLogger("stablerl.adapters.verl")
 
@@ -34,8 +34,6 @@ VERL_EQUIVALENTS = {
     POLICY_LOSS: {"vanilla": "vanilla", "gspo": "gspo", "gmpo": "geo_mean", "cispo": "cispo"},
     ADVANTAGE_ESTIMATOR: {"grpo": "grpo", "rloo": "rloo", "opo": "opo"},
 }
-#: estimator inputs only a customised pipeline puts in verl's batch (opt in: register_batch_field_estimators)
-BATCH_FIELD_INPUTS = frozenset({"turn_ids", "anchor_ids", "step_returns"})
 
 
 class UnsupportedVerlVersion(UnsupportedVersionError):

@@ -39,9 +39,8 @@ from typing import Any, Optional
 
 import stablerl
 from stablerl import ADVANTAGE_ESTIMATOR, BATCH_FILTER, REWARD_SHAPER, Context, StableRLError
-from stablerl.adapters.verl._adapter import BATCH_FIELD_INPUTS, VerlAdapter
-from stablerl.adapters.verl._ledger import LEDGER, patch_ray_trainer_method
-from stablerl.adapters.verl._providers import (KEPT_ENTROPY, WHERE, VerlAdvantageInputError, advantage_input_missing,
+from stablerl.adapters.verl._ledger import LEDGER, patch_ray_trainer_method, verl_adapter
+from stablerl.adapters.verl._providers import (BATCH_FIELD_INPUTS, KEPT_ENTROPY, WHERE, VerlAdvantageInputError, advantage_input_missing,
                                                batch_field)
 from stablerl.frameworks import check_shaper_and_components
 from stablerl.selection import check_known, config_get, name_or_none, read_selection, truthy
@@ -72,7 +71,7 @@ _NO_RESAMPLING = ("verl's batch keeps its size and order after compute_advantage
 
 def reset_state() -> None:
     """Forget generators, step counter, state and unlogged metrics (a fresh run; ``VerlState.reset``)."""
-    VerlAdapter().state.reset()
+    verl_adapter().state.reset()
 
 
 def selection(config: Any, estimator: Optional[str] = None) -> AdvantageSelection:
@@ -100,7 +99,7 @@ def _refuse_unregistered(adv_estimator: Any) -> None:
 
     from stablerl.frameworks import framework_names
 
-    verl = VerlAdapter().spec
+    verl = verl_adapter().spec
     key = getattr(adv_estimator, "value", adv_estimator)
     if not isinstance(key, str) or key in core_algos.ADV_ESTIMATOR_REGISTRY or key in ("gae", "grpo"):
         return
@@ -115,7 +114,7 @@ def _refuse_unregistered(adv_estimator: Any) -> None:
 
 
 def _context(config: Any, kind: str, name: str) -> Context:
-    state = VerlAdapter().state
+    state = verl_adapter().state
     seed = config_get(config, SEED_KEY)
     return state.driver.context(kind, name, seed=0 if seed is None else int(seed), total_steps=state.total_steps)
 
@@ -154,7 +153,7 @@ def _wrap(original):
                            norm_adv_by_std_in_grpo=norm_adv_by_std_in_grpo, config=config)
             return out if record is None else (out.batch["advantages"], out.batch.get("returns", None))
 
-        adapter = VerlAdapter()
+        adapter = verl_adapter()
         name = adapter.stablerl_name(ADVANTAGE_ESTIMATOR, adv_estimator)
         if name is None and truthy(config_get(config, BATCH_FIELDS_KEY, False)):
             adapter.register_batch_field_estimators()
@@ -212,7 +211,7 @@ def needs_entropy(config: Any) -> bool:
     (its provider needs the legacy trainer's old-log-prob pass to keep it for ``compute_advantage``)."""
     from verl.trainer.ppo import core_algos  # noqa: F401  (the registry the estimator name is looked up in)
 
-    estimator = VerlAdapter().stablerl_name(ADVANTAGE_ESTIMATOR, config_get(config, "adv_estimator"))
+    estimator = verl_adapter().stablerl_name(ADVANTAGE_ESTIMATOR, config_get(config, "adv_estimator"))
     return selection(config, estimator).reads("entropy")
 
 
@@ -220,7 +219,7 @@ def _wrap_old_log_prob(original):
     @functools.wraps(original)
     def _compute_old_log_prob(self, batch, *args, **kwargs):
         out = original(self, batch, *args, **kwargs)
-        VerlAdapter().state.total_steps = getattr(self, "total_training_steps", None)
+        verl_adapter().state.total_steps = getattr(self, "total_training_steps", None)
         old_log_prob = out[0] if isinstance(out, tuple) else out
         config = getattr(self, "config", None)
         algorithm = config_get(config, "algorithm") if config is not None else None
@@ -247,10 +246,10 @@ def _patch_tracking(module) -> None:
     cls = getattr(module, "Tracking", None)
     if cls is None or not callable(getattr(cls, "log", None)):
         logger.warning("stablerl: verl.utils.tracking has no Tracking.log; stablerl's advantage-side metrics "
-                       "are not logged (they stay in VerlAdapter().state.metrics)")
+                       "are not logged (they stay in verl_adapter().state.metrics)")
         return
     log, init = cls.log, cls.__init__
-    metrics = VerlAdapter().state.metrics
+    metrics = verl_adapter().state.metrics
 
     @functools.wraps(init)
     def tracking_init(self, *args, **kwargs):

@@ -24,6 +24,7 @@ import logging
 from typing import Any, Optional
 
 from stablerl.adapters.verl import _actor_update as _shared
+from stablerl.adapters.verl._ledger import verl_adapter
 
 logger = logging.getLogger("stablerl.adapters.verl")
 
@@ -48,8 +49,6 @@ def controller_for(worker_config: Any):
     from stablerl.contracts import CONTROLLER
     from stablerl.params import StableRLError
 
-    from stablerl.adapters.verl._adapter import VerlAdapter
-
     actor = _shared.cfg_get(worker_config, "actor")
     name, params = selection(_shared.cfg_get(actor, "policy_loss"))
     if name is None:
@@ -66,7 +65,7 @@ def controller_for(worker_config: Any):
                 "actor_rollout_ref.actor.calculate_entropy=True (or entropy_coeff != 0, which the controller sets)")
         controller = stablerl.make_controller(name, **params)
         _CONTROLLERS[name] = controller
-        VerlAdapter().state.loss.track(CONTROLLER, name, controller)  # saved / restored with the per-rank loss state
+        verl_adapter().state.loss.track(CONTROLLER, name, controller)  # saved / restored with the per-rank loss state
         logger.warning("stablerl/verl: entropy controller %r runs with %s", name, params or "its defaults")
     return controller
 
@@ -74,11 +73,10 @@ def controller_for(worker_config: Any):
 def before_update(worker: Any, controller: Any) -> float:
     """Set the coefficient in force for this update (``applied_coef``) on verl's loss config."""
     coef = float(controller.applied_coef)
-    from stablerl.adapters.verl._adapter import VerlAdapter
     from stablerl.contracts import CONTROLLER
     from stablerl.steps import BatchRecord
 
-    adapter = VerlAdapter()  # its entropy_bonus provider: the actor config bound into the worker's loss function
+    adapter = verl_adapter()  # its entropy_bonus provider: the actor config bound into the worker's loss function
     config = adapter.provide(CONTROLLER, "entropy_bonus", BatchRecord(adapter, host=worker))
     # verl's BaseConfig refuses attribute assignment outside _mutable_fields; this one field is the controller's
     object.__setattr__(config, "entropy_coeff", coef)

@@ -35,8 +35,7 @@ import logging
 from typing import Any, Optional
 
 from stablerl import POLICY_LOSS, get_spec
-from stablerl.adapters.verl._adapter import VerlAdapter
-from stablerl.adapters.verl._ledger import LEDGER, patch_ray_trainer_method
+from stablerl.adapters.verl._ledger import LEDGER, patch_ray_trainer_method, verl_adapter
 from stablerl.adapters.verl._providers import VERSION_KEY, LossBatch, VerlInputError, loss_input_missing
 from stablerl.frameworks import TOP_ENTROPY_INPUT, loss_inputs, pending_loss_inputs, top_entropy_on
 from stablerl.steps import BatchRecord
@@ -65,7 +64,7 @@ __all__ = ["VERSION_KEY", "state_for", "current", "gather", "instrument", "is_pa
 
 def state_for(name: str) -> dict:
     """The persistent ``Context.state`` of loss ``name`` in this process."""
-    return VerlAdapter().state.loss.slot(POLICY_LOSS, name)
+    return verl_adapter().state.loss.slot(POLICY_LOSS, name)
 
 
 def current() -> Optional[dict[str, Any]]:
@@ -80,7 +79,7 @@ def gather(name: str, loss_mode: str, model_output: Any, data: Any, also: tuple 
     rollout correction, the entropy for ``top_entropy_quantile``)."""
     spec = get_spec(POLICY_LOSS, name)
     missing = loss_input_missing(loss_mode)
-    record = BatchRecord(VerlAdapter(), host=LossBatch(model_output, data, name, loss_mode), missing=missing)
+    record = BatchRecord(verl_adapter(), host=LossBatch(model_output, data, name, loss_mode), missing=missing)
     out = record.declared(spec)
     for input_name in also:
         if input_name not in out:
@@ -96,7 +95,7 @@ def _wrap(original):
     def ppo_loss(config, model_output, data, dp_group=None):
         policy_loss = getattr(config, "policy_loss", None)
         loss_mode = policy_loss.get("loss_mode", "vanilla") if policy_loss is not None else "vanilla"
-        name = VerlAdapter().stablerl_name(POLICY_LOSS, loss_mode)
+        name = verl_adapter().stablerl_name(POLICY_LOSS, loss_mode)
         if name is None:  # a verl loss (or not a policy-loss config): nothing to gather
             return original(config, model_output, data, dp_group)
         pinned = (policy_loss.get("stablerl_params", None) if policy_loss is not None else None) or {}
@@ -172,6 +171,6 @@ def inputs_for(name: str, requires, optional=()) -> dict[str, Any]:
 
 def describe() -> dict[str, dict[str, str]]:
     """``{"provided": {input: source}, "not_provided": {input: reason}}`` for docs and reports."""
-    adapter = VerlAdapter()
+    adapter = verl_adapter()
     provided = {name: p.doc for (kind, name), p in adapter.providers.items() if kind == POLICY_LOSS}
     return {"provided": provided, "not_provided": dict(adapter.spec.why_not["*"])}

@@ -1,12 +1,21 @@
-"""The verl adapter's one patch ledger (``VerlAdapter().ledger``): every change it makes to verl (registry entries,
-the wrapped call sites, the engine and trainer patches, the post-import hooks) is recorded there, and
-``stablerl.adapters.verl.uninstrument()`` puts every original back (see :mod:`stablerl.patching`)."""
+"""The verl adapter's instance and its one patch ledger, for the call-site modules.
+
+Every change the adapter makes to verl (registry entries, the wrapped call sites, the engine and trainer patches, the
+post-import hooks) is recorded in ``VerlAdapter().ledger``, and ``stablerl.adapters.verl.uninstrument()`` puts every
+original back (see :mod:`stablerl.patching`). The call-site modules reach the instance through core's
+:func:`~stablerl.adapter.get_adapter`, never by importing ``_adapter`` (which imports them: no import cycle)."""
 
 import logging
 
-from stablerl.adapters.verl._adapter import VerlAdapter
+from stablerl.adapter import get_adapter
 
-LEDGER = VerlAdapter().ledger
+
+def verl_adapter():
+    """The verl adapter (one instance per process): its state, ledger and providers."""
+    return get_adapter("verl")
+
+
+LEDGER = verl_adapter().ledger
 
 
 def patch_ray_trainer_method(key: str, module, method: str, wrap, without: str) -> None:

@@ -29,6 +29,8 @@ from stablerl.providers import collect, provides
 ADVANTAGE_SIDE = (ADVANTAGE_ESTIMATOR, REWARD_SHAPER, BATCH_FILTER)
 _ACTOR = "actor_rollout_ref.actor."
 HOOK_TARGET = _ACTOR + "policy_loss._target_=stablerl.adapters.verl.StablePolicyLossConfig"
+#: estimator inputs only a customised pipeline puts in verl's batch (opt in: register_batch_field_estimators)
+BATCH_FIELD_INPUTS = frozenset({"turn_ids", "anchor_ids", "step_returns"})
 _V1_FIELDS = "uid, response_mask, rm_scores, rollout_log_probs, old_log_probs, ref_log_prob, values"
 
 # the legacy trainer pops its old-log-prob pass's 'entropys' before compute_advantage: the adapter keeps them

@@ -46,6 +46,7 @@ VERL = FrameworkSpec(
     distribution="verl",
     supported=">=0.9.1,<0.10",
     adapter="stablerl.adapters.verl",
+    adapter_class="stablerl.adapters.verl._adapter:VerlAdapter",
     builtin_names={POLICY_LOSS: VERL_BUILTIN_POLICY_LOSSES, ADVANTAGE_ESTIMATOR: VERL_BUILTIN_ADV_ESTIMATORS},
     # what the adapter's providers feed: at ppo_loss (verl's model_output / batch), at compute_advantage (fields
     # both trainers have, and the legacy trainer's old-log-prob pass entropy), at update_actor (hooks, controllers)

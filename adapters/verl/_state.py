@@ -24,8 +24,7 @@ import logging
 import os
 from typing import Any
 
-from stablerl.adapters.verl._adapter import VerlAdapter
-from stablerl.adapters.verl._ledger import LEDGER
+from stablerl.adapters.verl._ledger import LEDGER, verl_adapter
 
 logger = logging.getLogger("stablerl.adapters.verl")
 
@@ -39,26 +38,26 @@ _KEY = "checkpoint_state"  # prefix of this module's ledger keys
 
 
 def save_loss_state(folder: str, rank: int) -> None:
-    store = VerlAdapter().state.loss
+    store = verl_adapter().state.loss
     if store:
         store.save(os.path.join(folder, LOSS_STATE_FILE.format(rank=rank)))
 
 
 def load_loss_state(folder: str, rank: int) -> bool:
-    return VerlAdapter().state.loss.load(os.path.join(folder, LOSS_STATE_FILE.format(rank=rank)))
+    return verl_adapter().state.loss.load(os.path.join(folder, LOSS_STATE_FILE.format(rank=rank)))
 
 
 # ---- the driver ----------------------------------------------------------------------------------
 
 
 def save_driver_state(folder: str) -> None:
-    store = VerlAdapter().state.driver
+    store = verl_adapter().state.driver
     if store:
         store.save(os.path.join(folder, DRIVER_STATE_FILE))
 
 
 def load_driver_state(folder: str) -> bool:
-    return VerlAdapter().state.driver.load(os.path.join(folder, DRIVER_STATE_FILE))
+    return verl_adapter().state.driver.load(os.path.join(folder, DRIVER_STATE_FILE))
 
 
 def _step_folder(trainer: Any, loading: bool) -> str:

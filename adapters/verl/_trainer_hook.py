@@ -27,7 +27,7 @@ from typing import Any, Optional
 
 from stablerl.adapters.verl import _actor_update as _shared
 from stablerl.adapters.verl import _controller
-from stablerl.adapters.verl._ledger import LEDGER
+from stablerl.adapters.verl._ledger import LEDGER, verl_adapter
 
 logger = logging.getLogger("stablerl.adapters.verl")
 
@@ -54,8 +54,6 @@ def hook_for(worker_config: Any):
     import stablerl
     from stablerl.contracts import TRAINER_HOOK
 
-    from stablerl.adapters.verl._adapter import VerlAdapter
-
     policy_loss = _shared.cfg_get(_shared.cfg_get(worker_config, "actor"), "policy_loss")
     name, params = selection(policy_loss)
     if name is None:
@@ -64,7 +62,7 @@ def hook_for(worker_config: Any):
     if hook is None:
         hook = stablerl.make_trainer_hook(name, **params)
         _HOOKS[name] = hook
-        VerlAdapter().state.loss.track(TRAINER_HOOK, name, hook)  # saved / restored with the per-rank loss state
+        verl_adapter().state.loss.track(TRAINER_HOOK, name, hook)  # saved / restored with the per-rank loss state
         logger.warning("stablerl/verl: trainer hook %r runs with %s", name, params or "its defaults")
     return hook
 
@@ -81,10 +79,9 @@ def run_passes(worker: Any, hook: Any, update: Any, data: Any, args: tuple, kwar
             f"stablerl trainer hook: update_actor got a {type(data).__name__}, not verl's TensorDict: trainer hooks "
             "run with verl's legacy trainer (trainer.use_v1=false); under the v1 trainer update_actor receives "
             "TransferQueue metadata, which the adapter does not copy for another pass (untested)")
-    from stablerl.adapters.verl._adapter import VerlAdapter
     from stablerl.steps import BatchRecord
 
-    adapter = VerlAdapter()
+    adapter = verl_adapter()
     view = adapter.provide(TRAINER_HOOK, "params_view", BatchRecord(adapter, host=worker))
     passes = hook.passes_per_batch()
     hook.before_batch(view)

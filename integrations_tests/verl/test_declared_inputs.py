@@ -133,10 +133,10 @@ def declared(adapter):
     from stablerl.adapters.verl import _inputs
 
     _inputs.instrument()
-    _inputs.VerlAdapter().state.loss.clear()
+    _inputs.verl_adapter().state.loss.clear()
     yield _inputs
     _inputs.instrument()
-    _inputs.VerlAdapter().state.loss.clear()
+    _inputs.verl_adapter().state.loss.clear()
 
 
 CLIP = dict(clip_ratio_low=0.2, clip_ratio_high=0.28, clip_ratio_c=10.0)

@@ -127,7 +127,7 @@ def test_run_passes_is_sfpo_on_verls_update_contract(adapter):
     assert hook.entropy_history == [pytest.approx(1.3)]  # the slow pass's actor/entropy_loss
     from stablerl.adapters.verl import _inputs
 
-    assert _inputs.VerlAdapter().state.loss.state_dict()["objects"]["trainer_hook"]["sfpo"] == hook.state_dict()
+    assert _inputs.verl_adapter().state.loss.state_dict()["objects"]["trainer_hook"]["sfpo"] == hook.state_dict()
     adapter.trainer_hook._HOOKS.clear()
 
 
