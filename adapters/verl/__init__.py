@@ -63,6 +63,7 @@ idempotent: importing it twice, or under two module names, registers nothing twi
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import logging
 import sys
 from typing import Any
@@ -157,6 +158,8 @@ def unpatch_compute_advantage() -> None:
 
 def __getattr__(name: str):
     if name == "StablePolicyLossConfig":  # built by instrument(); refused or failed: say why, not "no attribute"
+        if ADAPTER.state.policy_loss_config is None and ADAPTER.state.report["error"] is None:
+            _instrument_quietly()  # e.g. unpickled (Ray) in a process that imported this package before verl
         if ADAPTER.state.policy_loss_config is None:
             raise ImportError(f"stablerl.adapters.verl is not instrumented: "
                               f"{ADAPTER.state.report['error'] or 'call instrument()'}")
@@ -168,11 +171,19 @@ def __getattr__(name: str):
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-if "verl" in sys.modules:  # verl's entry point, external_lib, VERL_USE_EXTERNAL_MODULES: verl is being imported
+def _instrument_quietly(_verl: Any = None) -> None:
     try:
         instrument()
     except Exception:  # noqa: BLE001 - logged at ERROR by the adapter; raising here would only reach verl's DEBUG log
         pass
+
+
+if "verl" in sys.modules:  # verl's entry point, external_lib, VERL_USE_EXTERNAL_MODULES: verl is being imported
+    _instrument_quietly()
+elif importlib.util.find_spec("verl") is not None:
+    # imported before verl (a script, a Ray worker unpickling a StablePolicyLossConfig): verl's entry point will find
+    # this package imported already, so instrument right after verl is (a post-import hook; it imports nothing)
+    ADAPTER.ledger.on_import("instrument:on_verl_import", {"verl": _instrument_quietly})
 
 __all__ = [
     "ADAPTER", "VerlAdapter", "instrument", "uninstrument", "StablePolicyLossConfig", "VERL_NAMES", "VERL_EQUIVALENTS",

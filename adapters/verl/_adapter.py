@@ -34,6 +34,15 @@ VERL_EQUIVALENTS = {
     POLICY_LOSS: {"vanilla": "vanilla", "gspo": "gspo", "gmpo": "geo_mean", "cispo": "cispo"},
     ADVANTAGE_ESTIMATOR: {"grpo": "grpo", "rloo": "rloo", "opo": "opo"},
 }
+#: StablePolicyLossConfig's fields beyond the losses' hyper-parameters: ``stablerl_params``, stablerl keys for any
+#: hyper-parameter, including names verl's PolicyLossConfig already has (``+...policy_loss.stablerl_params=
+#: {kl_cov_ratio:0.002}``); the trainer hook and entropy controller selections, read by the update_actor wrapper
+POLICY_LOSS_EXTRA_FIELDS = (
+    ("stablerl_params", dict, "*"),
+    ("stablerl_trainer_hook", str, "(trainer hook)"), ("stablerl_trainer_hook_params", dict, "(trainer hook)"),
+    ("stablerl_entropy_controller", str, "(entropy controller)"),
+    ("stablerl_entropy_controller_params", dict, "(entropy controller)"),
+)
 
 
 class UnsupportedVerlVersion(UnsupportedVersionError):
@@ -146,8 +155,8 @@ class VerlAdapter(AdvantageInputs, LossInputs, FrameworkAdapter):
         from verl.trainer.ppo import core_algos
         from verl.workers.config import PolicyLossConfig  # already imported by core_algos
 
-        from stablerl.adapters.verl import (_advantage, _config, _engine, _inputs, _routing_replay, _state,
-                                            _trainer_hook)
+        from stablerl.adapters.verl import _advantage, _engine, _inputs, _routing_replay, _state, _trainer_hook
+        from stablerl.config_fields import config_subclass
 
         state, report = self.state, self.state.report
         report["verl_version"] = self.version
@@ -166,8 +175,10 @@ class VerlAdapter(AdvantageInputs, LossInputs, FrameworkAdapter):
         _trainer_hook.instrument()
         usable = [s for s in stablerl.list_algorithms(POLICY_LOSS)
                   if s.status != stablerl.UNAVAILABLE and set(s.requires) <= feeds.get(POLICY_LOSS, frozenset())]
-        state.policy_loss_config, report["policy_loss_config_fields"] = _config.build_policy_loss_config(
-            PolicyLossConfig, usable, "stablerl.adapters.verl", check=self.check_policy_loss_config)
+        # StablePolicyLossConfig: verl rejects unknown policy_loss keys, even with "+"; this _target_ takes them
+        state.policy_loss_config, report["policy_loss_config_fields"] = config_subclass(
+            PolicyLossConfig, usable, name="StablePolicyLossConfig", module="stablerl.adapters.verl",
+            extra=POLICY_LOSS_EXTRA_FIELDS, check=self.check_policy_loss_config)
         self._register(core_algos, ledger)
         report["ok"] = True
 

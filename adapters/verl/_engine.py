@@ -56,7 +56,7 @@ def engine_class(base):
                 from verl.utils import tensordict_utils as tu
 
                 use_rmpad = tu.get_non_tensor_data(data=micro_batch, key="use_remove_padding", default=True)
-                session.begin(micro_batch, output_args, use_rmpad)
+                routing.begin(session, micro_batch, output_args, use_rmpad)
             return model_inputs, output_args
 
         def prepare_model_outputs(self, output, output_args, micro_batch, logits_processor_func):
@@ -64,7 +64,7 @@ def engine_class(base):
             session = getattr(self, "_stablerl_rr", None)
             if session is not None and session.record:
                 model_output["routed_experts"] = session.recorded(
-                    micro_batch, routing.num_hidden_layers(self.model_config.hf_config),
+                    micro_batch["input_ids"], routing.num_hidden_layers(self.model_config.hf_config),
                     int(output_args.get("pad_size", 0)))
             return model_output
 

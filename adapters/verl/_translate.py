@@ -10,7 +10,6 @@ verl either).
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
 from typing import Any, Optional
 
 import torch
