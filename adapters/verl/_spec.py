@@ -147,6 +147,7 @@ VERL = FrameworkSpec(
     },
 )
 
+
 def _verl_lines(spec: AlgorithmSpec) -> list[str]:
     fields = list(spec.defaults())
     name = framework_names(VERL, spec)[0]
