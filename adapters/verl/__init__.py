@@ -124,14 +124,6 @@ def _deprecated(old: str, new: str) -> None:
     warnings.warn(f"stablerl.adapters.verl.{old}() is deprecated; use {new}", DeprecationWarning, stacklevel=3)
 
 
-def patch_ppo_loss() -> str:
-    """Deprecated: :func:`instrument` wraps ``ppo_loss`` with everything else."""
-    from stablerl.adapters.verl import _inputs
-
-    _deprecated("patch_ppo_loss", "instrument()")
-    return _inputs.instrument()
-
-
 def unpatch_ppo_loss() -> None:
     """Deprecated: :func:`uninstrument` restores ``ppo_loss`` with everything else."""
     from stablerl.adapters.verl import _inputs
@@ -187,7 +179,7 @@ elif importlib.util.find_spec("verl") is not None:
 
 __all__ = [
     "ADAPTER", "VerlAdapter", "instrument", "uninstrument", "StablePolicyLossConfig", "VERL_NAMES", "VERL_EQUIVALENTS",
-    "SUPPORTED_VERL", "PREFIX", "registration_report", "doctor_report", "UnsupportedVerlVersion", "patch_ppo_loss",
+    "SUPPORTED_VERL", "PREFIX", "registration_report", "doctor_report", "UnsupportedVerlVersion",
     "unpatch_ppo_loss", "patch_compute_advantage", "unpatch_compute_advantage", "register_batch_field_estimators",
     "routing_replay", "engine", "checkpoint_state", "trainer_hook", "entropy_controller",
 ]

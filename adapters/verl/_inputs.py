@@ -39,6 +39,7 @@ from stablerl.adapters.verl._ledger import LEDGER, patch_ray_trainer_method, ver
 from stablerl.adapters.verl._providers import VERSION_KEY, LossBatch, VerlInputError, loss_input_missing
 from stablerl.frameworks import TOP_ENTROPY_INPUT, loss_inputs, pending_loss_inputs, top_entropy_on
 from stablerl.steps import BatchRecord
+from stablerl.steps import loss_inputs as declared_loss_inputs
 
 logger = logging.getLogger("stablerl.adapters.verl")
 
@@ -80,7 +81,7 @@ def gather(name: str, loss_mode: str, model_output: Any, data: Any, also: tuple 
     spec = get_spec(POLICY_LOSS, name)
     missing = loss_input_missing(loss_mode)
     record = BatchRecord(verl_adapter(), host=LossBatch(model_output, data, name, loss_mode), missing=missing)
-    out = record.declared(spec)
+    out = declared_loss_inputs(spec, record)  # the loss step's inputs (stablerl.steps.loss_inputs)
     for input_name in also:
         if input_name not in out:
             value = record.input(POLICY_LOSS, input_name)

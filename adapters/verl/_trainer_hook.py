@@ -33,7 +33,7 @@ logger = logging.getLogger("stablerl.adapters.verl")
 
 WORKERS_MODULE = "verl.workers.engine_workers"
 HOOK_KEY, HOOK_PARAMS_KEY = "stablerl_trainer_hook", "stablerl_trainer_hook_params"
-ENTROPY_METRIC = "actor/entropy_loss"
+ENTROPY_METRIC = _controller.ENTROPY_METRIC
 _KEY = "trainer_hook"
 _HOOKS: dict[str, Any] = {}  # name -> the hook of this process (one actor per worker process)
 _WARNED: set = set()

@@ -18,11 +18,6 @@ from stablerl import ADVANTAGE_ESTIMATOR, POLICY_LOSS, Context, StableRLError, t
 from stablerl import compute_advantage as _compute_advantage
 from stablerl import compute_policy_loss as _compute_policy_loss
 from stablerl import get_spec
-
-logger = logging.getLogger("stablerl.adapters.verl")
-
-from stablerl.selection import config_get as cfg_get
-
 from stablerl.frameworks import (
     CALL_OPTIONS,
     TOP_ENTROPY_INPUT,
@@ -34,8 +29,11 @@ from stablerl.frameworks import (
     split_call_options,
     top_entropy_on,
 )
+from stablerl.selection import config_get as cfg_get
 
-#: this framework's declaration (stablerl.adapters.frameworks): inputs, config keys and their defaults
+logger = logging.getLogger("stablerl.adapters.verl")
+
+#: this framework's declaration (stablerl.adapters.verl._spec): inputs, config keys and their defaults
 VERL = get_framework("verl")
 #: verl actor-config keys that map 1:1 onto stablerl hyper-parameters of the same name (the PPO
 #: clip bounds and dual clip; SAPO's temperatures), read from ``actor_rollout_ref.actor.<key>`` as
