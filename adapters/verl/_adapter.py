@@ -91,8 +91,8 @@ def _check_signatures(core_algos) -> None:
     vanilla = core_algos.POLICY_LOSS_REGISTRY.get("vanilla")
     if vanilla is None or "rollout_is_weights" not in inspect.signature(vanilla).parameters:
         problems.append("policy losses do not take rollout_is_weights (verl >= 0.7.0)")
-    problems += [f"core_algos has no {a}" for a in ("register_adv_est", "get_adv_estimator_fn", "ADV_ESTIMATOR_REGISTRY",
-                                                    "get_policy_loss_fn") if not hasattr(core_algos, a)]
+    needed = ("register_adv_est", "get_adv_estimator_fn", "ADV_ESTIMATOR_REGISTRY", "get_policy_loss_fn")
+    problems += [f"core_algos has no {a}" for a in needed if not hasattr(core_algos, a)]
     if problems:
         from stablerl.frameworks import get_framework
 
@@ -268,8 +268,8 @@ class VerlAdapter(AdvantageInputs, LossInputs, FrameworkAdapter):
                                          "the batch fields would not reach the estimators")
         fed = self.state.feeds.get(kind, frozenset())
         extended = fed | BATCH_FIELD_INPUTS
-        candidates = {(kind, s.name) for s in stablerl.list_algorithms(kind)
-                      if s.status != stablerl.UNAVAILABLE and set(s.requires) <= extended and not set(s.requires) <= fed}
+        candidates = {(kind, s.name) for s in stablerl.list_algorithms(kind) if s.status != stablerl.UNAVAILABLE
+                      and set(s.requires) <= extended and not set(s.requires) <= fed}
         before = set(self.state.names[kind])
         report["skipped"][:] = [s for s in report["skipped"] if (s["kind"], s["name"]) not in candidates]
         self._register(core_algos, self.ledger, only=candidates, feeds={kind: extended})
@@ -305,8 +305,8 @@ class VerlAdapter(AdvantageInputs, LossInputs, FrameworkAdapter):
         check_call_options(self.spec, spec, options, given)
         unused = sorted(k for k in extra - own - {"stablerl_params"} if getattr(cfg, k, None) is not None)
         if unused:
-            logger.warning("stablerl: policy_loss keys %s are not hyper-parameters of loss_mode=%s (%s) and are ignored",
-                           unused, cfg.loss_mode, sorted(own) or "it has none")
+            logger.warning("stablerl: policy_loss keys %s are not hyper-parameters of loss_mode=%s (%s) and are "
+                           "ignored", unused, cfg.loss_mode, sorted(own) or "it has none")
 
     def registration_report(self) -> dict[str, Any]:
         """What this adapter registered in verl in this process, what it skipped and why, and the patches' status.
@@ -325,8 +325,11 @@ class VerlAdapter(AdvantageInputs, LossInputs, FrameworkAdapter):
                              ADVANTAGE_ESTIMATOR: core_algos.ADV_ESTIMATOR_REGISTRY}
         except Exception:  # noqa: BLE001
             pass
-        registered = [{**r, "live": getattr(live_registry.get(r["kind"], {}).get(r["verl_name"]), "_stablerl_verl", None)
-                       == (r["kind"], r["stablerl_name"])} for r in report["registered"]]
+        def live(r: dict) -> bool:  # False when something registered over it later
+            fn = live_registry.get(r["kind"], {}).get(r["verl_name"])
+            return getattr(fn, "_stablerl_verl", None) == (r["kind"], r["stablerl_name"])
+
+        registered = [{**r, "live": live(r)} for r in report["registered"]]
         return {
             "ok": report["ok"], "verl_version": report["verl_version"], "supported": self.spec.supported,
             "error": report["error"], "ppo_loss_patch": report["ppo_loss_patch"],

@@ -40,8 +40,8 @@ from typing import Any, Optional
 import stablerl
 from stablerl import ADVANTAGE_ESTIMATOR, BATCH_FILTER, REWARD_SHAPER, Context, StableRLError
 from stablerl.adapters.verl._ledger import LEDGER, patch_ray_trainer_method, verl_adapter
-from stablerl.adapters.verl._providers import (BATCH_FIELD_INPUTS, KEPT_ENTROPY, WHERE, VerlAdvantageInputError, advantage_input_missing,
-                                               batch_field)
+from stablerl.adapters.verl._providers import (BATCH_FIELD_INPUTS, KEPT_ENTROPY, WHERE, VerlAdvantageInputError,
+                                               advantage_input_missing, batch_field)
 from stablerl.frameworks import check_shaper_and_components
 from stablerl.selection import check_known, config_get, name_or_none, read_selection, truthy
 from stablerl.steps import AdvantageSelection, AdvantageStep, BatchRecord
@@ -109,8 +109,9 @@ def _refuse_unregistered(adv_estimator: Any) -> None:
             hint = (f"; it needs {missing}, batch fields no stock verl trainer writes (see "
                     "stablerl.adapters.verl._providers.WHERE): put them in the batch and set "
                     f"+algorithm.{BATCH_FIELDS_KEY}=true" if set(missing) <= BATCH_FIELD_INPUTS else "")
-            raise StableRLError(f"algorithm.adv_estimator={key}: the stablerl estimator {spec.name!r} is not registered "
-                                "in verl" + (hint or "; stablerl.adapters.verl.registration_report() says why"))
+            why = hint or "; stablerl.adapters.verl.registration_report() says why"
+            raise StableRLError(f"algorithm.adv_estimator={key}: the stablerl estimator {spec.name!r} is not "
+                                f"registered in verl{why}")
 
 
 def _context(config: Any, kind: str, name: str) -> Context:
@@ -170,7 +171,8 @@ def _wrap(original):
             data.batch["response_mask"] = compute_response_mask(data)
         index = data.non_tensor_batch.get("uid")
         if index is None and (name or chosen.reward_shaper):
-            raise VerlAdvantageInputError(f"verl's batch has no 'uid' (group ids) for stablerl's {name or chosen.reward_shaper!r}")
+            raise VerlAdvantageInputError(
+                f"verl's batch has no 'uid' (group ids) for stablerl's {name or chosen.reward_shaper!r}")
         if name is not None:
             spec = stablerl.get_spec(ADVANTAGE_ESTIMATOR, name)
             check_shaper_and_components(chosen.reward_shaper, spec, bool(config_get(config, "gdpo_reward_keys"))

@@ -39,13 +39,10 @@ built yet), as are top-1 routers (the int16 layout cannot mark padding rows for 
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
-from stablerl.adapters.verl._ledger import LEDGER
+from stablerl.adapters.verl._ledger import LEDGER, guarded
 from stablerl.params import StableRLError, UnknownNameError, unknown_name_message
-
-logger = logging.getLogger("stablerl.adapters.verl")
 
 MODES = ("disabled", "R2", "R3")
 WORKER_MODULE = "verl.workers.engine_workers"
@@ -146,20 +143,11 @@ def begin(session, micro_batch, output_args: dict, use_remove_padding: bool) -> 
     session.begin(micro_batch["input_ids"], routed, packed=use_remove_padding, pad=int(output_args.get("pad_size", 0)))
 
 
-def _apply_worker(module) -> None:
-    # a failed patch must not break verl's own import: log it loudly; the feature is then off
-    try:
-        _patch_worker_module(module)
-    except Exception as e:  # noqa: BLE001
-        _STATE["error"] = f"{type(e).__name__}: {e}"
-        logger.error("stablerl: verl routing replay patch of %s failed, fsdp_config.router_replay is ignored: %s",
-                     WORKER_MODULE, _STATE["error"])
-
-
 def instrument() -> None:
     """Arm the worker switch (now if its module is imported, else on import). Idempotent; the adapter's
     ``uninstrument()`` undoes it. The engine side is :mod:`stablerl.adapters.verl._engine`."""
-    LEDGER.on_import("routing_replay:on_import", {WORKER_MODULE: _apply_worker})
+    LEDGER.on_import("routing_replay:on_import",
+                     {WORKER_MODULE: guarded(_patch_worker_module, "fsdp_config.router_replay is ignored", _STATE)})
 
 
 def status() -> dict[str, Any]:

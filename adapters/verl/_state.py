@@ -24,7 +24,7 @@ import logging
 import os
 from typing import Any
 
-from stablerl.adapters.verl._ledger import LEDGER, verl_adapter
+from stablerl.adapters.verl._ledger import LEDGER, guarded, verl_adapter
 
 logger = logging.getLogger("stablerl.adapters.verl")
 
@@ -92,17 +92,9 @@ def _patch_trainer_module(module, class_name: str) -> None:
     LEDGER.set_attr(f"{_KEY}:{class_name}._load_checkpoint", cls, "_load_checkpoint", _load_checkpoint)
 
 
-def _patch_safely(module, class_name: str) -> None:
-    # a failed patch must not break verl's own import: log it loudly; the driver state is then not saved
-    try:
-        _patch_trainer_module(module, class_name)
-    except Exception as e:  # noqa: BLE001
-        logger.error("stablerl: patching %s.%s checkpoints failed, the driver's stablerl state is not saved: %s: %s",
-                     module.__name__, class_name, type(e).__name__, e)
-
-
 def instrument() -> None:
     """Wrap the trainers' checkpoint methods (now if imported, else on import). Idempotent; the adapter's
     ``uninstrument()`` restores them."""
-    LEDGER.on_import(f"{_KEY}:on_import",
-                     {name: functools.partial(_patch_safely, class_name=cls) for name, cls in TRAINER_CLASSES.items()})
+    lost = "the driver's stablerl state is not saved"
+    LEDGER.on_import(f"{_KEY}:on_import", {name: guarded(functools.partial(_patch_trainer_module, class_name=cls), lost)
+                                           for name, cls in TRAINER_CLASSES.items()})

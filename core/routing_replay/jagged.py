@@ -26,8 +26,8 @@ class JaggedSession:
         self.model, self.record = model, record
         routers = require_routers(model)
         if any(r.top_k < 2 for r in routers):
-            raise StableRLError("routing replay on jagged routes needs top-k >= 2 routers: the int16 layout cannot mark "
-                                "padding rows of a top-1 model")
+            raise StableRLError("routing replay on jagged routes needs top-k >= 2 routers: the int16 layout cannot "
+                                "mark padding rows of a top-1 model")
         self.moe_layers = [r.layer_id for r in routers]
         self.num_experts = max(r.num_experts for r in routers)
         self._replay = None if record else replay(model, None)
