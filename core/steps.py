@@ -50,6 +50,9 @@ class BatchRecord:
     unscorable: Optional[torch.Tensor] = None
     host: Any = None
     produced: dict = field(default_factory=dict)
+    #: ``missing(spec, input_name) -> Exception``: the framework's own error for a required input its batch lacks
+    #: (None: core's :class:`MissingInputError`)
+    missing: Optional[Callable[[AlgorithmSpec, str], Exception]] = None
     _cache: dict = field(default_factory=dict, repr=False)
 
     def input(self, kind: str, name: str) -> Any:
@@ -74,6 +77,8 @@ class BatchRecord:
             if name in skip:
                 continue
             value = self.input(spec.kind, name)
+            if value is None and self.missing is not None:
+                raise self.missing(spec, name)
             if value is None:
                 raise MissingInputError(f"{spec.kind.replace('_', ' ')} {spec.name!r} needs input {name!r} "
                                         f"({OPTIONAL_INPUTS.get(name, name)}): {self._how_to_provide(spec.kind, name)}")

@@ -23,7 +23,9 @@ from __future__ import annotations
 import logging
 from typing import Any, Optional
 
-from stablerl.adapters.verl import _actor_update as _shared
+from stablerl.adapters.verl._ledger import verl_adapter
+from stablerl.rank_stats import agreed, as_float
+from stablerl.selection import config_get, read_selection
 
 logger = logging.getLogger("stablerl.adapters.verl")
 
@@ -34,12 +36,43 @@ _CONTROLLERS: dict[str, Any] = {}  # name -> the controller of this process (one
 
 def selection(policy_loss_cfg: Any) -> tuple[Optional[str], dict]:
     """``(controller name or None, its params)`` from an ``actor.policy_loss`` config."""
-    return _shared.selection(policy_loss_cfg, KEY, PARAMS_KEY)
+    return read_selection(policy_loss_cfg, KEY, PARAMS_KEY, prefix="policy_loss.")
 
 
 def check_selection(policy_loss_cfg: Any) -> Optional[str]:
     """Refuse an unknown or unfeedable controller and bad hyper-parameters where the config is built."""
-    return _shared.check_selection(policy_loss_cfg, "controller", KEY, PARAMS_KEY)
+    return check_extension(policy_loss_cfg, "controller", KEY, PARAMS_KEY)
+
+
+def check_extension(policy_loss_cfg: Any, kind: str, key: str, params_key: str) -> Optional[str]:
+    """Refuse an unknown, unavailable or unfeedable extension of ``kind`` (an entropy controller, a trainer hook)
+    selected by ``key`` on the stablerl policy-loss config, and bad hyper-parameters, where the config is built."""
+    import stablerl
+    from stablerl.frameworks import resolve
+    from stablerl.params import build_params
+
+    name, params = read_selection(policy_loss_cfg, key, params_key, prefix="policy_loss.")
+    if name is not None:
+        resolve("verl", kind, name)  # unknown name / an input verl cannot feed: the reason in verl's words
+        build_params(stablerl.get_spec(kind, name), params)
+    return name
+
+
+def metrics_of(output: Any) -> Optional[dict]:
+    """The metrics dict of ``update_actor``'s output (None on a rank without them)."""
+    if output is None:
+        return None
+    try:
+        from verl.utils import tensordict_utils as tu
+
+        return tu.get(output, "metrics")
+    except Exception:  # noqa: BLE001 - no metrics on this rank
+        return None
+
+
+def update_entropy(metrics: Optional[dict]) -> Optional[float]:
+    """The update's ``actor/entropy_loss``, the same on every rank (None when verl reported none)."""
+    return agreed(as_float(metrics.get(ENTROPY_METRIC)) if metrics is not None else None)
 
 
 def controller_for(worker_config: Any):
@@ -48,46 +81,37 @@ def controller_for(worker_config: Any):
     from stablerl.contracts import CONTROLLER
     from stablerl.params import StableRLError
 
-    from . import _inputs
-
-    actor = _shared.cfg_get(worker_config, "actor")
-    name, params = selection(_shared.cfg_get(actor, "policy_loss"))
+    actor = config_get(worker_config, "actor")
+    name, params = selection(config_get(actor, "policy_loss"))
     if name is None:
         return None
     controller = _CONTROLLERS.get(name)
     if controller is None:
-        if float(_shared.cfg_get(actor, "entropy_coeff", 0.0) or 0.0) != 0.0:
+        if float(config_get(actor, "entropy_coeff", 0.0) or 0.0) != 0.0:
             raise StableRLError(
                 f"policy_loss.{KEY}={name!r} sets verl's entropy bonus coefficient itself: leave "
                 "actor_rollout_ref.actor.entropy_coeff at 0 (the initial coefficient is the controller's entropy_coef)")
-        if not _shared.cfg_get(actor, "calculate_entropy", False):
+        if not config_get(actor, "calculate_entropy", False):
             raise StableRLError(
                 f"policy_loss.{KEY}={name!r} is stepped with verl's {ENTROPY_METRIC}, which verl computes only with "
                 "actor_rollout_ref.actor.calculate_entropy=True (or entropy_coeff != 0, which the controller sets)")
         controller = stablerl.make_controller(name, **params)
         _CONTROLLERS[name] = controller
-        _inputs.STATE.track(CONTROLLER, name, controller)  # saved / restored with the per-rank loss state
+        verl_adapter().state.loss.track(CONTROLLER, name, controller)  # saved / restored with the per-rank loss state
         logger.warning("stablerl/verl: entropy controller %r runs with %s", name, params or "its defaults")
     return controller
-
-
-def _loss_config(worker: Any) -> Any:
-    """The actor config bound into the worker's loss function (``partial(ppo_loss, config=...)``)."""
-    from stablerl.params import StableRLError
-
-    keywords = getattr(getattr(worker, "loss_fn", None), "keywords", None)
-    config = keywords.get("config") if isinstance(keywords, dict) else None
-    if config is None or not hasattr(config, "entropy_coeff"):
-        raise StableRLError("stablerl entropy controller: the actor worker's loss_fn is not verl's "
-                            "partial(ppo_loss, config=<actor config>); cannot set its entropy_coeff")
-    return config
 
 
 def before_update(worker: Any, controller: Any) -> float:
     """Set the coefficient in force for this update (``applied_coef``) on verl's loss config."""
     coef = float(controller.applied_coef)
+    from stablerl.contracts import CONTROLLER
+    from stablerl.steps import BatchRecord
+
+    adapter = verl_adapter()  # its entropy_bonus provider: the actor config bound into the worker's loss function
+    config = adapter.provide(CONTROLLER, "entropy_bonus", BatchRecord(adapter, host=worker))
     # verl's BaseConfig refuses attribute assignment outside _mutable_fields; this one field is the controller's
-    object.__setattr__(_loss_config(worker), "entropy_coeff", coef)
+    object.__setattr__(config, "entropy_coeff", coef)
     return coef
 
 
@@ -95,8 +119,8 @@ def after_update(controller: Any, name: str, output: Any, applied: float) -> Non
     """Step the controller with the update's entropy (the same on every rank) and report its decision."""
     from stablerl.params import StableRLError
 
-    metrics = _shared.metrics_of(output)
-    entropy = _shared.agreed(_shared.as_float(metrics.get(ENTROPY_METRIC)) if metrics is not None else None)
+    metrics = metrics_of(output)
+    entropy = update_entropy(metrics)
     if entropy is None:
         raise StableRLError(f"stablerl entropy controller {name!r}: verl reported no {ENTROPY_METRIC} for this update "
                             "(set actor_rollout_ref.actor.calculate_entropy=True)")

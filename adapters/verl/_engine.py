@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from stablerl.adapters.verl._ledger import LEDGER
+from stablerl.adapters.verl._ledger import LEDGER, guarded
 
 from . import _routing_replay as routing
 from . import _state
@@ -56,7 +56,7 @@ def engine_class(base):
                 from verl.utils import tensordict_utils as tu
 
                 use_rmpad = tu.get_non_tensor_data(data=micro_batch, key="use_remove_padding", default=True)
-                session.begin(micro_batch, output_args, use_rmpad)
+                routing.begin(session, micro_batch, output_args, use_rmpad)
             return model_inputs, output_args
 
         def prepare_model_outputs(self, output, output_args, micro_batch, logits_processor_func):
@@ -64,7 +64,7 @@ def engine_class(base):
             session = getattr(self, "_stablerl_rr", None)
             if session is not None and session.record:
                 model_output["routed_experts"] = session.recorded(
-                    micro_batch, routing.num_hidden_layers(self.model_config.hf_config),
+                    micro_batch["input_ids"], routing.num_hidden_layers(self.model_config.hf_config),
                     int(output_args.get("pad_size", 0)))
             return model_output
 
@@ -107,27 +107,16 @@ def _patch_turbo_module(module) -> None:
     _repoint(base, cls, TURBO_BACKENDS)
 
 
-def _guarded(patch, module_name):
-    def apply(module) -> None:
-        # a failed patch must not break verl's own import: log it loudly; routing replay then refuses to
-        # start (the worker switch checks status()) and the losses' state is not checkpointed
-        try:
-            patch(module)
-        except Exception as e:  # noqa: BLE001
-            _STATE["error"] = f"{type(e).__name__}: {e}"
-            logger.error("stablerl: the verl engine patch of %s failed (no routing replay, no loss state in "
-                         "checkpoints): %s", module_name, _STATE["error"])
-    return apply
-
-
-_apply = _guarded(_patch_engine_module, ENGINE_MODULE)
+# a failed patch: routing replay refuses to start (the worker switch checks status()), no loss state in checkpoints
+_LOST = "no routing replay, no loss state in checkpoints"
+_apply = guarded(_patch_engine_module, _LOST, _STATE)
 
 
 def instrument() -> None:
     """Re-point verl's FSDP (and fsdp_turbo) engine entries (now if the modules are imported, else on
     import). Idempotent; the adapter's ``uninstrument()`` gives them back to verl's classes."""
     LEDGER.on_import(f"{_KEY}:on_import", {ENGINE_MODULE: _apply,
-                                            TURBO_MODULE: _guarded(_patch_turbo_module, TURBO_MODULE)})
+                                            TURBO_MODULE: guarded(_patch_turbo_module, _LOST, _STATE)})
 
 
 def status() -> dict[str, Any]:

@@ -7,7 +7,8 @@ verl 0.9.1 replays routes only on Megatron and VeOmni; its FSDP engine never rea
 ``routed_experts`` batch field and its worker forces ``router_replay`` off for ``fsdp``/``fsdp2``.
 Two pieces close that gap:
 
-* the engine side, :func:`session_for` / :class:`_Session`, called by stablerl's FSDP engine subclass
+* the engine side, :func:`session_for` / :func:`begin` (core's :class:`~stablerl.routing_replay.jagged.JaggedSession`
+  on verl's jagged ``routed_experts``), called by stablerl's FSDP engine subclass
   (:mod:`stablerl.adapters.verl._engine`, installed in verl's engine registry);
 * the worker switch (this module's :func:`instrument`): ``ActorRolloutRefWorker.__init__`` turns verl's
   routing-replay flag on for an FSDP actor whose ``fsdp_config.router_replay.mode`` is ``R2``/``R3``,
@@ -38,15 +39,10 @@ built yet), as are top-1 routers (the int16 layout cannot mark padding rows for 
 
 from __future__ import annotations
 
-import logging
-from typing import Any, Optional
+from typing import Any
 
-import torch
-
-from stablerl.adapters.verl._ledger import LEDGER
+from stablerl.adapters.verl._ledger import LEDGER, guarded
 from stablerl.params import StableRLError, UnknownNameError, unknown_name_message
-
-logger = logging.getLogger("stablerl.adapters.verl")
 
 MODES = ("disabled", "R2", "R3")
 WORKER_MODULE = "verl.workers.engine_workers"
@@ -69,86 +65,6 @@ def mode_of(engine_config) -> str:
     if mode.lower() not in canon:
         raise UnknownNameError(unknown_name_message("fsdp_config.router_replay.mode", mode, MODES))
     return canon[mode.lower()]
-
-
-# ------------------------------------------------------------------------------------------------
-# One step's routing-replay session (framework-free apart from the tensors verl hands over)
-# ------------------------------------------------------------------------------------------------
-
-
-class _Session:
-    """Replay (or, for R2's old-log-prob pass, capture) across one ``forward_backward_batch``."""
-
-    def __init__(self, model, record: bool):
-        from stablerl import routing_replay as rr
-
-        self.model, self.record = model, record
-        routers = rr.require_routers(model)
-        if any(r.top_k < 2 for r in routers):
-            raise StableRLError(
-                "routing replay in verl needs top-k >= 2 routers: verl's int16 routed_experts layout cannot mark "
-                "padding rows of a top-1 model")
-        self.moe_layers = [r.layer_id for r in routers]
-        self.num_experts = max(r.num_experts for r in routers)
-        self._replay = None if record else rr.replay(model, None)
-        self._capture = None
-
-    def begin(self, micro_batch, output_args: dict, use_remove_padding: bool) -> None:
-        from stablerl import routing_replay as rr
-
-        if self.record:
-            self._capture = rr.capture(self.model)
-            return
-        routed = micro_batch.get("routed_experts", None)
-        if routed is None:
-            raise StableRLError(
-                "routing replay: the micro-batch has no 'routed_experts'. R3 needs "
-                "actor_rollout_ref.rollout.enable_rollout_routing_replay=True (vLLM >= 0.22 or SGLang return the "
-                "routes); R2 records them in compute_log_prob, so the update must follow it in the same step")
-        if not routed.is_nested:
-            raise StableRLError(f"routing replay: expected jagged routed_experts, got a {tuple(routed.shape)} tensor")
-        offsets = micro_batch["input_ids"].offsets().cpu()
-        values = routed.values()
-        if values.shape[0] != int(offsets[-1]):
-            raise StableRLError(
-                f"routing replay: routed_experts hold {values.shape[0]} token rows, the micro-batch "
-                f"{int(offsets[-1])} tokens")
-        if use_remove_padding:
-            pad = int(output_args.get("pad_size", 0))  # verl's static bucket pad; no route, routed natively
-            if pad:
-                values = torch.cat([values, values.new_zeros((pad, *values.shape[1:]))])
-            routes = rr.Routes.from_token_layer_slot(values, moe_layers=self.moe_layers, num_experts=self.num_experts)
-        else:  # verl right-pads each row to the micro-batch's longest
-            lens = offsets.diff()
-            mask = torch.arange(int(lens.max())).unsqueeze(0) < lens.unsqueeze(1)
-            packed = rr.Routes.from_token_layer_slot(values, moe_layers=self.moe_layers, num_experts=self.num_experts,
-                                                     cu_seqlens=offsets)
-            routes = packed.pad(mask)
-        self._replay.set_routes(routes)
-
-    def recorded(self, micro_batch, num_hidden_layers: int, pad_size: int) -> torch.Tensor:
-        """This micro-batch's captured experts as verl's jagged int16 ``[b, j, num_hidden_layers, k]``."""
-        cap, self._capture = self._capture, None
-        cap.stop()
-        routes = cap.routes(device=micro_batch["input_ids"].device)
-        offsets = micro_batch["input_ids"].offsets()
-        n = int(offsets[-1])
-        if routes.batch_shape is not None and routes.batch_shape[0] > 1:  # padded forward: back to packed rows
-            lens = offsets.diff().cpu()
-            mask = torch.arange(routes.batch_shape[1]).unsqueeze(0) < lens.unsqueeze(1)
-            routes = routes.unpad(mask)
-        per_token = routes.to_token_layer_slot(num_hidden_layers)[: n if pad_size else None]
-        if per_token.shape[0] != n:
-            raise StableRLError(f"routing replay: captured {per_token.shape[0]} token rows for {n} tokens")
-        return torch.nested.nested_tensor_from_jagged(per_token.to(torch.int16), offsets)
-
-    def close(self) -> None:
-        if self._capture is not None:
-            self._capture.stop()
-            self._capture = None
-        if self._replay is not None:
-            self._replay.remove()
-            self._replay = None
 
 
 # ------------------------------------------------------------------------------------------------
@@ -197,10 +113,13 @@ def num_hidden_layers(hf_config) -> int:
     return int(cfg.num_hidden_layers)
 
 
-def session_for(engine, data, forward_only: bool) -> Optional[_Session]:
-    """The routing-replay session of one ``forward_backward_batch`` of a verl FSDP engine, or None when
-    ``router_replay`` is disabled or verl did not flag the step (the reference model's pass)."""
+def session_for(engine, data, forward_only: bool):
+    """The routing-replay session (:class:`stablerl.routing_replay.jagged.JaggedSession`) of one
+    ``forward_backward_batch`` of a verl FSDP engine, or None when ``router_replay`` is disabled or verl did not flag
+    the step (the reference model's pass)."""
     from verl.utils import tensordict_utils as tu
+
+    from stablerl.routing_replay.jagged import JaggedSession
 
     mode = mode_of(engine.engine_config)
     if mode == "disabled" or not tu.get_non_tensor_data(data, key="enable_routing_replay", default=False):
@@ -210,23 +129,25 @@ def session_for(engine, data, forward_only: bool) -> Optional[_Session]:
             "stablerl routing replay on verl's FSDP engine does not support Ulysses sequence parallelism yet "
             "(ulysses_sequence_parallel_size > 1)")
     record = mode == "R2" and forward_only and data.get("routed_experts", None) is None
-    return _Session(engine.module, record=record)
+    return JaggedSession(engine.module, record=record)
 
 
-def _apply_worker(module) -> None:
-    # a failed patch must not break verl's own import: log it loudly; the feature is then off
-    try:
-        _patch_worker_module(module)
-    except Exception as e:  # noqa: BLE001
-        _STATE["error"] = f"{type(e).__name__}: {e}"
-        logger.error("stablerl: verl routing replay patch of %s failed, fsdp_config.router_replay is ignored: %s",
-                     WORKER_MODULE, _STATE["error"])
+def begin(session, micro_batch, output_args: dict, use_remove_padding: bool) -> None:
+    """Before a micro-batch's forward: its ``routed_experts`` replayed (or, R2's old-log-prob pass, captured)."""
+    routed = micro_batch.get("routed_experts", None)
+    if routed is None and not session.record:
+        raise StableRLError(
+            "routing replay: the micro-batch has no 'routed_experts'. R3 needs "
+            "actor_rollout_ref.rollout.enable_rollout_routing_replay=True (vLLM >= 0.22 or SGLang return the "
+            "routes); R2 records them in compute_log_prob, so the update must follow it in the same step")
+    session.begin(micro_batch["input_ids"], routed, packed=use_remove_padding, pad=int(output_args.get("pad_size", 0)))
 
 
 def instrument() -> None:
     """Arm the worker switch (now if its module is imported, else on import). Idempotent; the adapter's
     ``uninstrument()`` undoes it. The engine side is :mod:`stablerl.adapters.verl._engine`."""
-    LEDGER.on_import("routing_replay:on_import", {WORKER_MODULE: _apply_worker})
+    LEDGER.on_import("routing_replay:on_import",
+                     {WORKER_MODULE: guarded(_patch_worker_module, "fsdp_config.router_replay is ignored", _STATE)})
 
 
 def status() -> dict[str, Any]:

@@ -3,12 +3,12 @@
 Two kinds of state live outside verl's model/optimizer/dataloader checkpoint:
 
 * **in the actor workers**: each stablerl loss's ``Context.state`` (EntroPIC's controller integral, CAPO's
-  tracked Adam moments), the store :data:`stablerl.adapters.verl._inputs.STATE`. The FSDP engine subclass
+  tracked Adam moments), the adapter's ``state.loss`` store. The FSDP engine subclass
   saves it next to the actor's shards as ``stablerl_loss_state_rank<r>.pt`` and restores it on load (one file per
   rank: the state is per process);
 * **in the driver**: the state of the advantage call site (the call counter ``ctx.step`` that scheduled
   estimators/shapers read, random generators of filters/shapers, their state dicts),
-  the store :data:`stablerl.adapters.verl._advantage.STATE`. verl's trainers' ``_save_checkpoint`` /
+  the adapter's ``state.driver`` store. verl's trainers' ``_save_checkpoint`` /
   ``_load_checkpoint`` (legacy ``RayPPOTrainer`` and v1 ``PPOTrainer``) are wrapped to save it as
   ``global_step_<n>/stablerl_driver_state.pt`` and restore it.
 
@@ -24,7 +24,7 @@ import logging
 import os
 from typing import Any
 
-from stablerl.adapters.verl._ledger import LEDGER
+from stablerl.adapters.verl._ledger import LEDGER, guarded, verl_adapter
 
 logger = logging.getLogger("stablerl.adapters.verl")
 
@@ -38,32 +38,26 @@ _KEY = "checkpoint_state"  # prefix of this module's ledger keys
 
 
 def save_loss_state(folder: str, rank: int) -> None:
-    from . import _inputs
-
-    if _inputs.STATE:
-        _inputs.STATE.save(os.path.join(folder, LOSS_STATE_FILE.format(rank=rank)))
+    store = verl_adapter().state.loss
+    if store:
+        store.save(os.path.join(folder, LOSS_STATE_FILE.format(rank=rank)))
 
 
 def load_loss_state(folder: str, rank: int) -> bool:
-    from . import _inputs
-
-    return _inputs.STATE.load(os.path.join(folder, LOSS_STATE_FILE.format(rank=rank)))
+    return verl_adapter().state.loss.load(os.path.join(folder, LOSS_STATE_FILE.format(rank=rank)))
 
 
 # ---- the driver ----------------------------------------------------------------------------------
 
 
 def save_driver_state(folder: str) -> None:
-    from . import _advantage
-
-    if _advantage.STATE:
-        _advantage.STATE.save(os.path.join(folder, DRIVER_STATE_FILE))
+    store = verl_adapter().state.driver
+    if store:
+        store.save(os.path.join(folder, DRIVER_STATE_FILE))
 
 
 def load_driver_state(folder: str) -> bool:
-    from . import _advantage
-
-    return _advantage.STATE.load(os.path.join(folder, DRIVER_STATE_FILE))
+    return verl_adapter().state.driver.load(os.path.join(folder, DRIVER_STATE_FILE))
 
 
 def _step_folder(trainer: Any, loading: bool) -> str:
@@ -98,17 +92,9 @@ def _patch_trainer_module(module, class_name: str) -> None:
     LEDGER.set_attr(f"{_KEY}:{class_name}._load_checkpoint", cls, "_load_checkpoint", _load_checkpoint)
 
 
-def _patch_safely(module, class_name: str) -> None:
-    # a failed patch must not break verl's own import: log it loudly; the driver state is then not saved
-    try:
-        _patch_trainer_module(module, class_name)
-    except Exception as e:  # noqa: BLE001
-        logger.error("stablerl: patching %s.%s checkpoints failed, the driver's stablerl state is not saved: %s: %s",
-                     module.__name__, class_name, type(e).__name__, e)
-
-
 def instrument() -> None:
     """Wrap the trainers' checkpoint methods (now if imported, else on import). Idempotent; the adapter's
     ``uninstrument()`` restores them."""
-    LEDGER.on_import(f"{_KEY}:on_import",
-                     {name: functools.partial(_patch_safely, class_name=cls) for name, cls in TRAINER_CLASSES.items()})
+    lost = "the driver's stablerl state is not saved"
+    LEDGER.on_import(f"{_KEY}:on_import", {name: guarded(functools.partial(_patch_trainer_module, class_name=cls), lost)
+                                           for name, cls in TRAINER_CLASSES.items()})

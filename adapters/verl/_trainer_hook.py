@@ -25,15 +25,15 @@ import functools
 import logging
 from typing import Any, Optional
 
-from stablerl.adapters.verl import _actor_update as _shared
 from stablerl.adapters.verl import _controller
-from stablerl.adapters.verl._ledger import LEDGER
+from stablerl.adapters.verl._ledger import LEDGER, verl_adapter
+from stablerl.selection import config_get, read_selection
 
 logger = logging.getLogger("stablerl.adapters.verl")
 
 WORKERS_MODULE = "verl.workers.engine_workers"
 HOOK_KEY, HOOK_PARAMS_KEY = "stablerl_trainer_hook", "stablerl_trainer_hook_params"
-ENTROPY_METRIC = "actor/entropy_loss"
+ENTROPY_METRIC = _controller.ENTROPY_METRIC
 _KEY = "trainer_hook"
 _HOOKS: dict[str, Any] = {}  # name -> the hook of this process (one actor per worker process)
 _WARNED: set = set()
@@ -41,12 +41,12 @@ _WARNED: set = set()
 
 def selection(policy_loss_cfg: Any) -> tuple[Optional[str], dict]:
     """``(hook name or None, its params)`` from an ``actor.policy_loss`` config."""
-    return _shared.selection(policy_loss_cfg, HOOK_KEY, HOOK_PARAMS_KEY)
+    return read_selection(policy_loss_cfg, HOOK_KEY, HOOK_PARAMS_KEY, prefix="policy_loss.")
 
 
 def check_selection(policy_loss_cfg: Any) -> Optional[str]:
     """Refuse an unknown, unavailable or unfeedable hook and bad hyper-parameters where the config is built."""
-    return _shared.check_selection(policy_loss_cfg, "trainer_hook", HOOK_KEY, HOOK_PARAMS_KEY)
+    return _controller.check_extension(policy_loss_cfg, "trainer_hook", HOOK_KEY, HOOK_PARAMS_KEY)
 
 
 def hook_for(worker_config: Any):
@@ -54,9 +54,7 @@ def hook_for(worker_config: Any):
     import stablerl
     from stablerl.contracts import TRAINER_HOOK
 
-    from . import _inputs
-
-    policy_loss = _shared.cfg_get(_shared.cfg_get(worker_config, "actor"), "policy_loss")
+    policy_loss = config_get(config_get(worker_config, "actor"), "policy_loss")
     name, params = selection(policy_loss)
     if name is None:
         return None
@@ -64,14 +62,14 @@ def hook_for(worker_config: Any):
     if hook is None:
         hook = stablerl.make_trainer_hook(name, **params)
         _HOOKS[name] = hook
-        _inputs.STATE.track(TRAINER_HOOK, name, hook)  # saved / restored with the per-rank loss state
+        verl_adapter().state.loss.track(TRAINER_HOOK, name, hook)  # saved / restored with the per-rank loss state
         logger.warning("stablerl/verl: trainer hook %r runs with %s", name, params or "its defaults")
     return hook
 
 
 def run_passes(worker: Any, hook: Any, update: Any, data: Any, args: tuple, kwargs: dict) -> Any:
     """``hook.passes_per_batch()`` calls of verl's ``update_actor`` on the same batch, the hook between them."""
-    from stablerl import ParamsView
+    from stablerl.contracts import TRAINER_HOOK
     from stablerl.params import StableRLError
 
     from tensordict import TensorDict
@@ -81,18 +79,17 @@ def run_passes(worker: Any, hook: Any, update: Any, data: Any, args: tuple, kwar
             f"stablerl trainer hook: update_actor got a {type(data).__name__}, not verl's TensorDict: trainer hooks "
             "run with verl's legacy trainer (trainer.use_v1=false); under the v1 trainer update_actor receives "
             "TransferQueue metadata, which the adapter does not copy for another pass (untested)")
-    engine = worker.actor.engine
-    module = engine.module
-    view = ParamsView(parameters=lambda: [p for p in module.parameters() if p.requires_grad],
-                      optimizer=getattr(engine, "optimizer", None))
+    from stablerl.steps import BatchRecord
+
+    adapter = verl_adapter()
+    view = adapter.provide(TRAINER_HOOK, "params_view", BatchRecord(adapter, host=worker))
     passes = hook.passes_per_batch()
     hook.before_batch(view)
     extra: dict[str, Any] = {}
     output = None
     for k in range(passes):
         output = update(worker, data.copy(), *args, **kwargs)  # train_mini_batch pops its options from the batch
-        metrics = _shared.metrics_of(output)
-        entropy = _shared.agreed(_shared.as_float(metrics.get(ENTROPY_METRIC)) if metrics is not None else None)
+        entropy = _controller.update_entropy(_controller.metrics_of(output))
         if entropy is None and "no_entropy" not in _WARNED:
             _WARNED.add("no_entropy")
             logger.warning("stablerl/verl: the trainer hook gets no entropy (verl reports %s only with "
@@ -102,7 +99,7 @@ def run_passes(worker: Any, hook: Any, update: Any, data: Any, args: tuple, kwar
         for key, v in out.items():
             if isinstance(v, (bool, int, float)):
                 extra[f"stablerl/{key}"] = float(v)
-    metrics = _shared.metrics_of(output)
+    metrics = _controller.metrics_of(output)
     if metrics is not None:
         name = next(n for n, h in _HOOKS.items() if h is hook)
         for key, v in extra.items():
@@ -123,7 +120,7 @@ def _wrap_update_actor(update):
         else:
             output = run_passes(self, hook, update, data, args, kwargs)
         if controller is not None:
-            name = _controller.selection(_shared.cfg_get(_shared.cfg_get(config, "actor"), "policy_loss"))[0]
+            name = _controller.selection(config_get(config_get(config, "actor"), "policy_loss"))[0]
             _controller.after_update(controller, name, output, applied)
         return output
 

@@ -10,7 +10,6 @@ verl either).
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
 from typing import Any, Optional
 
 import torch
@@ -19,9 +18,6 @@ from stablerl import ADVANTAGE_ESTIMATOR, POLICY_LOSS, Context, StableRLError, t
 from stablerl import compute_advantage as _compute_advantage
 from stablerl import compute_policy_loss as _compute_policy_loss
 from stablerl import get_spec
-
-logger = logging.getLogger("stablerl.adapters.verl")
-
 from stablerl.frameworks import (
     CALL_OPTIONS,
     TOP_ENTROPY_INPUT,
@@ -33,8 +29,11 @@ from stablerl.frameworks import (
     split_call_options,
     top_entropy_on,
 )
+from stablerl.selection import config_get as cfg_get
 
-#: this framework's declaration (stablerl.adapters.frameworks): inputs, config keys and their defaults
+logger = logging.getLogger("stablerl.adapters.verl")
+
+#: this framework's declaration (stablerl.adapters.verl._spec): inputs, config keys and their defaults
 VERL = get_framework("verl")
 #: verl actor-config keys that map 1:1 onto stablerl hyper-parameters of the same name (the PPO
 #: clip bounds and dual clip; SAPO's temperatures), read from ``actor_rollout_ref.actor.<key>`` as
@@ -47,10 +46,6 @@ ACTOR_KEYS = tuple(n for n, k in VERL.hyperparameter_keys[POLICY_LOSS].items()
 # adapter package is executed a second time under another module name
 from stablerl.adapters.verl import _inputs as _declared
 
-#: extra inputs (``AlgorithmSpec.requires``) verl hands to each kind of function (single source: the
-#: framework declaration, which the docs are generated from)
-VERL_PROVIDES = VERL.feedable
-
 _warned: set[str] = set()
 
 
@@ -58,21 +53,6 @@ def _warn_once(key: str, message: str) -> None:
     if key not in _warned:
         _warned.add(key)
         logger.warning(message)
-
-
-def cfg_get(obj: Any, key: str, default: Any = None) -> Any:
-    """``obj.key`` for a verl BaseConfig/dataclass, OmegaConf DictConfig or plain mapping."""
-    if obj is None:
-        return default
-    getter = getattr(obj, "get", None)
-    if callable(getter):
-        try:
-            return getter(key, default)
-        except Exception:  # noqa: BLE001 - e.g. a struct DictConfig without the key
-            pass
-    if isinstance(obj, Mapping):
-        return obj.get(key, default)
-    return getattr(obj, key, default)
 
 
 # ----------------------------------------------------------------------------- policy losses

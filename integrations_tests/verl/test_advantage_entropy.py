@@ -118,14 +118,14 @@ def site(adapter):
     _advantage.reset_state()
     yield _advantage
     _advantage.reset_state()
-    _advantage.TOTAL_STEPS["value"] = None
+    _advantage.verl_adapter().state.total_steps = None
 
 
 def test_the_old_log_prob_pass_is_wrapped(adapter, site):
     from verl.trainer.ppo.ray_trainer import RayPPOTrainer
 
-    assert getattr(RayPPOTrainer._compute_old_log_prob, "_stablerl_verl_patch", False)
-    assert "compute_advantage:_compute_old_log_prob" in adapter._LEDGER.keys()
+    assert getattr(RayPPOTrainer._compute_old_log_prob, "__stablerl_verl_patch__", False)
+    assert "compute_advantage:_compute_old_log_prob" in adapter.ADAPTER.ledger.keys()
 
 
 def test_gtpo_entropy_filter_sees_the_old_pass_entropy(adapter, site):
@@ -142,8 +142,8 @@ def test_gtpo_entropy_filter_sees_the_old_pass_entropy(adapter, site):
     torch.testing.assert_close(out.batch["advantages"], ref.advantages.float(), rtol=0, atol=1e-6)
     h = [float(expected[i, :r].mean()) for i, r in enumerate(R)]
     assert min(h) < 0.9 < max(h)  # the threshold drops some completions and penalises the others
-    assert site.LAST_METRICS["stablerl/gtpo_filter/dropped_frac"] == pytest.approx(sum(x > 0.9 for x in h) / len(R))
-    assert site.LAST_METRICS["stablerl/gtpo_filter/entropy_mean"] == pytest.approx(sum(h) / len(h), rel=1e-6)
+    assert site.verl_adapter().state.metrics["stablerl/gtpo_filter/dropped_frac"] == pytest.approx(sum(x > 0.9 for x in h) / len(R))
+    assert site.verl_adapter().state.metrics["stablerl/gtpo_filter/entropy_mean"] == pytest.approx(sum(h) / len(h), rel=1e-6)
 
 
 def test_d3s_schedule_runs_on_the_trainers_total_steps(adapter, site):
@@ -153,9 +153,9 @@ def test_d3s_schedule_runs_on_the_trainers_total_steps(adapter, site):
     for _ in range(2):
         batch, expected = _legacy_batch()
         mask = batch.batch["response_mask"].clone()
-        step = site.STATE.step
+        step = site.verl_adapter().state.driver.step
         out = _fit_step(trainer, batch)
-        progress.append(site.LAST_METRICS["stablerl/d3s/progress"])
+        progress.append(site.verl_adapter().state.metrics["stablerl/d3s/progress"])
         grpo, _ = stablerl.compute_advantage("grpo", token_level_rewards=batch.batch["token_level_rewards"],
                                              response_mask=mask, index=UIDS)
         result = stablerl.filter_batch("d3s", advantages=grpo, response_mask=mask, index=UIDS, entropy=expected,
@@ -164,7 +164,7 @@ def test_d3s_schedule_runs_on_the_trainers_total_steps(adapter, site):
         torch.testing.assert_close(out.batch["response_mask"], ref.response_mask.float(), rtol=0, atol=0)
         torch.testing.assert_close(out.batch["advantages"], ref.advantages.float(), rtol=0, atol=1e-6)
     assert progress == [0.0, 0.25]  # compute_advantage calls so far / total_training_steps
-    assert 0 < site.LAST_METRICS["stablerl/d3s/kept_token_frac"] < 1
+    assert 0 < site.verl_adapter().state.metrics["stablerl/d3s/kept_token_frac"] < 1
 
 
 def test_the_entropy_is_kept_only_for_an_algorithm_that_declares_it(adapter, site):

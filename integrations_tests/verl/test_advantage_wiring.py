@@ -162,7 +162,7 @@ def test_dynamic_sampling_zeroes_all_equal_groups(adapter, site, rewards_batch):
     assert out.batch["returns"][equal].abs().sum() == 0
     torch.testing.assert_close(out.batch["response_mask"][~equal], mask[~equal].float(), rtol=0, atol=0)
     torch.testing.assert_close(out.batch["advantages"][~equal], plain.batch["advantages"][~equal], rtol=0, atol=0)
-    metrics = site.LAST_METRICS
+    metrics = site.verl_adapter().state.metrics
     assert metrics["stablerl/filter/kept_row_frac"] == pytest.approx(8 / 12)
     assert metrics["stablerl/dynamic_sampling/num_kept_groups"] == 3  # a, b and the singleton c
     # with verl's built-in grpo too

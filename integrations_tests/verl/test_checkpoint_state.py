@@ -53,27 +53,27 @@ def test_engine_saves_and_restores_the_losses_state(adapter, actor_config, make_
     from stablerl.adapters.verl import _inputs
 
     eng = _engine(make_engine)
-    _inputs.STATE.clear()
+    _inputs.verl_adapter().state.loss.clear()
     uninterrupted = [_entropic_step(adapter, actor_config) for _ in range(4)]
     assert _inputs.state_for("entropic")["entropic"]["updates"] == 4
 
-    _inputs.STATE.clear()
+    _inputs.verl_adapter().state.loss.clear()
     for _ in range(3):
         _entropic_step(adapter, actor_config)
-    saved = _inputs.STATE.state_dict()["slots"]
+    saved = _inputs.verl_adapter().state.loss.state_dict()["slots"]
     saved = {name: dict(s["entropic"]) for name, s in saved["policy_loss"].items()}
     actor_dir = str(tmp_path / "global_step_3" / "actor")
     eng.save_checkpoint(actor_dir, None, global_step=3)
     assert eng.checkpoint_manager.calls == [("save", actor_dir)]
     assert os.path.exists(os.path.join(actor_dir, "stablerl_loss_state_rank0.pt"))
 
-    _inputs.STATE.clear()  # a fresh process
+    _inputs.verl_adapter().state.loss.clear()  # a fresh process
     fresh = _entropic_step(adapter, actor_config)
     assert not torch.allclose(fresh[1], uninterrupted[3][1])  # without the state the step differs
 
-    _inputs.STATE.clear()
+    _inputs.verl_adapter().state.loss.clear()
     eng.load_checkpoint(actor_dir)
-    restored = _inputs.STATE.state_dict()["slots"]["policy_loss"]
+    restored = _inputs.verl_adapter().state.loss.state_dict()["slots"]["policy_loss"]
     assert {name: dict(s["entropic"]) for name, s in restored.items()} == saved
     resumed = _entropic_step(adapter, actor_config)
     torch.testing.assert_close(resumed[0], uninterrupted[3][0], rtol=0, atol=0)
@@ -84,13 +84,13 @@ def test_checkpoint_without_stablerl_state_loads_as_before(adapter, make_engine,
     from stablerl.adapters.verl import _inputs
 
     eng = _engine(make_engine)
-    _inputs.STATE.clear()
+    _inputs.verl_adapter().state.loss.clear()
     eng.save_checkpoint(str(tmp_path / "actor"))  # no stateful loss ran: no file
     assert not [f for f in os.listdir(tmp_path / "actor") if f.startswith("stablerl")]
     _inputs.state_for("entropic")["entropic"] = {"integral": 1.0}
     eng.load_checkpoint(str(tmp_path / "actor"))
     untouched = {"policy_loss": {"entropic": {"entropic": {"integral": 1.0}}}}
-    assert _inputs.STATE.state_dict()["slots"] == untouched
+    assert _inputs.verl_adapter().state.loss.state_dict()["slots"] == untouched
     torch.save({"something": "else"}, tmp_path / "actor" / "stablerl_loss_state_rank0.pt")
     with pytest.raises(RuntimeError, match="stablerl_loss_state_rank0.pt is not a stablerl loss state"):
         eng.load_checkpoint(str(tmp_path / "actor"))
@@ -126,10 +126,10 @@ def test_driver_state_rides_with_the_trainer_checkpoint(adapter, tmp_path):
 
     from stablerl.adapters.verl import _advantage
 
-    assert getattr(RayPPOTrainer._save_checkpoint, "_stablerl_verl_patch", False)  # the verl ledger's mark
-    _advantage.STATE.clear()
+    assert getattr(RayPPOTrainer._save_checkpoint, "__stablerl_verl_patch__", False)  # the verl ledger's mark
+    _advantage.verl_adapter().state.driver.clear()
     ctx = _advantage._context({}, "reward_shaper", "redit")  # what the advantage wrapper hands a shaper/filter
-    _advantage.STATE.step = 7
+    _advantage.verl_adapter().state.driver.step = 7
     ctx.state["seen"] = 3
     torch.rand(5, generator=ctx.generator)
     expected_next = torch.rand(4, generator=torch.Generator().set_state(ctx.generator.get_state()))
@@ -138,11 +138,11 @@ def test_driver_state_rides_with_the_trainer_checkpoint(adapter, tmp_path):
     RayPPOTrainer._save_checkpoint(trainer)
     assert os.path.exists(tmp_path / "global_step_7" / "stablerl_driver_state.pt")
 
-    _advantage.STATE.clear()  # a fresh driver
+    _advantage.verl_adapter().state.driver.clear()  # a fresh driver
     trainer = _trainer(tmp_path, steps=0)
     (tmp_path / "global_step_7" / "actor").mkdir(exist_ok=True)
     RayPPOTrainer._load_checkpoint(trainer)
-    assert trainer.global_steps == 7 and _advantage.STATE.step == 7
+    assert trainer.global_steps == 7 and _advantage.verl_adapter().state.driver.step == 7
     ctx = _advantage._context({}, "reward_shaper", "redit")
     assert ctx.state == {"seen": 3}
     torch.testing.assert_close(torch.rand(4, generator=ctx.generator), expected_next, rtol=0, atol=0)

@@ -133,10 +133,10 @@ def declared(adapter):
     from stablerl.adapters.verl import _inputs
 
     _inputs.instrument()
-    _inputs.STATE.clear()
+    _inputs.verl_adapter().state.loss.clear()
     yield _inputs
     _inputs.instrument()
-    _inputs.STATE.clear()
+    _inputs.verl_adapter().state.loss.clear()
 
 
 CLIP = dict(clip_ratio_low=0.2, clip_ratio_high=0.28, clip_ratio_c=10.0)
@@ -587,7 +587,7 @@ def test_the_legacy_trainer_marks_its_batch_with_the_weight_version(adapter):
     from stablerl.adapters.verl._inputs import VERSION_KEY
     from test_advantage_entropy import _legacy_batch
 
-    assert getattr(RayPPOTrainer._update_actor, "_stablerl_verl_patch", False)
+    assert getattr(RayPPOTrainer._update_actor, "__stablerl_verl_patch__", False)
     trainer = _legacy_trainer(RayPPOTrainer, global_steps=3)
     trainer._update_actor(_legacy_batch()[0])
     assert tu.get_non_tensor_data(trainer.actor_rollout_wg.batches[0], VERSION_KEY, None) == 2

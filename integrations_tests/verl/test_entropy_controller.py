@@ -83,7 +83,7 @@ def test_adaptive_entropy_steers_verls_entropy_coeff_as_trl(adapter, controllers
         assert ref.step(entropy=m["actor/entropy_loss"])["entropy_coef"] == pytest.approx(coef, abs=1e-12)
     from stablerl.adapters.verl import _inputs
 
-    assert _inputs.STATE.state_dict()["objects"]["controller"]["adaptive_entropy"] == ref.state_dict()
+    assert _inputs.verl_adapter().state.loss.state_dict()["objects"]["controller"]["adaptive_entropy"] == ref.state_dict()
 
 
 def test_the_selection_is_checked_where_verl_builds_the_config(adapter):

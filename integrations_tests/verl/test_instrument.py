@@ -137,14 +137,14 @@ def test_tracking_log_carries_the_advantage_sites_metrics(adapter, tmp_path, mon
     path = tmp_path / "metrics.jsonl"
     monkeypatch.setenv("VERL_FILE_LOGGER_PATH", str(path))
     tracker = Tracking("p", "e", default_backend=["file"])
-    _advantage.LAST_METRICS.update({"stablerl/filter/kept_row_frac": 0.75})
+    _advantage.verl_adapter().state.metrics.update({"stablerl/filter/kept_row_frac": 0.75})
     tracker.log({"critic/score/mean": 0.5}, step=1)
     tracker.log({"critic/score/mean": 0.25}, step=2)
     tracker.logger["file"].finish()
     rows = [json.loads(line) for line in path.read_text().splitlines()]
     assert rows == [{"step": 1, "data": {"critic/score/mean": 0.5, "stablerl/filter/kept_row_frac": 0.75}},
                     {"step": 2, "data": {"critic/score/mean": 0.25}}]
-    assert not _advantage.LAST_METRICS
+    assert not _advantage.verl_adapter().state.metrics
 
 
 def test_a_new_run_does_not_log_an_earlier_runs_unlogged_metrics(adapter, tmp_path, monkeypatch):
@@ -158,12 +158,12 @@ def test_a_new_run_does_not_log_an_earlier_runs_unlogged_metrics(adapter, tmp_pa
 
     path = tmp_path / "metrics.jsonl"
     monkeypatch.setenv("VERL_FILE_LOGGER_PATH", str(path))
-    _advantage.LAST_METRICS.update({"stablerl/d3s/progress": 0.25})  # left by an earlier run
+    _advantage.verl_adapter().state.metrics.update({"stablerl/d3s/progress": 0.25})  # left by an earlier run
     tracker = Tracking("p", "e", default_backend=["file"])
     tracker.log({"critic/score/mean": 0.5}, step=1)
     tracker.logger["file"].finish()
     assert [json.loads(line) for line in path.read_text().splitlines()] == [
         {"step": 1, "data": {"critic/score/mean": 0.5}}]
-    _advantage.LAST_METRICS.update({"stablerl/d3s/progress": 0.25})
+    _advantage.verl_adapter().state.metrics.update({"stablerl/d3s/progress": 0.25})
     _advantage.reset_state()
-    assert not _advantage.LAST_METRICS
+    assert not _advantage.verl_adapter().state.metrics

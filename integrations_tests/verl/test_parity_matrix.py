@@ -113,7 +113,7 @@ def _through_ppo_loss(adapter, name, b, mode, params):
     from verl.workers.utils.losses import ppo_loss
 
     adapter.instrument()  # registers the names and wraps verl's call sites (idempotent; the entry point does it)
-    _inputs.STATE.clear()  # fresh controller state, as the core call has
+    _inputs.verl_adapter().state.loss.clear()  # fresh controller state, as the core call has
     data, model_output, leaves = _worker_batch(b, "old_entropy" in stablerl.get_spec(M.POLICY_LOSS, name).requires)
     loss, _ = ppo_loss(_actor_config(adapter, name, mode, params), model_output, data)
     grads = torch.autograd.grad(loss, leaves, allow_unused=True)

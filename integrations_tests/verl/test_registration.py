@@ -64,6 +64,7 @@ GATE = """
 import importlib.metadata as md, logging, sys
 _orig = md.version
 md.version = lambda name: {version!r} if name == "verl" else _orig(name)
+import verl  # the adapter instruments on import where verl is imported (here without verl's entry point)
 import stablerl.adapters.verl as a  # never raises through verl's import: the refusal is logged
 print("LOADED", "stablerl_vanilla" in a.VERL_NAMES["policy_loss"])
 try:

@@ -27,7 +27,7 @@ def test_update_actor_is_wrapped_and_keeps_verls_dispatch(adapter):
 
     fn = engine_workers.ActorRolloutRefWorker.update_actor
     assert adapter.trainer_hook.status() == "patched"
-    assert getattr(fn, "_stablerl_verl_patch", False)
+    assert getattr(fn, "__stablerl_verl_patch__", False)
     assert getattr(fn, MAGIC_ATTR)["dispatch_mode"] is not None  # verl's register() attributes survive
     assert adapter.registration_report()["trainer_hook"] == "patched"
 
@@ -127,7 +127,7 @@ def test_run_passes_is_sfpo_on_verls_update_contract(adapter):
     assert hook.entropy_history == [pytest.approx(1.3)]  # the slow pass's actor/entropy_loss
     from stablerl.adapters.verl import _inputs
 
-    assert _inputs.STATE.state_dict()["objects"]["trainer_hook"]["sfpo"] == hook.state_dict()
+    assert _inputs.verl_adapter().state.loss.state_dict()["objects"]["trainer_hook"]["sfpo"] == hook.state_dict()
     adapter.trainer_hook._HOOKS.clear()
 
 
