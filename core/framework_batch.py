@@ -6,6 +6,8 @@
   writes the result back.
 * :class:`GroupBatchSampler` / :func:`check_whole_groups`: a loss that takes prompt groups (``index``) needs whole
   groups in every loss call, where a framework's data loader shuffles single rows.
+* :func:`balanced_group_partitions`: a framework that balances its batch over data-parallel ranks by token count
+  (verl's ``trainer.balance_batch``) moves single rows; for such a loss it balances whole groups instead.
 * :func:`loss_inputs` / :func:`pending_loss_inputs`: a framework calls its loss with its own arguments
   only; the inputs a stablerl loss declares beyond them (entropy, token ids, group ids...) are gathered
   at the call site and handed to the loss through this scoped channel.
@@ -127,6 +129,55 @@ def check_whole_groups(group_ids: torch.Tensor, group_sizes: torch.Tensor, why: 
                             f"loss needs whole groups per loss call" + (f" ({why})" if why else ""))
 
 
+def balanced_group_partitions(group_ids: Sequence[Any], workloads: Sequence[float], k: int, *,
+                              balance_key: str = "", group_size_key: str = "group size") -> list[list[int]]:
+    """``k`` partitions of the row positions 0..N-1, each made of whole prompt groups (``group_ids[i]``: row i's
+    group, any hashable) and each with the same number of rows, balancing the summed ``workloads`` (one per row,
+    e.g. token counts): greedy longest-processing-time over the groups, heaviest first, each to the lightest
+    partition that still has room.
+
+    Within a partition the groups stay contiguous (each in its rows' original order), lighter groups at both ends
+    (verl's order for pipeline bubbles). Raises, naming ``balance_key`` (the setting that asked for balancing) and
+    ``group_size_key``, when the groups cannot be dealt out as whole groups in equal shares: a group count that is
+    not a multiple of ``k``, or groups of unequal sizes that do not add up to equal shares."""
+    if k < 1:
+        raise StableRLError(f"cannot partition a batch over {k} ranks")
+    if len(group_ids) != len(workloads):
+        raise StableRLError(f"{len(group_ids)} group ids but {len(workloads)} workloads")
+    rows: dict[Any, list[int]] = {}
+    for position, gid in enumerate(group_ids):
+        rows.setdefault(gid, []).append(position)
+    groups = list(rows)
+    first = {g: n for n, g in enumerate(groups)}
+    where = f" ({balance_key})" if balance_key else ""
+    if len(groups) % k:
+        raise StableRLError(
+            f"{len(groups)} prompt groups cannot be dealt out whole, in equal shares, over {k} data-parallel ranks"
+            f"{where}: the selected stablerl policy loss takes prompt groups (index) and needs whole groups on every "
+            f"rank; make the number of prompts per batch a multiple of {k}")
+    per_part, rows_per_part = len(groups) // k, len(group_ids) // k
+    load = {g: float(sum(float(workloads[i]) for i in rows[g])) for g in groups}
+    parts: list[list[Any]] = [[] for _ in range(k)]
+    sums, sizes = [0.0] * k, [0] * k
+    for g in sorted(groups, key=lambda g: (-load[g], first[g])):
+        room = [p for p in range(k) if len(parts[p]) < per_part]
+        best = min(room, key=lambda p: (sums[p], p))
+        parts[best].append(g)
+        sums[best] += load[g]
+        sizes[best] += len(rows[g])
+    if len(set(sizes)) > 1 or sizes[0] != rows_per_part:
+        raise StableRLError(
+            f"prompt groups of sizes {sorted({len(r) for r in rows.values()})} cannot be dealt out whole in equal "
+            f"shares of {rows_per_part} rows over {k} data-parallel ranks{where}: every group needs "
+            f"{group_size_key} responses")
+    out = []
+    for part in parts:
+        part.sort(key=lambda g: (load[g], first[g]))
+        ordered = part[::2] + part[1::2][::-1]
+        out.append([i for g in ordered for i in rows[g]])
+    return out
+
+
 # (loss name, inputs) of the innermost active loss_inputs block
 _PENDING: contextvars.ContextVar[Optional[tuple]] = contextvars.ContextVar("stablerl_loss_inputs", default=None)
 
@@ -219,4 +270,5 @@ def check_supplied_inputs(spec: AlgorithmSpec, declared: Iterable[str], supplied
 
 
 __all__ = ["FilteredBatch", "GroupBatchSampler", "advantages_from_scores", "apply_filter_result",
+           "balanced_group_partitions",
            "check_supplied_inputs", "check_whole_groups", "declared_inputs", "loss_inputs", "pending_loss_inputs"]

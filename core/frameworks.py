@@ -24,8 +24,8 @@ from __future__ import annotations
 from .call_options import (CALL_OPTION_OF_KIND, CALL_OPTIONS, POLICY_LOSS_KIND, TOP_ENTROPY_INPUT,  # noqa: F401
                            check_call_options, dedicated_call_option, split_call_options, stablerl_key, top_entropy_on)
 from .framework_batch import (FilteredBatch, GroupBatchSampler, advantages_from_scores,  # noqa: F401
-                              apply_filter_result, check_supplied_inputs, check_whole_groups, declared_inputs,
-                              loss_inputs, pending_loss_inputs)
+                              apply_filter_result, balanced_group_partitions, check_supplied_inputs,
+                              check_whole_groups, declared_inputs, loss_inputs, pending_loss_inputs)
 from .framework_spec import FrameworkKey, FrameworkSpec  # noqa: F401
 from .reach import (PARTIAL, REFUSED, SELECTABLE, TOP_ENTROPY_TEXT, config_lines, reach,  # noqa: F401
                     reach_conditions, reach_counts, reach_table, selectable_in, top_entropy_reach)

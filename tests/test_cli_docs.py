@@ -44,13 +44,14 @@ def test_list_table(capsys):
     assert code == 0 and out.splitlines()[0].split() == ["name", "kind", "status", "paper", "verl", "trl", "openrlhf"]
     assert f"{len(stablerl.list_algorithms())} algorithms; reach: verl " in out
     pacs = next(line.split() for line in out.splitlines() if line.startswith("pacs "))
-    assert pacs[-3:] == ["yes", "yes", "partial"]
+    assert pacs[-3:] == ["partial", "yes", "partial"]  # verl and OpenRLHF: whole prompt groups under a setting
     erc = next(line.split() for line in out.splitlines() if line.startswith("erc "))
     assert erc[-3:] == ["partial", "yes", "yes"]
     d3s = next(line.split() for line in out.splitlines() if line.startswith("d3s "))
     assert d3s[-3:] == ["partial", "yes", "yes"]
     # every partial says what to set, every refusal why, per framework
     assert "  partial  pacs: needs index: --train.micro_batch_size" in out
+    assert "  partial  pacs: needs index: the legacy trainer (trainer.use_v1=false), actor_rollout_ref.actor." in out
     assert "  partial  d3s: needs entropy: the legacy trainer (trainer.use_v1=false) without bypass mode" in out
     assert "  refused  aepo: needs rollout_temperature (rollout_temperature: verl's rollout temperature" in out
     code, brief, _ = run_cli(capsys, "list", "--brief")
@@ -83,7 +84,7 @@ def test_readme_table_is_generated_from_the_reach_rows():
     text = (ROOT / "README.md").read_text()
     table = text[text.index(docs.README_BEGIN):text.index(docs.README_END)]
     assert "| [`pacs`](docs/algorithms/policy_loss/pacs.md) | policy_loss | " in table
-    assert "| yes | yes | partial |" in table.split("`pacs`")[1].splitlines()[0]
+    assert "| partial | yes | partial |" in table.split("`pacs`")[1].splitlines()[0]
     page = docs.page(stablerl.get_spec("policy_loss", "a3po"))
     assert "| verl | partial | as `a3po`; needs versions: the legacy trainer (trainer.use_v1=false)" in page
     assert "| trl | selectable | as `erc` |" in docs.page(stablerl.get_spec("policy_loss", "erc"))

@@ -135,3 +135,52 @@ def test_check_whole_groups():
     check_whole_groups(torch.tensor([3, 3, 7, 7]), torch.tensor([2, 2, 2, 2]))
     with pytest.raises(stablerl.StableRLError, match=r"prompt groups \[7\] are split across micro-batches.*\(why\)"):
         check_whole_groups(torch.tensor([3, 3, 7]), torch.tensor([2, 2, 2]), why="why")
+
+
+def _groups_of(part, ids):
+    return [ids[i] for i in part]
+
+
+def test_balanced_group_partitions_deal_whole_groups_in_equal_shares_balancing_workloads():
+    from stablerl.frameworks import balanced_group_partitions
+
+    # 6 groups of 3 rows; group g's rows weigh g+1 each (one heavy group, several light ones)
+    ids = [f"u{g}" for g in (0, 1, 2, 3, 4, 5) for _ in range(3)]
+    work = [float(int(u[1:]) + 1) for u in ids]
+    parts = balanced_group_partitions(ids, work, 2)
+    assert sorted(i for p in parts for i in p) == list(range(18))  # a permutation of the rows
+    assert [len(p) for p in parts] == [9, 9]  # equal shares (verl dispatches equal chunks)
+    for p in parts:
+        seen = _groups_of(p, ids)
+        # whole groups, each contiguous, in its rows' own order
+        for g in set(seen):
+            at = [n for n, s in enumerate(seen) if s == g]
+            assert len(at) == 3 and at == list(range(at[0], at[0] + 3))
+        rows = [i for i in p if ids[i] == seen[0]]
+        assert rows == sorted(rows)
+    loads = [sum(work[i] for i in p) for p in parts]
+    assert loads == [30.0, 33.0] or loads == [33.0, 30.0]  # greedy LPT: {6,3,2}=11 vs {5,4,1}=10 (x3)
+    # one rank: every group, the lighter ones at both ends
+    one, = balanced_group_partitions(ids, work, 1)
+    assert [ids[i] for i in one[::3]] == ["u0", "u2", "u4", "u5", "u3", "u1"]
+
+
+def test_balanced_group_partitions_keeps_interleaved_rows_of_a_group_together():
+    from stablerl.frameworks import balanced_group_partitions
+
+    ids = [0, 1, 0, 1, 2, 3, 2, 3]
+    parts = balanced_group_partitions(ids, [1.0] * 8, 2)
+    for p in parts:
+        assert [ids[i] for i in p][0::2] == [ids[i] for i in p][1::2]  # pairs of one group
+        assert len(p) == 4
+
+
+def test_balanced_group_partitions_refuse_what_cannot_be_dealt_out_whole():
+    from stablerl.frameworks import balanced_group_partitions
+
+    with pytest.raises(stablerl.StableRLError, match=r"3 prompt groups .* over 2 data-parallel ranks \(trainer"):
+        balanced_group_partitions([0, 0, 1, 1, 2, 2], [1.0] * 6, 2, balance_key="trainer.balance_batch=true")
+    with pytest.raises(stablerl.StableRLError, match=r"sizes \[1, 3\] .* every group needs rollout.n responses"):
+        balanced_group_partitions([0, 0, 0, 1], [1.0] * 4, 2, group_size_key="rollout.n")
+    with pytest.raises(stablerl.StableRLError, match="0 ranks"):
+        balanced_group_partitions([0], [1.0], 0)

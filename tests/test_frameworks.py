@@ -76,10 +76,14 @@ def test_partial_reach_says_what_the_user_must_set():
     assert F.reach_conditions(orlhf, pacs) == [f"index: {orlhf.conditions[POLICY_LOSS]['index']}"]
     assert F.resolve("openrlhf", POLICY_LOSS, "pacs") == "pacs" and "openrlhf" in F.selectable_in(pacs)
     assert any("--rollout.n_samples_per_prompt" in line for line in F.config_lines(pacs)["openrlhf"])
-    assert F.reach(F.get_framework("verl"), pacs) == ("selectable", "pacs")
+    # verl: whole prompt groups only in the legacy trainer with a micro-batch that is a multiple of rollout.n
+    verl = F.get_framework("verl")
+    assert F.reach(verl, pacs) == ("partial", "pacs")
+    assert F.reach_conditions(verl, pacs) == [f"index: {verl.conditions[POLICY_LOSS]['index']}"]
+    assert "trainer.use_v1=false" in verl.conditions[POLICY_LOSS]["index"]
     row = next(r for r in F.reach_table([pacs]))
     assert row["reach"]["openrlhf"]["status"] == "partial" and "needs" in row["reach"]["openrlhf"]
-    assert row["reach"]["verl"] == {"status": "selectable", "name": "pacs"}
+    assert row["reach"]["verl"]["status"] == "partial" and "needs" in row["reach"]["verl"]
     erc = next(r for r in F.reach_table([stablerl.get_spec(POLICY_LOSS, "erc")]))
     assert erc["reach"]["verl"]["status"] == "partial" and any("old_entropy" in n for n in erc["reach"]["verl"]["needs"])
     assert erc["reach"]["trl"] == erc["reach"]["openrlhf"] == {"status": "selectable", "name": "erc"}

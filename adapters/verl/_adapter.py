@@ -155,7 +155,8 @@ class VerlAdapter(AdvantageInputs, LossInputs, FrameworkAdapter):
         from verl.trainer.ppo import core_algos
         from verl.workers.config import PolicyLossConfig  # already imported by core_algos
 
-        from stablerl.adapters.verl import _advantage, _engine, _inputs, _routing_replay, _state, _trainer_hook
+        from stablerl.adapters.verl import (_advantage, _engine, _groups, _inputs, _routing_replay, _state,
+                                            _trainer_hook)
         from stablerl.config_fields import config_subclass
 
         state, report = self.state, self.state.report
@@ -173,6 +174,7 @@ class VerlAdapter(AdvantageInputs, LossInputs, FrameworkAdapter):
         _routing_replay.instrument()
         _state.instrument()
         _trainer_hook.instrument()
+        _groups.instrument()
         usable = [s for s in stablerl.list_algorithms(POLICY_LOSS)
                   if s.status != stablerl.UNAVAILABLE and set(s.requires) <= feeds.get(POLICY_LOSS, frozenset())]
         # StablePolicyLossConfig: verl rejects unknown policy_loss keys, even with "+"; this _target_ takes them
@@ -315,7 +317,8 @@ class VerlAdapter(AdvantageInputs, LossInputs, FrameworkAdapter):
         ``registered`` (``{kind, verl_name, stablerl_name, live}``; ``live`` False when something registered over
         it later), ``skipped`` (``{kind, name, reason}``), ``policy_loss_config_fields`` (the StablePolicyLossConfig
         fields and the algorithms that use each), and the status of each call-site patch."""
-        from stablerl.adapters.verl import _advantage, _controller, _engine, _inputs, _routing_replay, _trainer_hook
+        from stablerl.adapters.verl import (_advantage, _controller, _engine, _groups, _inputs, _routing_replay,
+                                            _trainer_hook)
 
         report, live_registry = self.state.report, {}
         try:
@@ -336,7 +339,7 @@ class VerlAdapter(AdvantageInputs, LossInputs, FrameworkAdapter):
             "compute_advantage_patch": report["compute_advantage_patch"],
             "compute_advantage_patched": _advantage.is_patched(), "engine": _engine.status(),
             "routing_replay": _routing_replay.status(), "trainer_hook": _trainer_hook.status(),
-            "entropy_controller": _controller.status(), "advantage_inputs": _advantage.describe(),
+            "entropy_controller": _controller.status(), "whole_groups": _groups.status(), "advantage_inputs": _advantage.describe(),
             "ppo_loss_patched": _inputs.is_patched(), "declared_inputs": _inputs.describe(),
             "registered": registered, "skipped": [dict(s) for s in report["skipped"]],
             "policy_loss_config_fields": dict(report["policy_loss_config_fields"]),

@@ -47,6 +47,12 @@ ONE_VERSION = (
     "batches may be stale) and for a batch whose min/max_global_steps differ"
 )
 
+# a loss that takes prompt groups needs each loss call to hold whole groups (adapters/verl/_groups.py)
+WHOLE_GROUPS = (
+    "the legacy trainer (trainer.use_v1=false), actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu a multiple of "
+    "actor_rollout_ref.rollout.n, data.train_batch_size and actor.ppo_mini_batch_size multiples of the DP size, no "
+    "actor.use_dynamic_bsz, no actor.shuffle (trainer.balance_batch=true stays: the adapter balances whole groups)")
+
 #: the batch field under which the legacy trainer's old-log-prob-pass entropy is kept for compute_advantage
 KEPT_ENTROPY = "stablerl_old_entropys"
 #: the batch's weight version, which the adapter's wrap of the legacy RayPPOTrainer._update_actor puts in its
@@ -284,9 +290,10 @@ class LossInputs:
         value = got[field]
         return (value * got["response_mask"].to(value.dtype)).sum(-1) if value.dim() == 2 else value.reshape(-1)
 
-    @provides("index", to=(POLICY_LOSS,))
+    @provides("index", to=(POLICY_LOSS,), condition=WHOLE_GROUPS)
     def loss_index(self, record):
-        """the "uid" non-tensor field"""
+        """the "uid" non-tensor field (whole groups per loss call: the adapter's group-aware balance_batch, checked
+        at the call)"""
         from verl.utils import tensordict_utils as tu
 
         uid = tu.get(record.host.data, "uid", None)

@@ -179,6 +179,9 @@ def _verl_lines(spec: AlgorithmSpec) -> list[str]:
         if shared:
             lines.append("(verl's own " + ", ".join(VERL.hyperparameter_keys[POLICY_LOSS][f].key for f in shared)
                          + " apply when set to a value other than verl's default)")
+        if "index" in spec.requires:
+            lines.append("trainer.use_v1=false  # prompt groups (index): the legacy trainer, whose balance_batch the "
+                         "adapter makes deal out whole groups")
         return lines
     return [f"algorithm.adv_estimator={name}"] + [
         (f"algorithm.{f}=<value>" if f == "norm_adv_by_std_in_grpo" else f"+algorithm.{f}=<value>") for f in fields

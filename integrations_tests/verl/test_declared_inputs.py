@@ -94,8 +94,9 @@ def _config(adapter, loss_mode, **kw):
     kw.setdefault("clip_ratio_low", 0.2)
     kw.setdefault("clip_ratio_high", 0.28)
     kw.setdefault("clip_ratio_c", 10.0)
+    kw.setdefault("rollout_n", 3)  # the batch's groups of 3 (a loss that takes groups checks each is whole)
     return FSDPActorConfig(
-        strategy="fsdp", rollout_n=1, ppo_micro_batch_size_per_gpu=2, calculate_entropy=True,
+        strategy="fsdp", ppo_micro_batch_size_per_gpu=3, calculate_entropy=True,
         policy_loss=adapter.StablePolicyLossConfig(loss_mode=loss_mode), **kw,
     )
 
@@ -456,7 +457,7 @@ def _top_entropy_config(adapter, quantile, **kw):
     from verl.workers.config import FSDPActorConfig
 
     return FSDPActorConfig(
-        strategy="fsdp", rollout_n=1, ppo_micro_batch_size_per_gpu=2, calculate_entropy=True,
+        strategy="fsdp", rollout_n=3, ppo_micro_batch_size_per_gpu=3, calculate_entropy=True,
         clip_ratio_low=0.2, clip_ratio_high=0.28, clip_ratio_c=10.0,
         policy_loss=adapter.StablePolicyLossConfig(loss_mode="stablerl_vanilla",
                                                    stablerl_params={"top_entropy_quantile": quantile}), **kw,

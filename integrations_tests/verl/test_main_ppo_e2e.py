@@ -1,6 +1,6 @@
 """verl's own trainer, ``python -m verl.trainer.main_ppo``, with stablerl selected by config keys only.
 
-Five processes of the unmodified entry point on CPU (legacy trainer, ``trainer.use_v1=false``: the v1
+Six processes of the unmodified entry point (and one refused at start-up) on CPU (legacy trainer, ``trainer.use_v1=false``: the v1
 trainer needs TransferQueue, which the verl session does not install; not tried yet), with the test-only stand-ins of
 ``integrations_tests/verl/e2e/verl_cpu_standins.py`` (CPU platform, HF-``generate`` rollout server). Each run
 exercises several stablerl features together (one process start costs most of a run's time on CPU):
@@ -12,6 +12,8 @@ exercises several stablerl features together (one process start costs most of a 
 * the same run resumed in a new process to step 3: step counter and EntroPIC's integral continue;
 * ``a3po`` (verl's weight versions) + ``gtpo_entropy_filter`` (the old-log-prob pass's entropy at
   ``compute_advantage``);
+* ``gtpo`` (a loss that takes prompt groups) at verl's default ``trainer.balance_batch=true`` with two micro-batches
+  of two whole groups each; the same settings with a micro-batch that would split groups are refused at start-up;
 * SFPO as a trainer hook (K=1, alpha 0.5): passes, reposition and entropy window, with ``empg`` (an estimator
   on the old-log-prob pass's entropy, selected by ``algorithm.adv_estimator`` alone).
 
@@ -92,9 +94,9 @@ def _kill_ray_session(ray_tmp: str) -> None:
             pass
 
 
-def run_main_ppo(tmp: str, name: str, overrides: list[str]) -> tuple[str, list[dict]]:
+def run_main_ppo(tmp: str, name: str, overrides: list[str], *, refused: bool = False) -> tuple[str, list[dict]]:
     """``python -m verl.trainer.main_ppo`` in a new process; returns its console output and the rows of
-    verl's file logger."""
+    verl's file logger (``refused``: the run must exit non-zero, e.g. refused at start-up)."""
     from copy_task import prepare
 
     data_marker = os.path.join(tmp, "data.json")
@@ -135,6 +137,9 @@ def run_main_ppo(tmp: str, name: str, overrides: list[str]) -> tuple[str, list[d
         shutil.rmtree(ray_tmp, ignore_errors=True)
     with open(os.path.join(tmp, f"{name}.log"), "w") as f:
         f.write(out)
+    if refused:
+        assert proc.returncode != 0, f"main_ppo ({name}) was not refused:\n{out[-6000:]}"
+        return out, []
     assert proc.returncode == 0, f"main_ppo ({name}) exited {proc.returncode} after {time.monotonic() - t0:.0f}s:\n{out[-6000:]}"
     rows = []
     if os.path.exists(metrics_path):
@@ -316,3 +321,27 @@ def test_sfpo_runs_its_passes_in_verls_trainer_with_empg(workdir):
         assert math.isfinite(d["critic/advantages/mean"]) and d["critic/advantages/max"] > d["critic/advantages/min"]
         assert d["critic/returns/mean"] == pytest.approx(d["critic/advantages/mean"], abs=1e-6)
         assert d["critic/returns/max"] == pytest.approx(d["critic/advantages/max"], abs=1e-6)
+
+
+def test_gtpo_gets_whole_prompt_groups_at_verls_default_balance_batch(workdir):
+    """gtpo takes per-group quantities over the responses of each loss call: with verl's trainer.balance_batch=true
+    (its default) the adapter deals out whole groups, and each of the two micro-batches of 8 responses holds 2 whole
+    groups of rollout.n=4 (the loss-call check would stop the run on a split group, and it logs the count). A micro-batch
+    of 6 responses would split groups: refused at start-up, in the driver, before Ray starts."""
+    groups = ["actor_rollout_ref.actor.policy_loss.loss_mode=gtpo", "actor_rollout_ref.actor.calculate_entropy=true",
+              "algorithm.adv_estimator=grpo",
+              "trainer.total_training_steps=1",
+              "trainer.save_freq=-1", "trainer.resume_mode=disable"]
+    out, _ = run_main_ppo(workdir, "gtpo_split", [*groups, "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=6"],
+                          refused=True)
+    assert ("stablerl policy loss 'gtpo' takes prompt groups (index) and needs whole groups in every loss call; in "
+            "verl: actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=6 is not a multiple of "
+            "actor_rollout_ref.rollout.n=4") in out, out[-4000:]
+    assert "ray init kwargs" not in out  # refused before Ray starts
+    out, rows = run_main_ppo(workdir, "gtpo_groups", [*groups, "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8"])
+    assert "trainer.balance_batch=false" not in " ".join(groups)  # verl's default balance_batch=true is on
+    _assert_steps_and_reward(rows, [1])
+    d = rows[0]["data"]
+    assert d["actor/stablerl/prompt_groups"] == 2.0, sorted(k for k in d if "stablerl" in k)
+    assert "global_seqlen/min" in d  # the balance ran (the adapter's group-aware one)
+    assert math.isfinite(d["actor/pg_loss"])

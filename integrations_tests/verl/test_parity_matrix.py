@@ -85,7 +85,7 @@ def _padded_grad(grads, b):
     return out
 
 
-def _actor_config(adapter, name, mode, params):
+def _actor_config(adapter, name, mode, params, rollout_n=1):
     from verl.workers.config import FSDPActorConfig
 
     verl_keys = get_framework(FRAMEWORK).hyperparameter_keys[M.POLICY_LOSS]
@@ -102,7 +102,8 @@ def _actor_config(adapter, name, mode, params):
         own["stablerl_params"] = verl_fields
     loss_mode = M.selection_name(FRAMEWORK, stablerl.get_spec(M.POLICY_LOSS, name))
     return FSDPActorConfig(
-        strategy="fsdp", rollout_n=1, ppo_micro_batch_size_per_gpu=2, calculate_entropy=True,
+        # rollout_n: the batch's group size (a loss that takes groups checks each group is whole)
+        strategy="fsdp", rollout_n=rollout_n, ppo_micro_batch_size_per_gpu=2, calculate_entropy=True,
         loss_agg_mode=mode, entropy_coeff=0.0, use_kl_loss=False, **actor,
         policy_loss=adapter.StablePolicyLossConfig(loss_mode=loss_mode, **own),
     )
@@ -115,7 +116,8 @@ def _through_ppo_loss(adapter, name, b, mode, params):
     adapter.instrument()  # registers the names and wraps verl's call sites (idempotent; the entry point does it)
     _inputs.verl_adapter().state.loss.clear()  # fresh controller state, as the core call has
     data, model_output, leaves = _worker_batch(b, "old_entropy" in stablerl.get_spec(M.POLICY_LOSS, name).requires)
-    loss, _ = ppo_loss(_actor_config(adapter, name, mode, params), model_output, data)
+    group_size = int(torch.unique(torch.as_tensor(b["index"]), return_counts=True)[1].max())
+    loss, _ = ppo_loss(_actor_config(adapter, name, mode, params, rollout_n=group_size), model_output, data)
     grads = torch.autograd.grad(loss, leaves, allow_unused=True)
     grads = [torch.zeros_like(leaf) if g is None else g for g, leaf in zip(grads, leaves)]
     return loss.detach(), _padded_grad(grads, b)
