@@ -32,9 +32,10 @@ def verl(session):
     session.install("verl==0.9.1", "cachetools", "uvicorn", "fastapi")
     session.install("-e", ".[test]")
     session.install("./examples/plugin-template")
-    # includes test_main_ppo_e2e.py: three runs of `python -m verl.trainer.main_ppo` on CPU (Ray, FSDP2 on
-    # gloo, test-only CPU platform + HF rollout stand-ins). Measured on a shared 2-core machine: 17 min for the
-    # three under load average 25-50, 7.0 min under less load; not measured on an idle machine
+    # includes test_main_ppo_e2e.py: six runs of `python -m verl.trainer.main_ppo` on CPU (Ray, FSDP2 on gloo,
+    # test-only CPU platform + HF rollout stand-ins), each exercising several stablerl features, and one refused
+    # at start-up. Measured on a 2-core Intel Xeon: the five runs before the group-keeping one took 5 min with the
+    # machine otherwise quiet; the whole verl session 7.5 min, 15 min while other jobs ran
     session.run(*PYTEST, "integrations_tests/verl", "integrations_tests/template", *session.posargs)
 
 
