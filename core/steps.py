@@ -6,7 +6,7 @@ back. The order (shape rewards -> estimator -> batch filter -> state bookkeeping
 metrics are the step's, so no adapter has an ordering or a policy of its own::
 
     record = BatchRecord(adapter, response_mask=mask, index=uid, token_level_rewards=rewards, host=data)
-    result = AdvantageStep(adapter, selection, state=STATE, ctx=make_ctx,
+    result = AdvantageStep(selection, ctx=make_ctx, state=adapter_state_store,
                            filter_key="algorithm.stablerl_batch_filter", why_no_resampling="...").run(
         record, estimate=frameworks_own_estimator)
     data.batch["advantages"], data.batch["response_mask"] = result.advantages, result.response_mask
