@@ -80,11 +80,14 @@ def test_engine_saves_and_restores_the_losses_state(adapter, actor_config, make_
     torch.testing.assert_close(resumed[1], uninterrupted[3][1], rtol=0, atol=0)
 
 
-def test_checkpoint_without_stablerl_state_loads_as_before(adapter, make_engine, tmp_path):
+def test_checkpoint_without_stablerl_state_loads_as_before(adapter, make_engine, tmp_path, monkeypatch):
     from stablerl.adapters.verl import _inputs
+    from stablerl.state import StateStore
 
     eng = _engine(make_engine)
-    _inputs.verl_adapter().state.loss.clear()
+    # a fresh worker's store: clear() keeps tracked objects (a controller or trainer hook an earlier test in this
+    # process built would still be saved), so the test must not depend on which tests ran before it
+    monkeypatch.setattr(_inputs.verl_adapter().state, "loss", StateStore(holds="loss"))
     eng.save_checkpoint(str(tmp_path / "actor"))  # no stateful loss ran: no file
     assert not [f for f in os.listdir(tmp_path / "actor") if f.startswith("stablerl")]
     _inputs.state_for("entropic")["entropic"] = {"integral": 1.0}
