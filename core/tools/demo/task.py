@@ -152,17 +152,12 @@ RECORDED_WITH = {"torch": "2.13.0", "transformers": "5.24.0", "trl": "1.16.0", "
 def environment() -> dict[str, str]:
     """This run's versions of torch, transformers and TRL, and the CPU kernels torch dispatches to (the numbers of a
     tiny RL run depend on all four: a different reduction order changes a sampled token, and then the run)."""
-    from importlib.metadata import PackageNotFoundError, version
-
     import torch
 
-    def installed(name: str) -> str:
-        try:
-            return version(name)
-        except PackageNotFoundError:
-            return "not installed"
+    from stablerl.frameworks import installed_version
 
-    return {"torch": torch.__version__, "transformers": installed("transformers"), "trl": installed("trl"),
+    return {"torch": torch.__version__,
+            **{name: installed_version(name) or "not installed" for name in ("transformers", "trl")},
             "cpu_kernels": str(torch.backends.cpu.get_cpu_capability())}
 
 
