@@ -51,6 +51,9 @@ OPTIONAL_INPUTS: dict[str, str] = {
     "turn_ids": "per-token turn/segment ids of multi-turn traces (agent loops)",
     "versions": "per-token policy version that generated each token (asynchronous rollout systems)",
     "policy_version": "the current policy version (an integer)",
+    "sampling_mask": "the rollout engine's kept set per response token under top-k/top-p/min-p sampling "
+    "(stablerl.sampling_mask: the engine's CSR SamplingMask, or its SamplingRule to recompute it); the adapter "
+    "expresses rollout_log_prob over the full vocabulary with it before any ratio against the rollout is formed",
     "scores": "per-response scalar outcome rewards (labels)",
     "sum_pi_squared": "per-token sum over the vocabulary of the old policy's squared probabilities, [B, T] (verl: "
     "actor_rollout_ref.actor.calculate_sum_pi_squared=True)",
