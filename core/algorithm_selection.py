@@ -114,6 +114,27 @@ class AlgorithmSelection:
         return effective_hyperparameters(self.framework, get_spec(ADVANTAGE_ESTIMATOR, self.advantage_estimator),
                                          self.advantage_params)
 
+    def effective_loss_params(self, logger: Any = None) -> tuple[dict, dict]:
+        """``(hyper-parameters, call options)`` of the selected loss, from :meth:`loss_settings`; the
+        effective-settings table is printed once per process (:func:`stablerl.frameworks.log_effective_settings`)."""
+        from .api import get_spec
+        from .call_options import split_call_options
+        from .settings import as_params, log_effective_settings
+
+        settings = self.loss_settings()
+        log_effective_settings(self.framework, get_spec(POLICY_LOSS, self.policy_loss), settings, logger)
+        return split_call_options(as_params(settings))
+
+    def effective_estimator_params(self, logger: Any = None) -> dict:
+        """The selected estimator's effective hyper-parameters, from :meth:`advantage_settings` (printed once)."""
+        from .api import get_spec
+        from .settings import as_params, log_effective_settings
+
+        settings = self.advantage_settings()
+        log_effective_settings(self.framework, get_spec(ADVANTAGE_ESTIMATOR, self.advantage_estimator), settings,
+                               logger)
+        return as_params(settings)
+
     def validate(self) -> "AlgorithmSelection":
         """Build the Params the workers will build (the effective ones) now, so a bad key or value fails before the
         framework starts: the loss's (and its call options), the estimator's (and a shaper next to reward
@@ -145,6 +166,22 @@ class AlgorithmSelection:
                                 "built-in (only stablerl estimators read reward components)")
         self.check_extensions(keys.get, lambda kind: f"{keys[kind]}_params", self.components_key, self.weights_key)
         return self
+
+    @classmethod
+    def from_config(cls, config: Any, keys: Mapping[str, tuple], *, prefix: str = "",
+                    **fields: Any) -> "AlgorithmSelection":
+        """The selection a framework's config holds: ``keys``: kind -> (the key naming the algorithm, the key of its
+        parameters), read with :func:`stablerl.selection.read_selection` (``prefix`` spells the keys in errors);
+        unknown names and bad parameters raise naming the valid ones. ``fields``: the rest."""
+        import functools
+
+        from .selection import check_known, read_selection
+
+        for kind, (key, params_key) in keys.items():
+            attr, params_attr = FIELDS[kind]
+            fields[attr], fields[params_attr] = read_selection(
+                config, key, params_key, prefix=prefix, check=functools.partial(check_known, kind, prefix + key))
+        return cls(**fields)
 
     @classmethod
     def from_env(cls, env: Mapping[str, str], variables: Mapping[str, tuple], given: Mapping[str, Any] = (),
