@@ -184,21 +184,28 @@ class AlgorithmSelection:
         return cls(**fields)
 
     @classmethod
-    def from_env(cls, env: Mapping[str, str], variables: Mapping[str, tuple], given: Mapping[str, Any] = (),
-                 **fields: Any) -> "AlgorithmSelection":
-        """The selection an environment holds (a no-wrapper route): ``variables``: kind -> (the variable naming the
-        algorithm, the one holding its parameters as ``k=v`` / JSON); ``given``: kind -> the name the framework's own
-        config holds, used when the variable is unset (its parameters then come only with a name from the
-        environment). Names are resolved by core's one rule; ``fields``: the subclass's own."""
+    def from_values(cls, values: Mapping[str, tuple], **fields: Any) -> "AlgorithmSelection":
+        """kind -> ``(name, raw parameters, where they were given)``: names resolved by core's one rule in
+        :attr:`framework` (unknown ones raise saying why), parameters parsed (``k=v`` items or JSON;
+        :func:`stablerl.params.parse_params`). ``fields``: the rest."""
         from .params import parse_params
         from .resolve import resolve
 
-        given = dict(given)
-        for kind, (var, params_var) in variables.items():
-            name, (attr, params_attr) = env.get(var) or None, FIELDS[kind]
-            fields[attr] = resolve(cls.framework, kind, name or given.get(kind))
-            fields[params_attr] = parse_params(env.get(params_var), params_var) if name or kind not in given else {}
+        for kind, (name, params, where) in values.items():
+            attr, params_attr = FIELDS[kind]
+            fields[attr], fields[params_attr] = resolve(cls.framework, kind, name), parse_params(params, where)
         return cls(**fields)
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str], variables: Mapping[str, tuple], given: Mapping[str, Any] = (),
+                 **fields: Any) -> "AlgorithmSelection":
+        """The selection an environment holds (a no-wrapper route): ``variables``: kind -> (the variable naming the
+        algorithm, the one holding its parameters); ``given``: kind -> the name the framework's own config holds, used
+        when the variable is unset (its parameters then come only with a name from the environment)."""
+        given = dict(given)
+        return cls.from_values({kind: (env.get(var) or given.get(kind),
+                                       env.get(params_var) if env.get(var) or kind not in given else None, params_var)
+                                for kind, (var, params_var) in variables.items()}, **fields)
 
 
 __all__ = ["AlgorithmSelection", "FIELDS"]
