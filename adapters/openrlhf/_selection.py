@@ -5,25 +5,20 @@ precedence rule), and the Ray ``runtime_env`` hook that carries it to every work
 from __future__ import annotations
 
 import os
-import sys
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import stablerl
 from stablerl.algorithm_selection import AlgorithmSelection
-from stablerl.contracts import ADVANTAGE_ESTIMATOR as _ADV, BATCH_FILTER as _FILTER, CONTROLLER as _CONTROLLER
-from stablerl.contracts import POLICY_LOSS as _LOSS, REWARD_SHAPER as _SHAPER
-from stablerl.frameworks import (as_params, check_call_options, check_framework_keys_used, check_shaper_and_components,
-                                 effective_hyperparameters, get_framework, selectable_names, split_call_options)
+from stablerl.contracts import ADVANTAGE_ESTIMATOR as _ADV, POLICY_LOSS as _LOSS
+from stablerl.frameworks import check_framework_keys_used, effective_hyperparameters, get_framework, selectable_names
 from stablerl.frameworks import resolve as _resolve_in
-from stablerl.ray_setup import with_setup_hook
+from stablerl.ray_setup import with_setup_hook, without_zero_copy
 from stablerl.params import MissingInputError, StableRLError, build_params, parse_params  # noqa: F401 (re-export)
 
-from ._flags import (ADD_SETUP_HOOK, COMPONENT_WEIGHTS_FLAG, COMPONENTS_FLAG, CONTROLLER_FLAG, ENV_ADVANTAGE,
-                     ENV_ADVANTAGE_PARAMS, ENV_BATCH_FILTER, ENV_BATCH_FILTER_PARAMS, ENV_CHAINED_SETUP_HOOK,
-                     ENV_CONTROLLER, ENV_CONTROLLER_PARAMS, ENV_POLICY_LOSS, ENV_POLICY_LOSS_PARAMS,
-                     ENV_PREVIOUS_RUNTIME_ENV_HOOK, ENV_REWARD_SHAPER, ENV_REWARD_SHAPER_PARAMS, ENV_ROUTING_REPLAY,
-                     FORWARDED_ENV, IS_CORRECTION_FLAG, LEGACY_SETUP_HOOK, NAME, SETUP_HOOK)
+from ._flags import (ADD_SETUP_HOOK, COMPONENT_WEIGHTS_FLAG, COMPONENTS_FLAG, CONTROLLER_FLAG, ENV_CHAINED_SETUP_HOOK,
+                     ENV_PREVIOUS_RUNTIME_ENV_HOOK, ENV_ROUTING_REPLAY, ENV_SELECTION, FORWARDED_ENV,
+                     IS_CORRECTION_FLAG, LEGACY_SETUP_HOOK, NAME, SETUP_HOOK)
 
 
 def openrlhf_choices(kind: str) -> list[str]:
@@ -75,11 +70,13 @@ def check_one_version_per_batch(spec, async_enable: bool) -> None:
 @dataclass
 class Selection(AlgorithmSelection):
     """What the user selected (core's :class:`~stablerl.algorithm_selection.AlgorithmSelection`: stablerl names,
-    None: OpenRLHF's own, and their hyper-parameters) with OpenRLHF's own knobs.
+    None: OpenRLHF's own, and their hyper-parameters; its ``validate()``) with OpenRLHF's own knobs.
 
     The wrapper CLI attaches one to OpenRLHF's args as ``args.stablerl``; it travels to every model
     actor inside the pickled ``DeepspeedStrategy``."""
 
+    framework, label = NAME, "OpenRLHF"
+    components_key, weights_key = COMPONENTS_FLAG, COMPONENT_WEIGHTS_FLAG
     #: OpenRLHF knobs given on the command line (one precedence rule: left at OpenRLHF's defaults, they leave the
     #: paper's defaults in place): clip flags as clip_ratio_low/high/c; --algo.advantage.no_std_norm / gamma;
     #: --reward.clip_range (its default is not applied to a stablerl estimator)
@@ -104,31 +101,6 @@ class Selection(AlgorithmSelection):
         check_framework_keys_used(NAME, spec, given, user_set=set(given))
         return effective_hyperparameters(NAME, spec, self.advantage_params, given, user_set=set(given))
 
-    def validate(self) -> "Selection":
-        """Build the Params the workers will build (the effective ones) now, so a bad key or value fails in the
-        driver, before Ray starts."""
-        if self.policy_loss is not None:
-            spec = stablerl.get_spec(_LOSS, self.policy_loss)
-            hyper, options = split_call_options(as_params(self.loss_settings()))
-            build_params(spec, hyper)
-            check_call_options(NAME, spec, options, hyper)
-        elif self.policy_loss_params:
-            raise StableRLError("stablerl loss hyper-parameters given, but --actor.policy_loss_type is an OpenRLHF "
-                                "built-in")
-        if self.advantage_estimator is not None:
-            spec = stablerl.get_spec(_ADV, self.advantage_estimator)
-            build_params(spec, as_params(self.advantage_settings()))
-            check_shaper_and_components(self.reward_shaper, spec, bool(self.reward_components), COMPONENTS_FLAG)
-        elif self.advantage_params:
-            raise StableRLError("stablerl advantage hyper-parameters given, but --algo.advantage.estimator is an "
-                                "OpenRLHF built-in")
-        elif self.reward_components:
-            raise StableRLError(f"{COMPONENTS_FLAG} given, but --algo.advantage.estimator is an OpenRLHF built-in "
-                                "(only stablerl estimators read reward components)")
-        keys = get_framework(NAME).selection_keys
-        self.check_extensions(keys.get, lambda kind: f"{keys[kind]}_params", COMPONENTS_FLAG, COMPONENT_WEIGHTS_FLAG)
-        return self
-
 
 loss_settings, advantage_settings = Selection.loss_settings, Selection.advantage_settings  # f(selection)
 
@@ -136,22 +108,10 @@ loss_settings, advantage_settings = Selection.loss_settings, Selection.advantage
 def _from_env(args: Any = None) -> Selection:
     """The no-wrapper route's selection: the ``STABLERL_*`` variables, else the names OpenRLHF's own flags in
     ``args`` hold (parameters only with a name from the environment)."""
-    env = os.environ
     actor, algo = getattr(args, "actor", None), getattr(args, "algo", None)
-    loss, adv = env.get(ENV_POLICY_LOSS), env.get(ENV_ADVANTAGE)
-    return Selection(
-        policy_loss=resolve(_LOSS, loss or getattr(actor, "policy_loss_type", None)),
-        policy_loss_params=parse_params(env.get(ENV_POLICY_LOSS_PARAMS), ENV_POLICY_LOSS_PARAMS) if loss else {},
-        advantage_estimator=resolve(_ADV, adv or getattr(getattr(algo, "advantage", None), "estimator", None)),
-        advantage_params=parse_params(env.get(ENV_ADVANTAGE_PARAMS), ENV_ADVANTAGE_PARAMS) if adv else {},
-        routing_replay=env.get(ENV_ROUTING_REPLAY) or None,
-        reward_shaper=resolve(_SHAPER, env.get(ENV_REWARD_SHAPER) or None),
-        reward_shaper_params=parse_params(env.get(ENV_REWARD_SHAPER_PARAMS), ENV_REWARD_SHAPER_PARAMS),
-        batch_filter=resolve(_FILTER, env.get(ENV_BATCH_FILTER) or None),
-        batch_filter_params=parse_params(env.get(ENV_BATCH_FILTER_PARAMS), ENV_BATCH_FILTER_PARAMS),
-        entropy_controller=resolve(_CONTROLLER, env.get(ENV_CONTROLLER) or None),
-        entropy_controller_params=parse_params(env.get(ENV_CONTROLLER_PARAMS), ENV_CONTROLLER_PARAMS),
-    )
+    given = {_LOSS: getattr(actor, "policy_loss_type", None),
+             _ADV: getattr(getattr(algo, "advantage", None), "estimator", None)}
+    return Selection.from_env(os.environ, ENV_SELECTION, given, routing_replay=os.environ.get(ENV_ROUTING_REPLAY) or None)
 
 
 def selection_from_args(args) -> Selection:
@@ -164,8 +124,6 @@ def selection_from_args(args) -> Selection:
 
 # ----------------------------------------------------------------------------- Ray runtime_env
 
-
-ZERO_COPY_ENV = "RAY_ENABLE_ZERO_COPY_TORCH_TENSORS"
 
 
 def add_setup_hook(runtime_env: Optional[dict] = None, selection: Optional[Selection] = None) -> dict:
@@ -180,14 +138,9 @@ def add_setup_hook(runtime_env: Optional[dict] = None, selection: Optional[Selec
                           forward=FORWARDED_ENV)
     stats = selection.old_pass_stats()
     if selection.routing_replay or stats:
-        # the routes / old-pass statistics ride on a log-prob tensor as an attribute, which Ray's zero-copy tensor
-        # serializer drops (OpenRLHF's train() turns it on unless set): off, said on stderr
-        env_vars = env.setdefault("env_vars", {})
+        # the routes / old-pass statistics ride on a log-prob tensor as an attribute (OpenRLHF's train() turns Ray's
+        # zero-copy serializer on unless set): off, said on stderr
         what = "routes" if selection.routing_replay else " and ".join(sorted(stats))
-        if env_vars.get(ZERO_COPY_ENV, "0") != "0":
-            why = "routing replay" if selection.routing_replay else f"the old-log-prob pass's {what}"
-            print(f"stablerl/openrlhf: {why} sets {ZERO_COPY_ENV}=0 for the Ray workers (was "
-                  f"{env_vars[ZERO_COPY_ENV]!r}): Ray's zero-copy tensor serializer drops the {what} carried on the "
-                  "log-prob tensors", file=sys.stderr, flush=True)
-        env_vars[ZERO_COPY_ENV] = "0"
+        without_zero_copy(env, why="routing replay" if selection.routing_replay else f"the old-log-prob pass's {what}",
+                          what=what, carrier="log-prob tensors", label="stablerl/openrlhf")
     return env

@@ -39,7 +39,7 @@ from ._flags import (ADV_FLAG, ADV_PARAMS_FLAG, COMPONENT_WEIGHTS_FLAG, COMPONEN
                      LOSS_FLAG, LOSS_PARAMS_FLAG, NAME, NO_STD_NORM_FLAG, REWARD_CLIP_FLAG, SHAPER_FLAG,
                      check_openrlhf)
 from ._selection import (Selection, add_setup_hook, check_entropy_coef_unset, check_one_version_per_batch,
-                         check_rollout_log_probs, openrlhf_choices, parse_params, resolve)
+                         check_rollout_log_probs, openrlhf_choices)
 
 
 def _stablerl_flags(kind: str) -> list[tuple[str, dict]]:
@@ -163,18 +163,15 @@ def selection_from_cli(args) -> Selection:
     def flag(namespace, name: str):
         return getattr(namespace, name, None)
 
-    sel = Selection(
-        policy_loss=resolve(stablerl.POLICY_LOSS, actor.policy_loss_type),
-        policy_loss_params=parse_params(flag(actor, "stablerl_params"), LOSS_PARAMS_FLAG),
-        advantage_estimator=resolve(stablerl.ADVANTAGE_ESTIMATOR, advantage.estimator),
-        advantage_params=parse_params(flag(advantage, "stablerl_params"), ADV_PARAMS_FLAG),
-        reward_shaper=resolve(stablerl.REWARD_SHAPER, flag(advantage, "stablerl_reward_shaper")),
-        reward_shaper_params=parse_params(flag(advantage, "stablerl_reward_shaper_params"), SHAPER_FLAG + "_params"),
-        batch_filter=resolve(stablerl.BATCH_FILTER, flag(advantage, "stablerl_batch_filter")),
-        batch_filter_params=parse_params(flag(advantage, "stablerl_batch_filter_params"), FILTER_FLAG + "_params"),
-        entropy_controller=resolve(stablerl.CONTROLLER, flag(actor, "stablerl_entropy_controller")),
-        entropy_controller_params=parse_params(flag(actor, "stablerl_entropy_controller_params"),
-                                               CONTROLLER_FLAG + "_params"),
+    sel = Selection.from_values(
+        {stablerl.POLICY_LOSS: (actor.policy_loss_type, flag(actor, "stablerl_params"), LOSS_PARAMS_FLAG),
+         stablerl.ADVANTAGE_ESTIMATOR: (advantage.estimator, flag(advantage, "stablerl_params"), ADV_PARAMS_FLAG),
+         stablerl.REWARD_SHAPER: (flag(advantage, "stablerl_reward_shaper"),
+                                  flag(advantage, "stablerl_reward_shaper_params"), SHAPER_FLAG + "_params"),
+         stablerl.BATCH_FILTER: (flag(advantage, "stablerl_batch_filter"),
+                                 flag(advantage, "stablerl_batch_filter_params"), FILTER_FLAG + "_params"),
+         stablerl.CONTROLLER: (flag(actor, "stablerl_entropy_controller"),
+                               flag(actor, "stablerl_entropy_controller_params"), CONTROLLER_FLAG + "_params")},
         reward_components=tuple(flag(advantage, "stablerl_reward_components") or ()),
         reward_weights=tuple(float(w) for w in flag(advantage, "stablerl_reward_weights") or ()),
         openrlhf_clip=explicit_clip_flags(args, argv),

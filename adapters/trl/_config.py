@@ -11,6 +11,7 @@ from typing import Any, Optional, Union
 
 import stablerl
 from stablerl import routing_replay as rr
+from stablerl.algorithm_selection import AlgorithmSelection
 from stablerl.contracts import (ADVANTAGE_ESTIMATOR, BATCH_FILTER, CONTROLLER, OPTIONAL_INPUTS, POLICY_LOSS,
                                 REWARD_SHAPER, ROLLOUT_CORRECTION, TRAINER_HOOK)
 from stablerl.frameworks import (as_params, check_call_options, check_framework_keys_used, check_inputs,
@@ -261,7 +262,34 @@ def validate_stablerl_extensions(args) -> dict[str, Optional[str]]:
 
 
 
-__all__ = ["GRPOConfig", "SUPPORTED_TRL", "TRL_LOSS_TYPES", "TRL_GRPOTrainer", "advantage_settings",
+@dataclass
+class TRLSelection(AlgorithmSelection):
+    """A GRPOConfig's stablerl selections as core's one selection object, checked by TRL's rules above (TRL's keys
+    and messages); its effective hyper-parameters are :func:`loss_settings` / :func:`advantage_settings`'s."""
+
+    framework, label = "trl", "TRL"
+    trainer_hook: Optional[str] = None
+    config: Any = None
+
+    def loss_settings(self) -> list:
+        return loss_settings(self.config, self.policy_loss)
+
+    def advantage_settings(self) -> list:
+        return advantage_settings(self.config, self.advantage_estimator)
+
+
+def selection_of(cfg) -> TRLSelection:
+    """The validated selection of GRPOConfig ``cfg`` (a plain TRL config is validated here, with the delta warning)."""
+    loss, estimator = validate_stablerl_args(cfg, warn=not isinstance(cfg, GRPOConfig))
+    names = validate_stablerl_extensions(cfg)
+    return TRLSelection(**names, **{f"{key}_params": params_of(cfg, EXTENSION_PARAMS_KEYS[key])
+                                    for key in ("reward_shaper", "batch_filter", "entropy_controller")},
+                        policy_loss=loss, policy_loss_params=params_of(cfg, "stablerl_loss_params"),
+                        advantage_estimator=estimator, advantage_params=params_of(cfg, "stablerl_advantage_params"),
+                        config=cfg)
+
+
+__all__ = ["GRPOConfig", "TRLSelection", "selection_of", "SUPPORTED_TRL", "TRL_LOSS_TYPES", "TRL_GRPOTrainer", "advantage_settings",
            "check_extra_loss_inputs", "check_rollout_correction", "loss_inputs_trl_can_feed", "loss_settings",
            "resolve_loss_type", "rollout_correction_setting", "routing_replay_mode", "validate_stablerl_args",
            "validate_stablerl_extensions", "without_rollout_correction"]

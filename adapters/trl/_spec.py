@@ -6,9 +6,10 @@ Framework-free. What TRL can feed (``feedable``, ``conditions``) is derived from
 
 from __future__ import annotations
 
+from stablerl.config_recipe import KindLines, Note, Params, recipe_lines
 from stablerl.contracts import (ADVANTAGE_ESTIMATOR, BATCH_FILTER, CONTROLLER, POLICY_LOSS, REWARD_SHAPER,
-                                ROLLOUT_CORRECTION, TRAINER_HOOK, AlgorithmSpec)
-from stablerl.frameworks import FrameworkKey, FrameworkSpec, framework_names
+                                ROLLOUT_CORRECTION, TRAINER_HOOK)
+from stablerl.frameworks import FrameworkKey, FrameworkSpec
 
 from ._adapter import TRLAdapter
 
@@ -137,31 +138,29 @@ TRL = FrameworkSpec(
 )
 
 
-def _trl_lines(spec: AlgorithmSpec) -> list[str]:
-    fields = list(spec.defaults())
-    if spec.kind in (REWARD_SHAPER, BATCH_FILTER, CONTROLLER, TRAINER_HOOK):
-        key = {REWARD_SHAPER: "reward_shaper", BATCH_FILTER: "batch_filter", CONTROLLER: "entropy_controller",
-               TRAINER_HOOK: "trainer_hook"}[spec.kind]
-        lines = ["from stablerl.adapters.trl import GRPOTrainer, GRPOConfig", f'GRPOConfig({key}="{spec.name}", ...)']
-        if fields:
-            example = ", ".join(f'"{f}": <value>' for f in fields)
-            lines.append(f"GRPOConfig(..., stablerl_{key}_params={{{example}}})")
-        if spec.kind == REWARD_SHAPER:
-            lines.append('(needs a stablerl advantage_estimator, e.g. "grpo")')
-        if spec.name == "sfpo":
-            lines.append("(num_iterations = inner_steps + 1, e.g. 4; steps_per_generation = gradient_accumulation_steps)")
-        return lines
-    key = TRL.selection_keys[spec.kind]
-    params_key = "stablerl_loss_params" if spec.kind == POLICY_LOSS else "stablerl_advantage_params"
-    name = framework_names(TRL, spec)[0]
-    lines = ["from stablerl.adapters.trl import GRPOTrainer, GRPOConfig", f'GRPOConfig({key}="{name}", ...)']
-    if fields:
-        example = ", ".join(f'"{f}": <value>' for f in fields)
-        lines.append(f"GRPOConfig(..., {params_key}={{{example}}})")
-        lines.append(f"CLI/YAML: --{key} {name} --{params_key} '{{{example}}}'")
-    return lines
+_IMPORT = "from stablerl.adapters.trl import GRPOTrainer, GRPOConfig"
+_JSON = dict(item='"{field}": <value>', sep=", ")
 
 
-TRL = TRL.with_config_lines(_trl_lines)
+def _trl_kind(params_key: str, *notes: Note) -> KindLines:
+    return KindLines(head=(_IMPORT,), select='GRPOConfig({key}="{name}", ...)', notes=notes, params=(Params((
+        f"GRPOConfig(..., {params_key}={{{{{{items}}}}}})",), **_JSON),))
+
+
+def _trl_name_kind(params_key: str) -> KindLines:  # loss and estimators: also the TrlParser CLI/YAML spelling
+    return KindLines(head=(_IMPORT,), select='GRPOConfig({key}="{name}", ...)', params=(Params((
+        f"GRPOConfig(..., {params_key}={{{{{{items}}}}}})",
+        f"CLI/YAML: --{{key}} {{name}} --{params_key} '{{{{{{items}}}}}}'"), **_JSON),))
+
+
+TRL = TRL.with_config_lines(recipe_lines(TRL, {
+    REWARD_SHAPER: _trl_kind("stablerl_reward_shaper_params", Note('(needs a stablerl advantage_estimator, e.g. "grpo")')),
+    BATCH_FILTER: _trl_kind("stablerl_batch_filter_params"),
+    CONTROLLER: _trl_kind("stablerl_entropy_controller_params"),
+    TRAINER_HOOK: _trl_kind("stablerl_trainer_hook_params", Note(
+        "(num_iterations = inner_steps + 1, e.g. 4; steps_per_generation = gradient_accumulation_steps)", name="sfpo")),
+    POLICY_LOSS: _trl_name_kind("stablerl_loss_params"),
+    "*": _trl_name_kind("stablerl_advantage_params"),  # estimators (the declaration's fallback)
+}))
 
 __all__ = ["TRL", "TRL_BUILTIN_LOSS_TYPES"]

@@ -33,17 +33,16 @@ from typing import Any, Optional
 import torch
 
 import stablerl
-from stablerl.contracts import ADVANTAGE_ESTIMATOR, POLICY_LOSS, ROLLOUT_CORRECTION
-from stablerl.frameworks import as_params, effective_hyperparameters, log_effective_settings, split_call_options
+from stablerl.contracts import POLICY_LOSS, ROLLOUT_CORRECTION
+from stablerl.frameworks import effective_hyperparameters, log_effective_settings
 from stablerl.params import StableRLError
 from stablerl.patching import PatchLedger
-from stablerl.steps import AdvantageSelection
 
 from ._adapter import TRLAdapter, UnsupportedTRLVersionError
-from ._config import (SUPPORTED_TRL, TRL, TRL_LOSS_TYPES, GRPOConfig, TRL_GRPOTrainer, advantage_settings,
-                      check_rollout_correction, loss_inputs_trl_can_feed, loss_settings, params_of, resolve_loss_type,
-                      rollout_correction_setting, routing_replay_mode, validate_stablerl_args,
-                      validate_stablerl_extensions, without_rollout_correction)
+from ._config import (EXTENSION_KINDS, SUPPORTED_TRL, TRL, TRL_LOSS_TYPES, GRPOConfig, TRL_GRPOTrainer,
+                      advantage_settings, check_rollout_correction, loss_inputs_trl_can_feed, loss_settings,
+                      resolve_loss_type, rollout_correction_setting, routing_replay_mode, selection_of,
+                      validate_stablerl_args, validate_stablerl_extensions, without_rollout_correction)
 from ._loop import STATE_FILE, LoopExtras, StateCallback
 from ._loss import PolicyLossStep
 from ._passes import ForwardPasses
@@ -83,19 +82,12 @@ class GRPOTrainer(TRL_GRPOTrainer):
         one is validated here); the effective hyper-parameters are printed once with their sources."""
         cfg = self.args
         self._stablerl_ledger = PatchLedger("__stablerl_trl_trainer_patch__")
-        loss, estimator = validate_stablerl_args(cfg, warn=not isinstance(cfg, GRPOConfig))
-        self._stablerl_loss, self._stablerl_estimator = loss, estimator
+        sel = selection_of(cfg)
+        loss, estimator = self._stablerl_loss, self._stablerl_estimator = sel.policy_loss, sel.advantage_estimator
         spec = stablerl.get_spec(POLICY_LOSS, loss) if loss else None
-        loss_params, call_options, adv_params = {}, {}, {}
-        if loss:
-            settings = loss_settings(cfg, loss)
-            log_effective_settings(TRL, spec, settings)
-            loss_params, options = split_call_options(as_params(settings))
-            call_options = without_rollout_correction(options)  # the correction: its own key
-        if estimator:
-            settings = advantage_settings(cfg, estimator)
-            log_effective_settings(TRL, stablerl.get_spec(ADVANTAGE_ESTIMATOR, estimator), settings)
-            adv_params = as_params(settings)
+        loss_params, call_options = sel.effective_loss_params() if loss else ({}, {})
+        call_options = without_rollout_correction(call_options)  # the correction: its own key
+        selection = sel.advantage_selection(sel.effective_estimator_params() if estimator else {})
         correction, correction_params = check_rollout_correction(cfg, loss), rollout_correction_setting(cfg)[1]
         if correction:
             if not (self.use_vllm or self.rollout_func is not None):
@@ -108,13 +100,8 @@ class GRPOTrainer(TRL_GRPOTrainer):
         self._stablerl_losses = PolicyLossStep(
             self, loss, params=loss_params, call_options=call_options, correction=correction,
             agg_mode=getattr(cfg, "stablerl_loss_agg_mode", "token-mean"), correction_params=correction_params)
-        names = validate_stablerl_extensions(cfg)
-        self._stablerl_loop = LoopExtras(self, names)
+        self._stablerl_loop = LoopExtras(self, {key: getattr(sel, key) for key in EXTENSION_KINDS})
         self._stablerl_store = self._stablerl_loop.store  # every algorithm's state, saved in TRL's checkpoints
-        selection = AdvantageSelection(
-            estimator=estimator, estimator_params=adv_params,
-            reward_shaper=names["reward_shaper"], reward_shaper_params=params_of(cfg, "stablerl_reward_shaper_params"),
-            batch_filter=names["batch_filter"], batch_filter_params=params_of(cfg, "stablerl_batch_filter_params"))
         self._stablerl_passes = ForwardPasses(self, self._stablerl_routing, sum_sq=selection.reads("sum_pi_squared"))
         self._stablerl_rollout = AdvantageCallSite(self, self._stablerl_passes, selection, loss_reads=needs)
         per_process = cfg.per_device_train_batch_size * cfg.steps_per_generation
