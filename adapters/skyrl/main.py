@@ -86,10 +86,10 @@ def run(cfg: Any, exp_class: Optional[type] = None) -> None:
     ray.get(ray.remote(num_cpus=1)(_run_experiment).remote(cfg, exp_class))
 
 
-def main(argv: Optional[list] = None) -> None:
+def main(argv: Optional[list] = None, exp_class: Optional[type] = None) -> None:
     argv = strip_plus(list(sys.argv[1:] if argv is None else argv))
     argv = [a for a in argv if not a.startswith("trainer.override_entrypoint=")]
-    run(config_class().from_cli_overrides(argv))
+    run(config_class().from_cli_overrides(argv), exp_class)
 
 
 if __name__ == "__main__":

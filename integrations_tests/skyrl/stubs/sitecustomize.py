@@ -13,3 +13,8 @@ if sys.version_info < (3, 12):
     import typing_extensions
 
     typing.TypedDict = typing_extensions.TypedDict
+
+import os
+
+if os.environ.get("STABLERL_SKYRL_CPU") == "1":  # the end-to-end test's Ray processes: SkyRL's workers on CPU
+    import skyrl_cpu  # noqa: F401  (integrations_tests/skyrl/e2e, on PYTHONPATH in that test only)
