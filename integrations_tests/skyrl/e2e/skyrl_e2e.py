@@ -21,11 +21,14 @@ CHAT = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
 
 
 def make_assets(root: Path, n_prompts: int = 8, seed: int = 0) -> dict:
-    import sys
+    import importlib.util
 
-    sys.path.insert(0, str(Path(__file__).parents[2] / "openrlhf" / "e2e"))
-    from harness import build_model  # the OpenRLHF end-to-end test's tiny Qwen3
-
+    # the OpenRLHF end-to-end test's tiny Qwen3 (one definition of the test model)
+    spec = importlib.util.spec_from_file_location("_orlhf_harness", Path(__file__).parents[2] / "openrlhf" / "e2e"
+                                                  / "harness.py")
+    orlhf = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(orlhf)
+    build_model = orlhf.build_model
     from stablerl.tools.demo import DIGITS, build_tokenizer
 
     tokenizer = build_tokenizer()
