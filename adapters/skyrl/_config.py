@@ -8,8 +8,9 @@ to extend it. :func:`config_class` returns the ``SkyRLTrainConfig`` whose ``trai
   (``trainer.algorithm.stablerl_params.clip_ratio_high=0.28``);
 - ``stablerl_advantage_params`` (dict): the stablerl advantage estimator's;
 - ``stablerl_reward_shaper`` / ``stablerl_batch_filter`` (names) with ``..._params`` (dicts);
-- ``stablerl_reduction`` (bool, set by the entry point's trainer, not by users): SkyRL's advantage pre-scaling is
-  taken over (``_trainer``), so a stablerl loss gets unscaled advantages and aggregates itself.
+- ``stablerl_reduction`` / ``stablerl_mini_batch_rows`` (set by the entry point, not by users): SkyRL's advantage
+  pre-scaling is taken over (``_trainer``), so a stablerl loss gets unscaled advantages and aggregates itself; the
+  rows of one policy mini-batch (``policy_mini_batch_size * n_samples_per_prompt``).
 """
 
 from __future__ import annotations
@@ -25,7 +26,8 @@ from ._names import (ADV_PARAMS, ALGORITHM, FILTER, FILTER_PARAMS, LOSS_PARAMS, 
 
 #: the stablerl fields of the algorithm config (name -> default factory)
 STABLERL_FIELDS = {LOSS_PARAMS: dict, ADV_PARAMS: dict, SHAPER: lambda: None, SHAPER_PARAMS: dict,
-                   FILTER: lambda: None, FILTER_PARAMS: dict, "stablerl_reduction": lambda: False}
+                   FILTER: lambda: None, FILTER_PARAMS: dict, "stablerl_reduction": lambda: False,
+                   "stablerl_mini_batch_rows": lambda: None}
 _CLASSES: dict = {}
 
 
@@ -48,6 +50,7 @@ def config_class():
             stablerl_batch_filter: Optional[str] = None
             stablerl_batch_filter_params: Dict[str, Any] = field(default_factory=dict)
             stablerl_reduction: bool = False
+            stablerl_mini_batch_rows: Optional[int] = None
 
         StableAlgorithmConfig.__module__ = __name__
         StableAlgorithmConfig.__qualname__ = "StableAlgorithmConfig"

@@ -6,7 +6,8 @@ SkyRL's trainer pre-scales the advantages per mini-batch and expects a masked *s
 aggregates per token. The entry point's trainer takes that step over (``_trainer``): the advantages stay unscaled
 and the loss mask carries ``1 / D`` on valid tokens, ``D`` the mini-batch's valid tokens (``token_mean``) or
 sequences (``sequence_mean``, ``seq_mean_token_sum_norm``), the same across the mini-batch. The loss reads ``D``
-back and aggregates with stablerl's mode of the same numbers, ``Context(token_count=D)`` / ``seq_count=D``: each
+back and aggregates with stablerl's mode of the same numbers, ``Context(token_count=D)`` / ``seq_count=D`` (under a
+token mean ``seq_count`` is the mini-batch's rows, ``stablerl_mini_batch_rows``, set at start-up): each
 micro-batch returns its share of the mini-batch mean, which SkyRL's sum over micro-batches and DP ranks completes.
 SkyRL's own masked means (entropy, KL) are invariant to a constant weight. Called by a trainer that did not take
 the step over (``stablerl_reduction`` false), it refuses instead of returning wrong numbers.
@@ -78,8 +79,9 @@ class StableSkyRLLoss:
         from ._adapter import SkyRLAdapter
 
         adapter = SkyRLAdapter()
-        ctx = stablerl.Context(token_count=d if mode == "token-mean" else None,
-                               seq_count=None if mode == "token-mean" else d, dp_size=1,
+        # the mini-batch's rows (token mean: for losses that average over sequences themselves, e.g. GMPO)
+        rows = d if mode != "token-mean" else getattr(config, "stablerl_mini_batch_rows", None)
+        ctx = stablerl.Context(token_count=d if mode == "token-mean" else None, seq_count=rows, dp_size=1,
                                loss_scale_factor=getattr(config, "max_seq_len", None),
                                state=adapter.loss_state.slot(stablerl.POLICY_LOSS, self.name))
         rollout = rollout_logprobs if ("rollout_log_prob" in spec.requires or "rollout_correction" in options) else None

@@ -1,10 +1,11 @@
 """``StableRayPPOTrainer``: SkyRL's ``RayPPOTrainer`` with the stablerl steps SkyRL's registries cannot hold (imported
 by the entry point in SkyRL's trainer process; imports SkyRL).
 
-- **Advantage pre-scaling taken over** (``_normalize_advantages``), for a stablerl policy loss only: SkyRL's own
-  method runs (its optional z-score, then its per-mini-batch scaling), the scaling is divided out again with SkyRL's
-  own weights (``apply_loss_reduction_to_advantages_minibatch`` of ones), and the loss mask carries ``1 / D`` instead
-  (``_loss``'s docstring): the loss gets the advantages verl, TRL and OpenRLHF give it and aggregates itself.
+- **Advantage pre-scaling taken over** (``_normalize_advantages``), for a stablerl policy loss only: the advantages
+  stay as the estimator made them (with ``advantage_batch_normalize``: SkyRL's method runs, z-score and scaling,
+  and its scaling is divided out again with SkyRL's own weights, exact to float rounding) and the loss mask carries
+  ``1 / D`` instead (``_loss``'s docstring): the loss gets the advantages verl, TRL and OpenRLHF give it and
+  aggregates itself.
 - **Reward shaper / batch filter** around SkyRL's estimator (``compute_advantages_and_returns``): core's
   :class:`~stablerl.steps.AdvantageStep` shape -> estimator (SkyRL's registry: its own or a stablerl one, which
   reads the whole batch through the adapter's providers) -> filter (a dropped row or token gets loss mask 0: SkyRL's
@@ -81,24 +82,32 @@ class StableRayPPOTrainer(RayPPOTrainer):
 
     @torch.no_grad()
     def _normalize_advantages(self, data, mini_batch_boundaries, prompt_boundaries=None):
-        data = super()._normalize_advantages(data, mini_batch_boundaries, prompt_boundaries)
         if self.stablerl_loss is None:
-            return data
+            return super()._normalize_advantages(data, mini_batch_boundaries, prompt_boundaries)
         algorithm = self.cfg.trainer.algorithm
-        scaled, loss_mask = data["advantages"], data["loss_mask"]
-        advantages, weights = torch.zeros_like(scaled), torch.zeros_like(scaled, dtype=torch.float32)
+        loss_mask = data["loss_mask"]
+        if algorithm.advantage_batch_normalize:  # SkyRL's z-score, then its scaling divided out (float rounding)
+            data = super()._normalize_advantages(data, mini_batch_boundaries, prompt_boundaries)
+            data["advantages"] = self._unscaled(data["advantages"], loss_mask, mini_batch_boundaries)
+        weights = torch.zeros_like(data["advantages"], dtype=torch.float32)
+        for start, end in mini_batch_boundaries:
+            mask = loss_mask[start:end] > 0
+            d = mask.sum() if algorithm.loss_reduction == "token_mean" else end - start
+            weights[start:end] = mask.float() / max(float(d), 1.0)
+        data["loss_mask"] = weights
+        return data
+
+    def _unscaled(self, scaled, loss_mask, mini_batch_boundaries):
+        """SkyRL's per-mini-batch scaling divided out again, with SkyRL's own weights."""
+        algorithm, out = self.cfg.trainer.algorithm, torch.zeros_like(scaled)
         for start, end in mini_batch_boundaries:
             mask = loss_mask[start:end]
-            skyrl_weight = apply_loss_reduction_to_advantages_minibatch(
-                advantages=torch.ones_like(scaled[start:end]), loss_mask=mask,
-                loss_reduction=algorithm.loss_reduction, micro_batch_size=self.cfg.trainer.micro_train_batch_size_per_gpu,
-                max_seq_len=algorithm.max_seq_len)
-            valid = (mask > 0) & (skyrl_weight != 0)
-            advantages[start:end] = torch.where(valid, scaled[start:end] / torch.where(valid, skyrl_weight, 1.0), 0.0)
-            d = mask.sum() if algorithm.loss_reduction == "token_mean" else float(end - start)
-            weights[start:end] = (mask > 0).float() / max(float(d), 1.0)
-        data["advantages"], data["loss_mask"] = advantages, weights
-        return data
+            weight = apply_loss_reduction_to_advantages_minibatch(
+                advantages=torch.ones_like(scaled[start:end]), loss_mask=mask, loss_reduction=algorithm.loss_reduction,
+                micro_batch_size=self.cfg.trainer.micro_train_batch_size_per_gpu, max_seq_len=algorithm.max_seq_len)
+            valid = (mask > 0) & (weight != 0)
+            out[start:end] = torch.where(valid, scaled[start:end] / torch.where(valid, weight, 1.0), 0.0)
+        return out
 
     # -- checkpoints -------------------------------------------------------------------------------------------
 

@@ -49,6 +49,12 @@ def check(cfg: Any) -> None:
             build_params(stablerl.get_spec(kind, name), params(algorithm, kind))
     # the entry point's trainer takes SkyRL's advantage pre-scaling over (the loss checks this flag)
     algorithm.stablerl_reduction = selected(algorithm, POLICY_LOSS) is not None
+    if algorithm.stablerl_reduction:
+        if cfg.generator.step_wise_trajectories:
+            raise stablerl.StableRLError(
+                f"{NAME}: a stablerl policy loss with generator.step_wise_trajectories=true is refused: a mini-batch "
+                "then holds a varying number of rows (steps), and a loss that averages over sequences needs that count")
+        algorithm.stablerl_mini_batch_rows = cfg.trainer.policy_mini_batch_size * cfg.generator.n_samples_per_prompt
 
 
 def experiment_class():
