@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 import stablerl
+from stablerl.adapter import get_adapter
 from stablerl.frameworks import log_effective_settings
 from stablerl.frameworks import as_params as settings_params
 from stablerl.steps import AdvantageSelection, AdvantageStep, BatchRecord
@@ -38,9 +39,7 @@ class StableSkyRLEstimator:
 
     def __call__(self, token_level_rewards: torch.Tensor, response_mask: torch.Tensor, index: Any,
                  config: Any = None, **kwargs: Any):
-        from ._adapter import SkyRLAdapter
-
-        adapter = SkyRLAdapter()
+        adapter = get_adapter(NAME)
         spec, effective = settings(config, stablerl.ADVANTAGE_ESTIMATOR)
         log_effective_settings(NAME, spec, effective)
         step = AdvantageStep(AdvantageSelection(estimator=self.name, estimator_params=settings_params(effective)),

@@ -20,6 +20,7 @@ from typing import Any, Optional
 import torch
 
 import stablerl
+from stablerl.adapter import get_adapter
 from stablerl.frameworks import log_effective_settings, split_call_options
 from stablerl.frameworks import as_params as settings_params
 from stablerl.params import StableRLError
@@ -76,9 +77,7 @@ class StableSkyRLLoss:
         mask, d = normaliser(loss_mask)
         if d is None:  # a padding micro-batch: no valid token, no gradient
             return (log_probs * 0.0).sum(), {}
-        from ._adapter import SkyRLAdapter
-
-        adapter = SkyRLAdapter()
+        adapter = get_adapter(NAME)
         # the mini-batch's rows (token mean: for losses that average over sequences themselves, e.g. GMPO)
         rows = d if mode != "token-mean" else getattr(config, "stablerl_mini_batch_rows", None)
         ctx = stablerl.Context(token_count=d if mode == "token-mean" else None, seq_count=rows, dp_size=1,
@@ -102,7 +101,5 @@ def runnable() -> list[str]:
 
 def restore(name: str) -> StableSkyRLLoss:
     """Unpickling in a SkyRL worker: the loss, with the loss state armed in that worker's checkpoints."""
-    from ._adapter import SkyRLAdapter
-
-    SkyRLAdapter().arm_worker()
+    get_adapter(NAME).arm_worker()
     return StableSkyRLLoss(name)

@@ -19,7 +19,7 @@ from stablerl.frameworks import check_call_options, log_effective_settings, reso
 from stablerl.frameworks import as_params as settings_params
 from stablerl.params import build_params
 
-from . import instrument
+from ._adapter import SkyRLAdapter
 from ._config import config_class, loss_agg_mode, params, selected, settings, strip_plus
 from ._names import ADV_KEY, ALGORITHM, FILTER, LOSS_KEY, NAME, SHAPER
 
@@ -74,7 +74,7 @@ def experiment_class():
 
 
 def _run_experiment(cfg: Any, exp_class: Any) -> None:
-    instrument(register=False)  # this process's workers' checkpoints (the registries come from Ray's actor)
+    SkyRLAdapter().instrument(register=False)  # this process's workers' checkpoints (the registries come from Ray's actor)
     (exp_class or experiment_class())(cfg).run()
 
 
@@ -85,7 +85,7 @@ def run(cfg: Any, exp_class: Optional[type] = None) -> None:
     from skyrl.train.utils import validate_cfg
     from skyrl.train.utils.utils import initialize_ray
 
-    instrument()
+    SkyRLAdapter().instrument()
     check(cfg)
     validate_cfg(cfg)
     initialize_ray(cfg)
