@@ -21,21 +21,14 @@ from stablerl.frameworks import as_params as settings_params
 from stablerl.steps import AdvantageSelection, AdvantageStep, BatchRecord
 
 from ._config import settings
-from ._names import NAME
+from ._names import NAME, Registered
 
 
-class StableSkyRLEstimator:
+class StableSkyRLEstimator(Registered):
     """SkyRL's ``(token_level_rewards, response_mask, index, **kwargs) -> (advantages, returns)`` for stablerl
     estimator :attr:`name`; pickled by reference."""
 
-    def __init__(self, name: str) -> None:
-        self.name = name
-
-    def __reduce__(self):
-        return (StableSkyRLEstimator, (self.name,))
-
-    def __repr__(self) -> str:
-        return f"<stablerl advantage estimator {self.name!r} for SkyRL>"
+    label = "advantage estimator"
 
     def __call__(self, token_level_rewards: torch.Tensor, response_mask: torch.Tensor, index: Any,
                  config: Any = None, **kwargs: Any):

@@ -26,7 +26,7 @@ from stablerl.frameworks import as_params as settings_params
 from stablerl.params import StableRLError
 
 from ._config import loss_agg_mode, settings
-from ._names import ALGORITHM, NAME
+from ._names import ALGORITHM, NAME, Registered
 
 NOT_TAKEN_OVER = (
     "SkyRL's trainer pre-scales the advantages for a masked sum (apply_loss_reduction_to_advantages_minibatch), "
@@ -49,18 +49,14 @@ def normaliser(loss_mask: torch.Tensor) -> tuple[torch.Tensor, Optional[int]]:
     return valid.to(torch.float32), max(1, round(d))
 
 
-class StableSkyRLLoss:
+class StableSkyRLLoss(Registered):
     """SkyRL's ``(log_probs, old_log_probs, advantages, config, loss_mask, rollout_logprobs) -> (loss, metrics)`` for
     stablerl policy loss :attr:`name`; pickled by reference (Ray ships it to the workers)."""
 
-    def __init__(self, name: str) -> None:
-        self.name = name
+    label = "policy loss"
 
     def __reduce__(self):
         return (restore, (self.name,))
-
-    def __repr__(self) -> str:
-        return f"<stablerl policy loss {self.name!r} for SkyRL>"
 
     def __call__(self, log_probs: torch.Tensor, old_log_probs: torch.Tensor, advantages: torch.Tensor, config: Any,
                  loss_mask: Optional[torch.Tensor] = None, rollout_logprobs: Optional[torch.Tensor] = None):

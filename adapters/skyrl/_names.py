@@ -47,3 +47,18 @@ def stablerl_name(skyrl_name: str, builtin: tuple) -> str | None:
     if skyrl_name in builtin:
         return None
     return skyrl_name[len(PREFIX):] if skyrl_name.startswith(PREFIX) else skyrl_name
+
+
+class Registered:
+    """A stablerl algorithm as the callable SkyRL's registry holds: its name, pickled by reference (Ray ships it)."""
+
+    label = "algorithm"
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __reduce__(self):
+        return (type(self), (self.name,))
+
+    def __repr__(self) -> str:
+        return f"<stablerl {self.label} {self.name!r} for SkyRL>"

@@ -12,7 +12,6 @@
 from __future__ import annotations
 
 import json
-import random
 from pathlib import Path
 
 from stablerl.adapters.skyrl.main import experiment_class
@@ -21,30 +20,26 @@ CHAT = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
 
 
 def make_assets(root: Path, n_prompts: int = 8, seed: int = 0) -> dict:
+    """The OpenRLHF end-to-end test's assets (its tiny Qwen3 and tokenizer), with a chat template and the prompts
+    in SkyRL's PromptDataset format."""
     import importlib.util
 
-    # the OpenRLHF end-to-end test's tiny Qwen3 (one definition of the test model)
+    from transformers import AutoTokenizer
+
     spec = importlib.util.spec_from_file_location("_orlhf_harness", Path(__file__).parents[2] / "openrlhf" / "e2e"
                                                   / "harness.py")
     orlhf = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(orlhf)
-    build_model = orlhf.build_model
-    from stablerl.tools.demo import DIGITS, build_tokenizer
-
-    tokenizer = build_tokenizer()
+    assets = orlhf.make_assets(root, n_prompts=n_prompts, seed=seed)
+    tokenizer = AutoTokenizer.from_pretrained(assets["model"])
     tokenizer.chat_template = CHAT
-    model = build_model(tokenizer, seed=seed)
-    model_dir = root / "model"
-    model.save_pretrained(model_dir)
-    tokenizer.save_pretrained(model_dir)
-    rng = random.Random(seed)
-    data = root / "prompts.jsonl"
-    with data.open("w") as f:
-        for _ in range(n_prompts):
-            d = rng.choice(DIGITS)
-            f.write(json.dumps({"prompt": [{"role": "user", "content": f"copy {d} :"}], "env_class": "gsm8k",
-                                "label": d}) + "\n")
-    return {"model": str(model_dir), "data": str(data)}
+    tokenizer.save_pretrained(assets["model"])
+    rows = [json.loads(line) for line in Path(assets["data"]).read_text().splitlines()]
+    with Path(assets["data"]).open("w") as f:
+        for row in rows:
+            f.write(json.dumps({"prompt": [{"role": "user", "content": row["input"]}], "env_class": "gsm8k",
+                                "label": row["label"]}) + "\n")
+    return {"model": assets["model"], "data": assets["data"]}
 
 
 class CannedGenerator:
