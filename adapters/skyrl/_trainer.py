@@ -40,6 +40,9 @@ class StableRayPPOTrainer(RayPPOTrainer):
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
+        self._stablerl_setup()
+
+    def _stablerl_setup(self) -> None:
         algorithm = self.cfg.trainer.algorithm
         self.stablerl_loss = selected(algorithm, POLICY_LOSS)
         self.stablerl_adapter = SkyRLAdapter()

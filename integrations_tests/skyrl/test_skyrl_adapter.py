@@ -216,3 +216,60 @@ def test_skyrl_builtin_estimator_equals_stablerl(skyrl_name, name, norm):
     ref, _ = stablerl.compute_advantage(name, token_level_rewards=b["token_level_rewards"],
                                         response_mask=b["response_mask"], index=b["index"], **params)
     torch.testing.assert_close(ours * b["response_mask"], ref * b["response_mask"], rtol=1e-5, atol=1e-6)
+
+
+# -- the entry point trainer's advantage step: shaper -> SkyRL's estimator call -> filter -> state ------------
+
+
+def _trainer_with(*overrides):
+    from stablerl.adapters.skyrl._trainer import StableRayPPOTrainer
+
+    cfg = H.make_config(*overrides)
+    trainer = StableRayPPOTrainer.__new__(StableRayPPOTrainer)
+    trainer.cfg, trainer.all_metrics = cfg, {}
+    StableRayPPOTrainer._stablerl_setup(trainer)
+    return trainer
+
+
+def _training_input(b):
+    from skyrl.backends.skyrl_train.training_batch import TrainingInputBatch
+
+    n = b["response_mask"].shape[0]
+    data = TrainingInputBatch({"rewards": b["token_level_rewards"].clone(), "response_mask": b["response_mask"].long(),
+                               "loss_mask": b["response_mask"].long(), "values": None,
+                               "action_log_probs": b["old_log_prob"].clone()})
+    data.metadata = {"uids": [str(int(i)) for i in b["index"]], "avg_response_length": 3.0, "pad_size": 0}
+    assert len(data) == n
+    return data
+
+
+def test_trainer_advantage_step_filters_rows_and_advances_the_state():
+    b = M.reward_batch()
+    trainer = _trainer_with("trainer.algorithm.advantage_estimator=stablerl_grpo",
+                            "trainer.algorithm.stablerl_batch_filter=dynamic_sampling")
+    state = adapter.SkyRLAdapter().driver_state
+    before = state.step
+    data = trainer.compute_advantages_and_returns(_training_input(b))
+    ref, _ = stablerl.compute_advantage("grpo", token_level_rewards=b["token_level_rewards"],
+                                        response_mask=b["response_mask"], index=b["index"])
+    mask = b["response_mask"]
+    # the third group has equal rewards: dynamic sampling drops it (loss mask 0), the others keep grpo's advantages
+    kept = torch.tensor([1.0] * 8 + [0.0] * 4).unsqueeze(1) * mask
+    torch.testing.assert_close(data["loss_mask"].float(), kept)
+    torch.testing.assert_close(data["advantages"] * kept, ref * kept, rtol=1e-6, atol=1e-7)
+    assert state.step == before + 1 and adapter.SkyRLAdapter().pending is None
+    assert any(k.startswith("stablerl/") for k in trainer.all_metrics)
+
+
+def test_trainer_reward_shaper_changes_skyrls_own_estimator_input():
+    b = M.reward_batch()
+    trainer = _trainer_with("trainer.algorithm.advantage_estimator=grpo",  # SkyRL's own estimator
+                            "trainer.algorithm.stablerl_reward_shaper=redit",
+                            "trainer.algorithm.stablerl_reward_shaper_params.scale=0.5")
+    data = trainer.compute_advantages_and_returns(_training_input(b))
+    plain = _trainer_with("trainer.algorithm.advantage_estimator=grpo").compute_advantages_and_returns(
+        _training_input(b))
+    mask = b["response_mask"]
+    # ReDit's noise makes the equal-reward group's advantages non-zero; without it they are 0
+    assert float((plain["advantages"][8:] * mask[8:]).abs().max()) == 0.0
+    assert float((data["advantages"][8:] * mask[8:]).abs().max()) > 0.1
