@@ -41,9 +41,14 @@ def launch(args: list[str], timeout: int = 420) -> tuple[int, str, list[dict]]:
     env.update(PYTHONPATH=os.pathsep.join(dict.fromkeys(paths)), STABLERL_SKYRL_CPU="1",
                RAY_USAGE_STATS_ENABLED="0", TOKENIZERS_PARALLELISM="false", TORCHDYNAMO_DISABLE="1",
                HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", HF_DATASETS_OFFLINE="1", OMP_NUM_THREADS="1",
-               SKYRL_DUMP_INFRA_LOG_TO_STDOUT="1", PYTHONUNBUFFERED="1")
-    proc = subprocess.run([sys.executable, str(HERE / "launch.py"), *args], env=env, capture_output=True, text=True,
-                          timeout=timeout)
-    out = proc.stdout + proc.stderr
+               SKYRL_DUMP_INFRA_LOG_TO_STDOUT="1", PYTHONUNBUFFERED="1",
+               # a loaded 2-core machine: Ray's default 10 s for the raylet to register is too short
+               RAY_raylet_start_wait_time_s="120")
+    for _attempt in range(2):  # a Ray head that did not come up (before any training) is started once more
+        proc = subprocess.run([sys.executable, str(HERE / "launch.py"), *args], env=env, capture_output=True,
+                              text=True, timeout=timeout)
+        out = proc.stdout + proc.stderr
+        if proc.returncode == 0 or "timed out during startup" not in out:
+            break
     metrics = [ast.literal_eval(m) for m in METRICS.findall(out)]
     return proc.returncode, out, metrics
