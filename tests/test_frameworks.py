@@ -16,8 +16,8 @@ from stablerl import frameworks as F
 from stablerl.contracts import ADVANTAGE_ESTIMATOR, POLICY_LOSS
 
 
-def test_the_three_builtin_frameworks_are_declared_through_the_hook():
-    assert [fw.name for fw in F.list_frameworks()] == ["verl", "trl", "openrlhf"]
+def test_the_builtin_frameworks_are_declared_through_the_hook():
+    assert [fw.name for fw in F.list_frameworks()] == ["verl", "trl", "openrlhf", "skyrl"]
     assert F.get_framework("verl").adapter == "stablerl.adapters.verl"
     with pytest.raises(stablerl.UnknownNameError, match="unknown framework 'verll' .*did you mean 'verl'"):
         F.get_framework("verll")
@@ -62,8 +62,9 @@ def test_refusals_say_why_in_the_frameworks_words():
     assert F.reach_conditions(F.get_framework("verl"), stablerl.get_spec("batch_filter", "d3s"))[0].startswith(
         "entropy: the legacy trainer (trainer.use_v1=false) without bypass mode")
     # the old-log-prob pass's entropy: every framework feeds it to erc (verl: under a setting)
+    # (SkyRL's loss call gets no entropy; m2po needs none)
     assert F.selectable_in(stablerl.get_spec(POLICY_LOSS, "erc")) == ["verl", "trl", "openrlhf"]
-    assert F.selectable_in(stablerl.get_spec(POLICY_LOSS, "m2po")) == ["verl", "trl", "openrlhf"]
+    assert F.selectable_in(stablerl.get_spec(POLICY_LOSS, "m2po")) == ["verl", "trl", "openrlhf", "skyrl"]
     assert F.selectable_in(stablerl.get_spec("batch_filter", "gtpo_entropy_filter")) == ["verl", "trl", "openrlhf"]
 
 
@@ -212,7 +213,7 @@ def test_a_fourth_framework_through_the_hook(tmp_path, monkeypatch):
     monkeypatch.delenv("STABLERL_PLUGINS", raising=False)
     try:
         stablerl.reload_registry()
-        assert [fw.name for fw in F.list_frameworks()] == ["verl", "trl", "openrlhf", "jaxrl"]
+        assert [fw.name for fw in F.list_frameworks()] == ["verl", "trl", "openrlhf", "skyrl", "jaxrl"]
         assert F.resolve("jaxrl", POLICY_LOSS, "ppo") is None and F.resolve("jaxrl", POLICY_LOSS, "m2po") == "m2po"
         with pytest.raises(stablerl.MissingInputError, match="index: jaxrl shuffles rows"):
             F.resolve("jaxrl", POLICY_LOSS, "pacs")
@@ -274,9 +275,13 @@ def test_aggregations_and_rollout_corrections_by_the_loss_params_key():
 def test_router_families_are_reached_through_routing_replay():
     """No key names a router family: each framework's routing-replay switch uses the detected one."""
     qwen3 = stablerl.get_spec("router_family", "qwen3_moe")
-    for fw in F.list_frameworks():
+    replaying = [fw for fw in F.list_frameworks() if "routing_replay" in fw.switches]
+    assert [fw.name for fw in replaying] == ["verl", "trl", "openrlhf"]
+    for fw in replaying:
         status, how = F.reach(fw, qwen3)
         assert status == "selectable" and how == fw.switches["routing_replay"] and "R2" in how
+    # the SkyRL adapter has no routing replay (yet): refused, not offered under a switch that does nothing
+    assert F.reach(F.get_framework("skyrl"), qwen3)[0] == "refused"
     assert F.config_lines(qwen3)["openrlhf"][0].startswith("--actor.stablerl_routing_replay R2")
 
 
