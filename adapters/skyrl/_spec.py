@@ -6,7 +6,8 @@ from __future__ import annotations
 
 from stablerl.contracts import (ADVANTAGE_ESTIMATOR, BATCH_FILTER, CONTROLLER, POLICY_LOSS, REWARD_SHAPER,
                                 TRAINER_HOOK, AlgorithmSpec)
-from stablerl.frameworks import FrameworkKey, FrameworkSpec, framework_names
+from stablerl.config_recipe import KindLines, Note, Params, recipe_lines
+from stablerl.frameworks import FrameworkKey, FrameworkSpec
 
 from ._adapter import SkyRLAdapter
 from ._names import (ADV_KEY, ADV_PARAMS, ALGORITHM, FILTER, FILTER_PARAMS, LOSS_KEY, LOSS_PARAMS, NAME, SHAPER,
@@ -88,21 +89,24 @@ SKYRL = FrameworkSpec(
 )
 
 
-def _skyrl_lines(spec: AlgorithmSpec) -> list[str]:
-    fields = list(spec.defaults())
-    name = framework_names(SKYRL, spec)[0]
-    if spec.kind in (REWARD_SHAPER, BATCH_FILTER):
-        key, params = (SHAPER, SHAPER_PARAMS) if spec.kind == REWARD_SHAPER else (FILTER, FILTER_PARAMS)
-        return [f"{ENTRY} ...", f"{ALGORITHM}{key}={spec.name}"] + [f"{ALGORITHM}{params}.{f}=<value>" for f in fields]
-    if spec.kind == POLICY_LOSS:
-        lines = [f"{ENTRY} ...", f"{LOSS_KEY}={name}"] + [f"{ALGORITHM}{LOSS_PARAMS}.{f}=<value>" for f in fields]
-        shared = [SKYRL.hyperparameter_keys[POLICY_LOSS][f].key for f in fields if f in SKYRL.hyperparameter_keys[POLICY_LOSS]]
-        if shared:
-            lines.append("(SkyRL's own " + ", ".join(shared) + " apply when set to a value other than SkyRL's default)")
-        return lines
-    return [f"{ADV_KEY}={name}"] + [
-        (f"{ALGORITHM}grpo_norm_by_std=<value>" if f == "norm_adv_by_std_in_grpo" else f"{ALGORITHM}{ADV_PARAMS}.{f}=<value>")
-        for f in fields]
+_SKYRL_OWN = frozenset(SKYRL.hyperparameter_keys[POLICY_LOSS])
 
 
-SKYRL = SKYRL.with_config_lines(_skyrl_lines)
+def _skyrl_own_note(spec: AlgorithmSpec, fields: list) -> str:
+    keys = ", ".join(SKYRL.hyperparameter_keys[POLICY_LOSS][f].key for f in fields if f in _SKYRL_OWN)
+    return f"(SkyRL's own {keys} apply when set to a value other than SkyRL's default)"
+
+
+def _per_field(params: str) -> Params:
+    return Params(per_field=ALGORITHM + params + ".{field}=<value>")
+
+
+SKYRL = SKYRL.with_config_lines(recipe_lines(SKYRL, {
+    REWARD_SHAPER: KindLines(head=(ENTRY + " ...",), params=(_per_field(SHAPER_PARAMS),)),
+    BATCH_FILTER: KindLines(head=(ENTRY + " ...",), params=(_per_field(FILTER_PARAMS),)),
+    POLICY_LOSS: KindLines(head=(ENTRY + " ...",), params=(_per_field(LOSS_PARAMS),),
+                           notes=(Note(_skyrl_own_note, fields_any=_SKYRL_OWN),)),
+    "*": KindLines(select=ADV_KEY + "={name}", params=(Params(  # estimators
+        per_field=lambda f: ALGORITHM + ("grpo_norm_by_std" if f == "norm_adv_by_std_in_grpo" else ADV_PARAMS + "." + f)
+        + "=<value>"),)),
+}))
