@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from typing import Any, Optional
 
@@ -47,6 +48,8 @@ from .registry import get_registry, switch_names
 
 _FLOAT_TYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _LOSS_INPUTS = set(OPTIONAL_INPUTS) | {"is_weights"}
+#: PolicyLossBatch's own fields: a declared loss input outside them reaches the loss in ``batch.extras``
+_POLICY_BATCH_FIELDS = frozenset(f.name for f in dataclasses.fields(PolicyLossBatch))
 
 
 # integer type of the same width as each compute float type (for zeroing padding bit by bit)
@@ -385,6 +388,8 @@ def compute_policy_loss(
             loss_agg_params=loss_agg_params,
             seq_advantages=seq_advantages,
             valid_tokens=valid,
+            # declared inputs without a field of their own (teacher_topk_log_prob, ...), as given
+            extras={k: v for k, v in inputs.items() if k not in _POLICY_BATCH_FIELDS},
         )
         if check_finite:
             # seq_advantages is non-finite exactly where the cleaned [B, T] advantages would be
@@ -548,7 +553,8 @@ def compute_advantage(
 
 
 #: estimator inputs laid out like the rewards, one value per response token
-_PER_TOKEN_INPUTS = ("old_log_prob", "sum_pi_squared", "entropy", "old_entropy", "rollout_log_prob", "turn_ids")
+_PER_TOKEN_INPUTS = ("old_log_prob", "sum_pi_squared", "entropy", "old_entropy", "rollout_log_prob", "turn_ids",
+                     "teacher_log_prob")
 
 
 def _check_input_shapes(name: str, inputs: dict[str, Any], shape: torch.Size) -> None:
