@@ -154,6 +154,8 @@ def topk_inputs(b) -> tuple[torch.Tensor, torch.Tensor]:
                             f"teacher_topk_log_prob k = {teacher.shape[-1]}: the student's log-probs must be read at "
                             "the teacher's top-k ids (a teacher with another vocabulary gives other ids)")
     valid = b.bool_mask.unsqueeze(-1)
+    # rounding of low-precision log-softmax outputs may put the sum over k ids a little above 1
+    slack = max(1e-3, student.shape[-1] * max(torch.finfo(student.dtype).eps, torch.finfo(teacher.dtype).eps))
     dtype = torch.promote_types(torch.promote_types(student.dtype, teacher.dtype), torch.float32)
     # padding: the uniform distribution over the k ids (finite, and no tail), whatever the framework left there
     uniform = torch.full((), -math.log(max(student.shape[-1], 1)), dtype=dtype, device=student.device)
@@ -161,7 +163,7 @@ def topk_inputs(b) -> tuple[torch.Tensor, torch.Tensor]:
     for key, t in (("student_topk_log_prob", student), ("teacher_topk_log_prob", teacher)):
         if not bool(torch.isfinite(t.detach()).all()):
             raise StableRLError(f"generalized_jsd: {key} has non-finite values (NaN or inf) on valid tokens")
-        if bool((torch.logsumexp(t.detach(), -1) > 1e-3).any()):
+        if bool((torch.logsumexp(t.detach(), -1) > slack).any()):
             raise StableRLError(f"generalized_jsd: {key} sums to more than 1 over the top-k ids: it must hold "
                                 "log-probabilities of distinct ids")
     return student, teacher
@@ -220,7 +222,9 @@ def register_policy_losses(register):
         "1: KL(p_S||p_T)",
         status=EXPERIMENTAL,
         requires=("student_topk_log_prob", "teacher_topk_log_prob"),
-        metrics=("distillation/jsd", "distillation/teacher_mass", "distillation/student_mass"),
+        # the last five: the task loss's, when task_loss names a PPO-style loss (vanilla, ...)
+        metrics=("distillation/jsd", "distillation/teacher_mass", "distillation/student_mass", "pg_clipfrac",
+                 "pg_clipfrac_lower", "ppo_kl", "clip_high", "clip_low"),
         reference="TRL 1.16 DistillationTrainer._chunked_divergence_loss and GKDTrainer.generalized_jsd_loss "
         "(full vocabulary, k = V): same value and gradient (integrations_tests/trl/test_trl_distillation.py)",
         notes="The student's top-k log-probs carry the gradient (log_prob is read only by task_loss). tail='bucket' "
