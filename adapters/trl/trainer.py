@@ -49,6 +49,7 @@ from ._loss import PolicyLossStep
 from ._passes import ForwardPasses
 from ._records import GenerationBatch, LossBatch
 from ._rollout import AdvantageCallSite
+from ._teacher import setup as setup_teacher
 from ._routing import RoutingReplay, check_rollout
 
 instrument = TRLAdapter().instrument  # TRL's version and private signatures (done on import); idempotent
@@ -115,6 +116,7 @@ class GRPOTrainer(TRL_GRPOTrainer):
             estimator=estimator, estimator_params=adv_params,
             reward_shaper=names["reward_shaper"], reward_shaper_params=params_of(cfg, "stablerl_reward_shaper_params"),
             batch_filter=names["batch_filter"], batch_filter_params=params_of(cfg, "stablerl_batch_filter_params"))
+        self._stablerl_teacher = setup_teacher(self, selection.reads("teacher_log_prob"))  # on-policy distillation
         self._stablerl_passes = ForwardPasses(self, self._stablerl_routing, sum_sq=selection.reads("sum_pi_squared"))
         self._stablerl_rollout = AdvantageCallSite(self, self._stablerl_passes, selection, loss_reads=needs)
         per_process = cfg.per_device_train_batch_size * cfg.steps_per_generation
