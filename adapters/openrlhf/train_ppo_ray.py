@@ -36,7 +36,7 @@ from stablerl.script_wrapper import ModuleView, NameChoices, argparse_view, flag
 from . import _routing_replay
 from ._flags import (ADV_FLAG, ADV_PARAMS_FLAG, COMPONENT_WEIGHTS_FLAG, COMPONENTS_FLAG, CONTROLLER_FLAG,
                      DUAL_CLIP_FLAG, ENV_ROUTING_REPLAY, EPS_CLIP_FLAG, EPS_CLIP_LOW_HIGH_FLAG, FILTER_FLAG, GAMMA_FLAG,
-                     LOSS_FLAG, LOSS_PARAMS_FLAG, NAME, NO_STD_NORM_FLAG, REWARD_CLIP_FLAG, SHAPER_FLAG,
+                     LOSS_FLAG, LOSS_PARAMS_FLAG, NAME, NO_STD_NORM_FLAG, REWARD_CLIP_FLAG, SHAPER_FLAG, TEACHER_FLAG,
                      check_openrlhf)
 from ._selection import (Selection, add_setup_hook, check_entropy_coef_unset, check_one_version_per_batch,
                          check_rollout_log_probs, openrlhf_choices, parse_params, resolve)
@@ -73,6 +73,9 @@ def _stablerl_flags(kind: str) -> list[tuple[str, dict]]:
             "stablerl batch filter, applied after the estimator; dropped rows get action_mask 0 (no loss, not "
             f"counted): {', '.join(openrlhf_choices(stablerl.BATCH_FILTER))}"))),
         (FILTER_FLAG + "_params", params("batch filter")),
+        (TEACHER_FLAG, dict(type=str, default=None, metavar="PATH", help=(
+            "on-policy distillation: the reference model loads this teacher checkpoint (the actor's tokenizer, "
+            "checked) instead of the actor's; its log-probs feed --algo.advantage.estimator on_policy_distillation"))),
     ]
 
 
