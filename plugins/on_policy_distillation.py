@@ -200,8 +200,9 @@ def register_advantage_estimators(register):
         formula="A_t = A_task_t + kl_coef (log pi_teacher(y_t) - log pi_old(y_t))",
         status=EXPERIMENTAL,
         requires=("old_log_prob", "teacher_log_prob"),
-        reference="checked against the formula only (Thinking Machines' blog post gives no reference code; verl's "
-        "use_policy_gradient=true computes the same advantage from its k1 estimator)",
+        reference="checked against the formula only (Thinking Machines' blog post gives no reference code; verl "
+        "0.9.1's distillation with use_policy_gradient=true and loss_mode=k1 uses -(log pi_S - log pi_T) as advantage "
+        "too, with the update forward's log-probs instead of the old-log-prob pass's)",
         notes="Thinking Machines, 'On-Policy Distillation' (2025): per-token advantage -(log pi_S - log pi_T), "
         "discount 0, with the student's sampling log-probs (old_log_prob); the arXiv id is GKD's (on-policy "
         "distillation of language models). The teacher's log-probs come from the framework's frozen second model "

@@ -56,9 +56,9 @@ WHOLE_GROUPS = (
 # on-policy distillation: verl's own teacher loop scores the rollout (its ref worker is the actor's checkpoint)
 TEACHER_AT_ADVANTAGE = (
     "verl's teacher loop: distillation.enabled=true, distillation.teacher_models.teacher_model.model_path=<teacher "
-    "with the actor's tokenizer>, distillation.distillation_loss.loss_mode=k1 (the teacher scores the sampled tokens) "
-    "and distillation.distillation_loss.distillation_loss_coef=0 with use_task_rewards=true (verl's own distillation "
-    "loss term off; keep it to add it), under the legacy trainer (trainer.use_v1=false: v1's _compute_advantage "
+    "with the actor's tokenizer>, distillation.distillation_loss.loss_mode=k3 (or another sampled-token mode: the teacher "
+    "scores the sampled tokens) and distillation.distillation_loss.distillation_loss_coef=0 with use_task_rewards=true "
+    "(verl's own distillation loss term off; keep it to add it), under the legacy trainer (trainer.use_v1=false: v1's _compute_advantage "
     "fetches only " + _V1_FIELDS + ")"
 )
 

@@ -1,7 +1,7 @@
 """The teacher's log-probs in verl: verl 0.9.1's own teacher loop (``distillation.enabled=true``,
 ``distillation.teacher_models.*.model_path``), whose inference servers score every rollout sequence and write
 ``teacher_logprobs`` / ``teacher_ids`` (``[B, prompt + response, K]``, vLLM's prompt-logprobs layout: position ``i``
-holds the log-prob of token ``i``; ``K = 1`` for verl's sampled-token loss modes k1/k2/k3, ``K = topk`` for
+holds the log-prob of token ``i``; ``K = 1`` for verl's sampled-token loss modes (k1, k2, k3, low_var_kl), ``K = topk`` for
 ``forward_kl_topk``) into the batch. The adapter reads the response part back as ``teacher_log_prob`` ``[B, R]``.
 
 verl's reference policy worker cannot be the teacher: verl 0.9.1 builds it from the actor's own model config
@@ -42,7 +42,8 @@ def teacher_log_prob(data: Any) -> Optional[torch.Tensor]:
     if not bool(hit.any(-1)[valid].all()):
         raise StableRLError("on-policy distillation needs the teacher's log-prob of every sampled token, but verl's "
                             "teacher returned its top-k (distillation.distillation_loss.loss_mode=forward_kl_topk), "
-                            "which misses some sampled tokens: use loss_mode=k1 (the teacher scores the sampled tokens)")
+                            "which misses some sampled tokens: use a sampled-token loss_mode (k3, k2, low_var_kl; k1 only with "
+                            "use_policy_gradient=true), whose teacher scores the sampled tokens")
     picked = torch.where(hit, logprobs.float(), torch.zeros((), dtype=torch.float32)).sum(-1)
     return picked * mask.to(torch.float32)
 
