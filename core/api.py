@@ -439,7 +439,10 @@ def compute_policy_loss(
         bit_masks.clear()  # the pattern is rebuilt on a recompute, not held until backward
         return loss, metrics
 
-    if fused_form is None and _recomputes(recompute_half, log_prob, spec, ctx, correction, loss_agg_mode, loss_agg_params):
+    # an input other than log_prob that carries gradient (generalized_jsd's student_topk_log_prob): kept, not recomputed
+    grad_inputs = any(isinstance(v, torch.Tensor) and v.requires_grad for v in inputs.values())
+    if fused_form is None and not grad_inputs and _recomputes(recompute_half, log_prob, spec, ctx, correction,
+                                                              loss_agg_mode, loss_agg_params):
         from torch.utils.checkpoint import checkpoint
 
         loss, metrics = checkpoint(loss_of, log_prob, use_reentrant=False)

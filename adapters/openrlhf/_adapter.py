@@ -27,7 +27,7 @@ from stablerl.params import MissingInputError
 from stablerl.providers import provides
 from stablerl.state import StateStore
 
-from ._flags import (ENV_CHAINED_SETUP_HOOK, IS_CORRECTION_FLAG, LEGACY_SETUP_HOOK, NAME, SETUP_HOOK, TEACHER_FLAG,
+from ._flags import (ARGS_KEY, ENV_CHAINED_SETUP_HOOK, IS_CORRECTION_FLAG, LEGACY_SETUP_HOOK, NAME, SETUP_HOOK, TEACHER_FLAG,
                      UnsupportedOpenRLHFVersionError)
 
 #: on-policy distillation: what the user sets for OpenRLHF's reference model to be the teacher
@@ -36,8 +36,6 @@ TEACHER_CONDITION = (f"{TEACHER_FLAG} PATH (the reference model loads the teache
                      "only then), with --algo.kl.use_loss or --algo.kl.estimator k1; the KL reward to the reference is "
                      "then left out (the estimator has it per token), a --algo.kl.use_loss KL loss stays (weight "
                      "init_coef: a second pull toward the teacher)")
-#: the record's key for OpenRLHF's args (not an input: what the teacher provider reads its kl estimator from)
-ARGS_KEY = "_openrlhf_args"
 
 _EXTENSIONS = (_SHAPER, _FILTER)  # run at the advantage step, on the whole rollout batch
 _ONE_VERSION = (

@@ -29,8 +29,7 @@ from stablerl.frameworks import as_params, log_effective_settings
 from stablerl.ops import group_ids, group_stats, scores_on_last_token
 from stablerl.steps import AdvantageSelection, AdvantageStep, BatchRecord
 
-from ._adapter import ARGS_KEY
-from ._flags import FILTER_FLAG, NAME
+from ._flags import ARGS_KEY, FILTER_FLAG, NAME
 from ._groups import group_index, tag_groups
 from ._inputs import drop_old_pass_stats, from_info, padded
 from ._selection import selection_from_args
