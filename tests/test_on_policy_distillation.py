@@ -342,3 +342,14 @@ def test_a_tiny_student_converges_toward_a_fixed_random_teacher(form):
     print(f"{form}: KL(student || teacher) {before:.4f} -> {after:.4f} in 150 steps")
     assert before > 1.0
     assert after < 0.1 * before
+
+
+def test_the_teacher_vocabulary_check():
+    from stablerl.teacher import check_same_vocabulary
+
+    check_same_vocabulary("k=t", 10, 10, {"a": 0, "b": 1}, {"b": 1, "a": 0})
+    check_same_vocabulary("k=t", None, 12)  # an unknown size is not compared
+    with pytest.raises(StableRLError, match="k=t: the teacher's vocabulary has 12 tokens and the student's 10"):
+        check_same_vocabulary("k=t", 10, 12)
+    with pytest.raises(StableRLError, match=r"other ids.*\('a', 1\)"):
+        check_same_vocabulary("k=t", 2, 2, {"a": 0, "b": 1}, {"a": 1, "b": 0})

@@ -32,24 +32,20 @@ def teacher_path(args: Any) -> Optional[str]:
 
 
 def check_same_vocabulary(student_path: str, teacher: str) -> None:
-    """Refuse a teacher whose vocabulary is not the student's: ``vocab_size`` of both configs, and the tokenizers'
-    token -> id maps where both folders have one."""
+    """Refuse a teacher whose vocabulary is not the actor's (core's check): ``vocab_size`` of both configs, and the
+    tokenizers' token -> id maps where both folders have one."""
     from transformers import AutoConfig, AutoTokenizer
 
-    sizes = [getattr(AutoConfig.from_pretrained(p, trust_remote_code=True), "vocab_size", None)
-             for p in (student_path, teacher)]
-    if None not in sizes and sizes[0] != sizes[1]:
-        raise StableRLError(f"{TEACHER_FLAG} {teacher}: the teacher's vocabulary has {sizes[1]} tokens and the actor's "
-                            f"({student_path}) {sizes[0]}: on-policy distillation needs a teacher with the actor's "
-                            "tokenizer")
+    from stablerl.teacher import check_same_vocabulary as check
+
+    setting = f"{TEACHER_FLAG} {teacher}"
+    check(setting, *(getattr(AutoConfig.from_pretrained(p, trust_remote_code=True), "vocab_size", None)
+                     for p in (student_path, teacher)))
     try:
         vocabs = [AutoTokenizer.from_pretrained(p, trust_remote_code=True).get_vocab() for p in (student_path, teacher)]
     except (OSError, ValueError):  # a folder without a tokenizer: the vocabulary sizes were checked
         return
-    if vocabs[0] != vocabs[1]:
-        differ = sorted(set(vocabs[0].items()) ^ set(vocabs[1].items()))[:3]
-        raise StableRLError(f"{TEACHER_FLAG} {teacher}: the teacher's tokenizer maps tokens to other ids than the "
-                            f"actor's (e.g. {differ}): on-policy distillation needs the actor's tokenizer")
+    check(setting, None, None, *vocabs)
 
 
 def patch_launcher_module(module, ledger, adapter) -> None:

@@ -26,13 +26,12 @@ def _vocab(tokenizer: Any) -> Optional[dict]:
 
 
 def check_same_vocabulary(student: Any, teacher: Any, student_tokenizer: Any = None, teacher_path: str = "") -> None:
-    """Refuse a teacher whose vocabulary differs from the student's: the LM heads' sizes, and the tokenizers' token ->
-    id maps where the teacher's folder has a tokenizer (the student's is TRL's processing_class)."""
-    s_size = student.get_output_embeddings().weight.shape[0]
-    t_size = teacher.get_output_embeddings().weight.shape[0]
-    if s_size != t_size:
-        raise StableRLError(f"{KEY}={teacher_path!r}: the teacher's vocabulary has {t_size} tokens (LM head) and the "
-                            f"student's {s_size}: on-policy distillation needs a teacher with the student's tokenizer")
+    """Refuse a teacher whose vocabulary differs from the student's (core's check): the LM heads' sizes, and the
+    tokenizers' token -> id maps where the teacher's folder has a tokenizer (the student's is TRL's processing_class)."""
+    from stablerl.teacher import check_same_vocabulary as check
+
+    setting = f"{KEY}={teacher_path!r}"
+    check(setting, student.get_output_embeddings().weight.shape[0], teacher.get_output_embeddings().weight.shape[0])
     if student_tokenizer is None or not teacher_path:
         return
     try:
@@ -41,11 +40,8 @@ def check_same_vocabulary(student: Any, teacher: Any, student_tokenizer: Any = N
         teacher_tokenizer = AutoTokenizer.from_pretrained(teacher_path)
     except (OSError, ValueError):  # the teacher's folder has no tokenizer: the LM-head sizes were checked
         return
-    s_vocab, t_vocab = _vocab(getattr(student_tokenizer, "tokenizer", student_tokenizer)), _vocab(teacher_tokenizer)
-    if s_vocab is not None and t_vocab is not None and s_vocab != t_vocab:
-        differ = sorted(set(s_vocab.items()) ^ set(t_vocab.items()))[:3]
-        raise StableRLError(f"{KEY}={teacher_path!r}: the teacher's tokenizer maps tokens to other ids than the "
-                            f"student's (e.g. {differ}): on-policy distillation needs the student's tokenizer")
+    check(setting, None, None, _vocab(getattr(student_tokenizer, "tokenizer", student_tokenizer)),
+          _vocab(teacher_tokenizer))
 
 
 class Teacher:

@@ -112,7 +112,7 @@ def test_the_reference_group_loads_the_teacher_with_the_same_vocabulary(tmp_path
     # a teacher with another vocabulary is refused before any model loads
     strategy.args.algo.advantage.stablerl_teacher_model = _model_dir(tmp_path / "other", 80)
     n = len(calls)
-    with pytest.raises(StableRLError, match="vocabulary has 80 tokens"):
+    with pytest.raises(StableRLError, match="vocabulary has 80 tokens and the student.s 64"):
         group(launcher.ReferenceModelActor).async_init_model_from_pretrained(strategy, student)
     assert len(calls) == n
 
