@@ -305,9 +305,9 @@ def _kl(student: Bigram, teacher: Bigram) -> float:
         return float((s.exp() * (s - t)).sum(-1).mean())
 
 
-def _train(form: str, steps: int = 150, V: int = 12, B: int = 64, T: int = 6):
+def _train(form: str, steps: int, lr: float = 0.1, V: int = 12, B: int = 64, T: int = 6):
     teacher, student = Bigram(V, seed=0, scale=2.0), Bigram(V, seed=1, scale=2.0)
-    opt = torch.optim.Adam(student.parameters(), lr=0.05)
+    opt = torch.optim.Adam(student.parameters(), lr=lr)
     g = torch.Generator().manual_seed(2)
     before = _kl(student, teacher)
     mask = torch.ones(B, T, dtype=torch.float64)
@@ -336,10 +336,11 @@ def _train(form: str, steps: int = 150, V: int = 12, B: int = 64, T: int = 6):
     return before, _kl(student, teacher)
 
 
-@pytest.mark.parametrize("form", ["estimator", "jsd beta=1.0", "jsd beta=0.0", "jsd beta=0.5"])
-def test_a_tiny_student_converges_toward_a_fixed_random_teacher(form):
-    before, after = _train(form)
-    print(f"{form}: KL(student || teacher) {before:.4f} -> {after:.4f} in 150 steps")
+@pytest.mark.parametrize("form, steps", [("estimator", 80), ("jsd beta=1.0", 60), ("jsd beta=0.0", 60),
+                                         ("jsd beta=0.5", 60)])
+def test_a_tiny_student_converges_toward_a_fixed_random_teacher(form, steps):
+    before, after = _train(form, steps)
+    print(f"{form}: KL(student || teacher) {before:.4f} -> {after:.4f} in {steps} steps")
     assert before > 1.0
     assert after < 0.1 * before
 
