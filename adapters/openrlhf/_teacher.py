@@ -12,7 +12,6 @@ token -> id maps). The reference's log-probs reach the experiences as ``base_act
 
 from __future__ import annotations
 
-import logging
 from typing import Any, Optional
 
 import torch
@@ -21,7 +20,6 @@ from stablerl.params import MissingInputError, StableRLError
 
 from ._flags import TEACHER_FLAG
 
-logger = logging.getLogger("stablerl.adapters.openrlhf")
 _KL_CLAMP = 10.0  # openrlhf.models.utils.compute_approx_kl clamps every estimator's value to [-10, 10]
 
 
@@ -57,8 +55,8 @@ def patch_launcher_module(module, ledger, adapter) -> None:
         teacher = teacher_path(getattr(args[0], "args", None)) if args else None
         if teacher and getattr(self, "ray_actor_type", None) is module.ReferenceModelActor and len(args) >= 2:
             check_same_vocabulary(args[1], teacher)
-            logger.warning("stablerl: the reference model loads the teacher %s (%s) instead of %s; OpenRLHF's KL to the "
-                           "reference is now a KL to the teacher", teacher, TEACHER_FLAG, args[1])
+            print(f"stablerl/openrlhf: the reference model loads the teacher {teacher} ({TEACHER_FLAG}) instead of "
+                  f"{args[1]}; OpenRLHF's KL to the reference is now a KL to the teacher", flush=True)
             args = (args[0], teacher, *args[2:])
         return original(self, *args, **kwargs)
 

@@ -213,9 +213,23 @@ def check_group_batching(loss: str, args) -> None:
                             "micro-batch: " + "; ".join(problems))
 
 
+def _patch_driver() -> None:
+    """On-policy distillation: OpenRLHF's ``train()`` builds its model groups in this (driver) process, where no Ray
+    setup hook runs, so the launcher patch that lets the reference group load the teacher is applied here (through
+    the adapter's ledger: once, undone by ``uninstrument()``)."""
+    from openrlhf.trainer.ray import launcher
+
+    from ._adapter import OpenRLHFAdapter
+    from ._teacher import patch_launcher_module
+
+    adapter = OpenRLHFAdapter()
+    patch_launcher_module(launcher, adapter.ledger, adapter)
+
+
 def main(argv: Optional[Sequence[str]] = None) -> None:
     """Run ``openrlhf.cli.train_ppo_ray`` with stablerl names accepted (``argv``: its flags)."""
     check_openrlhf()
+    _patch_driver()
     run_script("openrlhf.cli.train_ppo_ray", _ScriptRun().views(), argv, restore_env=(ENV_ROUTING_REPLAY,))
 
 
