@@ -88,6 +88,15 @@ OPTIONAL_INPUTS: dict[str, str] = {
     "hashes the observation)",
     "step_returns": "per-row discounted return from that agent step on, [B]: G_t = r_t + gamma G_{t+1} within "
     "its trajectory (GiGPO Eq. 5; the agent loop computes it from the step rewards)",
+    # on-policy distillation: a frozen teacher (same tokenizer) scores the student's own samples
+    "teacher_log_prob": "per-token log-prob under the frozen teacher of each sampled token, [B, T] (the framework's "
+    "second model pointed at a teacher checkpoint with the student's tokenizer: verl's teacher loop teacher_logprobs; "
+    "TRL: stablerl_teacher_model; OpenRLHF: --stablerl.teacher_model_name_or_path)",
+    "teacher_topk_log_prob": "the teacher's top-k next-token log-probs at each response position, [B, T, k] (an extra "
+    "teacher forward)",
+    "teacher_topk_ids": "the token ids of teacher_topk_log_prob, [B, T, k] ints",
+    "student_topk_log_prob": "the current policy's log-probs at teacher_topk_ids, [B, T, k], with gradient (from the "
+    "training forward's logits)",
     # what a trainer hook needs from the trainer loop (not tensors: capabilities an adapter provides)
     "params_view": "the policy's trainable parameters and optimizer between optimizer passes over one rollout "
     "batch, and control of how many passes run (a trainer hook's ParamsView and passes_per_batch)",

@@ -27,8 +27,15 @@ from stablerl.params import MissingInputError
 from stablerl.providers import provides
 from stablerl.state import StateStore
 
-from ._flags import (ENV_CHAINED_SETUP_HOOK, IS_CORRECTION_FLAG, LEGACY_SETUP_HOOK, NAME, SETUP_HOOK,
+from ._flags import (ARGS_KEY, ENV_CHAINED_SETUP_HOOK, IS_CORRECTION_FLAG, LEGACY_SETUP_HOOK, NAME, SETUP_HOOK, TEACHER_FLAG,
                      UnsupportedOpenRLHFVersionError)
+
+#: on-policy distillation: what the user sets for OpenRLHF's reference model to be the teacher
+TEACHER_CONDITION = (f"{TEACHER_FLAG} PATH (the reference model loads the teacher, which must have the actor's "
+                     "tokenizer: checked at start-up) and --algo.kl.init_coef > 0 (OpenRLHF builds its reference model "
+                     "only then), with --algo.kl.use_loss or --algo.kl.estimator k1; the KL reward to the reference is "
+                     "then left out (the estimator has it per token), a --algo.kl.use_loss KL loss stays (weight "
+                     "init_coef: a second pull toward the teacher)")
 
 _EXTENSIONS = (_SHAPER, _FILTER)  # run at the advantage step, on the whole rollout batch
 _ONE_VERSION = (
@@ -189,6 +196,16 @@ class OpenRLHFAdapter(FrameworkAdapter):
                                     "action_log_probs (OpenRLHF's old-log-prob pass)")
         width = record.response_mask.shape[1]
         return padded([e.action_log_probs for e in record.host], width, torch.float32) * record.response_mask
+
+    @provides("teacher_log_prob", to=(_ADV,), condition=TEACHER_CONDITION)
+    def teacher_log_prob(self, record):
+        """The reference model's log-probs, the reference loading the teacher (``base_action_log_probs``, else read
+        back from OpenRLHF's k1 ``kl``)."""
+        from ._teacher import teacher_log_probs
+
+        args = record.produced.get(ARGS_KEY)  # OpenRLHF's args, put there by the advantage call site
+        estimator = getattr(getattr(getattr(args, "algo", None), "kl", None), "estimator", "k1")
+        return teacher_log_probs(record.host, record.response_mask.shape[1], record.response_mask, estimator)
 
     # -- providers: the loss step's record (host: one micro-batch's Experience) -----------------------
 

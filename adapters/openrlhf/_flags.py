@@ -25,6 +25,9 @@ CONTROLLER_FLAG = "--actor.stablerl_entropy_controller"
 COMPONENTS_FLAG = "--algo.advantage.stablerl_reward_components"
 COMPONENT_WEIGHTS_FLAG = "--algo.advantage.stablerl_reward_weights"
 ROUTING_REPLAY_FLAG = "--actor.stablerl_routing_replay"
+TEACHER_FLAG = "--algo.advantage.stablerl_teacher_model"  # on-policy distillation: the reference loads the teacher
+#: the advantage record's key for OpenRLHF's args (not an input: the teacher provider reads --algo.kl.estimator there)
+ARGS_KEY = "_openrlhf_args"
 IS_CORRECTION_FLAG = "--algo.advantage.is_correction_level"
 # OpenRLHF's knobs that also set a stablerl hyper-parameter when given on the command line
 EPS_CLIP_FLAG, EPS_CLIP_LOW_HIGH_FLAG = "--actor.eps_clip", "--actor.eps_clip_low_high"

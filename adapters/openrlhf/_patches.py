@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import functools
 
-from . import _controller, _routing_replay, _state
+from . import _controller, _routing_replay, _state, _teacher
 from ._flags import check_openrlhf, check_policy_loss_api
 from ._selection import selection_from_args
 
@@ -101,7 +101,10 @@ PATCHERS = {
     "openrlhf.trainer.ray.ppo_critic": functools.partial(_patch_loss_normalisers, owner="ppo_critic"),
     "openrlhf.trainer.ppo_utils.experience_maker": _patch_maker_module,
     # routing replay R3: the model actors' base, the samples generator, the agent executors, vLLM's engine args
-    "openrlhf.trainer.ray.launcher": _routing_replay.patch_launcher_module,
+    # on-policy distillation: the reference group loads the teacher (_teacher)
+    "openrlhf.trainer.ray.launcher": lambda module, ledger, adapter: (
+        _routing_replay.patch_launcher_module(module, ledger, adapter),
+        _teacher.patch_launcher_module(module, ledger, adapter)),
     "openrlhf.trainer.ppo_utils.samples_generator": _routing_replay.patch_samples_module,
     "openrlhf.utils.agent": _routing_replay.patch_agent_module,
     "vllm.engine.arg_utils": _routing_replay.patch_vllm_arg_utils,
@@ -119,7 +122,7 @@ PATCH_KEYS = (
     "SamplesGenerator._process_response_into_experience", "SingleTurnAgentExecutor.execute",
     "MultiTurnAgentExecutor.execute", "AsyncEngineArgs.__init__", "DeepspeedStrategy.save_ckpt",
     "DeepspeedStrategy.load_ckpt", "BasePPOTrainer.save_logs_and_checkpoints", "BasePPOTrainer.save_best_checkpoint",
-    "BasePPOTrainer.init_checkpoint_states",
+    "BasePPOTrainer.init_checkpoint_states", "RayActorGroup.async_init_model_from_pretrained",
 )
 
 

@@ -34,6 +34,13 @@ OPENRLHF = FrameworkSpec(
     feedable=OpenRLHFAdapter.feedable(),  # derived from its @provides methods (_adapter)
     why_not={
         "*": {
+            "teacher_log_prob": "the adapter feeds the reference model's (the teacher's) log-probs to advantage "
+            "estimators only",
+            "teacher_topk_log_prob": "not built yet: OpenRLHF's reference forward returns the log-probs of the sampled "
+            "tokens only; a top-k teacher distribution needs another forward of the teacher",
+            "teacher_topk_ids": "not built yet (see teacher_topk_log_prob)",
+            "student_topk_log_prob": "OpenRLHF's Actor.forward returns the sampled tokens' log-probs, not the logits: "
+            "the student's log-probs at the teacher's ids are not available to the loss",
             "rollout_log_prob": f"set {IS_CORRECTION_FLAG} token|seq (OpenRLHF requests vLLM "
             "log-probs only then)",
             "turn_ids": "OpenRLHF's experiences carry no per-token turn ids",

@@ -36,7 +36,7 @@ from stablerl.script_wrapper import ModuleView, NameChoices, argparse_view, flag
 from . import _routing_replay
 from ._flags import (ADV_FLAG, ADV_PARAMS_FLAG, COMPONENT_WEIGHTS_FLAG, COMPONENTS_FLAG, CONTROLLER_FLAG,
                      DUAL_CLIP_FLAG, ENV_ROUTING_REPLAY, EPS_CLIP_FLAG, EPS_CLIP_LOW_HIGH_FLAG, FILTER_FLAG, GAMMA_FLAG,
-                     LOSS_FLAG, LOSS_PARAMS_FLAG, NAME, NO_STD_NORM_FLAG, REWARD_CLIP_FLAG, SHAPER_FLAG,
+                     LOSS_FLAG, LOSS_PARAMS_FLAG, NAME, NO_STD_NORM_FLAG, REWARD_CLIP_FLAG, SHAPER_FLAG, TEACHER_FLAG,
                      check_openrlhf)
 from ._selection import (Selection, add_setup_hook, check_entropy_coef_unset, check_one_version_per_batch,
                          check_rollout_log_probs, openrlhf_choices)
@@ -73,6 +73,9 @@ def _stablerl_flags(kind: str) -> list[tuple[str, dict]]:
             "stablerl batch filter, applied after the estimator; dropped rows get action_mask 0 (no loss, not "
             f"counted): {', '.join(openrlhf_choices(stablerl.BATCH_FILTER))}"))),
         (FILTER_FLAG + "_params", params("batch filter")),
+        (TEACHER_FLAG, dict(type=str, default=None, metavar="PATH", help=(
+            "on-policy distillation: the reference model loads this teacher checkpoint (the actor's tokenizer, "
+            "checked) instead of the actor's; its log-probs feed --algo.advantage.estimator on_policy_distillation"))),
     ]
 
 
@@ -207,9 +210,23 @@ def check_group_batching(loss: str, args) -> None:
                             "micro-batch: " + "; ".join(problems))
 
 
+def _patch_driver() -> None:
+    """On-policy distillation: OpenRLHF's ``train()`` builds its model groups in this (driver) process, where no Ray
+    setup hook runs, so the launcher patch that lets the reference group load the teacher is applied here (through
+    the adapter's ledger: once, undone by ``uninstrument()``)."""
+    from openrlhf.trainer.ray import launcher
+
+    from ._adapter import OpenRLHFAdapter
+    from ._teacher import patch_launcher_module
+
+    adapter = OpenRLHFAdapter()
+    patch_launcher_module(launcher, adapter.ledger, adapter)
+
+
 def main(argv: Optional[Sequence[str]] = None) -> None:
     """Run ``openrlhf.cli.train_ppo_ray`` with stablerl names accepted (``argv``: its flags)."""
     check_openrlhf()
+    _patch_driver()
     run_script("openrlhf.cli.train_ppo_ray", _ScriptRun().views(), argv, restore_env=(ENV_ROUTING_REPLAY,))
 
 

@@ -167,6 +167,15 @@ class TRLAdapter(FrameworkAdapter):
         """sum_v pi(v)^2 of each token: the fused LM head's log_sum_sq_probs, in the same forward as old_log_prob."""
         return record.gathered(record.old_pass_stats()["sum_pi_squared"]) * record.response_mask
 
+    @provides("teacher_log_prob", to=(ADVANTAGE_ESTIMATOR,), extra_pass=True,
+              condition="stablerl_teacher_model=<path of a teacher with the student's tokenizer>")
+    def teacher_log_prob(self, record):
+        """The frozen teacher's log-probs of the sampled tokens (one extra no-grad forward of the teacher)."""
+        teacher = getattr(record.site.trainer, "_stablerl_teacher", None)
+        if teacher is None:
+            return None
+        return record.gathered(teacher.log_probs(record.host, record.mode)) * record.response_mask
+
     # -- what the training loop offers controllers and trainer hooks (record: the trainer's LoopExtras) -----
 
     @provides("params_view", to=(TRAINER_HOOK,))

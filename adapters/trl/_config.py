@@ -108,6 +108,9 @@ class GRPOConfig(_trl.GRPOConfig):
         "stablerl mismatch correction of a stablerl loss ('tis', 'icepop', ...) from the rollout engine's log-probs; "
         "needs vllm_importance_sampling_correction=False. Alias: stablerl_loss_params' rollout_correction(_params).")
     stablerl_rollout_correction_params: Optional[Union[dict, str]] = _field(_PARAMS.format("rollout correction") + ".")
+    stablerl_teacher_model: Optional[str] = _field(
+        "On-policy distillation: path of the frozen teacher (the student's tokenizer; checked at start-up) whose "
+        "log-probs of the sampled tokens feed teacher_log_prob (advantage_estimator='on_policy_distillation').")
 
     def __post_init__(self):
         super().__post_init__()

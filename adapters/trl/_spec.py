@@ -66,6 +66,14 @@ TRL = FrameworkSpec(
             "for advantage estimators only",
             "hidden_states": "TRL's forward in _compute_loss returns log-probs and entropies, not the last hidden states",
             "lm_head_weight": "TRL's loss computation does not expose the LM-head weight to the loss",
+            "teacher_log_prob": "the adapter feeds the teacher's log-probs (stablerl_teacher_model) to advantage "
+            "estimators only",
+            "teacher_topk_log_prob": "not built yet: TRL's fused LM head returns log-probs of the sampled tokens only; "
+            "a top-k teacher distribution needs the teacher's logits (TRL's own DistillationTrainer computes the "
+            "full-vocabulary divergence in its own loss)",
+            "teacher_topk_ids": "not built yet (see teacher_topk_log_prob)",
+            "student_topk_log_prob": "not built yet: TRL's fused LM head never materialises the training forward's "
+            "logits, so the student's log-probs at the teacher's ids are not available to the loss",
             "sampling_rounds": "TRL's GRPOTrainer generates exactly num_generations completions per prompt in one "
             "call per generation batch (RepeatSampler fixes the batch layout), so it cannot draw more for a prompt",
         },

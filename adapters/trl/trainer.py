@@ -48,6 +48,7 @@ from ._loss import PolicyLossStep
 from ._passes import ForwardPasses
 from ._records import GenerationBatch, LossBatch
 from ._rollout import AdvantageCallSite
+from ._teacher import setup as setup_teacher
 from ._routing import RoutingReplay, check_rollout
 
 instrument = TRLAdapter().instrument  # TRL's version and private signatures (done on import); idempotent
@@ -102,6 +103,7 @@ class GRPOTrainer(TRL_GRPOTrainer):
             agg_mode=getattr(cfg, "stablerl_loss_agg_mode", "token-mean"), correction_params=correction_params)
         self._stablerl_loop = LoopExtras(self, {key: getattr(sel, key) for key in EXTENSION_KINDS})
         self._stablerl_store = self._stablerl_loop.store  # every algorithm's state, saved in TRL's checkpoints
+        self._stablerl_teacher = setup_teacher(self, selection.reads("teacher_log_prob"))  # on-policy distillation
         self._stablerl_passes = ForwardPasses(self, self._stablerl_routing, sum_sq=selection.reads("sum_pi_squared"))
         self._stablerl_rollout = AdvantageCallSite(self, self._stablerl_passes, selection, loss_reads=needs)
         per_process = cfg.per_device_train_batch_size * cfg.steps_per_generation

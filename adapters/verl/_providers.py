@@ -53,6 +53,15 @@ WHOLE_GROUPS = (
     "actor_rollout_ref.rollout.n, data.train_batch_size and actor.ppo_mini_batch_size multiples of the DP size, no "
     "actor.use_dynamic_bsz, no actor.shuffle (trainer.balance_batch=true stays: the adapter balances whole groups)")
 
+# on-policy distillation: verl's own teacher loop scores the rollout (its ref worker is the actor's checkpoint)
+TEACHER_AT_ADVANTAGE = (
+    "verl's teacher loop: distillation.enabled=true, distillation.teacher_models.teacher_model.model_path=<teacher "
+    "with the actor's tokenizer>, distillation.distillation_loss.loss_mode=k3 (or another sampled-token mode: the teacher "
+    "scores the sampled tokens) and distillation.distillation_loss.distillation_loss_coef=0 with use_task_rewards=true "
+    "(verl's own distillation loss term off; keep it to add it), under the legacy trainer (trainer.use_v1=false: v1's _compute_advantage "
+    "fetches only " + _V1_FIELDS + ")"
+)
+
 #: the batch field under which the legacy trainer's old-log-prob-pass entropy is kept for compute_advantage
 KEPT_ENTROPY = "stablerl_old_entropys"
 #: the batch's weight version, which the adapter's wrap of the legacy RayPPOTrainer._update_actor puts in its
@@ -75,6 +84,8 @@ WHERE: dict[str, str] = {
     "'stablerl_old_entropys' when a selected algorithm declares entropy), else a per-token 'entropys' / 'entropy' "
     "batch field: set trainer.use_v1=false and leave bypass mode off (algorithm.rollout_correction.bypass_mode=false; "
     "it runs no old-log-prob pass); v1's _compute_advantage fetches only " + _V1_FIELDS,
+    "teacher_log_prob": "teacher_logprobs, written by verl's teacher loop (distillation.enabled=true with a teacher "
+    "model_path; legacy trainer, trainer.use_v1=false)",
     "turn_ids": "a per-token 'turn_ids' batch field ([B, T] ints), written by your agent loop; no stock verl component "
     "writes it (only the per-sample __num_turns__), and v1 does not fetch it",
     "anchor_ids": "a per-row 'anchor_ids' batch or non-tensor field ([B] ints, one row per agent step), written by your "
@@ -212,6 +223,13 @@ class AdvantageInputs:
     def advantage_entropy(self, record):
         """the legacy trainer's old-log-prob pass entropy (kept only when a selected algorithm reads it)"""
         return batch_field(record.host, KEPT_ENTROPY, "entropys", "entropy")
+
+    @provides("teacher_log_prob", to=(ADVANTAGE_ESTIMATOR,), condition=TEACHER_AT_ADVANTAGE)
+    def advantage_teacher_log_prob(self, record):
+        """the response part of teacher_logprobs, written by verl's teacher loop (distillation.enabled=true)"""
+        from ._teacher import teacher_log_prob
+
+        return teacher_log_prob(record.host)
 
     correct = _response_field("correct")
     flawed = _response_field("flawed")

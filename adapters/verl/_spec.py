@@ -71,6 +71,13 @@ VERL = FrameworkSpec(
             "neg_count": "no verl trainer counts samples per prompt over sampling rounds",
             "hidden_states": "verl's model output at ppo_loss carries log-probs (and entropy), not the last hidden states",
             "lm_head_weight": "verl's ppo_loss gets no handle on the model (its LM-head weight)",
+            "teacher_log_prob": "the adapter feeds verl's teacher loop's log-probs to advantage estimators only",
+            "teacher_topk_log_prob": "not built yet: verl's teacher loop writes the teacher's top-k (teacher_logprobs / "
+            "teacher_ids with loss_mode=forward_kl_topk), but the student's log-probs at those ids exist only inside "
+            "verl's engine (its logits processor), not at ppo_loss",
+            "teacher_topk_ids": "not built yet (see teacher_topk_log_prob)",
+            "student_topk_log_prob": "verl's ppo_loss gets the update forward's log-probs of the sampled tokens, not its "
+            "logits: the student's log-probs at the teacher's ids are computed only in verl's own distillation loss",
             "reward_baselines": "verl's RayPPOTrainer generates and scores the greedy baseline response only when "
             "algorithm.adv_estimator=remax (verl's own ReMax, which stablerl's equals)",
         },

@@ -182,3 +182,26 @@ def test_erc_and_gtpo_filter_get_the_old_pass_entropy_through_ray(cluster, tmp_p
                                                                     "stablerl/erc/entropy_frac",
                                                                     "stablerl/erc/entropy_ratio_mean", "reward"))
         for n, status in sorted(run["steps"].items())))
+
+
+def test_on_policy_distillation_with_the_reference_model_loading_the_teacher(cluster, tmp_path):
+    """On-policy distillation: the reference model (colocated with the actor) loads a teacher built in code (another
+    tiny Qwen3, same tokenizer) through --algo.advantage.stablerl_teacher_model, and its log-probs
+    (base_action_log_probs, --algo.kl.use_loss) feed on_policy_distillation; 2 steps."""
+    from stablerl.tools.demo import build_tokenizer
+
+    assets = harness.make_assets(tmp_path, n_prompts=N_PROMPTS * STEPS)
+    tokenizer = build_tokenizer()
+    teacher = tmp_path / "teacher"
+    harness.build_model(tokenizer, seed=5).save_pretrained(teacher)
+    tokenizer.save_pretrained(teacher)
+    argv = base_flags(assets, tmp_path) + [
+        "--algo.advantage.estimator", "on_policy_distillation", "--algo.advantage.stablerl_teacher_model", str(teacher),
+        "--algo.kl.init_coef", "0.001", "--algo.kl.use_loss", "--algo.kl.estimator", "k3",
+        "--ref.num_nodes", "1", "--ref.num_gpus_per_node", "1", "--train.colocate_actor_ref"]
+    run = harness.launch(argv, cluster.env, tmp_path / "run.log")
+    _ok(run)
+    assert sorted(run["steps"]) == [1, 2]
+    assert f"stablerl/openrlhf: the reference model loads the teacher {teacher}" in run["output"]
+    for status in run["steps"].values():
+        assert math.isfinite(status["reward"])

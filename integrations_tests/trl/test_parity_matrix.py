@@ -158,9 +158,12 @@ def _through_advantage_step(name, b, params):
     from stablerl.adapters.trl._records import GenerationBatch
 
     stats = M.advantage_inputs(name, b)
+    teacher = stats.pop("teacher_log_prob", None)  # the teacher's forward (stablerl_teacher_model), once computed
     batch = GenerationBatch(TRLAdapter(), site=t._stablerl_rollout, response_mask=mask.float(), index=group,
                             scores=b["scores"], unscorable=torch.zeros(n, dtype=torch.bool), host=out, rows=slice(0, n),
                             entropy=stats.pop("entropy", None), old_stats=stats or None)
+    if teacher is not None:
+        batch.produced["teacher_log_prob"] = teacher
     adv = t._stablerl_rollout.run(batch, out)["advantages"]
     return adv * mask
 
