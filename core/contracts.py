@@ -91,7 +91,7 @@ OPTIONAL_INPUTS: dict[str, str] = {
     # on-policy distillation: a frozen teacher (same tokenizer) scores the student's own samples
     "teacher_log_prob": "per-token log-prob under the frozen teacher of each sampled token, [B, T] (the framework's "
     "second model pointed at a teacher checkpoint with the student's tokenizer: verl's teacher loop teacher_logprobs; "
-    "TRL: stablerl_teacher_model; OpenRLHF: --stablerl.teacher_model_name_or_path)",
+    "TRL: stablerl_teacher_model; OpenRLHF: --algo.advantage.stablerl_teacher_model)",
     "teacher_topk_log_prob": "the teacher's top-k next-token log-probs at each response position, [B, T, k] (an extra "
     "teacher forward)",
     "teacher_topk_ids": "the token ids of teacher_topk_log_prob, [B, T, k] ints",

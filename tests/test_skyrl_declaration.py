@@ -32,7 +32,8 @@ def test_list_has_a_skyrl_column(capsys):
     entropic = rows[(POLICY_LOSS, "entropic")]["reach"]["skyrl"]
     assert entropic["status"] == "refused" and "PolicyWorkerBase._forward_backward_micro" in entropic["why"]
     counts = F.reach_counts(F.reach_table())["skyrl"]
-    assert counts["selectable"] >= 42 and counts["refused"] <= 35
+    # 35 when SkyRL landed, + on_policy_distillation and generalized_jsd (teacher inputs SkyRL does not feed)
+    assert counts["selectable"] >= 42 and counts["refused"] <= 37
 
 
 def test_names_precedence_and_refusals_in_skyrls_words():

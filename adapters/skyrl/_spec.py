@@ -47,6 +47,11 @@ SKYRL = FrameworkSpec(
             "sum_pi_squared": "SkyRL's old-log-prob pass returns log-probs only",
             "pos_count": "SkyRL samples n_samples_per_prompt per prompt in one round",
             "neg_count": "SkyRL samples n_samples_per_prompt per prompt in one round",
+            "teacher_log_prob": "not in this adapter yet: SkyRL's reference model could load a teacher, but the "
+            "adapter does not feed its log-probs as the teacher's",
+            "teacher_topk_log_prob": "no teacher forward returning top-k log-probs in SkyRL",
+            "teacher_topk_ids": "no teacher forward returning top-k ids in SkyRL",
+            "student_topk_log_prob": _LOSS_CALL,
             "params_view": "no trainer hook in SkyRL (see why_no_key)",
             "entropy_bonus": "no controller in SkyRL (see why_no_key)",
         },
