@@ -49,8 +49,10 @@ OPTIONAL_INPUTS: dict[str, str] = {
     "token_ids": "response token ids (verl: batch['responses']; TRL: completion_ids)",
     "index": "group ids of the responses (verl: uid; TRL: contiguous blocks of num_generations)",
     "turn_ids": "per-token turn/segment ids of multi-turn traces (agent loops)",
-    "versions": "per-token policy version that generated each token (asynchronous rollout systems)",
-    "policy_version": "the current policy version (an integer)",
+    "versions": "per-token policy version that generated each token, [B, T] integers (negative: not generated), "
+    "counted in weight updates as AReaL does (stablerl.policy_versions; TRL: state.global_step at generation)",
+    "policy_version": "the version of the weights being trained (an integer, never below a trained token's version; "
+    "TRL: state.global_step)",
     "scores": "per-response scalar outcome rewards (labels)",
     "sum_pi_squared": "per-token sum over the vocabulary of the old policy's squared probabilities, [B, T] (verl: "
     "actor_rollout_ref.actor.calculate_sum_pi_squared=True)",
