@@ -39,7 +39,7 @@ from stablerl.params import StableRLError
 from stablerl.patching import PatchLedger
 from stablerl.steps import AdvantageSelection
 
-from ._adapter import TRLAdapter, UnsupportedTRLVersionError
+from ._adapter import VERSION_KEY, TRLAdapter, UnsupportedTRLVersionError
 from ._config import (SUPPORTED_TRL, TRL, TRL_LOSS_TYPES, GRPOConfig, TRL_GRPOTrainer, advantage_settings,
                       check_rollout_correction, loss_inputs_trl_can_feed, loss_settings, params_of, resolve_loss_type,
                       rollout_correction_setting, routing_replay_mode, validate_stablerl_args,
@@ -104,6 +104,7 @@ class GRPOTrainer(TRL_GRPOTrainer):
             cspec = stablerl.get_spec(ROLLOUT_CORRECTION, correction)
             log_effective_settings(TRL, cspec, effective_hyperparameters(TRL, cspec, correction_params, {}))
         needs = set(spec.requires) if spec else set()
+        self._stablerl_versions = "versions" in needs
         self._stablerl_routing = RoutingReplay(self, routing_replay_mode(cfg), router_lp="router_log_prob" in needs)
         self._stablerl_losses = PolicyLossStep(
             self, loss, params=loss_params, call_options=call_options, correction=correction,
@@ -163,7 +164,12 @@ class GRPOTrainer(TRL_GRPOTrainer):
             self._stablerl_routing.finish(batch, out)
         finally:
             self._stablerl_batch = None
-        return self._stablerl_rollout.finish(batch, out)
+        out = self._stablerl_rollout.finish(batch, out)
+        if self._stablerl_versions:  # A-3PO: the version of the weights that generated each row (TRL's step counter)
+            rows = out["completion_ids"].size(0)
+            out[VERSION_KEY] = torch.full((rows,), int(self.state.global_step), dtype=torch.long,
+                                          device=out["completion_ids"].device)
+        return out
 
     # -- the forwards and the loss -----------------------------------------------------------------------
 

@@ -35,11 +35,14 @@ def _final_params(trainer_cls, args, dtype=torch.float32):
     return rec.params[-1]
 
 
-def test_the_adapter_accepts_the_off_policy_losses_only_when_a_subclass_declares_the_inputs(tmp_path):
-    with pytest.raises(stablerl.MissingInputError, match="rollout_log_prob: needs use_vllm=True"):
-        GRPOConfig(**H.base_kwargs(tmp_path, loss_type="decoupled_ppo"))
-    with pytest.raises(stablerl.MissingInputError, match="versions"):  # declared too little
-        GRPOConfig(**H.base_kwargs(tmp_path, loss_type="a3po", stablerl_extra_loss_inputs=["rollout_log_prob"]))
+def test_the_adapter_refuses_the_off_policy_losses_where_trl_has_no_behaviour_log_probs(tmp_path):
+    # without vLLM TRL feeds them itself (its old-log-prob pass at generation, policy versions from its step
+    # counter: test_trl_policy_versions.py); with vLLM only with the sampler's log-probs, unless a subclass declares them
+    vllm = dict(use_vllm=True, vllm_importance_sampling_correction=False)
+    with pytest.raises(stablerl.MissingInputError, match="rollout_log_prob: with use_vllm=True it needs "
+                                                         "vllm_importance_sampling_correction=True"):
+        GRPOConfig(**H.base_kwargs(tmp_path, loss_type="decoupled_ppo", **vllm))
+    GRPOConfig(**H.base_kwargs(tmp_path, loss_type="a3po", stablerl_extra_loss_inputs=["rollout_log_prob"], **vllm))
     with pytest.raises(stablerl.UnknownNameError, match="'rollout_logprob'.*'rollout_log_prob'"):
         GRPOConfig(**H.base_kwargs(tmp_path, loss_type="a3po", stablerl_extra_loss_inputs=["rollout_logprob"]))
     assert _args(tmp_path, "a3po", k=0, steps=1).stablerl_extra_loss_inputs == [
