@@ -158,6 +158,24 @@ def test_m2po_with_rollout_routing_replay_on_a_moe_model(cluster, tmp_path):
     assert loss["m2_threshold"][0] == 0.05 and loss["m2_threshold"][1] != "paper default", loss
 
 
+def test_a3po_versions_count_deepspeeds_optimizer_steps_through_ray(cluster, tmp_path):
+    """A-3PO with 4 optimizer steps per rollout batch (16 responses, --train.batch_size 4): the adapter reads the
+    actor's DeepSpeed optimizer-step counter at each broadcast_to_vllm and at each step, so the four steps of a batch
+    are 0, 1, 2 and 3 updates stale (alpha 0, 0, 1/2, 2/3); OpenRLHF logs the token-weighted mean of the four,
+    which lies strictly between 0 and 2/3 in both steps (step 2's batch was generated after the broadcast of 4)."""
+    assets = harness.make_assets(tmp_path, n_prompts=N_PROMPTS * STEPS)
+    argv = base_flags(assets, tmp_path) + [
+        "--algo.advantage.estimator", "group_norm",  # OpenRLHF's GRPO (its default, gae, needs a critic)
+        "--actor.policy_loss_type", "a3po", "--algo.advantage.is_correction_level", "token",
+        "--train.batch_size", "4", "--train.micro_batch_size", "4"]
+    run = harness.launch(argv, cluster.env, tmp_path / "run.log")
+    _ok(run)
+    assert sorted(run["steps"]) == [1, 2]
+    for status in run["steps"].values():
+        assert 0.1 < status["stablerl/a3po/alpha_mean"] < 2 / 3, status
+        assert math.isfinite(status["policy_loss"]), status
+
+
 def test_erc_and_gtpo_filter_get_the_old_pass_entropy_through_ray(cluster, tmp_path):
     """erc (old_entropy) and gtpo_entropy_filter (entropy at the advantage step): the old-log-prob pass's entropy
     comes back from the PolicyModelActor through Ray on the log-prob tensor (zero-copy off), into the filter and,

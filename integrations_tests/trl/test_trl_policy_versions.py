@@ -5,8 +5,6 @@ was generated), ``policy_version`` (``state.global_step`` now) and the behaviour
 at generation): the batches come from two generating versions (0 and 3) and are trained 0, 1 and 2 steps stale;
 every loss call equals the formula on its inputs, and alpha is (L - 1) / L for L >= 1 steps stale."""
 
-import copy
-
 import pytest
 import torch
 
@@ -17,17 +15,6 @@ from stablerl.adapters.trl import GRPOConfig, GRPOTrainer
 
 K = 2  # steps_per_generation = K + 1 optimizer steps per generation batch
 STEPS = 6
-
-
-def _completion_logps(model, inp):
-    """Log-probs of the completion tokens under ``model`` (a plain forward, independent of TRL's code)."""
-    ids = torch.cat([inp["prompt_ids"], inp["completion_ids"]], dim=1)
-    mask = torch.cat([inp["prompt_mask"], inp["completion_mask"]], dim=1)
-    with torch.no_grad():
-        logits = model(input_ids=ids, attention_mask=mask).logits
-    T = inp["completion_ids"].size(1)
-    logp = torch.log_softmax(logits[:, -T - 1:-1].float(), dim=-1)
-    return logp.gather(-1, inp["completion_ids"].unsqueeze(-1)).squeeze(-1)
 
 
 def _a3po_by_hand(kw):
@@ -59,10 +46,7 @@ def test_a3po_selected_by_loss_type_gets_trl_versions_and_the_formula(tmp_path, 
 
     class Recording(GRPOTrainer):
         def _generate_and_score_completions(self, inputs):
-            # the behaviour policy, in a fresh model (a deepcopy would keep TRL's fused-head patch)
-            behaviour = H.tiny_model()
-            behaviour.load_state_dict(copy.deepcopy(self.model.state_dict()))
-            snapshots[int(self.state.global_step)] = behaviour.eval()
+            snapshots[int(self.state.global_step)] = H.weights_snapshot(self.model)  # the behaviour policy
             return super()._generate_and_score_completions(inputs)
 
         def _stablerl_policy_loss(self, inputs, logps, *args, **kwargs):
@@ -83,7 +67,7 @@ def test_a3po_selected_by_loss_type_gets_trl_versions_and_the_formula(tmp_path, 
         assert (kw["versions"][~mask] == -1).all()
         assert kw["is_weights"] is None
         # the behaviour log-probs are the generating weights' (TRL's old-log-prob pass at generation)
-        behaviour = _completion_logps(snapshots[generated_at], inp)
+        behaviour = H.completion_logps(snapshots[generated_at], inp)
         torch.testing.assert_close(kw["rollout_log_prob"][mask], behaviour[mask], rtol=0, atol=2e-5)
         ref, alpha = _a3po_by_hand(kw)
         torch.testing.assert_close(loss.double(), ref, rtol=1e-5, atol=1e-7)
