@@ -49,10 +49,13 @@ def test_refusals_say_why_in_the_frameworks_words():
         F.resolve("openrlhf", POLICY_LOSS, "capo")
     status, why = F.reach(F.get_framework("trl"), stablerl.get_spec(POLICY_LOSS, "capo"))
     assert status == "refused" and "hidden_states: TRL's forward in _compute_loss returns log-probs" in why
-    # TRL: policy versions from its step counter (no setting); the behaviour log-probs under a setting
+    # TRL: policy versions as generation rounds (its synchronous GRPOTrainer: alpha 0); the behaviour log-probs
+    # under a setting
     a3po = stablerl.get_spec(POLICY_LOSS, "a3po")
     assert F.reach(F.get_framework("trl"), a3po) == ("partial", "a3po")
-    assert [n.split(":")[0] for n in F.reach_conditions(F.get_framework("trl"), a3po)] == ["rollout_log_prob"]
+    conditions = F.reach_conditions(F.get_framework("trl"), a3po)
+    assert [n.split(":")[0] for n in conditions] == ["rollout_log_prob", "versions", "policy_version"]
+    assert "versions == policy_version and A-3PO's alpha = 0" in conditions[1]
     assert {"versions", "policy_version"} <= F.get_framework("trl").feedable[POLICY_LOSS]
     # verl and OpenRLHF: one weight version per batch in their synchronous trainers (A-3PO's alpha = 0), under
     # that setting

@@ -17,8 +17,7 @@ replay buffer splits row by row), the advantage step reads them and drops what n
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
-from typing import Any, Iterator, Optional
+from typing import Iterator, Optional
 
 import torch
 
@@ -36,14 +35,6 @@ OLD_PASS_STATS = {"entropy": ("stablerl_old_entropy", "stablerl_old_entropy"),
 OLD_ENTROPY_KEY, SUM_PI_SQUARED_KEY = OLD_PASS_STATS["entropy"][1], OLD_PASS_STATS["sum_pi_squared"][1]
 
 
-@dataclass
-class StepRecord(BatchRecord):
-    """One micro-batch of ``training_step`` (``host``: the ``Experience``) and the ``ActorPPOTrainer`` running it
-    (``trainer``: its actor's optimizer-step counter gives the policy versions)."""
-
-    trainer: Any = None
-
-
 @contextlib.contextmanager
 def step_inputs(adapter, trainer, experience) -> Iterator[Optional[BatchRecord]]:
     """Around ``training_step``: the micro-batch's record, handed to a stablerl loss (None for OpenRLHF's own); the
@@ -57,8 +48,8 @@ def step_inputs(adapter, trainer, experience) -> Iterator[Optional[BatchRecord]]
     if spec is None:
         yield None
         return
-    record = StepRecord(adapter, response_mask=experience.action_mask, index=index, host=experience,
-                        scores=None if experience.rewards is None else experience.rewards.reshape(-1), trainer=trainer)
+    record = BatchRecord(adapter, response_mask=experience.action_mask, index=index, host=experience,
+                         scores=None if experience.rewards is None else experience.rewards.reshape(-1))
     if old_entropy is not None:
         record.produced["old_entropy"] = _to_width(old_entropy, experience.action_mask)
     if "entropy" in loss_fn.fed_inputs:

@@ -6,7 +6,6 @@ a supported version; every rebinding through the adapter's ledger, undone by ``u
   entropy controller arm the policy ``Actor`` (one ``PolicyWorker``); ``training_step`` / ``Actor.forward``: the
   loss step's record, routing replay R2/R3 and the controller (``_routing_replay``, ``_inputs``, ``_controller``);
   ``ppo_actor.DataLoader``: whole prompt groups (``_groups``); the loss normalisers of an all-filtered step;
-  ``broadcast_to_vllm``: the version (DeepSpeed optimizer steps) of the weights vLLM generates with (A-3PO);
 * ``RemoteExperienceMaker.compute_advantages_and_returns``: the advantage step (``_advantage``); ``make_experience``:
   routes and old-pass statistics into the experiences (``_routing_replay``);
 * R3's rollout side: ``BaseModelActor.execute_batch``, ``SamplesGenerator``, the agent executors, vLLM's
@@ -42,12 +41,6 @@ def _patch_actor_module(module, ledger, adapter) -> None:
         if sel.routing_replay is not None:
             _routing_replay.arm(self, sel.routing_replay, adapter)
         _controller.arm(self, adapter)  # an entropy controller steering --actor.entropy_coef, if one is selected
-
-    @ledger.around(module.ActorPPOTrainer, "broadcast_to_vllm")
-    def broadcast_to_vllm(original, self, *args, **kwargs):
-        out = original(self, *args, **kwargs)
-        adapter.weights_broadcast(self)  # vLLM now generates with this version of the weights (policy versions)
-        return out
 
     _routing_replay.patch_actor_module(module, ledger, adapter)
     from ._groups import group_dataloader
@@ -126,7 +119,7 @@ PATCH_KEYS = (
     "SamplesGenerator._process_response_into_experience", "SingleTurnAgentExecutor.execute",
     "MultiTurnAgentExecutor.execute", "AsyncEngineArgs.__init__", "DeepspeedStrategy.save_ckpt",
     "DeepspeedStrategy.load_ckpt", "BasePPOTrainer.save_logs_and_checkpoints", "BasePPOTrainer.save_best_checkpoint",
-    "BasePPOTrainer.init_checkpoint_states", "ActorPPOTrainer.broadcast_to_vllm",
+    "BasePPOTrainer.init_checkpoint_states",
 )
 
 

@@ -41,8 +41,7 @@ OPENRLHF = FrameworkSpec(
             "step_returns": "OpenRLHF's experiences carry no per-step discounted returns",
             "versions": "OpenRLHF's experiences carry no per-token policy versions (its async generator records no "
             "weight version with its samples)",
-            "policy_version": "OpenRLHF's loss call does not know the current policy version (the adapter reads the "
-            "actor's DeepSpeed optimizer-step counter in the synchronous trainer)",
+            "policy_version": "OpenRLHF's loss call does not know the current policy version",
             "router_log_prob": "OpenRLHF's loss call gets no router log-probs (stablerl's R2/R3 replay there replays "
             "experts, it records no router log-probs)",
             "old_router_log_prob": "OpenRLHF's old-log-prob pass returns no router log-probs",
@@ -104,13 +103,11 @@ OPENRLHF = FrameworkSpec(
         "d3s": "OpenRLHF's advantage step does not know the run's total number of steps: the N/K schedule "
         "(n_init != n_final or k_init != k_final) is refused at the first step; set n_init == n_final and "
         "k_init == k_final",
-        "a3po": "OpenRLHF records no per-token versions; the adapter counts them in the actor's optimizer steps "
-        "(DeepSpeed's engine.global_steps): versions = the count at the last weight broadcast to vLLM (the weights "
-        "that generated the batch, in the synchronous trainer), policy_version = the count now. A rollout batch "
-        "trained in one optimizer step is on-policy (alpha = 0: the proximal log-prob is the vLLM rollout log-prob, "
-        "behaviour weight 1); with --train.batch_size below the rollout batch or --train.max_epochs > 1 its L-th "
-        "step is L stale (alpha = (L - 1) / L). OpenRLHF's recomputed old log-probs are unused unless "
-        "prox_logp_method=recompute",
+        "a3po": "OpenRLHF records no per-token versions; its synchronous trainer generates each batch with the "
+        "weights the update starts from, so the adapter gives every generated token version 0 and the policy version "
+        "1 (relative): alpha = 0, the proximal log-prob is the vLLM rollout log-prob (behaviour weight 1) and r = "
+        "exp(lp - lp_rollout) is clipped for every micro-batch and epoch (OpenRLHF's recomputed old log-probs are "
+        "unused unless prox_logp_method=recompute)",
         "m2po": "old_log_prob is the actor's recomputed old-log-prob pass; OpenRLHF offers no way to give the "
         "behaviour (vLLM) policy as the old policy",
     },

@@ -34,9 +34,13 @@ BEHAVIOUR_LOG_PROBS = (
     "generation, run whenever steps_per_generation * num_iterations spans more than one optimizer step; else the "
     "batch is on-policy and they are the training forward's, detached), or use_vllm=True with "
     "vllm_importance_sampling_correction=True (the engine's sampling log-probs)")
-#: per-row tensor of the trainer's generation batch: TRL's state.global_step when the row was generated (travels
-#: with the rows through TRL's shuffles and splits)
+#: per-row tensor of the trainer's generation batch: the generation round (A-3PO's weight version, AReaL's sense) that
+#: generated the row (travels with the rows through TRL's shuffles and splits)
 VERSION_KEY = "stablerl_policy_version"
+SYNCHRONOUS_VERSIONS = (
+    "TRL's synchronous GRPOTrainer: versions are generation rounds (AReaL's weight versions), and every batch is "
+    "trained in the round that generated it (steps_per_generation / num_iterations reuse one generation batch), so "
+    "versions == policy_version and A-3PO's alpha = 0 (decoupled PPO with the behaviour log-probs as proximal policy)")
 # per-response inputs the user provides (a reward function's TRL log_extra, a rollout_func field or a dataset column)
 USER_INPUTS = ("correct", "flawed", "void_turn", "pos_count", "neg_count")
 
@@ -123,11 +127,11 @@ class TRLAdapter(FrameworkAdapter):
         without vLLM (losses only), the generating weights' own: TRL's old-log-prob pass at generation."""
         return record.rollout_log_prob
 
-    # -- policy versions (A-3PO): TRL's optimizer-step counter at generation and now -------------------------
+    # -- policy versions (A-3PO): generation rounds, AReaL's weight versions ---------------------------------
 
-    @provides("versions", to=(POLICY_LOSS,))
+    @provides("versions", to=(POLICY_LOSS,), condition=SYNCHRONOUS_VERSIONS)
     def versions(self, record):
-        """TRL's state.global_step when the row was generated, on its generated tokens (-1 elsewhere)."""
+        """The generation round that generated the row, on its generated tokens (-1 elsewhere)."""
         stamp = record.host.get(VERSION_KEY)
         if stamp is None:
             return None
@@ -135,9 +139,9 @@ class TRLAdapter(FrameworkAdapter):
         stamp = stamp.to(mask.device).unsqueeze(1).expand(mask.shape)
         return torch.where(mask.bool(), stamp, torch.full_like(stamp, -1))
 
-    @provides("policy_version", to=(POLICY_LOSS,))
+    @provides("policy_version", to=(POLICY_LOSS,), condition="TRL's synchronous GRPOTrainer, as for versions")
     def policy_version(self, record):
-        """TRL's state.global_step now (the optimizer steps applied to the weights being trained)."""
+        """The generation round of the batch being trained (constant over the optimizer steps that reuse it)."""
         return record.policy_version
 
     @provides("router_log_prob", to=(POLICY_LOSS,), condition=_ROUTING_REPLAY)

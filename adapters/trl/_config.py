@@ -49,7 +49,7 @@ def loss_inputs_trl_can_feed(use_vllm_is: bool, routing_replay: bool = False, ow
     ones whose setting is off (vLLM IS correction, or ``own_generation`` (use_vllm=False): the behaviour log-probs;
     routing replay: router log-probs)."""
     holds = {"rollout_log_prob": use_vllm_is or own_generation, "router_log_prob": routing_replay,
-             "old_router_log_prob": routing_replay}
+             "old_router_log_prob": routing_replay, "versions": True, "policy_version": True}  # GRPOTrainer: sync
     conditional = TRL.conditions.get(POLICY_LOSS, {})
     return {name for name in TRL.feedable[POLICY_LOSS] if name not in conditional or holds[name]}
 

@@ -127,14 +127,15 @@ TRL = FrameworkSpec(
         "old log-probs)",
         "optimal_token_baseline": _TRL_OTB_NOTE,
         "tir_optimal_token_baseline": _TRL_OTB_NOTE,
-        "a3po": "TRL's off-policy path (it has no asynchronous one that takes a loss_type): a generation batch is trained over "
-        "steps_per_generation / gradient_accumulation_steps optimizer steps, num_iterations times, so a row trained "
-        "L steps after its generation is L versions stale. versions = TRL's state.global_step when the row was "
-        "generated (the trainer stamps each row; -1 on prompt, padding and tool tokens), policy_version = "
-        "state.global_step now: alpha = (L - 1) / L for L >= 1 (0 on-policy and one step stale). Without vLLM the "
-        "behaviour log-probs are TRL's old-log-prob pass at generation (the generating weights'); with vLLM they are "
-        "the sampler's (vllm_importance_sampling_correction=True), whose weights TRL syncs at every generation. "
-        "trl.experimental.async_grpo.AsyncGRPOTrainer is not supported: it has no loss_type and needs a vLLM server",
+        "a3po": "versions are generation rounds (AReaL's weight versions: one per weight sync to the rollout engine, "
+        "constant over the optimizer steps that train one rollout batch): each row is stamped with the round that "
+        "generated it (-1 on prompt, padding and tool tokens), policy_version is the round of the batch being trained. "
+        "TRL's GRPOTrainer is synchronous: it trains only its latest generation batch (over steps_per_generation / "
+        "gradient_accumulation_steps optimizer steps, num_iterations times), so versions == policy_version and alpha = "
+        "0: A-3PO is decoupled PPO with the behaviour log-probs as proximal policy. Without vLLM the behaviour "
+        "log-probs are TRL's old-log-prob pass at generation (the generating weights'); with vLLM they are the "
+        "sampler's (vllm_importance_sampling_correction=True). trl.experimental.async_grpo.AsyncGRPOTrainer (where "
+        "alpha would be nonzero) is not supported: it has no loss_type and needs a vLLM server",
         "m2po": "old_log_prob is TRL's old_per_token_logps (recomputed when num_iterations > 1 or "
         "steps_per_generation > gradient_accumulation_steps), else the detached current policy (ratio 1); a "
         "trainer subclass can hand the behaviour policy's log-probs (stablerl_extra_loss_inputs)",

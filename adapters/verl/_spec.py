@@ -133,12 +133,10 @@ VERL = FrameworkSpec(
     algorithm_notes={
         "a3po": "verl records no per-token versions; its legacy trainer generates each batch with the weights the "
         "update starts from (global_steps - 1, which the adapter's wrap of RayPPOTrainer._update_actor puts in the "
-        "batch), so the adapter gives every token that version, and policy_version = that version + the optimizer "
-        "steps the actor already took on the batch (the adapter counts TrainingWorker.train_batch calls; verl keeps "
-        "no count). The first mini-batch is on-policy: alpha = 0, the proximal log-prob is rollout_log_prob "
-        "(behaviour weight 1) and r = exp(lp - lp_rollout) is clipped; L steps later (actor.ppo_epochs > 1, several "
-        "mini-batches) alpha = (L - 1) / L (AReaL's convention). verl's recomputed old_log_prob is unused unless "
-        "prox_logp_method=recompute. verl's bypass mode replaces any loss_mode by its own bypass_mode loss",
+        "batch), so the adapter gives every token that version and policy_version = version + 1: alpha "
+        "= 0, the proximal log-prob is rollout_log_prob (behaviour weight 1) and r = exp(lp - lp_rollout) is clipped "
+        "for every mini-batch and epoch (verl's recomputed old_log_prob is unused unless "
+        "prox_logp_method=recompute). verl's bypass mode replaces any loss_mode by its own bypass_mode loss",
         "d3s": "entropy is the legacy trainer's old-log-prob pass's; the schedule's p is the number of "
         "compute_advantage calls so far (restored from the checkpoint) over the trainer's total_training_steps",
         "empg": "entropy is the legacy trainer's old-log-prob pass's (the pre-update policy's); a step is a turn of "

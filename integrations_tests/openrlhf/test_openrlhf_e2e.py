@@ -158,11 +158,11 @@ def test_m2po_with_rollout_routing_replay_on_a_moe_model(cluster, tmp_path):
     assert loss["m2_threshold"][0] == 0.05 and loss["m2_threshold"][1] != "paper default", loss
 
 
-def test_a3po_versions_count_deepspeeds_optimizer_steps_through_ray(cluster, tmp_path):
-    """A-3PO with 4 optimizer steps per rollout batch (16 responses, --train.batch_size 4): the adapter reads the
-    actor's DeepSpeed optimizer-step counter at each broadcast_to_vllm and at each step, so the four steps of a batch
-    are 0, 1, 2 and 3 updates stale (alpha 0, 0, 1/2, 2/3); OpenRLHF logs the token-weighted mean of the four,
-    which lies strictly between 0 and 2/3 in both steps (step 2's batch was generated after the broadcast of 4)."""
+def test_a3po_is_on_policy_over_the_optimizer_steps_of_a_rollout_batch_through_ray(cluster, tmp_path):
+    """A-3PO with 4 optimizer steps per rollout batch (16 responses, --train.batch_size 4) in OpenRLHF's synchronous
+    trainer: AReaL's convention keeps the policy version constant over the optimizer steps of one rollout batch (it
+    counts weight syncs to the rollout engine; its proximal policy, recomputed once per training step, is the
+    behaviour policy in a synchronous trainer), so every step gets alpha = 0 (behaviour weight 1)."""
     assets = harness.make_assets(tmp_path, n_prompts=N_PROMPTS * STEPS)
     argv = base_flags(assets, tmp_path) + [
         "--algo.advantage.estimator", "group_norm",  # OpenRLHF's GRPO (its default, gae, needs a critic)
@@ -172,7 +172,8 @@ def test_a3po_versions_count_deepspeeds_optimizer_steps_through_ray(cluster, tmp
     _ok(run)
     assert sorted(run["steps"]) == [1, 2]
     for status in run["steps"].values():
-        assert 0.1 < status["stablerl/a3po/alpha_mean"] < 2 / 3, status
+        assert status["stablerl/a3po/alpha_mean"] == 0.0, status
+        assert status["stablerl/behave_imp_weight"] == pytest.approx(1.0), status
         assert math.isfinite(status["policy_loss"]), status
 
 

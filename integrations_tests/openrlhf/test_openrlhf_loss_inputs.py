@@ -88,7 +88,6 @@ def _trainer(monkeypatch, loss, packing, params=None, entropy_coef=None, is_leve
     args.ds = SimpleNamespace(packing_samples=packing, ring_attn_size=1, tensor_parallel_size=1)
     args.actor.entropy_coef = entropy_coef
     model = _tiny_dense()
-    model.global_steps = 0  # DeepSpeed's engine counts its optimizer steps (the policy versions of a3po)
     actor = Actor(model)
     actor.packing_samples, actor.temperature = packing, TEMPERATURE
     optim = torch.optim.SGD(actor.parameters(), lr=0.0)
@@ -96,7 +95,6 @@ def _trainer(monkeypatch, loss, packing, params=None, entropy_coef=None, is_leve
     def optimizer_step(optimizer, *a, **k):
         optimizer.step()
         optimizer.zero_grad()
-        model.global_steps += 1
 
     scheduler = torch.optim.lr_scheduler.LambdaLR(optim, lambda s: 1)
     trainer = ppo_actor.ActorPPOTrainer(training_strategy(args, optimizer_step), actor, None, optim, scheduler)
@@ -175,10 +173,9 @@ def test_token_ids_and_scores_are_the_rows_own(monkeypatch, packing):
 
 @pytest.mark.parametrize("packing", [False, True])
 def test_a3po_gets_one_version_per_batch_through_training_step(monkeypatch, packing):
-    """A-3PO in OpenRLHF's synchronous trainer, first optimizer step of a rollout batch: every generated token of
-    the weights last broadcast (version 0), the policy version 0 (no optimizer step yet), so alpha = 0 and the
-    proximal policy is vLLM's (behaviour weight 1): through the real training_step the loss and gradient equal
-    vanilla PPO's clip of exp(lp - lp_rollout), whatever OpenRLHF's old log-probs are."""
+    """A-3PO in OpenRLHF's synchronous trainer: every generated token of the batch version 0, the policy 1, so
+    alpha = 0 and the proximal policy is vLLM's (behaviour weight 1): through the real training_step the loss and
+    gradient equal vanilla PPO's clip of exp(lp - lp_rollout), whatever OpenRLHF's old log-probs are."""
     clip = dict(clip_ratio_low=0.2, clip_ratio_high=0.28, clip_ratio_c=10.0)
     trainer, model = _trainer(monkeypatch, "a3po", packing, params=clip, is_level="token")
     assert trainer.actor_loss_fn.fed_inputs == {"versions", "policy_version"}
@@ -193,7 +190,7 @@ def test_a3po_gets_one_version_per_batch_through_training_step(monkeypatch, pack
     status = _step(trainer, batch)
     fed = calls[0]
     mask = batch.action_mask.bool()
-    assert torch.equal(fed["versions"], torch.where(mask, 0, -1)) and fed["policy_version"] == 0
+    assert torch.equal(fed["versions"], torch.where(mask, 0, -1)) and fed["policy_version"] == 1
     assert float(status["metrics"]["stablerl/a3po/alpha_mean"]) == 0.0
     assert float(status["metrics"]["stablerl/behave_imp_weight"]) == pytest.approx(1.0)
     # the same forward's log-probs, vanilla PPO against the rollout log-probs: loss and gradient
@@ -217,28 +214,15 @@ def test_a3po_gets_one_version_per_batch_through_training_step(monkeypatch, pack
     assert abs(float(old) - float(vanilla)) > 1e-4
 
 
-def _a3po_by_hand(fed, clip):
-    """A-3PO (loglinear proximal, then decoupled PPO with the behaviour weight cap 5) from the formula, token mean
-    over the step's token count."""
-    lp, roll = fed["log_prob"].detach().double(), fed["rollout_log_prob"].double()
-    v, pv, m, A = fed["versions"].double(), fed["policy_version"], fed["response_mask"].double(), fed["advantages"].double()
-    alpha = torch.where((pv - v > 0) & (v >= 0), (pv - 1 - v) / (pv - v).clamp(min=1), torch.zeros_like(v)).clamp(0, 1)
-    prox = roll + alpha * (lp - roll)
-    w, r = torch.exp(prox - roll), torch.exp(lp - prox)
-    low, high, c = 1 - clip["clip_ratio_low"], 1 + clip["clip_ratio_high"], clip["clip_ratio_c"]
-    pg = torch.maximum(-A * r, -A * r.clamp(low, high))
-    pg = torch.where(A < 0, torch.minimum(pg, -A * c), pg)  # dual clip
-    return (pg * w * (w <= 5.0) * m).sum() / m.sum(), alpha
-
-
 @pytest.mark.parametrize("packing", [False, True])
-def test_a3po_versions_count_the_actors_optimizer_steps_between_broadcasts(monkeypatch, packing):
-    """OpenRLHF's stale path in its synchronous trainer (a rollout batch trained over several optimizer steps):
-    versions = the actor's DeepSpeed optimizer steps at the last weight broadcast to vLLM (the adapter's wrap of
-    ActorPPOTrainer.broadcast_to_vllm records them), policy_version = its steps now. Batches from two generating
-    versions (0, then 3 after a real broadcast_to_vllm call), trained 0, 1 and 2 steps stale: alpha 0, 0, 1/2,
-    then 0 again; every loss equals the formula."""
-    import openrlhf.trainer.ray.ppo_actor as ppo_actor
+def test_a3po_version_is_constant_over_the_optimizer_steps_of_one_rollout_batch(monkeypatch, packing):
+    """OpenRLHF's synchronous trainer may train one rollout batch over several optimizer steps (--train.batch_size
+    below the rollout batch, --train.max_epochs > 1). AReaL's convention (the version counts weight syncs to the
+    rollout engine, constant over the ppo_n_minibatches optimizer steps of one batch; its proximal policy is
+    recomputed once per training step, i.e. the behaviour policy in a synchronous trainer): every step of the batch
+    gets versions 0 / policy_version 1, so alpha = 0 at every step and each loss is vanilla PPO's clip of
+    exp(lp - lp_rollout) on that step's forward."""
+    from stablerl.api import compute_policy_loss as real
 
     clip = dict(clip_ratio_low=0.2, clip_ratio_high=0.28, clip_ratio_c=10.0)
     trainer, model = _trainer(monkeypatch, "a3po", packing, params=clip, is_level="token")
@@ -247,37 +231,17 @@ def test_a3po_versions_count_the_actors_optimizer_steps_between_broadcasts(monke
     batch.rollout_log_probs = (batch.action_log_probs + 0.3 * torch.randn(batch.action_log_probs.shape, generator=g)
                                ) * batch.action_mask
     calls = _spy(monkeypatch)
-    for _ in range(3):  # three optimizer steps on the batch generated by version 0
-        _step(trainer, batch)
-    # OpenRLHF's own broadcast (no vLLM engine here: rank != 0 sends nothing), wrapped by the adapter
-    assert hasattr(ppo_actor.ActorPPOTrainer.broadcast_to_vllm, "__wrapped__")
-    assert getattr(adapter.OpenRLHFAdapter().worker(trainer), "weights_version", None) is None  # none yet: 0
-    monkeypatch.setattr(torch.distributed, "get_rank", lambda *a: 1)
-    object.__setattr__(model, "module", model)  # DeepSpeed's engine.module
-    trainer.strategy.args.vllm = SimpleNamespace(enable_prefix_caching=False, sync_with_ray=False)
-    trainer.strategy.args.ds.zero_stage = 1
-    trainer.use_cuda_ipc, trainer.vllm_engines = False, []
-    trainer.broadcast_to_vllm()
-    assert adapter.OpenRLHFAdapter().worker(trainer).weights_version == 3
-    _step(trainer, batch)  # the next rollout batch: generated by version 3, trained at version 3
+    statuses = [_step(trainer, batch) for _ in range(3)]  # three optimizer steps on the same rollout batch
     mask = batch.action_mask.bool()
-    got = []
-    for fed, (generated, current) in zip(calls, [(0, 0), (0, 1), (0, 2), (3, 3)]):
-        assert torch.equal(fed["versions"], torch.where(mask, generated, -1)) and fed["policy_version"] == current
-        ref, alpha = _a3po_by_hand(fed, clip)
-        torch.testing.assert_close(fed["__loss__"].double(), ref, rtol=1e-5, atol=1e-7)
-        got.append(alpha[mask].unique().tolist())
-    assert got == [[0.0], [0.0], [0.5], [0.0]]
-
-
-def test_a3po_versions_newer_than_the_policy_are_refused(monkeypatch):
-    trainer, model = _trainer(monkeypatch, "a3po", False, is_level="token")
-    batch, _ = _batch(False)
-    batch.rollout_log_probs = batch.action_log_probs
-    adapter.OpenRLHFAdapter().worker(trainer, create=True).weights_version = 4  # a counter out of step
-    with pytest.raises(stablerl.StableRLError, match=r"versions has a trained token of policy version 4, newer than "
-                                                     r"policy_version=0"):
-        _step(trainer, batch)
+    assert len(calls) == 3
+    for fed, status in zip(calls, statuses):
+        assert torch.equal(fed["versions"], torch.where(mask, 0, -1)) and fed["policy_version"] == 1
+        assert float(status["metrics"]["stablerl/a3po/alpha_mean"]) == 0.0
+        kw = dict(advantages=fed["advantages"], response_mask=fed["response_mask"], ctx=fed["ctx"],
+                  loss_agg_mode=fed["loss_agg_mode"])
+        vanilla, _ = real("vanilla", log_prob=fed["log_prob"].detach(), old_log_prob=batch.rollout_log_probs, **kw,
+                          **clip)
+        torch.testing.assert_close(fed["__loss__"], vanilla, rtol=1e-6, atol=1e-8)
 
 
 def test_a3po_is_refused_under_the_async_trainer():

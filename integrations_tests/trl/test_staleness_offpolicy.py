@@ -35,8 +35,8 @@ def _final_params(trainer_cls, args, dtype=torch.float32):
 
 
 def test_the_adapter_refuses_the_off_policy_losses_where_trl_has_no_behaviour_log_probs(tmp_path):
-    # without vLLM TRL feeds them itself (its old-log-prob pass at generation, policy versions from its step
-    # counter: test_trl_policy_versions.py); with vLLM only with the sampler's log-probs, unless a subclass declares them
+    # without vLLM TRL feeds them itself (its old-log-prob pass at generation, policy versions as generation rounds:
+    # test_trl_policy_versions.py); with vLLM only with the sampler's log-probs, unless a subclass declares them
     vllm = dict(use_vllm=True, vllm_importance_sampling_correction=False)
     with pytest.raises(stablerl.MissingInputError, match="rollout_log_prob: with use_vllm=True it needs "
                                                          "vllm_importance_sampling_correction=True"):

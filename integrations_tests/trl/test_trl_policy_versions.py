@@ -1,9 +1,11 @@
 """A-3PO (arXiv 2512.06547) in TRL 1.16's off-policy path, by config key only: ``GRPOConfig(loss_type="a3po")`` with
 ``steps_per_generation = 3 * gradient_accumulation_steps`` (each generation batch trained over 3 optimizer steps), real
-training on CPU without vLLM. The adapter's providers feed ``versions`` (TRL's ``state.global_step`` when each row
-was generated), ``policy_version`` (``state.global_step`` now) and the behaviour log-probs (TRL's old-log-prob pass
-at generation): the batches come from two generating versions (0 and 3) and are trained 0, 1 and 2 steps stale;
-every loss call equals the formula on its inputs, and alpha is (L - 1) / L for L >= 1 steps stale."""
+training on CPU without vLLM. The adapter's providers feed ``versions`` (the generation round that generated each
+row: AReaL's weight versions, one per weight sync to the rollout engine), ``policy_version`` (the round of the batch
+being trained) and the behaviour log-probs (TRL's old-log-prob pass at generation). TRL's GRPOTrainer is synchronous,
+so versions == policy_version over the optimizer steps that reuse one generation batch: alpha = 0 (AReaL keeps the
+version constant over the ppo_n_minibatches steps of one rollout batch). A hand-made stamp gives one batch mixed
+versions, to check the formula at the loss call where alpha > 0."""
 
 import pytest
 import torch
@@ -12,9 +14,11 @@ import trl_helpers as H  # noqa: I001
 
 import stablerl
 from stablerl.adapters.trl import GRPOConfig, GRPOTrainer
+from stablerl.adapters.trl._adapter import VERSION_KEY
 
 K = 2  # steps_per_generation = K + 1 optimizer steps per generation batch
-STEPS = 6
+STEPS = 9  # three generation rounds
+MIXED_ROUND = 2  # the round whose batch gets a hand-made mixed-version stamp
 
 
 def _a3po_by_hand(kw):
@@ -47,7 +51,13 @@ def test_a3po_selected_by_loss_type_gets_trl_versions_and_the_formula(tmp_path, 
     class Recording(GRPOTrainer):
         def _generate_and_score_completions(self, inputs):
             snapshots[int(self.state.global_step)] = H.weights_snapshot(self.model)  # the behaviour policy
-            return super()._generate_and_score_completions(inputs)
+            out = super()._generate_and_score_completions(inputs)
+            if self._stablerl_policy_version == MIXED_ROUND:
+                # TRL's synchronous loop never trains a batch of an older round; stamp every other row of this
+                # round's batch as generated in round 0 (what an asynchronous rollout would hand over), to check the
+                # formula on a mixed-version batch at the loss call
+                out[VERSION_KEY][::2] = 0
+            return out
 
         def _stablerl_policy_loss(self, inputs, logps, *args, **kwargs):
             seen.append((int(self.state.global_step), dict(inputs)))
@@ -56,14 +66,18 @@ def test_a3po_selected_by_loss_type_gets_trl_versions_and_the_formula(tmp_path, 
     args = GRPOConfig(**H.base_kwargs(tmp_path, loss_type="a3po", num_iterations=1, gradient_accumulation_steps=1,
                                       steps_per_generation=K + 1, max_steps=STEPS))
     _, rec, _ = H.train(Recording, args)
-    assert sorted(snapshots) == [0, 3]  # two generating versions
+    assert sorted(snapshots) == [0, 3, 6]  # three generation rounds: weight versions 0, 1, 2
     assert [s for s, _ in seen] == list(range(STEPS)) and len(calls) == STEPS
     alphas = []
     for (step, inp), (kw, loss, metrics) in zip(seen, calls):
-        generated_at = step - step % (K + 1)
+        generated_at, round_ = step - step % (K + 1), step // (K + 1)
         mask = kw["response_mask"].bool()
-        assert kw["policy_version"] == step
-        assert kw["versions"][mask].unique().tolist() == [generated_at]
+        # the round of the batch being trained, constant over the K + 1 optimizer steps that reuse it
+        assert kw["policy_version"] == round_
+        if round_ != MIXED_ROUND:
+            assert kw["versions"][mask].unique().tolist() == [round_]  # versions == policy_version: alpha 0
+        else:  # the rows of one optimizer step may all be of one stamp (TRL shuffles and splits the batch)
+            assert set(kw["versions"][mask].unique().tolist()) <= {0, round_}
         assert (kw["versions"][~mask] == -1).all()
         assert kw["is_weights"] is None
         # the behaviour log-probs are the generating weights' (TRL's old-log-prob pass at generation)
@@ -72,11 +86,16 @@ def test_a3po_selected_by_loss_type_gets_trl_versions_and_the_formula(tmp_path, 
         ref, alpha = _a3po_by_hand(kw)
         torch.testing.assert_close(loss.double(), ref, rtol=1e-5, atol=1e-7)
         alphas.append(alpha[mask].unique().tolist())
-        if step > generated_at:  # stale: the current weights moved away from the generating ones
+        if step > generated_at:  # reused: the current weights moved away from the generating ones
             assert (kw["rollout_log_prob"] - kw["log_prob"])[mask].abs().max() > 1e-3
-    # alpha = (v - 1 - v_b) / (v - v_b): 0 on-policy and 1 step stale, 1/2 two steps stale
-    assert alphas == [[0.0], [0.0], [0.5], [0.0], [0.0], [0.5]]
-    assert [log["stablerl/a3po/alpha_mean"] for log in rec.logs] == pytest.approx([0, 0, 0.5, 0, 0, 0.5], abs=1e-7)
+        if round_ == MIXED_ROUND:  # alpha = (v - 1 - v_b) / (v - v_b) = (2 - 1 - 0) / (2 - 0) on the round-0 rows
+            assert (alpha[mask & (kw["versions"] == 0)] == 0.5).all()
+            assert (alpha[mask & (kw["versions"] == round_)] == 0).all()
+    # AReaL's convention in a synchronous trainer: alpha 0 at every optimizer step of a reused generation batch
+    assert alphas[:6] == [[0.0]] * 6
+    assert sorted({a for step in alphas[6:] for a in step}) == [0.0, 0.5]  # the mixed batch: both stamps trained
+    logged = [log["stablerl/a3po/alpha_mean"] for log in rec.logs]
+    assert logged[:6] == [0.0] * 6 and 0.0 < sum(logged[6:]) / 3 < 0.5, logged
 
 
 def test_a3po_on_policy_in_trl_has_alpha_zero_and_trains_like_decoupled_ppo(tmp_path):
