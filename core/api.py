@@ -44,6 +44,7 @@ from .checks import (  # noqa: F401  (is_binary_mask: also stablerl.api's, as be
 from .ops import (AGG_MODES, aggregate, as_floats, ensure_same_shape, group_ids, high_entropy_mask, is_functorch_wrapped,
                   masked_tangent)
 from .params import MissingInputError, StableRLError, UnknownNameError, build_params, unknown_name_message
+from .policy_versions import check_policy_versions
 from .registry import get_registry, switch_names
 
 _FLOAT_TYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -292,6 +293,10 @@ def compute_policy_loss(
         if t is not None:
             require_float(k, t)
     check_mask(response_mask)
+    if inputs.get("versions") is not None or inputs.get("policy_version") is not None:
+        # a token newer than the weights being trained is refused (A-3PO's alpha would clamp it to 0 silently)
+        inputs["policy_version"] = check_policy_versions(inputs.get("versions"), inputs.get("policy_version"),
+                                                         response_mask)
     if inputs.get("scores") is not None:
         scores = check_per_response("scores", inputs["scores"], shape[0])
         if not bool(torch.isfinite(scores).all()):

@@ -49,8 +49,10 @@ OPTIONAL_INPUTS: dict[str, str] = {
     "token_ids": "response token ids (verl: batch['responses']; TRL: completion_ids)",
     "index": "group ids of the responses (verl: uid; TRL: contiguous blocks of num_generations)",
     "turn_ids": "per-token turn/segment ids of multi-turn traces (agent loops)",
-    "versions": "per-token policy version that generated each token (asynchronous rollout systems)",
-    "policy_version": "the current policy version (an integer)",
+    "versions": "per-token policy version that generated each token, [B, T] integers (negative: not generated), "
+    "counted in weight updates as AReaL does (stablerl.policy_versions; TRL: the generation round that generated the row)",
+    "policy_version": "the version of the weights being trained (an integer, never below a trained token's version; "
+    "TRL: the generation round of the batch being trained)",
     "sampling_mask": "the rollout engine's kept set per response token under top-k/top-p/min-p sampling "
     "(stablerl.sampling_mask: the engine's CSR SamplingMask, or its SamplingRule to recompute it); the adapter "
     "expresses rollout_log_prob over the full vocabulary with it before any ratio against the rollout is formed",

@@ -47,8 +47,16 @@ def test_one_name_rule_in_every_framework():
 def test_refusals_say_why_in_the_frameworks_words():
     with pytest.raises(stablerl.MissingInputError, match=r"hidden_states: OpenRLHF's Actor.forward returns log-probs"):
         F.resolve("openrlhf", POLICY_LOSS, "capo")
-    status, why = F.reach(F.get_framework("trl"), stablerl.get_spec(POLICY_LOSS, "a3po"))
-    assert status == "refused" and "versions: TRL's GRPOTrainer keeps no per-token policy versions" in why
+    status, why = F.reach(F.get_framework("trl"), stablerl.get_spec(POLICY_LOSS, "capo"))
+    assert status == "refused" and "hidden_states: TRL's forward in _compute_loss returns log-probs" in why
+    # TRL: policy versions as generation rounds (its synchronous GRPOTrainer: alpha 0); the behaviour log-probs
+    # under a setting
+    a3po = stablerl.get_spec(POLICY_LOSS, "a3po")
+    assert F.reach(F.get_framework("trl"), a3po) == ("partial", "a3po")
+    conditions = F.reach_conditions(F.get_framework("trl"), a3po)
+    assert [n.split(":")[0] for n in conditions] == ["rollout_log_prob", "versions", "policy_version"]
+    assert "versions == policy_version and A-3PO's alpha = 0" in conditions[1]
+    assert {"versions", "policy_version"} <= F.get_framework("trl").feedable[POLICY_LOSS]
     # verl and OpenRLHF: one weight version per batch in their synchronous trainers (A-3PO's alpha = 0), under
     # that setting
     assert F.reach(F.get_framework("verl"), stablerl.get_spec(POLICY_LOSS, "a3po")) == ("partial", "a3po")
@@ -176,8 +184,8 @@ def test_describe_framework_prints_the_effective_settings(capsys):
     out = capsys.readouterr().out
     assert "verl: select with actor_rollout_ref.actor.policy_loss.loss_mode=stablerl_gspo" in out
     assert "clip_ratio_low  = 0.0003" in out and "One precedence rule in every framework" in out
-    assert main(["describe", "a3po", "--framework", "trl"]) == 0
-    assert "trl: 'a3po' cannot be selected: needs" in capsys.readouterr().out
+    assert main(["describe", "capo", "--framework", "trl"]) == 0
+    assert "trl: 'capo' cannot be selected: needs" in capsys.readouterr().out
     assert main(["describe", "gspo", "--framework", "jax"]) == 2
     assert "unknown framework 'jax'" in capsys.readouterr().err
 

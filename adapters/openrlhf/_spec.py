@@ -47,7 +47,8 @@ OPENRLHF = FrameworkSpec(
             "anchor_ids": "OpenRLHF's experiences are one per sample (its agent mode keeps a whole episode in one), "
             "with no anchor-state ids",
             "step_returns": "OpenRLHF's experiences carry no per-step discounted returns",
-            "versions": "OpenRLHF's experiences carry no per-token policy versions (its async mode keeps none per token)",
+            "versions": "OpenRLHF's experiences carry no per-token policy versions (its async generator records no "
+            "weight version with its samples)",
             "policy_version": "OpenRLHF's loss call does not know the current policy version",
             "router_log_prob": "OpenRLHF's loss call gets no router log-probs (stablerl's R2/R3 replay there replays "
             "experts, it records no router log-probs)",

@@ -28,6 +28,19 @@ from stablerl.providers import provides
 
 _EXTENSIONS = (REWARD_SHAPER, BATCH_FILTER)
 _ROUTING_REPLAY = "routing_replay='R2' or 'R3' on an MoE model"
+# the sampler's log-probs, or (TRL generating with the policy itself) the generating weights' own log-probs
+BEHAVIOUR_LOG_PROBS = (
+    "use_vllm=False (TRL generates with the policy itself: the behaviour log-probs are its old-log-prob pass at "
+    "generation, run whenever steps_per_generation * num_iterations spans more than one optimizer step; else the "
+    "batch is on-policy and they are the training forward's, detached), or use_vllm=True with "
+    "vllm_importance_sampling_correction=True (the engine's sampling log-probs)")
+#: per-row tensor of the trainer's generation batch: the generation round (A-3PO's weight version, AReaL's sense) that
+#: generated the row (travels with the rows through TRL's shuffles and splits)
+VERSION_KEY = "stablerl_policy_version"
+SYNCHRONOUS_VERSIONS = (
+    "TRL's synchronous GRPOTrainer: versions are generation rounds (AReaL's weight versions), and every batch is "
+    "trained in the round that generated it (steps_per_generation / num_iterations reuse one generation batch), so "
+    "versions == policy_version and A-3PO's alpha = 0 (decoupled PPO with the behaviour log-probs as proximal policy)")
 # per-response inputs the user provides (a reward function's TRL log_extra, a rollout_func field or a dataset column)
 USER_INPUTS = ("correct", "flawed", "void_turn", "pos_count", "neg_count")
 
@@ -106,13 +119,30 @@ class TRLAdapter(FrameworkAdapter):
         """TRL's completion_ids."""
         return record.host["completion_ids"]
 
-    @provides("rollout_log_prob", to=(POLICY_LOSS,),
-              condition="use_vllm=True and vllm_importance_sampling_correction=True")
+    @provides("rollout_log_prob", to=(POLICY_LOSS,), condition=BEHAVIOUR_LOG_PROBS)
     @provides("rollout_log_prob", to=(ROLLOUT_CORRECTION,),
               condition="use_vllm=True (or a rollout_func returning logprobs) and vllm_importance_sampling_correction=False")
     def rollout_log_prob(self, record):
-        """The rollout engine's sampling log-probs (TRL's sampling_per_token_logps; NaN: not scored, no mismatch)."""
+        """The rollout engine's sampling log-probs (TRL's sampling_per_token_logps; NaN: not scored, no mismatch);
+        without vLLM (losses only), the generating weights' own: TRL's old-log-prob pass at generation."""
         return record.rollout_log_prob
+
+    # -- policy versions (A-3PO): generation rounds, AReaL's weight versions ---------------------------------
+
+    @provides("versions", to=(POLICY_LOSS,), condition=SYNCHRONOUS_VERSIONS)
+    def versions(self, record):
+        """The generation round that generated the row, on its generated tokens (-1 elsewhere)."""
+        stamp = record.host.get(VERSION_KEY)
+        if stamp is None:
+            return None
+        mask = record.response_mask
+        stamp = stamp.to(mask.device).unsqueeze(1).expand(mask.shape)
+        return torch.where(mask.bool(), stamp, torch.full_like(stamp, -1))
+
+    @provides("policy_version", to=(POLICY_LOSS,), condition="TRL's synchronous GRPOTrainer, as for versions")
+    def policy_version(self, record):
+        """The generation round of the batch being trained (constant over the optimizer steps that reuse it)."""
+        return record.policy_version
 
     @provides("router_log_prob", to=(POLICY_LOSS,), condition=_ROUTING_REPLAY)
     def router_log_prob(self, record):
@@ -199,4 +229,5 @@ class TRLAdapter(FrameworkAdapter):
         return record.apply
 
 
-__all__ = ["TRLAdapter", "UnsupportedTRLVersionError", "REQUIRED_SIGNATURES", "USER_INPUTS"]
+__all__ = ["TRLAdapter", "UnsupportedTRLVersionError", "REQUIRED_SIGNATURES", "USER_INPUTS", "VERSION_KEY",
+           "BEHAVIOUR_LOG_PROBS"]

@@ -45,10 +45,12 @@ def resolve_loss_type(loss_type: str) -> Optional[str]:
     return resolve(TRL, POLICY_LOSS, loss_type, inputs=False)
 
 
-def loss_inputs_trl_can_feed(use_vllm_is: bool, routing_replay: bool = False) -> set[str]:
+def loss_inputs_trl_can_feed(use_vllm_is: bool, routing_replay: bool = False, own_generation: bool = False) -> set[str]:
     """The policy-loss inputs TRL feeds in a run: its providers' (the declaration lists all), less the conditional
-    ones whose setting is off (vLLM IS correction: the sampler's log-probs; routing replay: router log-probs)."""
-    holds = {"rollout_log_prob": use_vllm_is, "router_log_prob": routing_replay, "old_router_log_prob": routing_replay}
+    ones whose setting is off (vLLM IS correction, or ``own_generation`` (use_vllm=False): the behaviour log-probs;
+    routing replay: router log-probs)."""
+    holds = {"rollout_log_prob": use_vllm_is or own_generation, "router_log_prob": routing_replay,
+             "old_router_log_prob": routing_replay, "versions": True, "policy_version": True}  # GRPOTrainer: sync
     conditional = TRL.conditions.get(POLICY_LOSS, {})
     return {name for name in TRL.feedable[POLICY_LOSS] if name not in conditional or holds[name]}
 
@@ -163,7 +165,8 @@ def validate_stablerl_args(args, warn: bool = True) -> tuple[Optional[str], Opti
             raise UnknownNameError(unknown_name_message("stablerl_loss_agg_mode", agg, AGG_MODES))
         # the inputs TRL feeds in this run, and those a trainer subclass declared it supplies
         check_inputs(TRL, spec, extra_inputs=check_extra_loss_inputs(getattr(args, "stablerl_extra_loss_inputs", None)),
-                     feedable=loss_inputs_trl_can_feed(vllm_is(args), routing_replay_mode(args) is not None))
+                     feedable=loss_inputs_trl_can_feed(vllm_is(args), routing_replay_mode(args) is not None,
+                                                       own_generation=not getattr(args, "use_vllm", False)))
         if warn and args.delta is not None and "clip_ratio_c" not in spec.defaults():
             warnings.warn(f"delta (TRL's two-sided ratio clip, a dual clip: clip_ratio_c) has no counterpart in the "
                           f"stablerl loss {loss!r}, which does not use it", UserWarning, stacklevel=3)

@@ -74,6 +74,7 @@ class LossBatch(BatchRecord):
     entropies: Optional[torch.Tensor] = None
     router_log_prob: Optional[torch.Tensor] = None  # at the replayed experts (routing replay, for rspo)
     rollout_log_prob: Optional[torch.Tensor] = None
+    policy_version: Optional[int] = None  # the generation round of the batch being trained (A-3PO's current version)
     capture: bool = True  # whether the next training forward is this pass's
 
 

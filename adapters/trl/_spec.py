@@ -50,14 +50,11 @@ TRL = FrameworkSpec(
             "anchor_ids": "TRL's GRPOTrainer has one row per completion (its tool calls stay inside it), no agent "
             "steps with anchor-state ids",
             "step_returns": "TRL's GRPOTrainer has one row per completion, no agent steps with step returns",
-            "versions": "TRL's GRPOTrainer keeps no per-token policy versions (a trainer subclass that tracks them can "
-            "supply them through stablerl_extra_loss_inputs, as benchmarks/stability/_offpolicy_trainer.py does)",
-            "policy_version": "TRL's loss call is not given the current policy version (a trainer subclass can supply "
-            "it through stablerl_extra_loss_inputs)",
             "router_log_prob": "needs routing_replay='R2' or 'R3' on an MoE model (TRL's fused LM head drops router "
             "logits; stablerl records the router log-probs at the replayed experts)",
             "old_router_log_prob": "needs routing_replay='R2' or 'R3' on an MoE model (recorded in the old-log-prob pass)",
-            "rollout_log_prob": "needs use_vllm=True and vllm_importance_sampling_correction=True",
+            "rollout_log_prob": "with use_vllm=True it needs vllm_importance_sampling_correction=True (TRL keeps the "
+            "sampler's log-probs only then; without vLLM they are TRL's old-log-prob pass at generation)",
             "entropy": "TRL computes entropies only inside _compute_loss, after advantages",
             "old_log_prob": "the adapter hands the old-log-prob pass's log-probs to advantage estimators only (the "
             "loss gets TRL's old_per_token_logps as its old policy)",
@@ -139,6 +136,15 @@ TRL = FrameworkSpec(
         "old log-probs)",
         "optimal_token_baseline": _TRL_OTB_NOTE,
         "tir_optimal_token_baseline": _TRL_OTB_NOTE,
+        "a3po": "versions are generation rounds (AReaL's weight versions: one per weight sync to the rollout engine, "
+        "constant over the optimizer steps that train one rollout batch): each row is stamped with the round that "
+        "generated it (-1 on prompt, padding and tool tokens), policy_version is the round of the batch being trained. "
+        "TRL's GRPOTrainer is synchronous: it trains only its latest generation batch (over steps_per_generation / "
+        "gradient_accumulation_steps optimizer steps, num_iterations times), so versions == policy_version and alpha = "
+        "0: A-3PO is decoupled PPO with the behaviour log-probs as proximal policy. Without vLLM the behaviour "
+        "log-probs are TRL's old-log-prob pass at generation (the generating weights'); with vLLM they are the "
+        "sampler's (vllm_importance_sampling_correction=True). trl.experimental.async_grpo.AsyncGRPOTrainer (where "
+        "alpha would be nonzero) is not supported: it has no loss_type and needs a vLLM server",
         "m2po": "old_log_prob is TRL's old_per_token_logps (recomputed when num_iterations > 1 or "
         "steps_per_generation > gradient_accumulation_steps), else the detached current policy (ratio 1); a "
         "trainer subclass can hand the behaviour policy's log-probs (stablerl_extra_loss_inputs)",

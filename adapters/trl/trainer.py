@@ -38,7 +38,7 @@ from stablerl.frameworks import effective_hyperparameters, log_effective_setting
 from stablerl.params import StableRLError
 from stablerl.patching import PatchLedger
 
-from ._adapter import TRLAdapter, UnsupportedTRLVersionError
+from ._adapter import VERSION_KEY, TRLAdapter, UnsupportedTRLVersionError
 from ._config import (EXTENSION_KINDS, SUPPORTED_TRL, TRL, TRL_LOSS_TYPES, GRPOConfig, TRL_GRPOTrainer,
                       advantage_settings, check_rollout_correction, loss_inputs_trl_can_feed, loss_settings,
                       resolve_loss_type, rollout_correction_setting, routing_replay_mode, selection_of,
@@ -97,6 +97,10 @@ class GRPOTrainer(TRL_GRPOTrainer):
             cspec = stablerl.get_spec(ROLLOUT_CORRECTION, correction)
             log_effective_settings(TRL, cspec, effective_hyperparameters(TRL, cspec, correction_params, {}))
         needs = set(spec.requires) if spec else set()
+        self._stablerl_versions = "versions" in needs
+        # A-3PO's weight versions (AReaL's sense): training generation rounds so far, and the round of the batch now
+        # being trained (TRL's synchronous loop trains only its latest generation batch: versions == policy_version)
+        self._stablerl_generation_rounds, self._stablerl_policy_version = 0, 0
         self._stablerl_routing = RoutingReplay(self, routing_replay_mode(cfg), router_lp="router_log_prob" in needs)
         self._stablerl_losses = PolicyLossStep(
             self, loss, params=loss_params, call_options=call_options, correction=correction,
@@ -152,7 +156,22 @@ class GRPOTrainer(TRL_GRPOTrainer):
             self._stablerl_routing.finish(batch, out)
         finally:
             self._stablerl_batch = None
-        return self._stablerl_rollout.finish(batch, out)
+        out = self._stablerl_rollout.finish(batch, out)
+        if self._stablerl_versions:  # A-3PO: the version of the weights that generated each row
+            rows = out["completion_ids"].size(0)
+            out[VERSION_KEY] = torch.full((rows,), self._stablerl_generation_round(), dtype=torch.long,
+                                          device=out["completion_ids"].device)
+        return out
+
+    def _stablerl_generation_round(self) -> int:
+        """A-3PO's version of the weights generating now, in AReaL's sense (one version per weight sync to the
+        rollout engine, constant over the optimizer steps that train one rollout batch): the index of this training
+        generation round (each new generation batch sees the weights after all updates so far); it becomes the
+        policy version of the batch now being trained. An evaluation generation is of the latest round's version."""
+        if self._mode() == "train":
+            self._stablerl_policy_version = self._stablerl_generation_rounds
+            self._stablerl_generation_rounds += 1
+        return self._stablerl_policy_version
 
     # -- the forwards and the loss -----------------------------------------------------------------------
 

@@ -136,6 +136,11 @@ def _through_compute_loss(monkeypatch, name, b, mode, params):
         # TRL's old-log-prob pass's entropies, which the adapter carries with the rows for erc
         "stablerl_old_entropy": b["old_entropy"],
     }
+    if "versions" in spec.requires:  # the generation round the trainer stamps on each row (A-3PO's versions)
+        from stablerl.adapters.trl._adapter import VERSION_KEY
+
+        t._stablerl_policy_version = 0  # the round of the batch being trained: the batch's own (synchronous)
+        inputs[VERSION_KEY] = torch.full((B,), t._stablerl_policy_version, dtype=torch.long)
     if rollout:
         inputs["sampling_per_token_logps"] = b["rollout_log_prob"]
         inputs["importance_sampling_ratio"] = torch.ones(B, T)  # TRL's own ratio: not applied to such a loss

@@ -11,7 +11,7 @@ exercises several stablerl features together (one process start costs most of a 
   ``total_training_steps``), 2 steps, checkpoint at step 2;
 * the same run resumed in a new process to step 3: step counter and EntroPIC's integral continue;
 * ``a3po`` (verl's weight versions) + ``gtpo_entropy_filter`` (the old-log-prob pass's entropy at
-  ``compute_advantage``);
+  ``compute_advantage``); ``a3po`` with ``ppo_epochs=3`` (alpha 0 over the optimizer steps of one batch: AReaL's convention);
 * ``gtpo`` (a loss that takes prompt groups) at verl's default ``trainer.balance_batch=true`` with two micro-batches
   of two whole groups each; the same settings with a micro-batch that would split groups are refused at start-up;
 * SFPO as a trainer hook (K=1, alpha 0.5): passes, reposition and entropy window, with ``empg`` (an estimator
@@ -276,6 +276,22 @@ def test_a3po_and_gtpo_entropy_filter_get_verls_versions_and_old_pass_entropy(wo
         assert d["stablerl/gtpo_filter/dropped_frac"] == 0.0  # every completion penalised by 0.1 H_i, none dropped
         assert d["actor/a3po/alpha_mean"] == 0.0
         assert d["actor/behave_imp_weight"] == pytest.approx(1.0)
+
+
+def test_a3po_alpha_is_zero_over_ppo_epochs(workdir):
+    """A-3PO in verl's own trainer with actor.ppo_epochs=3 (one mini-batch): each batch gets 3 optimizer steps, and
+    AReaL's convention keeps the policy version constant over them (it counts weight syncs to the rollout engine;
+    its proximal policy, recomputed once per training step, is the behaviour policy in a synchronous trainer), so
+    alpha is 0 at all three loss calls: verl logs alpha_mean 0 and behave_imp_weight 1 at every step."""
+    out, rows = run_main_ppo(workdir, "a3po_epochs", [
+        "trainer.total_training_steps=2", "trainer.save_freq=-1", "trainer.resume_mode=disable",
+        "algorithm.adv_estimator=grpo", "actor_rollout_ref.actor.policy_loss.loss_mode=a3po",
+        "actor_rollout_ref.actor.ppo_epochs=3",
+    ])
+    _assert_steps_and_reward(rows, [1, 2])
+    for r in rows:
+        assert r["data"]["actor/a3po/alpha_mean"] == 0.0, r["data"]
+        assert r["data"]["actor/behave_imp_weight"] == pytest.approx(1.0), r["data"]
 
 
 SFPO_EMPG = [
