@@ -53,6 +53,14 @@ WHOLE_GROUPS = (
     "actor_rollout_ref.rollout.n, data.train_batch_size and actor.ppo_mini_batch_size multiples of the DP size, no "
     "actor.use_dynamic_bsz, no actor.shuffle (trainer.balance_batch=true stays: the adapter balances whole groups)")
 
+# sampling-mask replay (adapters/verl/_sampling_mask.py): where it runs
+SAMPLING_REPLAY = (
+    "the legacy trainer (trainer.use_v1=false) in decoupled mode (algorithm.rollout_correction.bypass_mode=false), "
+    "actor_rollout_ref.rollout.calculate_log_probs=True and +algorithm.sampling_mask_replay=auto (on when rollout.top_k "
+    "> 0 or top_p < 1) or true: rollout_log_probs are replaced by their full-vocabulary form before any ratio")
+#: the batch meta info under which the replayed rule rides to compute_advantage and the update
+REPLAYED_KEY = "stablerl_sampling_replayed"
+
 #: the batch field under which the legacy trainer's old-log-prob-pass entropy is kept for compute_advantage
 KEPT_ENTROPY = "stablerl_old_entropys"
 #: the batch's weight version, which the adapter's wrap of the legacy RayPPOTrainer._update_actor puts in its
@@ -213,6 +221,14 @@ class AdvantageInputs:
         """the legacy trainer's old-log-prob pass entropy (kept only when a selected algorithm reads it)"""
         return batch_field(record.host, KEPT_ENTROPY, "entropys", "entropy")
 
+    @provides("sampling_mask", to=(ADVANTAGE_ESTIMATOR,), condition=SAMPLING_REPLAY)
+    def advantage_sampling_mask(self, record):
+        """the rollout's kept set the legacy trainer's old-log-prob pass replayed into rollout_log_probs (the rule,
+        or the batch's per-row engine masks)"""
+        from ._sampling_mask import replayed
+
+        return replayed(record.host.meta_info.get(REPLAYED_KEY), record.host.non_tensor_batch)
+
     correct = _response_field("correct")
     flawed = _response_field("flawed")
     void_turn = _response_field("void_turn")
@@ -272,6 +288,16 @@ class LossInputs:
         """data["rollout_log_probs"] (actor_rollout_ref.rollout.calculate_log_probs=True)"""
         field = _first(record.host.data, ("rollout_log_probs",))
         return None if field is None else padded(record.host.data, field)[field]
+
+    @provides("sampling_mask", to=(POLICY_LOSS,), condition=SAMPLING_REPLAY)
+    def loss_sampling_mask(self, record):
+        """the rollout's kept set replayed into data["rollout_log_probs"] by the old-log-prob pass"""
+        from verl.utils import tensordict_utils as tu
+
+        from ._sampling_mask import MASK_FIELD, replayed
+
+        data = record.host.data
+        return replayed(tu.get_non_tensor_data(data, REPLAYED_KEY, None), {MASK_FIELD: tu.get(data, MASK_FIELD, None)})
 
     @provides("old_entropy", to=(POLICY_LOSS,), condition="the v1 trainer (trainer.use_v1=true, verl's default; the "
               "legacy trainer drops the old-log-prob pass's entropy before the update)")
