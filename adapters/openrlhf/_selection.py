@@ -88,6 +88,13 @@ class Selection(AlgorithmSelection):
     reward_clip_range: Optional[tuple] = None
     #: MoE routing replay (--actor.stablerl_routing_replay): "R2", "R3", or None (native routing)
     routing_replay: Optional[str] = None
+    #: sampling-mask replay (--algo.advantage.sampling_mask_replay, ``._sampling_mask``): the resolved decision
+    sampling_replay: Any = None
+
+    def old_pass_stats(self) -> frozenset:
+        """Core's, and ``log_kept_mass`` when sampling-mask replay is on (the old-log-prob pass measures it)."""
+        on = self.sampling_replay is not None and self.sampling_replay.on
+        return super().old_pass_stats() | frozenset({"log_kept_mass"} if on else ())
 
     def loss_settings(self) -> list:
         """The loss's effective hyper-parameters with their sources: ``--actor.stablerl_params`` > the clip flags
@@ -151,7 +158,14 @@ def _from_env(args: Any = None) -> Selection:
         batch_filter_params=parse_params(env.get(ENV_BATCH_FILTER_PARAMS), ENV_BATCH_FILTER_PARAMS),
         entropy_controller=resolve(_CONTROLLER, env.get(ENV_CONTROLLER) or None),
         entropy_controller_params=parse_params(env.get(ENV_CONTROLLER_PARAMS), ENV_CONTROLLER_PARAMS),
+        sampling_replay=_env_replay(args),
     )
+
+
+def _env_replay(args: Any):
+    from ._sampling_mask import decide
+
+    return decide(args, os.environ.get(ENV_SAMPLING_REPLAY), key=ENV_SAMPLING_REPLAY) if args is not None else None
 
 
 def selection_from_args(args) -> Selection:
