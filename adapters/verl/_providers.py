@@ -60,6 +60,9 @@ SAMPLING_REPLAY = (
     "> 0 or top_p < 1) or true: rollout_log_probs are replaced by their full-vocabulary form before any ratio")
 #: the batch meta info under which the replayed rule rides to compute_advantage and the update
 REPLAYED_KEY = "stablerl_sampling_replayed"
+#: a per-row non-tensor field a customised rollout may set: the engine's kept sets, one ``SamplingMask`` of shape
+#: ``[response_length]`` per row (vLLM >= 0.28 ``return_sampling_mask``)
+MASK_FIELD = "sampling_mask"
 
 #: the batch field under which the legacy trainer's old-log-prob-pass entropy is kept for compute_advantage
 KEPT_ENTROPY = "stablerl_old_entropys"
@@ -106,6 +109,19 @@ FIX: dict[str, str] = {
     "scores": "the batch has none of " + ", ".join(_SCORE_FIELDS),
     "index": 'the batch has no "uid" field',
 }
+
+
+def replayed(meta: Optional[dict], non_tensor: Any):
+    """What the replay used for this batch (the ``sampling_mask`` provider): the :class:`SamplingRule`, or the rows'
+    engine masks; None when the batch was not replayed."""
+    if not meta:
+        return None
+    if meta.get("mask"):
+        return non_tensor.get(MASK_FIELD) if non_tensor is not None else None
+    from stablerl.sampling_mask import SamplingRule
+
+    return SamplingRule(temperature=float(meta.get("temperature", 1.0)), top_k=int(meta["top_k"]),
+                        top_p=float(meta["top_p"]), min_p=float(meta.get("min_p", 0.0)))
 
 
 class VerlAdvantageInputError(MissingInputError):
@@ -225,8 +241,6 @@ class AdvantageInputs:
     def advantage_sampling_mask(self, record):
         """the rollout's kept set the legacy trainer's old-log-prob pass replayed into rollout_log_probs (the rule,
         or the batch's per-row engine masks)"""
-        from ._sampling_mask import replayed
-
         return replayed(record.host.meta_info.get(REPLAYED_KEY), record.host.non_tensor_batch)
 
     correct = _response_field("correct")
@@ -293,8 +307,6 @@ class LossInputs:
     def loss_sampling_mask(self, record):
         """the rollout's kept set replayed into data["rollout_log_probs"] by the old-log-prob pass"""
         from verl.utils import tensordict_utils as tu
-
-        from ._sampling_mask import MASK_FIELD, replayed
 
         data = record.host.data
         return replayed(tu.get_non_tensor_data(data, REPLAYED_KEY, None), {MASK_FIELD: tu.get(data, MASK_FIELD, None)})

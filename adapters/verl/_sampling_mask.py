@@ -22,7 +22,7 @@ from typing import Any, Optional
 
 import torch
 
-from stablerl.adapters.verl._providers import REPLAYED_KEY
+from stablerl.adapters.verl._providers import MASK_FIELD, REPLAYED_KEY, replayed
 from stablerl.params import StableRLError
 from stablerl.sampling_mask import (REPLAY_OPTION, ReplayDecision, SamplingMask, SamplingRule, log_kept_mass_rows,
                                     log_replay_decision, replay_rollout_log_prob, resolve_replay)
@@ -35,17 +35,16 @@ KEY = f"algorithm.{REPLAY_OPTION}"
 FLAG = "stablerl_sampling_replay"
 #: the engine's per-token output: ``log M`` in verl's no-padding layout (0 outside the response positions)
 OUTPUT = "stablerl_log_kept_mass"
-#: a per-row non-tensor field a customised rollout may set: the engine's kept sets, one ``SamplingMask`` of shape
-#: ``[response_length]`` per row (vLLM >= 0.28 ``return_sampling_mask``)
-MASK_FIELD = "sampling_mask"
 RULE_KEYS = "actor_rollout_ref.rollout.top_k / top_p"
 
 
 def rollout_rule(config) -> SamplingRule:
     """The rollout's sampling rule from verl's ``actor_rollout_ref.rollout`` (verl has no min_p)."""
-    rollout = config.actor_rollout_ref.rollout
-    return SamplingRule(temperature=float(rollout.get("temperature", 1.0)), top_k=int(rollout.get("top_k", -1)),
-                        top_p=float(rollout.get("top_p", 1.0)))
+    from stablerl.selection import config_get
+
+    rollout = config_get(config_get(config, "actor_rollout_ref"), "rollout")
+    return SamplingRule(temperature=float(config_get(rollout, "temperature", 1.0)),
+                        top_k=int(config_get(rollout, "top_k", -1)), top_p=float(config_get(rollout, "top_p", 1.0)))
 
 
 def decide(config, batch) -> ReplayDecision:
@@ -90,7 +89,8 @@ def startup(config, v1: bool = False) -> ReplayDecision:
         decision = bypass_decision(config)
     else:
         value = config_get(algorithm, REPLAY_OPTION) if algorithm is not None else None
-        has_rollout = bool(config.actor_rollout_ref.rollout.get("calculate_log_probs", False))
+        rollout = config_get(config_get(config, "actor_rollout_ref"), "rollout")
+        has_rollout = bool(config_get(rollout, "calculate_log_probs", False))
         decision = resolve_replay(value, rollout_rule(config), rollout_log_probs=has_rollout, key=KEY,
                                   framework="verl", rule_keys=RULE_KEYS)
         if v1 and decision.on:
@@ -215,17 +215,6 @@ def _micro_batch_mask(masks, lens) -> SamplingMask:
 def batch_td_rule(rule: Optional[SamplingRule]) -> dict:
     return {"mask": True} if rule is None else {"top_k": rule.top_k, "top_p": rule.top_p, "min_p": rule.min_p,
                                                 "temperature": rule.temperature}
-
-
-def replayed(meta: Optional[dict], non_tensor: Any):
-    """What the replay used for this batch (the ``sampling_mask`` provider): the :class:`SamplingRule`, or the rows'
-    engine masks; None when the batch was not replayed."""
-    if not meta:
-        return None
-    if meta.get("mask"):
-        return non_tensor.get(MASK_FIELD) if non_tensor is not None else None
-    return SamplingRule(temperature=float(meta.get("temperature", 1.0)), top_k=int(meta["top_k"]),
-                        top_p=float(meta["top_p"]), min_p=float(meta.get("min_p", 0.0)))
 
 
 class _CapturingWorkerGroup:

@@ -172,6 +172,12 @@ def test_the_rollout_ratio_moves_from_the_kept_mass_to_one(adapter, engine_for, 
     # log M <= 0: the full-vocabulary log-prob is below the kept-set one
     assert (after.batch["rollout_log_probs"][mask] <= before.batch["rollout_log_probs"][mask] + 1e-6).all()
     assert after.meta_info["stablerl_sampling_replayed"]["top_p"] == 0.8
+    # the sampling_mask provider at compute_advantage: the rule the batch was replayed with (None: not replayed)
+    from types import SimpleNamespace
+
+    provider = verl_adapter().providers[("advantage_estimator", "sampling_mask")]
+    assert provider(verl_adapter(), SimpleNamespace(host=after)) == RULE
+    assert provider(verl_adapter(), SimpleNamespace(host=before)) is None
     assert "sampling-mask replay on (auto:" in capsys.readouterr().err
 
 
