@@ -7,8 +7,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from stablerl.params import StableRLError
-from stablerl.sampling_mask import (KEPT_MASS_METRIC, SamplingMask, SamplingRule, kept_mask, log_kept_mass,
-                                    log_kept_mass_rows, replay_rollout_log_prob, resolve_replay)
+from stablerl.sampling_mask import (KEPT_MASS_METRIC, SamplingMask, SamplingRule, concat_positions, kept_mask,
+                                    log_kept_mass, log_kept_mass_rows, replay_rollout_log_prob, resolve_replay)
 
 TOP_P = SamplingRule(top_p=0.8)
 FULL = SamplingRule()
@@ -87,3 +87,17 @@ def test_replayed_rollout_log_prob_and_the_metric():
     bf16 = replay_rollout_log_prob(mu.bfloat16(), log_m, mask)
     assert bf16.dtype == torch.bfloat16
     torch.testing.assert_close(bf16.float()[mask], (mu.bfloat16().float() + log_m)[mask], atol=1e-2, rtol=0)
+
+
+def test_concat_positions_keeps_the_chosen_positions_in_row_order():
+    g = torch.Generator().manual_seed(4)
+    dense = [torch.rand(6, 10, generator=g) < 0.5, torch.rand(4, 10, generator=g) < 0.5]
+    keep = [torch.tensor([0, 1, 1, 0, 1, 0], dtype=torch.bool), torch.tensor([1, 1, 0, 0], dtype=torch.bool)]
+    out = concat_positions([SamplingMask.from_dense(d) for d in dense], keep)
+    want = torch.cat([d[k] for d, k in zip(dense, keep)])
+    assert out.shape == (5,) and torch.equal(out.dense_rows(0, 5, 10), want)
+    with pytest.raises(StableRLError, match=r"src: row 1 must be a SamplingMask of shape \[>= 5\]"):
+        concat_positions([SamplingMask.from_dense(dense[0]), SamplingMask.from_dense(dense[1])],
+                         [keep[0], torch.ones(5, dtype=torch.bool)], "src")
+    with pytest.raises(StableRLError, match=r"src: 1 masks for 2 rows"):
+        concat_positions([SamplingMask.from_dense(dense[0])], keep, "src")

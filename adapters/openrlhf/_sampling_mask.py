@@ -24,7 +24,7 @@ from typing import Any, Optional
 import torch
 
 from stablerl.params import StableRLError
-from stablerl.sampling_mask import (ReplayDecision, SamplingMask, SamplingRule, log_kept_mass_rows,
+from stablerl.sampling_mask import (ReplayDecision, SamplingRule, concat_positions, log_kept_mass_rows,
                                     replay_rollout_log_prob, resolve_replay)
 
 from ._flags import IS_CORRECTION_FLAG, SAMPLING_REPLAY_FLAG
@@ -88,30 +88,16 @@ def old_pass_log_kept_mass(logits, sequences, attention_mask, action_mask, rule:
     mask = getattr(action_mask, MASK_ATTR, None)
     flat = logits.reshape(-1, logits.shape[-1])
     if mask is not None:
-        got = log_kept_mass_rows(flat, rows, ids, mask=_rows_mask(mask, act.cpu()))
+        if len(mask) != b or any(tuple(getattr(m, "shape", ())) != (width,) for m in mask):
+            raise StableRLError(f"{SAMPLING_REPLAY_FLAG}: the engine's sampling masks must be one SamplingMask of "
+                                f"shape [{width}] (the action width) per row, for {b} rows")
+        got = log_kept_mass_rows(flat, rows, ids, mask=concat_positions(list(mask), list(act.cpu()),
+                                                                        SAMPLING_REPLAY_FLAG))
     else:
         got = log_kept_mass_rows(flat, rows, ids, rule=rule)
     out = torch.zeros(b, width, dtype=torch.float32, device=device)
     out[act] = got
     return out
-
-
-def _rows_mask(masks, act) -> SamplingMask:
-    """The rows' engine masks (one ``SamplingMask`` ``[A]`` per row) at the action positions, in row-major order."""
-    if len(masks) != act.shape[0]:
-        raise StableRLError(f"{SAMPLING_REPLAY_FLAG}: {len(masks)} sampling masks for {act.shape[0]} rows")
-    ids, offsets, base = [], [torch.zeros(1, dtype=torch.long)], 0
-    for i, (mask, keep) in enumerate(zip(masks, act)):
-        if not isinstance(mask, SamplingMask) or tuple(mask.shape) != (act.shape[1],):
-            raise StableRLError(f"{SAMPLING_REPLAY_FLAG}: row {i}'s sampling mask must be a SamplingMask of shape "
-                                f"[{act.shape[1]}] (the action width)")
-        for t in keep.nonzero().flatten().tolist():
-            lo, hi = int(mask.offsets[t]), int(mask.offsets[t + 1])
-            ids.append(mask.token_ids[lo:hi])
-            base += hi - lo
-            offsets.append(torch.tensor([base]))
-    n = int(act.sum())
-    return SamplingMask(torch.cat(ids) if ids else torch.zeros(0, dtype=torch.int32), torch.cat(offsets), (n,))
 
 
 # ----------------------------------------------------------------------------- in the experience maker (driver)

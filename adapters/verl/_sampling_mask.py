@@ -24,7 +24,7 @@ import torch
 
 from stablerl.adapters.verl._providers import MASK_FIELD, REPLAYED_KEY, replayed
 from stablerl.params import StableRLError
-from stablerl.sampling_mask import (REPLAY_OPTION, ReplayDecision, SamplingMask, SamplingRule, log_kept_mass_rows,
+from stablerl.sampling_mask import (REPLAY_OPTION, ReplayDecision, SamplingRule, concat_positions, log_kept_mass_rows,
                                     log_replay_decision, replay_rollout_log_prob, resolve_replay)
 
 logger = logging.getLogger("stablerl.adapters.verl")
@@ -182,7 +182,9 @@ def engine_log_kept_mass(engine, output, output_args, micro_batch) -> Optional[t
         gather = packed - cu[:-1][row_of] + row_of * width
         temperature = output_args["temperature"].reshape(-1).to(logits.device)[row_of]
     if flag.get("mask"):
-        mask = _micro_batch_mask(tu.get(micro_batch, MASK_FIELD), lens.tolist())
+        masks = tu.get(micro_batch, MASK_FIELD)
+        keep = [torch.ones(int(r), dtype=torch.bool) for r in lens.tolist()]  # each row's first r positions
+        mask = concat_positions(list(masks) if masks is not None else [], keep, f"{KEY} ({MASK_FIELD!r} field)")
         log_mass = log_kept_mass_rows(flat, gather, labels, mask=mask, temperature=temperature)
     else:
         rule = SamplingRule(top_k=int(flag["top_k"]), top_p=float(flag["top_p"]), min_p=float(flag.get("min_p", 0.0)))
@@ -190,23 +192,6 @@ def engine_log_kept_mass(engine, output, output_args, micro_batch) -> Optional[t
     values = torch.zeros(int(cu[-1]), dtype=torch.float32, device=logits.device)
     values[packed] = log_mass
     return torch.nested.nested_tensor_from_jagged(values, cu)
-
-
-def _micro_batch_mask(masks, lens) -> SamplingMask:
-    """The rows' engine masks (one ``SamplingMask`` of shape ``[response_length]`` each), their first ``len`` positions,
-    as one mask over the micro-batch's response positions in order."""
-    if masks is None or len(masks) != len(lens):
-        raise StableRLError(f"{KEY}: the batch's {MASK_FIELD!r} field must hold one SamplingMask per row")
-    ids, offsets, base = [], [torch.zeros(1, dtype=torch.long)], 0
-    for i, (mask, r) in enumerate(zip(masks, lens)):
-        if not isinstance(mask, SamplingMask) or len(mask.shape) != 1 or mask.shape[0] < r:
-            raise StableRLError(f"{KEY}: row {i} of {MASK_FIELD!r} must be a SamplingMask of shape [response_length] "
-                                f">= {r}, got {mask!r:.80}")
-        end = int(mask.offsets[r])
-        ids.append(mask.token_ids[:end])
-        offsets.append(mask.offsets[1:r + 1].long() + base)
-        base += end
-    return SamplingMask(torch.cat(ids) if ids else torch.zeros(0, dtype=torch.int32), torch.cat(offsets), (sum(lens),))
 
 
 # ----------------------------------------------------------------------------- in the trainer (driver)
