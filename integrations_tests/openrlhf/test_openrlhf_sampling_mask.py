@@ -14,31 +14,22 @@ import pytest
 pytest.importorskip("openrlhf", reason="OpenRLHF is not installed (nox -s openrlhf installs it)")
 
 import copy  # noqa: E402
-import pickle  # noqa: E402
-from types import SimpleNamespace  # noqa: E402
 
 import torch  # noqa: E402
 
 import stablerl.adapters.openrlhf as adapter  # noqa: E402
-from orlhf_helpers import make_args, run_without_ray_or_gpu, through_replay_buffer, training_strategy  # noqa: E402
+from orlhf_helpers import actor_pipeline, make_args, through_replay_buffer  # noqa: E402
 from stablerl.adapters.openrlhf import Selection, _sampling_mask  # noqa: E402
 from stablerl.params import StableRLError  # noqa: E402
 from stablerl.sampling_mask import SamplingMask, SamplingRule, kept_mask, processed_log_probs  # noqa: E402
+from test_openrlhf_old_entropy import VOCAB, _tiny_dense  # noqa: E402
 
-VOCAB = 64
 RULE = SamplingRule(temperature=0.7, top_p=0.8)
 ROWS, PER_BATCH = 16, 8  # two rollout batches of eight samples (two prompts x four)
 
 
-def _tiny_dense(seed=0):
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
-    torch.manual_seed(seed)
-    cfg = Qwen3Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=64,
-                      tie_word_embeddings=False, pad_token_id=0, eos_token_id=1, bos_token_id=None)
-    model = Qwen3ForCausalLM(cfg).float()
-    model.config.use_cache = False
+def _policy(seed=3):
+    model = _tiny_dense(seed)
     with torch.no_grad():
         model.lm_head.weight.mul_(12.0)  # a peaked next-token distribution, as a trained LM's
     return model
@@ -106,52 +97,11 @@ def _batches(singles, masks=None):
     return out
 
 
-class _Group:
-    """RayActorGroup stand-in: calls the actor's execute_batch; results cross a pickle round trip (Ray)."""
-
-    def __init__(self, worker):
-        self.worker = worker
-
-    def async_run_method_batch(self, method_name, **kwargs):
-        n = len(next(iter(kwargs.values())))
-        return [pickle.loads(pickle.dumps(self.worker.execute_batch(method_name, kwargs, 0, n)))]
-
-
 def _setup(monkeypatch, model, replay="auto", top_p=RULE.top_p, is_level="token", packing=False):
-    import openrlhf.trainer.ray.ppo_actor as ppo_actor
-    from openrlhf.models import Actor
-    from openrlhf.trainer.ppo_utils.experience_maker import RemoteExperienceMaker
-
-    adapter.instrument(now=True)
-    if packing:
-        from test_openrlhf_routing_replay import _torch_bert_padding
-
-        _torch_bert_padding(monkeypatch)
-    run_without_ray_or_gpu(monkeypatch, ppo_actor)
     args = make_args(estimator="group_norm", n_samples=4, is_level=is_level, is_mode="mask", is_threshold=(0.9, 1.1))
     args.rollout.top_p, args.rollout.temperature = top_p, RULE.temperature
     args.stablerl = Selection(sampling_replay=_sampling_mask.decide(args, replay))
-    args.ds = SimpleNamespace(packing_samples=packing, ring_attn_size=1, tensor_parallel_size=1)
-    args.train.colocate_actor_ref = False
-    actor = Actor(model)
-    actor.packing_samples, actor.temperature = packing, RULE.temperature
-    optim = torch.optim.SGD(actor.parameters(), lr=0.0)
-
-    def optimizer_step(optimizer, *a, **k):
-        optimizer.step()
-        optimizer.zero_grad()
-
-    strategy = training_strategy(args, optimizer_step)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optim, lambda s: 1)
-    trainer = ppo_actor.ActorPPOTrainer(strategy, actor, None, optim, scheduler)
-    worker = object.__new__(ppo_actor.PolicyModelActor.__ray_metadata__.modified_class)
-    worker.actor, worker.strategy = actor, strategy
-    maker = RemoteExperienceMaker.__new__(RemoteExperienceMaker)
-    maker.strategy, maker.args, maker.kl_ctl = strategy, args, SimpleNamespace(value=0.0)
-    maker.advantage_estimator = args.algo.advantage.estimator
-    maker.actor_model_group, maker.critic_model_group = _Group(worker), None
-    maker.reward_model_group = maker.initial_model_group = None
-    return SimpleNamespace(trainer=trainer, maker=maker, actor=actor, args=args)
+    return actor_pipeline(monkeypatch, args, model, packing, RULE.temperature)
 
 
 def _ratio_stats(experiences):
@@ -172,7 +122,7 @@ def _is_filter_ratio(run, experiences):
 
 @pytest.fixture(scope="module")
 def rollout():
-    model = _tiny_dense(seed=3)
+    model = _policy()
     singles, masks = _rollout(model)
     return model, singles, masks
 
