@@ -17,8 +17,7 @@ Not replayed (said at start-up, an error with ``true``): bypass mode (no old-log
 from __future__ import annotations
 
 import functools
-import logging
-from typing import Any, Optional
+from typing import Optional
 
 import torch
 
@@ -26,8 +25,6 @@ from stablerl.adapters.verl._providers import MASK_FIELD, REPLAYED_KEY, replayed
 from stablerl.params import StableRLError
 from stablerl.sampling_mask import (REPLAY_OPTION, ReplayDecision, SamplingRule, concat_positions, log_kept_mass_rows,
                                     log_replay_decision, replay_rollout_log_prob, resolve_replay)
-
-logger = logging.getLogger("stablerl.adapters.verl")
 
 KEY = f"algorithm.{REPLAY_OPTION}"
 #: the non-tensor key that asks the engine for ``log M`` (set only for the old-log-prob pass): the rule as a dict
@@ -56,9 +53,8 @@ def decide(config, batch) -> ReplayDecision:
     rule = rollout_rule(config)
     masks = MASK_FIELD in batch.non_tensor_batch
     has_rollout = "rollout_log_probs" in batch.batch.keys()
-    decision = resolve_replay(value, rule, rollout_log_probs=has_rollout, key=KEY, framework="verl",
-                              engine_masks=masks, rule_keys=RULE_KEYS)
-    return decision
+    return resolve_replay(value, rule, rollout_log_probs=has_rollout, key=KEY, framework="verl", engine_masks=masks,
+                          rule_keys=RULE_KEYS)
 
 
 def bypass_decision(config) -> Optional[ReplayDecision]:
@@ -73,7 +69,7 @@ def bypass_decision(config) -> Optional[ReplayDecision]:
         return decision
     why = ("algorithm.rollout_correction.bypass_mode=true runs no old-log-prob pass, where the adapter measures the "
            "kept mass")
-    if str(value).strip().lower() in ("true", "1", "yes", "on") or value is True:
+    if decision.reason.startswith(f"{KEY}=true"):
         raise StableRLError(f"{KEY}=true: {why}; set bypass_mode=false (decoupled mode) to replay the kept set")
     return ReplayDecision(False, decision.rule, f"auto: {why}; set bypass_mode=false to replay it", "verl")
 
@@ -95,7 +91,7 @@ def startup(config, v1: bool = False) -> ReplayDecision:
                                   framework="verl", rule_keys=RULE_KEYS)
         if v1 and decision.on:
             why = "the v1 trainer (trainer.use_v1=true) is not instrumented for it"
-            if str(value).strip().lower() in ("true", "1", "yes", "on") or value is True:
+            if decision.reason.startswith(f"{KEY}=true"):
                 raise StableRLError(f"{KEY}=true: {why}; set trainer.use_v1=false")
             decision = ReplayDecision(False, decision.rule, f"auto: {why}; set trainer.use_v1=false", "verl")
     log_replay_decision(decision)
@@ -165,18 +161,15 @@ def engine_log_kept_mass(engine, output, output_args, micro_batch) -> Optional[t
     cu = input_ids.offsets().to(logits.device)
     lens = _response_lens(micro_batch).to(cu.device)
     ends = cu[1:]
-    use_rmpad = "temperature_rmpad" in output_args
-    rows, starts = [], []
-    for i, (end, r) in enumerate(zip(ends.tolist(), lens.tolist())):
-        rows.append(torch.arange(end - r - 1, end - 1, device=logits.device))  # the positions predicting the response
+    # the packed positions that predict each row's response tokens (as no_padding_2_padding slices log_probs)
+    rows = [torch.arange(end - r - 1, end - 1, device=logits.device) for end, r in zip(ends.tolist(), lens.tolist())]
     packed = torch.cat(rows) if rows else torch.zeros(0, dtype=torch.long, device=logits.device)
     labels = output_args["input_ids_rmpad_rolled"].reshape(-1)[packed]
-    if use_rmpad:
-        flat = logits.reshape(-1, logits.shape[-1])
+    flat = logits.reshape(-1, logits.shape[-1])
+    if "temperature_rmpad" in output_args:  # use_remove_padding: [1, nnz (+ pad), V]
         gather = packed
         temperature = output_args["temperature_rmpad"].reshape(-1)[packed]
     else:  # padded [B, S, V], each row's tokens left-aligned
-        flat = logits.reshape(-1, logits.shape[-1])
         width = logits.shape[1]
         row_of = torch.repeat_interleave(torch.arange(len(rows), device=logits.device), lens.to(logits.device))
         gather = packed - cu[:-1][row_of] + row_of * width
@@ -197,7 +190,8 @@ def engine_log_kept_mass(engine, output, output_args, micro_batch) -> Optional[t
 # ----------------------------------------------------------------------------- in the trainer (driver)
 
 
-def batch_td_rule(rule: Optional[SamplingRule]) -> dict:
+def flag_of(rule: Optional[SamplingRule]) -> dict:
+    """The rule as the non-tensor dict the engine reads (``{"mask": True}``: the batch's engine masks)."""
     return {"mask": True} if rule is None else {"top_k": rule.top_k, "top_p": rule.top_p, "min_p": rule.min_p,
                                                 "temperature": rule.temperature}
 
@@ -232,7 +226,7 @@ def wrap_old_log_prob(original):
         if not decision.on:
             return original(self, batch, *args, **kwargs)
         rule = decision.rule
-        batch.meta_info[FLAG] = batch_td_rule(rule)
+        batch.meta_info[FLAG] = flag_of(rule)
         group = self.actor_rollout_wg
         capture = _CapturingWorkerGroup(group)
         self.actor_rollout_wg = capture
@@ -254,7 +248,7 @@ def wrap_old_log_prob(original):
                                 "FSDP engine without the stablerl subclass (is the adapter imported in the workers, "
                                 "strategy fsdp/fsdp2?)")
         log_mass = no_padding_2_padding(nested, batch_td).float()
-        batch.meta_info[REPLAYED_KEY] = dict(batch_td_rule(rule))
+        batch.meta_info[REPLAYED_KEY] = flag_of(rule)
         mask = batch.batch["response_mask"]
         batch.batch["rollout_log_probs"] = replay_rollout_log_prob(
             batch.batch["rollout_log_probs"], log_mass.to(mask.device), mask, verl_adapter().state.metrics)
