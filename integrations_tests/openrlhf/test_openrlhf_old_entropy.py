@@ -73,6 +73,9 @@ def _reference_entropy(model, sequences, attention_mask, width):
     return entropy[:, :-1][:, -width:]
 
 
+_Group = PickleGroup  # RayActorGroup stand-in (orlhf_helpers); test_openrlhf_otb imports it from here
+
+
 def _setup(monkeypatch, selection, packing):
     args = make_args(policy_loss_type=selection.policy_loss or "ppo", estimator="group_norm", n_samples=3,
                      stablerl=selection)
