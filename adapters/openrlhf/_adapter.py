@@ -45,6 +45,10 @@ _ONE_VERSION = (
     "refused with --train.async_enable: OpenRLHF's generator actor records no weight version with its samples, and "
     "which of the last --train.async_queue_size + 1 broadcasts a queued batch saw depends on a race for the vLLM lock"
 )
+_SAMPLING_REPLAY = (
+    "--algo.advantage.is_correction_level token|seq (vLLM's log-probs collected) and "
+    "--algo.advantage.sampling_mask_replay auto (on when --rollout.top_p < 1) or true: make_experience replaces "
+    "rollout_log_probs by their full-vocabulary form (the old-log-prob pass measures the kept mass)")
 _WHOLE_GROUPS = ("--train.micro_batch_size and --rollout.micro_batch_size multiples of --rollout.n_samples_per_prompt, "
                  "no --train.dynamic_batch_enable (whole prompt groups per micro-batch)")
 
@@ -61,6 +65,7 @@ class PolicyWorker:
     controller: Any = None
     controller_store: Optional[StateStore] = None
     meter: Any = None
+    sampling_rule: Any = None  # sampling-mask replay: the rollout's SamplingRule (``_sampling_mask``)
 
 
 def _reward_value(what: str):
@@ -214,6 +219,12 @@ class OpenRLHFAdapter(FrameworkAdapter):
     def rollout_log_prob(self, record):
         """vLLM's log-probs (OpenRLHF passes them to its loss call only with its IS correction on)."""
         return record.host.rollout_log_probs
+
+    @provides("sampling_mask", to=(_LOSS,), condition=_SAMPLING_REPLAY)
+    def sampling_mask(self, record):
+        """The rollout's kept-set rule that make_experience replayed into ``experience.rollout_log_probs`` (the old
+        pass measured log M with it; ``_sampling_mask``)."""
+        return next((w.sampling_rule for w in self.workers.values() if w.sampling_rule is not None), None)
 
     @provides("entropy", to=(_LOSS,), extra_pass=True)
     def training_entropy(self, record):

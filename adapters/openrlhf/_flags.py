@@ -29,6 +29,7 @@ TEACHER_FLAG = "--algo.advantage.stablerl_teacher_model"  # on-policy distillati
 #: the advantage record's key for OpenRLHF's args (not an input: the teacher provider reads --algo.kl.estimator there)
 ARGS_KEY = "_openrlhf_args"
 IS_CORRECTION_FLAG = "--algo.advantage.is_correction_level"
+SAMPLING_REPLAY_FLAG = "--algo.advantage.sampling_mask_replay"  # auto | true | false (stablerl.sampling_mask)
 # OpenRLHF's knobs that also set a stablerl hyper-parameter when given on the command line
 EPS_CLIP_FLAG, EPS_CLIP_LOW_HIGH_FLAG = "--actor.eps_clip", "--actor.eps_clip_low_high"
 DUAL_CLIP_FLAG = "--actor.dual_clip"
@@ -47,11 +48,12 @@ ENV_SELECTION = {POLICY_LOSS: (ENV_POLICY_LOSS, ENV_POLICY_LOSS_PARAMS), ADVANTA
                  REWARD_SHAPER: (ENV_REWARD_SHAPER, ENV_REWARD_SHAPER_PARAMS),
                  BATCH_FILTER: (ENV_BATCH_FILTER, ENV_BATCH_FILTER_PARAMS), CONTROLLER: (ENV_CONTROLLER, ENV_CONTROLLER_PARAMS)}
 ENV_ROUTING_REPLAY = "STABLERL_ROUTING_REPLAY"  # the mode where no args exist (vLLM rollout workers)
+ENV_SAMPLING_REPLAY = "STABLERL_SAMPLING_MASK_REPLAY"  # the no-wrapper route's --algo.advantage.sampling_mask_replay
 ENV_CHAINED_SETUP_HOOK = "STABLERL_CHAINED_SETUP_HOOK"
 ENV_PREVIOUS_RUNTIME_ENV_HOOK = "STABLERL_PREVIOUS_RAY_RUNTIME_ENV_HOOK"
 FORWARDED_ENV = (ENV_POLICY_LOSS, ENV_POLICY_LOSS_PARAMS, ENV_ADVANTAGE, ENV_ADVANTAGE_PARAMS, ENV_ROUTING_REPLAY,
                  ENV_REWARD_SHAPER, ENV_REWARD_SHAPER_PARAMS, ENV_BATCH_FILTER, ENV_BATCH_FILTER_PARAMS,
-                 ENV_CONTROLLER, ENV_CONTROLLER_PARAMS, ENV_CHAINED_SETUP_HOOK)
+                 ENV_CONTROLLER, ENV_CONTROLLER_PARAMS, ENV_CHAINED_SETUP_HOOK, ENV_SAMPLING_REPLAY)
 #: Ray's worker_process_setup_hook: instrument() in every worker (the older name still works)
 SETUP_HOOK = "stablerl.adapters.openrlhf.instrument"
 LEGACY_SETUP_HOOK = "stablerl.adapters.openrlhf.setup"

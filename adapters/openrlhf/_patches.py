@@ -36,8 +36,11 @@ def _patch_actor_module(module, ledger, adapter) -> None:
             self.actor_loss_fn = build_policy_loss(self.args, sel, strategy=self.strategy)
             adapter.loss_state.adopt(self.actor_loss_fn.stablerl_state)  # saved with this actor's checkpoints
         stats = sel.old_pass_stats()
-        if stats:  # its old-log-prob pass also returns entropy / sum_pi_squared (._inputs)
-            adapter.worker(self.actor, create=True).old_pass_stats = stats
+        if stats:  # its old-log-prob pass also returns entropy / sum_pi_squared / log M (._inputs)
+            worker = adapter.worker(self.actor, create=True)
+            worker.old_pass_stats = stats
+            if "log_kept_mass" in stats:  # sampling-mask replay (._sampling_mask)
+                worker.sampling_rule = sel.sampling_replay.rule
         if sel.routing_replay is not None:
             _routing_replay.arm(self, sel.routing_replay, adapter)
         _controller.arm(self, adapter)  # an entropy controller steering --actor.entropy_coef, if one is selected

@@ -17,8 +17,8 @@ from stablerl.ray_setup import with_setup_hook, without_zero_copy
 from stablerl.params import MissingInputError, StableRLError, build_params, parse_params  # noqa: F401 (re-export)
 
 from ._flags import (ADD_SETUP_HOOK, COMPONENT_WEIGHTS_FLAG, COMPONENTS_FLAG, CONTROLLER_FLAG, ENV_CHAINED_SETUP_HOOK,
-                     ENV_PREVIOUS_RUNTIME_ENV_HOOK, ENV_ROUTING_REPLAY, ENV_SELECTION, FORWARDED_ENV,
-                     IS_CORRECTION_FLAG, LEGACY_SETUP_HOOK, NAME, SETUP_HOOK)
+                     ENV_PREVIOUS_RUNTIME_ENV_HOOK, ENV_ROUTING_REPLAY, ENV_SAMPLING_REPLAY, ENV_SELECTION,
+                     FORWARDED_ENV, IS_CORRECTION_FLAG, LEGACY_SETUP_HOOK, NAME, SETUP_HOOK)
 
 
 def openrlhf_choices(kind: str) -> list[str]:
@@ -86,6 +86,13 @@ class Selection(AlgorithmSelection):
     reward_clip_range: Optional[tuple] = None
     #: MoE routing replay (--actor.stablerl_routing_replay): "R2", "R3", or None (native routing)
     routing_replay: Optional[str] = None
+    #: sampling-mask replay (--algo.advantage.sampling_mask_replay, ``._sampling_mask``): the resolved decision
+    sampling_replay: Any = None
+
+    def old_pass_stats(self) -> frozenset:
+        """Core's, and ``log_kept_mass`` when sampling-mask replay is on (the old-log-prob pass measures it)."""
+        on = self.sampling_replay is not None and self.sampling_replay.on
+        return super().old_pass_stats() | frozenset({"log_kept_mass"} if on else ())
 
     def loss_settings(self) -> list:
         """The loss's effective hyper-parameters with their sources: ``--actor.stablerl_params`` > the clip flags
@@ -112,7 +119,14 @@ def _from_env(args: Any = None) -> Selection:
     actor, algo = getattr(args, "actor", None), getattr(args, "algo", None)
     given = {_LOSS: getattr(actor, "policy_loss_type", None),
              _ADV: getattr(getattr(algo, "advantage", None), "estimator", None)}
-    return Selection.from_env(os.environ, ENV_SELECTION, given, routing_replay=os.environ.get(ENV_ROUTING_REPLAY) or None)
+    return Selection.from_env(os.environ, ENV_SELECTION, given, routing_replay=os.environ.get(ENV_ROUTING_REPLAY) or None,
+                              sampling_replay=_env_replay(args))
+
+
+def _env_replay(args: Any):
+    from ._sampling_mask import decide
+
+    return decide(args, os.environ.get(ENV_SAMPLING_REPLAY), key=ENV_SAMPLING_REPLAY) if args is not None else None
 
 
 def selection_from_args(args) -> Selection:

@@ -31,13 +31,15 @@ from typing import Any, Callable, Optional, Sequence
 import stablerl
 from stablerl.frameworks import get_framework
 from stablerl.params import StableRLError
+from stablerl.sampling_mask import log_replay_decision
 from stablerl.script_wrapper import ModuleView, NameChoices, argparse_view, flag_given, name_flag_help, run_script
 
 from . import _routing_replay
 from ._flags import (ADV_FLAG, ADV_PARAMS_FLAG, COMPONENT_WEIGHTS_FLAG, COMPONENTS_FLAG, CONTROLLER_FLAG,
                      DUAL_CLIP_FLAG, ENV_ROUTING_REPLAY, EPS_CLIP_FLAG, EPS_CLIP_LOW_HIGH_FLAG, FILTER_FLAG, GAMMA_FLAG,
-                     LOSS_FLAG, LOSS_PARAMS_FLAG, NAME, NO_STD_NORM_FLAG, REWARD_CLIP_FLAG, SHAPER_FLAG, TEACHER_FLAG,
-                     check_openrlhf)
+                     LOSS_FLAG, LOSS_PARAMS_FLAG, NAME, NO_STD_NORM_FLAG, REWARD_CLIP_FLAG, SAMPLING_REPLAY_FLAG,
+                     SHAPER_FLAG, TEACHER_FLAG, check_openrlhf)
+from ._sampling_mask import decide
 from ._selection import (Selection, add_setup_hook, check_entropy_coef_unset, check_one_version_per_batch,
                          check_rollout_log_probs, openrlhf_choices)
 
@@ -76,6 +78,11 @@ def _stablerl_flags(kind: str) -> list[tuple[str, dict]]:
         (TEACHER_FLAG, dict(type=str, default=None, metavar="PATH", help=(
             "on-policy distillation: the reference model loads this teacher checkpoint (the actor's tokenizer, "
             "checked) instead of the actor's; its log-probs feed --algo.advantage.estimator on_policy_distillation"))),
+        (SAMPLING_REPLAY_FLAG, dict(type=str, default="auto", choices=("auto", "true", "false"), help=(
+            "stablerl sampling-mask replay: express vLLM's top-p/top-k log-probs over the full vocabulary (the old-"
+            "log-prob pass measures the trainer's mass on the kept set) before --algo.advantage.is_correction_level "
+            "and any stablerl loss compare against them; auto: on when --rollout.top_p < 1 and rollout log-probs "
+            "are collected"))),
     ]
 
 
@@ -179,7 +186,9 @@ def selection_from_cli(args) -> Selection:
         reward_weights=tuple(float(w) for w in flag(advantage, "stablerl_reward_weights") or ()),
         openrlhf_clip=explicit_clip_flags(args, argv),
         routing_replay=_routing_replay.check_mode(flag(actor, "stablerl_routing_replay"), args),
+        sampling_replay=decide(args, flag(advantage, "sampling_mask_replay")),
     )
+    log_replay_decision(sel.sampling_replay)
     sel.openrlhf_advantage, sel.reward_clip_range = explicit_advantage_flags(args, argv)
     sel.validate()  # the effective hyper-parameters, clip flags included
     check_entropy_coef_unset(sel.entropy_controller, actor)

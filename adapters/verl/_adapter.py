@@ -151,8 +151,8 @@ class VerlAdapter(AdvantageInputs, LossInputs, FrameworkAdapter):
         from verl.trainer.ppo import core_algos
         from verl.workers.config import PolicyLossConfig  # already imported by core_algos
 
-        from stablerl.adapters.verl import (_advantage, _engine, _groups, _inputs, _routing_replay, _state,
-                                            _trainer_hook)
+        from stablerl.adapters.verl import (_advantage, _engine, _groups, _inputs, _routing_replay, _sampling_mask,
+                                            _state, _trainer_hook)
         from stablerl.config_fields import config_subclass
 
         state, report = self.state, self.state.report
@@ -171,6 +171,7 @@ class VerlAdapter(AdvantageInputs, LossInputs, FrameworkAdapter):
         _state.instrument()
         _trainer_hook.instrument()
         _groups.instrument()
+        _sampling_mask.instrument()
         usable = [s for s in stablerl.list_algorithms(POLICY_LOSS)
                   if s.status != stablerl.UNAVAILABLE and set(s.requires) <= feeds.get(POLICY_LOSS, frozenset())]
         # StablePolicyLossConfig: verl rejects unknown policy_loss keys, even with "+"; this _target_ takes them

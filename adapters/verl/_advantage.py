@@ -202,7 +202,8 @@ def _wrap(original):
             data.batch["returns"] = result.returns
         data.batch["response_mask"] = result.response_mask
         _drop_kept_entropy(data)  # read above; the update gets verl's own batch
-        adapter.state.metrics.clear()
+        for key in [k for k in adapter.state.metrics if k.startswith("stablerl/")]:
+            del adapter.state.metrics[key]  # the step's earlier metrics (sampling_mask/...) stay for Tracking.log
         adapter.state.metrics.update({f"stablerl/{k}": float(v) for k, v in result.metrics.items()})
         return data
 
@@ -244,7 +245,10 @@ def _wrap_old_log_prob(original):
 
 
 def _patch_old_log_prob(module) -> None:
-    patch_ray_trainer_method(f"{PATCH_KEY}:_compute_old_log_prob", module, "_compute_old_log_prob", _wrap_old_log_prob,
+    from stablerl.adapters.verl._sampling_mask import wrap_old_log_prob as replay  # sampling-mask replay, inside
+
+    patch_ray_trainer_method(f"{PATCH_KEY}:_compute_old_log_prob", module, "_compute_old_log_prob",
+                             lambda original: _wrap_old_log_prob(replay(original)),
                              "the old-log-prob pass's entropy does not reach compute_advantage")
 
 

@@ -65,6 +65,17 @@ TEACHER_AT_ADVANTAGE = (
     "fetches only " + _V1_FIELDS + ")"
 )
 
+# sampling-mask replay (adapters/verl/_sampling_mask.py): where it runs
+SAMPLING_REPLAY = (
+    "the legacy trainer (trainer.use_v1=false) in decoupled mode (algorithm.rollout_correction.bypass_mode=false), "
+    "actor_rollout_ref.rollout.calculate_log_probs=True and +algorithm.sampling_mask_replay=auto (on when rollout.top_k "
+    "> 0 or top_p < 1) or true: rollout_log_probs are replaced by their full-vocabulary form before any ratio")
+#: the batch meta info under which the replayed rule rides to compute_advantage and the update
+REPLAYED_KEY = "stablerl_sampling_replayed"
+#: a per-row non-tensor field a customised rollout may set: the engine's kept sets, one ``SamplingMask`` of shape
+#: ``[response_length]`` per row (vLLM >= 0.28 ``return_sampling_mask``)
+MASK_FIELD = "sampling_mask"
+
 #: the batch field under which the legacy trainer's old-log-prob-pass entropy is kept for compute_advantage
 KEPT_ENTROPY = "stablerl_old_entropys"
 #: the batch's weight version, which the adapter's wrap of the legacy RayPPOTrainer._update_actor puts in its
@@ -112,6 +123,19 @@ FIX: dict[str, str] = {
     "scores": "the batch has none of " + ", ".join(_SCORE_FIELDS),
     "index": 'the batch has no "uid" field',
 }
+
+
+def replayed(meta: Optional[dict], non_tensor: Any):
+    """What the replay used for this batch (the ``sampling_mask`` provider): the :class:`SamplingRule`, or the rows'
+    engine masks; None when the batch was not replayed."""
+    if not meta:
+        return None
+    if meta.get("mask"):
+        return non_tensor.get(MASK_FIELD) if non_tensor is not None else None
+    from stablerl.sampling_mask import SamplingRule
+
+    return SamplingRule(temperature=float(meta.get("temperature", 1.0)), top_k=int(meta["top_k"]),
+                        top_p=float(meta["top_p"]), min_p=float(meta.get("min_p", 0.0)))
 
 
 class VerlAdvantageInputError(MissingInputError):
@@ -234,6 +258,12 @@ class AdvantageInputs:
 
         return teacher_log_prob(record.host)
 
+    @provides("sampling_mask", to=(ADVANTAGE_ESTIMATOR,), condition=SAMPLING_REPLAY)
+    def advantage_sampling_mask(self, record):
+        """the rollout's kept set the legacy trainer's old-log-prob pass replayed into rollout_log_probs (the rule,
+        or the batch's per-row engine masks)"""
+        return replayed(record.host.meta_info.get(REPLAYED_KEY), record.host.non_tensor_batch)
+
     correct = _response_field("correct")
     flawed = _response_field("flawed")
     void_turn = _response_field("void_turn")
@@ -293,6 +323,14 @@ class LossInputs:
         """data["rollout_log_probs"] (actor_rollout_ref.rollout.calculate_log_probs=True)"""
         field = _first(record.host.data, ("rollout_log_probs",))
         return None if field is None else padded(record.host.data, field)[field]
+
+    @provides("sampling_mask", to=(POLICY_LOSS,), condition=SAMPLING_REPLAY)
+    def loss_sampling_mask(self, record):
+        """the rollout's kept set replayed into data["rollout_log_probs"] by the old-log-prob pass"""
+        from verl.utils import tensordict_utils as tu
+
+        data = record.host.data
+        return replayed(tu.get_non_tensor_data(data, REPLAYED_KEY, None), {MASK_FIELD: tu.get(data, MASK_FIELD, None)})
 
     @provides("old_entropy", to=(POLICY_LOSS,), condition="the v1 trainer (trainer.use_v1=true, verl's default; the "
               "legacy trainer drops the old-log-prob pass's entropy before the update)")

@@ -295,7 +295,8 @@ def test_what_openrlhf_can_and_cannot_feed():
         lines = frameworks.config_lines(stablerl.get_spec(kind, name))["openrlhf"]
         assert f"  --actor.policy_loss_type {name}" in lines
     assert frameworks.get_framework("openrlhf").feedable[kind] == {"rollout_log_prob", "entropy", "token_ids", "scores",
-                                                                   "index", "old_entropy", "versions", "policy_version"}
+                                                                   "index", "old_entropy", "versions", "policy_version",
+                                                                   "sampling_mask"}
     # prompt groups through the replay buffer (test_openrlhf_group_losses); erc: the old-log-prob pass's entropy
     # (test_openrlhf_old_entropy); a3po: one weight version per batch (above)
     for name in ("pacs", "gvpo", "gtpo", "erc", "turn_ppo", "a3po"):  # turn_ppo: turns are the action mask's runs
