@@ -26,6 +26,9 @@ from stablerl.contracts import (ADVANTAGE_ESTIMATOR, BATCH_FILTER, CONTROLLER, O
 from stablerl.params import MissingInputError, StableRLError
 from stablerl.providers import collect, provides
 
+from ._sampling_mask import MASK_FIELD, REPLAYED_KEY, SAMPLING_REPLAY, replayed  # noqa: F401 (re-export)
+from ._teacher import TEACHER_AT_ADVANTAGE
+
 ADVANTAGE_SIDE = (ADVANTAGE_ESTIMATOR, REWARD_SHAPER, BATCH_FILTER)
 _ACTOR = "actor_rollout_ref.actor."
 HOOK_TARGET = _ACTOR + "policy_loss._target_=stablerl.adapters.verl.StablePolicyLossConfig"
@@ -56,25 +59,7 @@ WHOLE_GROUPS = (
     "actor_rollout_ref.rollout.n, data.train_batch_size and actor.ppo_mini_batch_size multiples of the DP size, no "
     "actor.use_dynamic_bsz, no actor.shuffle (trainer.balance_batch=true stays: the adapter balances whole groups)")
 
-# on-policy distillation: verl's own teacher loop scores the rollout (its ref worker is the actor's checkpoint)
-TEACHER_AT_ADVANTAGE = (
-    "verl's teacher loop: distillation.enabled=true, distillation.teacher_models.teacher_model.model_path=<teacher "
-    "with the actor's tokenizer>, distillation.distillation_loss.loss_mode=k3 (or another sampled-token mode: the teacher "
-    "scores the sampled tokens) and distillation.distillation_loss.distillation_loss_coef=0 with use_task_rewards=true "
-    "(verl's own distillation loss term off; keep it to add it), under the legacy trainer (trainer.use_v1=false: v1's _compute_advantage "
-    "fetches only " + _V1_FIELDS + ")"
-)
 
-# sampling-mask replay (adapters/verl/_sampling_mask.py): where it runs
-SAMPLING_REPLAY = (
-    "the legacy trainer (trainer.use_v1=false) in decoupled mode (algorithm.rollout_correction.bypass_mode=false), "
-    "actor_rollout_ref.rollout.calculate_log_probs=True and +algorithm.sampling_mask_replay=auto (on when rollout.top_k "
-    "> 0 or top_p < 1) or true: rollout_log_probs are replaced by their full-vocabulary form before any ratio")
-#: the batch meta info under which the replayed rule rides to compute_advantage and the update
-REPLAYED_KEY = "stablerl_sampling_replayed"
-#: a per-row non-tensor field a customised rollout may set: the engine's kept sets, one ``SamplingMask`` of shape
-#: ``[response_length]`` per row (vLLM >= 0.28 ``return_sampling_mask``)
-MASK_FIELD = "sampling_mask"
 
 #: the batch field under which the legacy trainer's old-log-prob-pass entropy is kept for compute_advantage
 KEPT_ENTROPY = "stablerl_old_entropys"
@@ -123,19 +108,6 @@ FIX: dict[str, str] = {
     "scores": "the batch has none of " + ", ".join(_SCORE_FIELDS),
     "index": 'the batch has no "uid" field',
 }
-
-
-def replayed(meta: Optional[dict], non_tensor: Any):
-    """What the replay used for this batch (the ``sampling_mask`` provider): the :class:`SamplingRule`, or the rows'
-    engine masks; None when the batch was not replayed."""
-    if not meta:
-        return None
-    if meta.get("mask"):
-        return non_tensor.get(MASK_FIELD) if non_tensor is not None else None
-    from stablerl.sampling_mask import SamplingRule
-
-    return SamplingRule(temperature=float(meta.get("temperature", 1.0)), top_k=int(meta["top_k"]),
-                        top_p=float(meta["top_p"]), min_p=float(meta.get("min_p", 0.0)))
 
 
 class VerlAdvantageInputError(MissingInputError):

@@ -17,14 +17,24 @@ Not replayed (said at start-up, an error with ``true``): bypass mode (no old-log
 from __future__ import annotations
 
 import functools
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
-from stablerl.adapters.verl._providers import MASK_FIELD, REPLAYED_KEY, replayed
 from stablerl.params import StableRLError
 from stablerl.sampling_mask import (REPLAY_OPTION, ReplayDecision, SamplingRule, concat_positions, log_kept_mass_rows,
                                     log_replay_decision, replay_rollout_log_prob, resolve_replay)
+
+# sampling-mask replay (adapters/verl/_sampling_mask.py): where it runs
+SAMPLING_REPLAY = (
+    "the legacy trainer (trainer.use_v1=false) in decoupled mode (algorithm.rollout_correction.bypass_mode=false), "
+    "actor_rollout_ref.rollout.calculate_log_probs=True and +algorithm.sampling_mask_replay=auto (on when rollout.top_k "
+    "> 0 or top_p < 1) or true: rollout_log_probs are replaced by their full-vocabulary form before any ratio")
+#: the batch meta info under which the replayed rule rides to compute_advantage and the update
+REPLAYED_KEY = "stablerl_sampling_replayed"
+#: a per-row non-tensor field a customised rollout may set: the engine's kept sets, one ``SamplingMask`` of shape
+#: ``[response_length]`` per row (vLLM >= 0.28 ``return_sampling_mask``)
+MASK_FIELD = "sampling_mask"
 
 KEY = f"algorithm.{REPLAY_OPTION}"
 #: the non-tensor key that asks the engine for ``log M`` (set only for the old-log-prob pass): the rule as a dict
@@ -33,6 +43,20 @@ FLAG = "stablerl_sampling_replay"
 #: the engine's per-token output: ``log M`` in verl's no-padding layout (0 outside the response positions)
 OUTPUT = "stablerl_log_kept_mass"
 RULE_KEYS = "actor_rollout_ref.rollout.top_k / top_p"
+
+
+def replayed(meta: Optional[dict], non_tensor: Any):
+    """What the replay used for this batch (the ``sampling_mask`` provider): the :class:`SamplingRule`, or the rows'
+    engine masks; None when the batch was not replayed."""
+    if not meta:
+        return None
+    if meta.get("mask"):
+        return non_tensor.get(MASK_FIELD) if non_tensor is not None else None
+    from stablerl.sampling_mask import SamplingRule
+
+    return SamplingRule(temperature=float(meta.get("temperature", 1.0)), top_k=int(meta["top_k"]),
+                        top_p=float(meta["top_p"]), min_p=float(meta.get("min_p", 0.0)))
+
 
 
 def rollout_rule(config) -> SamplingRule:

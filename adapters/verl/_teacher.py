@@ -15,6 +15,15 @@ import torch
 
 from stablerl.params import StableRLError
 
+# on-policy distillation: verl's own teacher loop scores the rollout (its ref worker is the actor's checkpoint)
+TEACHER_AT_ADVANTAGE = (
+    "verl's teacher loop: distillation.enabled=true, distillation.teacher_models.teacher_model.model_path=<teacher "
+    "with the actor's tokenizer>, distillation.distillation_loss.loss_mode=k3 (or another sampled-token mode: the teacher "
+    "scores the sampled tokens) and distillation.distillation_loss.distillation_loss_coef=0 with use_task_rewards=true "
+    "(verl's own distillation loss term off; keep it to add it), under the legacy trainer (trainer.use_v1=false: v1's _compute_advantage "
+    "fetches only uid, response_mask, rm_scores, rollout_log_probs, old_log_probs, ref_log_prob, values)"
+)
+
 
 def teacher_log_prob(data: Any) -> Optional[torch.Tensor]:
     """``[B, R]`` teacher log-probs of the response tokens of verl's ``DataProto`` (None: no teacher loop ran)."""
