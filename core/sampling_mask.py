@@ -33,7 +33,8 @@ from .params import StableRLError
 
 __all__ = [
     "SamplingRule", "SamplingMask", "kept_mask", "processed_log_probs", "log_kept_mass",
-    "rollout_log_prob_over_vocab",
+    "rollout_log_prob_over_vocab", "REPLAY_OPTION", "ReplayDecision", "resolve_replay", "log_kept_mass_rows",
+    "replay_rollout_log_prob", "KEPT_MASS_METRIC", "log_replay_decision",
 ]
 
 _CHUNK = 256  # positions per chunk: bounds the [chunk, V] temporaries
@@ -198,3 +199,110 @@ def rollout_log_prob_over_vocab(rollout_log_prob: torch.Tensor, log_mass: torch.
                             f"{tuple(log_mass.shape)} differ in shape")
     adjusted = (rollout_log_prob.float() + log_mass.float()).to(rollout_log_prob.dtype)
     return torch.where(response_mask.bool(), adjusted, rollout_log_prob)
+
+
+# ----------------------------------------------------------------------------- the adapters' shared glue
+
+#: the user option every adapter reads (``auto`` | ``true`` | ``false``) and the metric each logs
+REPLAY_OPTION = "sampling_mask_replay"
+KEPT_MASS_METRIC = "sampling_mask/kept_mass"
+_TRUE, _FALSE = ("true", "1", "yes", "on"), ("false", "0", "no", "off")
+
+
+@dataclass(frozen=True)
+class ReplayDecision:
+    """Whether an adapter replays the rollout's kept set, with which rule (None: the engine's masks), and why
+    (the line of the start-up table)."""
+
+    on: bool
+    rule: Optional[SamplingRule]
+    reason: str
+    framework: str = ""
+
+    def line(self) -> str:
+        state = "on" if self.on else "off"
+        rule = "" if self.rule is None else (f"; kept set recomputed with SamplingRule(temperature={self.rule.temperature}, "
+                                             f"top_k={self.rule.top_k}, top_p={self.rule.top_p}, min_p={self.rule.min_p})")
+        return f"stablerl/{self.framework}: sampling-mask replay {state} ({self.reason}){rule if self.on else ''}"
+
+
+def resolve_replay(value, rule: Optional[SamplingRule], *, rollout_log_probs: bool, key: str, framework: str = "",
+                   engine_masks: bool = False, rule_keys: str = "") -> ReplayDecision:
+    """Resolve the user's ``sampling_mask_replay`` (``key`` names where it is set): ``auto`` (default, also None)
+    is on when the rollout's ``rule`` truncates (or the batch carries the engine's masks) and rollout log-probs are
+    used; ``true`` forces it on (an error without rollout log-probs: nothing to correct); ``false`` off."""
+    text = "auto" if value is None else str(value).strip().lower()
+    if isinstance(value, bool):
+        text = "true" if value else "false"
+    if text not in ("auto",) + _TRUE + _FALSE:
+        raise StableRLError(f"{key} must be auto, true or false, got {value!r}")
+    where = rule_keys or "the rollout's sampling settings"
+    if text in _FALSE:
+        return ReplayDecision(False, rule, f"{key}=false", framework)
+    truncates = engine_masks or (rule is not None and rule.truncates)
+    if text in _TRUE:
+        if not rollout_log_probs:
+            raise StableRLError(f"{key}=true, but this run forms no ratio against rollout log-probs (none are "
+                                "collected): there is nothing to replay the kept set into")
+        why = f"{key}=true" + ("" if truncates else f"; {where} keep the whole vocabulary, so log M = 0")
+        return ReplayDecision(True, None if engine_masks else rule, why, framework)
+    if not rollout_log_probs:
+        return ReplayDecision(False, rule, f"auto: no rollout log-probs are used", framework)
+    if not truncates:
+        return ReplayDecision(False, rule, f"auto: {where} do not truncate (top_k <= 0, top_p = 1, min_p = 0)", framework)
+    return ReplayDecision(True, None if engine_masks else rule,
+                          "auto: the engine's kept sets" if engine_masks else f"auto: {where} truncate", framework)
+
+
+_LOGGED_DECISIONS: set = set()
+
+
+def log_replay_decision(decision: ReplayDecision) -> None:
+    """Print the decision's line once per process (with the effective-settings tables, on stderr)."""
+    import sys
+
+    line = decision.line()
+    if line not in _LOGGED_DECISIONS:
+        _LOGGED_DECISIONS.add(line)
+        print(line, file=sys.stderr, flush=True)
+
+
+def log_kept_mass_rows(logits: torch.Tensor, rows: torch.Tensor, token_ids: torch.Tensor, *,
+                       mask: Optional[SamplingMask] = None, rule: Optional[SamplingRule] = None,
+                       temperature: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``log M`` ``[n]`` at the positions ``rows`` of a packed ``[N, V]`` ``logits`` (a framework's no-padding
+    layout), the sampled tokens ``token_ids`` ``[n]``; ``mask`` (if given) covers exactly these ``n`` positions in
+    order; ``temperature`` ``[n]`` (if given) divides the raw logits of each row, as the framework's log-prob
+    forward does. Rows are gathered one chunk at a time: no ``[n, V]`` copy."""
+    if logits.dim() != 2 or rows.dim() != 1 or token_ids.shape != rows.shape:
+        raise StableRLError(f"log_kept_mass_rows: logits [N, V], rows [n] and token_ids [n], got "
+                            f"{tuple(logits.shape)}, {tuple(rows.shape)}, {tuple(token_ids.shape)}")
+    if mask is not None and tuple(mask.shape) != (rows.numel(),):
+        raise StableRLError(f"SamplingMask has shape {tuple(mask.shape)} for {rows.numel()} response positions")
+    out = torch.zeros(rows.numel(), dtype=torch.float32, device=logits.device)
+    rows = rows.to(logits.device)
+    for start in range(0, rows.numel(), _CHUNK):
+        end = min(start + _CHUNK, rows.numel())
+        chunk = logits.detach().index_select(0, rows[start:end]).float()
+        if temperature is not None:
+            chunk = chunk / temperature[start:end].to(chunk.device, torch.float32).clamp(min=1e-8).unsqueeze(-1)
+        chunk = chunk.unsqueeze(0)
+        ids = token_ids[start:end].to(logits.device).unsqueeze(0)
+        sub = None
+        if mask is not None:
+            lo, hi = int(mask.offsets[start]), int(mask.offsets[end])
+            sub = SamplingMask(mask.token_ids[lo:hi], mask.offsets[start:end + 1] - lo, (1, end - start))
+        out[start:end] = log_kept_mass(chunk, ids, torch.ones_like(ids, dtype=torch.bool), mask=sub,
+                                       rule=None if sub is not None else rule)[0]
+    return out
+
+
+def replay_rollout_log_prob(rollout_log_prob: torch.Tensor, log_mass: torch.Tensor, response_mask: torch.Tensor,
+                            metrics: Optional[dict] = None) -> torch.Tensor:
+    """:func:`rollout_log_prob_over_vocab`, and the mean kept mass over response tokens into ``metrics`` under
+    :data:`KEPT_MASS_METRIC` (the adapters' one call)."""
+    log_mass = log_mass.to(rollout_log_prob.device)
+    valid = response_mask.bool()
+    if metrics is not None and bool(valid.any()):
+        metrics[KEPT_MASS_METRIC] = float(log_mass.float()[valid].exp().mean())
+    return rollout_log_prob_over_vocab(rollout_log_prob, log_mass, response_mask)

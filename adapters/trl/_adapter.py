@@ -28,6 +28,9 @@ from stablerl.providers import provides
 
 _EXTENSIONS = (REWARD_SHAPER, BATCH_FILTER)
 _ROUTING_REPLAY = "routing_replay='R2' or 'R3' on an MoE model"
+_SAMPLING_REPLAY = ("sampling_mask_replay='auto' (on when top_k > 0, top_p < 1 or min_p > 0) or 'true', with use_vllm=True "
+                    "or a rollout_func, and a ratio against the rollout (vLLM IS correction, off_policy_mask_threshold, "
+                    "a stablerl correction)")
 # per-response inputs the user provides (a reward function's TRL log_extra, a rollout_func field or a dataset column)
 USER_INPUTS = ("correct", "flawed", "void_turn", "pos_count", "neg_count")
 
@@ -113,6 +116,12 @@ class TRLAdapter(FrameworkAdapter):
     def rollout_log_prob(self, record):
         """The rollout engine's sampling log-probs (TRL's sampling_per_token_logps; NaN: not scored, no mismatch)."""
         return record.rollout_log_prob
+
+    @provides("sampling_mask", to=(POLICY_LOSS, ADVANTAGE_ESTIMATOR), condition=_SAMPLING_REPLAY)
+    def sampling_mask(self, record):
+        """The rollout's kept set replayed into sampling_per_token_logps: a rollout_func's per-completion masks (the
+        generation batch), else TRL's SamplingRule (top_k/top_p/min_p, temperature)."""
+        return record.sampling_mask
 
     @provides("router_log_prob", to=(POLICY_LOSS,), condition=_ROUTING_REPLAY)
     def router_log_prob(self, record):

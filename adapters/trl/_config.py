@@ -107,6 +107,10 @@ class GRPOConfig(_trl.GRPOConfig):
         "stablerl mismatch correction of a stablerl loss ('tis', 'icepop', ...) from the rollout engine's log-probs; "
         "needs vllm_importance_sampling_correction=False. Alias: stablerl_loss_params' rollout_correction(_params).")
     stablerl_rollout_correction_params: Optional[Union[dict, str]] = _field(_PARAMS.format("rollout correction") + ".")
+    sampling_mask_replay: Optional[str] = _field(
+        "Sampling-mask replay: 'auto' (on when top_k > 0, top_p < 1 or min_p > 0 and a ratio is formed against the "
+        "rollout's log-probs), 'true' or 'false'. Expresses the engine's kept-set log-probs over the full vocabulary "
+        "before TRL's vLLM IS correction, off_policy_mask_threshold and stablerl's corrections read them.", "auto")
 
     def __post_init__(self):
         super().__post_init__()
@@ -115,6 +119,9 @@ class GRPOConfig(_trl.GRPOConfig):
                     *EXTENSION_PARAMS_KEYS.values()):
             setattr(self, key, params_dict(getattr(self, key), key))
         validate_stablerl_args(self)
+        from ._sampling_mask import check_option
+
+        check_option(self)
         self.routing_replay = routing_replay_mode(self)
         validate_stablerl_extensions(self)
 

@@ -50,6 +50,7 @@ from ._passes import ForwardPasses
 from ._records import GenerationBatch, LossBatch
 from ._rollout import AdvantageCallSite
 from ._routing import RoutingReplay, check_rollout
+from ._sampling_mask import SamplingMaskReplay
 
 instrument = TRLAdapter().instrument  # TRL's version and private signatures (done on import); idempotent
 uninstrument = TRLAdapter().uninstrument  # nothing of TRL's to put back
@@ -115,6 +116,9 @@ class GRPOTrainer(TRL_GRPOTrainer):
             estimator=estimator, estimator_params=adv_params,
             reward_shaper=names["reward_shaper"], reward_shaper_params=params_of(cfg, "stablerl_reward_shaper_params"),
             batch_filter=names["batch_filter"], batch_filter_params=params_of(cfg, "stablerl_batch_filter_params"))
+        self._stablerl_replay = SamplingMaskReplay(self, reads_rollout=bool(
+            (self.use_vllm and self.vllm_importance_sampling_correction) or correction
+            or self.off_policy_mask_threshold is not None or "rollout_log_prob" in needs))
         self._stablerl_passes = ForwardPasses(self, self._stablerl_routing, sum_sq=selection.reads("sum_pi_squared"))
         self._stablerl_rollout = AdvantageCallSite(self, self._stablerl_passes, selection, loss_reads=needs)
         per_process = cfg.per_device_train_batch_size * cfg.steps_per_generation
@@ -150,7 +154,8 @@ class GRPOTrainer(TRL_GRPOTrainer):
             num_generations, has_tool_images=has_tool_images)
 
     def _generate(self, prompts):
-        return self._stablerl_routing.generated(self._stablerl_batch, super()._generate(prompts))
+        out = self._stablerl_replay.generated(self._stablerl_batch, super()._generate(prompts))
+        return self._stablerl_routing.generated(self._stablerl_batch, out)
 
     def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
         return self._stablerl_rollout.rewards(
@@ -161,6 +166,7 @@ class GRPOTrainer(TRL_GRPOTrainer):
         try:
             out = super()._generate_and_score_completions(inputs)
             self._stablerl_routing.finish(batch, out)
+            self._stablerl_replay.finish(batch, out, self._stablerl_passes)
         finally:
             self._stablerl_batch = None
         return self._stablerl_rollout.finish(batch, out)

@@ -77,24 +77,29 @@ def round_weight(weight, precision: str):
 
 
 # TRL sampling settings the stand-in does not implement, with the values that mean "off"
-_SAMPLING_DEFAULTS = {"top_p": (None, 1.0), "top_k": (None, 0, -1), "min_p": (None, 0.0),
-                      "repetition_penalty": (None, 1.0), "structured_outputs_regex": (None,)}
+_SAMPLING_DEFAULTS = {"repetition_penalty": (None, 1.0), "structured_outputs_regex": (None,)}
 
 
 class LowPrecisionRollout:
     """TRL ``VLLMGeneration`` stand-in that samples from a copy of the policy rounded to ``precision``."""
 
     def __init__(self, model, processing_class, *, precision: str = "int4", temperature: float = 1.0,
-                 max_completion_length: int = 16, **_vllm_kwargs: Any):
+                 max_completion_length: int = 16, top_p: Optional[float] = None, top_k: Optional[int] = None,
+                 min_p: Optional[float] = None, **_vllm_kwargs: Any):
         unsupported = {k: v for k, v in _vllm_kwargs.items() if k in _SAMPLING_DEFAULTS and v not in _SAMPLING_DEFAULTS[k]}
         if unsupported:
             from stablerl.params import StableRLError
 
-            raise StableRLError(f"the low-precision rollout stand-in samples at temperature only; it does not "
-                                f"implement {unsupported} (leave them at TRL's defaults)")
+            raise StableRLError(f"the low-precision rollout stand-in samples with temperature, top_p, top_k and "
+                                f"min_p only; it does not implement {unsupported} (leave them at TRL's defaults)")
+        from stablerl.sampling_mask import SamplingRule
+
         self.model = model  # the trainer's (weights are read at each sync_weights)
         self.precision = check_precision(precision)
         self.temperature = float(temperature or 1.0)
+        # vLLM's truncation (its reference order) and its processed_logprobs: normalised over the kept tokens
+        self.rule = SamplingRule(temperature=self.temperature, top_k=int(top_k or -1),
+                                 top_p=1.0 if top_p is None else float(top_p), min_p=float(min_p or 0.0))
         self.max_completion_length = int(max_completion_length)
         self.eos_token_id = processing_class.eos_token_id
         self.pad_token_id = processing_class.pad_token_id
@@ -122,8 +127,11 @@ class LowPrecisionRollout:
         self.syncs += 1
 
     def generate(self, prompts: list[list[int]], images=None, num_generations: int = 1, profiler=None):
-        """One completion per prompt row; returns (prompt_ids, completion_ids, logprobs [[[lp]...]], None)."""
+        """One completion per prompt row; returns (prompt_ids, completion_ids, logprobs [[[lp]...]], None). With
+        top_p / top_k / min_p the log-probs are normalised over the kept tokens (vLLM's processed_logprobs)."""
         import torch
+
+        from stablerl.sampling_mask import processed_log_probs
 
         if self.sampler is None:
             self.sync_weights()
@@ -141,8 +149,7 @@ class LowPrecisionRollout:
                     logits = self.sampler(input_ids=ids).logits[:, -1, :].float()
                     if self.precision == "fp8-logits":  # an fp8 output kernel: the logits rounded to e4m3
                         logits = logits.to(torch.float8_e4m3fn).to(torch.float32)
-                    logits = logits / self.temperature
-                    logp = torch.log_softmax(logits, dim=-1)
+                    logp = processed_log_probs(logits, self.rule)  # / temperature, then top-k/top-p/min-p
                     token = torch.multinomial(logp.exp(), 1).squeeze(1)
                     token_logp = logp.gather(1, token.unsqueeze(1)).squeeze(1)
                     for j, i in enumerate(rows):
