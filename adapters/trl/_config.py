@@ -47,7 +47,8 @@ def resolve_loss_type(loss_type: str) -> Optional[str]:
 def loss_inputs_trl_can_feed(use_vllm_is: bool, routing_replay: bool = False) -> set[str]:
     """The policy-loss inputs TRL feeds in a run: its providers' (the declaration lists all), less the conditional
     ones whose setting is off (vLLM IS correction: the sampler's log-probs; routing replay: router log-probs)."""
-    holds = {"rollout_log_prob": use_vllm_is, "router_log_prob": routing_replay, "old_router_log_prob": routing_replay}
+    holds = {"rollout_log_prob": use_vllm_is, "router_log_prob": routing_replay, "old_router_log_prob": routing_replay,
+             "sampling_mask": True}  # on or off per run (sampling_mask_replay, decided when the trainer is built)
     conditional = TRL.conditions.get(POLICY_LOSS, {})
     return {name for name in TRL.feedable[POLICY_LOSS] if name not in conditional or holds[name]}
 

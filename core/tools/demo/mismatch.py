@@ -301,45 +301,50 @@ def recorded_failed(final: float, best: float) -> bool:
 
 
 def verdict(results: dict[str, dict], *, seed: int, precision: str, lr: float, steps: int,
-            completion_length: int = 4) -> list[str]:
+            completion_length: int = 4, demo: Optional[dict] = None, record: Optional[dict] = None,
+            arm_help: Optional[dict] = None, doc: str = "docs/stability/rollout_mismatch.md",
+            script: str = "benchmarks/stability/rollout_mismatch.py", extra_match: bool = True) -> list[str]:
     """Which arms failed on this seed, the gap between the best and the worst arm, and, for the recorded
     setting (:data:`DEMO`), how many of the other recorded seeds agree: the same arms fail and the same hold
-    (:data:`DEMO_RECORD`, the finals of docs/stability/rollout_mismatch.json)."""
+    (:data:`DEMO_RECORD`, the finals of docs/stability/rollout_mismatch.json). Another scenario passes its own
+    ``demo`` setting, ``record``, ``arm_help``, ``doc`` and ``script`` (``extra_match``: its own settings beyond
+    these four match its record)."""
+    setting, helps = demo or DEMO, arm_help or ARM_HELP
+    recorded_runs = DEMO_RECORD if record is None else record
     lines = [f"on seed {seed} (failed = final reward < 0.5 or < half of the run's best):"]
     verdicts = {arm: failed(r) for arm, r in results.items()}
     for arm, r in results.items():
         lines.append(f"  {arm:<8} {'FAILED' if verdicts[arm] else 'held  '}  final {r['final_reward']:.2f}  "
-                     f"({ARM_HELP.get(arm, arm)})")
+                     f"({helps.get(arm, arm)})")
     if len(results) >= 2:
         ranked = sorted(results, key=lambda a: results[a]["final_reward"])
         low, high = ranked[0], ranked[-1]
         gap = results[high]["final_reward"] - results[low]["final_reward"]
         lines.append(f"largest difference: {high} ends {gap:+.2f} above {low}")
-    recorded = (precision == DEMO["precision"] and lr == DEMO["lr"] and steps == DEMO["steps"]
-                and completion_length == DEMO["completion_length"])
+    recorded = (precision == setting["precision"] and lr == setting["lr"] and steps == setting["steps"]
+                and completion_length == setting["completion_length"] and extra_match)
     if not recorded:
-        lines.append("other seeds: not the recorded setting (see docs/stability/rollout_mismatch.md); run "
-                     "benchmarks/stability/rollout_mismatch.py for them")
+        lines.append(f"other seeds: not the recorded setting (see {doc}); run {script} for them")
         return lines
-    arms = [a for a in results if a in DEMO_RECORD]
-    others = sorted(set.intersection(*(set(DEMO_RECORD[a]) for a in arms)) - {seed}) if arms else []
+    arms = [a for a in results if a in recorded_runs]
+    others = sorted(set.intersection(*(set(recorded_runs[a]) for a in arms)) - {seed}) if arms else []
     if not others:
-        lines.append("other seeds: none recorded for these arms (docs/stability/rollout_mismatch.md)")
+        lines.append(f"other seeds: none recorded for these arms ({doc})")
         return lines
-    agree = [s for s in others if all(recorded_failed(*DEMO_RECORD[a][s]) == verdicts[a] for a in arms)]
+    agree = [s for s in others if all(recorded_failed(*recorded_runs[a][s]) == verdicts[a] for a in arms)]
     lines.append(f"other seeds: {len(agree)} of {len(others)} recorded ({', '.join(map(str, others))}) agree "
                  "(the same arms fail, the same hold); their finals:")
     for a in arms:
-        finals = ", ".join(f"{DEMO_RECORD[a][s][0]:.2f}" for s in others)
-        n_failed = sum(recorded_failed(*DEMO_RECORD[a][s]) for s in others)
-        n_high = sum(DEMO_RECORD[a][s][0] >= 0.9 for s in others)
+        finals = ", ".join(f"{recorded_runs[a][s][0]:.2f}" for s in others)
+        n_failed = sum(recorded_failed(*recorded_runs[a][s]) for s in others)
+        n_high = sum(recorded_runs[a][s][0] >= 0.9 for s in others)
         lines.append(f"  {a:<8} {finals}  (failed on {n_failed} of {len(others)}; >= 0.9 on {n_high} of {len(others)})")
-    for a in DEMO_RECORD:
+    for a in recorded_runs:
         if a not in results:  # recorded arms this run left out (e.g. `none` with the default arms)
-            seeds = sorted(DEMO_RECORD[a])
-            n_failed = sum(recorded_failed(*DEMO_RECORD[a][s]) for s in seeds)
+            seeds = sorted(recorded_runs[a])
+            n_failed = sum(recorded_failed(*recorded_runs[a][s]) for s in seeds)
             lines.append(f"  {a:<8} not run here; recorded on seeds {', '.join(map(str, seeds))}: "
-                         f"{', '.join(f'{DEMO_RECORD[a][s][0]:.2f}' for s in seeds)} (failed on {n_failed} of "
+                         f"{', '.join(f'{recorded_runs[a][s][0]:.2f}' for s in seeds)} (failed on {n_failed} of "
                          f"{len(seeds)}; --arms {','.join(list(results) + [a])})")
-    lines.append("every run and curve: docs/stability/rollout_mismatch.md")
+    lines.append(f"every run and curve: {doc}")
     return lines

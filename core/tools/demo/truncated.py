@@ -78,3 +78,17 @@ def make_config(output_dir: str, arm: str, *, steps: int, seed: int, lr: float, 
 
 
 make_trainer = mismatch.make_trainer  # the quantized engine (it samples with the config's top_p)
+
+# (final, best) reward per seed of DEMO's setting, 10%-window means, with torch 2.13.0
+# (benchmarks/stability/truncated_sampling.py; every run in docs/stability/truncated_sampling.json; a test checks
+# they match), for the demo's "other seeds" lines
+DEMO_RECORD: dict[str, dict[int, tuple[float, float]]] = {}
+
+
+def verdict(results: dict[str, dict], *, seed: int, precision: str, lr: float, steps: int, completion_length: int,
+            top_p: float) -> list[str]:
+    """:func:`stablerl.tools.demo.mismatch.verdict` against this scenario's record."""
+    return mismatch.verdict(results, seed=seed, precision=precision, lr=lr, steps=steps,
+                            completion_length=completion_length, demo=DEMO, record=DEMO_RECORD, arm_help=ARM_HELP,
+                            doc="docs/stability/truncated_sampling.md",
+                            script="benchmarks/stability/truncated_sampling.py", extra_match=top_p == DEMO["top_p"])
