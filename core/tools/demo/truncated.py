@@ -21,10 +21,11 @@ from . import mismatch, task
 
 # label -> (loss_type, GRPOConfig overrides). Every arm: the same quantized top-p engine on TRL's vLLM path.
 _STABLERL = {"stablerl_loss_agg_mode": "seq-mean-token-mean", "vllm_importance_sampling_correction": False}
-_TRL_IS = {"vllm_importance_sampling_correction": True}
+# TRL as TRL ships: stablerl's replay (on by default where top_p < 1 meets a ratio against the rollout) off
+_TRL_IS = {"vllm_importance_sampling_correction": True, "sampling_mask_replay": "false"}
 ARMS: dict[str, tuple[str, dict]] = {
     # TRL, every option it ships for a rollout/trainer mismatch
-    "trl_none": ("grpo", {"vllm_importance_sampling_correction": False}),
+    "trl_none": ("grpo", {"vllm_importance_sampling_correction": False, "sampling_mask_replay": "false"}),
     "trl_seq_mask": ("grpo", dict(_TRL_IS)),  # TRL's defaults: sequence_mask, clip_max 3
     "trl_seq_trunc": ("grpo", dict(_TRL_IS, vllm_importance_sampling_mode="sequence_truncate")),
     "trl_tok_mask": ("grpo", dict(_TRL_IS, vllm_importance_sampling_mode="token_mask")),
@@ -33,7 +34,8 @@ ARMS: dict[str, tuple[str, dict]] = {
                                     vllm_importance_sampling_clip_max=2.0)),
     "trl_tok_mask_band": ("grpo", dict(_TRL_IS, vllm_importance_sampling_mode="token_mask",
                                        vllm_importance_sampling_clip_min=0.5, vllm_importance_sampling_clip_max=2.0)),
-    "trl_opm": ("grpo", {"vllm_importance_sampling_correction": False, "off_policy_mask_threshold": 0.5}),
+    "trl_opm": ("grpo", {"vllm_importance_sampling_correction": False, "off_policy_mask_threshold": 0.5,
+                         "sampling_mask_replay": "false"}),
     "trl_tok_trunc2_dapo": ("dapo", dict(_TRL_IS, vllm_importance_sampling_mode="token_truncate",
                                          vllm_importance_sampling_clip_max=2.0)),
     # stablerl: its tis (token, C = 2) without and with sampling-mask replay
