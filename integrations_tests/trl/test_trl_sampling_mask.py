@@ -13,7 +13,7 @@ import trl_helpers as H  # noqa: F401,I001  (offline environment, skips without 
 import stablerl
 from stablerl.adapters.trl import GRPOConfig
 from stablerl.adapters.trl._sampling_mask import batch_mask, rollout_rule
-from stablerl.sampling_mask import SamplingMask, SamplingRule, kept_mask
+from stablerl.sampling_mask import SamplingMask, SamplingRule, kept_mask, processed_log_probs
 from stablerl.tools import demo
 from stablerl.tools.demo import mismatch, truncated
 
@@ -122,3 +122,65 @@ def test_demo_truncated_arms_are_valid():
     with pytest.raises(stablerl.UnknownNameError, match="replay_tis"):
         truncated.make_config("/tmp/stablerl-trl-smask-test", "replay_tiss", steps=1, seed=0, lr=1e-3)
     assert demo and mismatch  # the modules the scenario builds on
+
+
+def test_stand_in_engine_samples_from_the_kept_set_and_returns_processed_log_probs():
+    """The engine's top-p: every sampled token is in vLLM's kept set of its sampler's logits, and its log-prob is the
+    kept-set-normalised one (processed_logprobs), higher than the full-vocabulary log-prob wherever tokens were cut."""
+    model = H.tiny_model(seed=0)
+    engine = mismatch.LowPrecisionRollout(model, H.TOKENIZER, precision="int4", max_completion_length=6, top_p=0.7)
+    assert engine.rule == SamplingRule(top_p=0.7)
+    torch.manual_seed(0)
+    prompts = [H.TOKENIZER("copy 3 :")["input_ids"]] * 8
+    _, completions, logprobs, _ = engine.generate(prompts, None, 8)
+    cut = 0
+    for completion, lps in zip(completions, logprobs):
+        ids = torch.tensor([prompts[0] + completion])
+        with torch.no_grad():
+            logits = engine.sampler(input_ids=ids).logits[0, len(prompts[0]) - 1:-1].float()
+        processed = processed_log_probs(logits, engine.rule)
+        token = torch.tensor(completion).unsqueeze(1)
+        got = torch.tensor([lp[0] for lp in lps])
+        assert torch.isfinite(processed.gather(1, token)).all()  # sampled inside the kept set
+        assert torch.allclose(got, processed.gather(1, token).squeeze(1), atol=1e-5)
+        full = logits.log_softmax(-1).gather(1, token).squeeze(1)
+        assert (got >= full - 1e-6).all()
+        cut += int((got > full + 1e-3).sum())
+    assert cut > 0
+
+
+def test_demo_truncated_smoke(tmp_path, capsys):
+    import json
+
+    rc = demo.main(["--scenario", "truncated", "--steps", "2", "--out", str(tmp_path), "--no-progress"])
+    assert rc == 0
+    out = capsys.readouterr().out
+    assert "scenario truncated" in out and "top_p 0.8" in out and "on seed 0" in out and "versions: torch" in out
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert results["config"]["top_p"] == truncated.DEMO["top_p"] and list(results["arms"]) == list(truncated.DEMO["arms"])
+    baseline, fix = (results["arms"][a] for a in truncated.DEMO["arms"])
+    assert not baseline["sampling_mask_replay"] and baseline["trl_importance_sampling"]
+    assert fix["sampling_mask_replay"] and fix["stablerl_rollout_correction"] == "tis"
+    kept = [v for v in fix["metrics"]["sampling_mask/kept_mass"] if v is not None]
+    assert len(kept) == 2 and all(0.5 < v < 1 for v in kept)
+    assert "sampling_mask/kept_mass" not in baseline["metrics"]
+    assert (tmp_path / "curves.png").stat().st_size > 10_000
+    assert demo.main(["--scenario", "mismatch", "--top-p", "0.9", "--out", str(tmp_path)]) == 2
+
+
+def test_demo_record_is_the_recorded_json():
+    """The truncated scenario's "other seeds" lines read DEMO_RECORD: the benchmark's torch 2.13.0 runs of DEMO's
+    setting (docs/stability/truncated_sampling.json), every recorded arm and seed, finals and bests to 3 decimals."""
+    import json
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "docs" / "stability" / "truncated_sampling.json"
+    d = truncated.DEMO
+    record: dict = {}
+    for r in json.loads(path.read_text())["runs"]:
+        if ((r["precision"], r["top_p"], r["lr"], r["steps"], r["completion_length"]) ==
+                (d["precision"], d["top_p"], d["lr"], d["steps"], d["completion_length"])
+                and r["environment"]["torch"].startswith("2.13.0") and r["arm"] in truncated.ARMS):
+            record.setdefault(r["arm"], {})[r["seed"]] = (round(r["final_reward"], 3), round(r["best_reward"], 3))
+    assert record == truncated.DEMO_RECORD
+    assert all(len(record[a]) == 3 for a in d["arms"])
