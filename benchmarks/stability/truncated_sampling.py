@@ -68,9 +68,7 @@ def write_table(runs: list[dict], name: str) -> Path:
             rs = sorted(rs, key=lambda r: r["seed"])
             kept = [r["kept_mass_mean"] for r in rs if r.get("kept_mass_mean") is not None]
             lines.append(
-                f"| {arm} | {','.join(str(r['seed']) for r in rs)} | {', '.join(C.fmt(r['final_reward']) for r in rs)} "
-                f"| {', '.join(C.fmt(r['best_reward']) for r in rs)} | {sum(r['failed'] for r in rs)}/{len(rs)} | "
-                f"{', '.join(f'{k:.3f}' for k in kept) if kept else '-'} | "
+                f"{C.seed_cells(arm, rs)} {', '.join(f'{k:.3f}' for k in kept) if kept else '-'} | "
                 f"{sum(r['time_s'] for r in rs) / len(rs):.0f}s |")
         lines.append("")
     path = C.DOCS / f"{name}.md"

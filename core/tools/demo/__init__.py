@@ -232,20 +232,16 @@ def build_parser() -> argparse.ArgumentParser:
 def _list_scenarios() -> None:
     for name, text in SCENARIOS.items():
         print(f"{name}{' (default)' if name == DEFAULT_SCENARIO else ''}: {text}")
-        if name == "truncated":
-            d = truncated.DEMO
-            print(f"    defaults: arms {','.join(d['arms'])}, rollout {d['precision']} top_p {d['top_p']}, completions "
-                  f"<= {d['completion_length']} tokens, lr {d['lr']}, {d['steps']} steps, seed {d['seed']}, "
-                  "num_iterations 1")
-            for arm, text in truncated.ARM_HELP.items():
-                print(f"    arm {arm:<19} {text}")
-        elif name == "mismatch":
-            d = mismatch.DEMO
-            print(f"    defaults: arms {','.join(d['arms'])}, rollout {d['precision']}, completions <= "
+        if name in ("truncated", "mismatch"):
+            module = truncated if name == "truncated" else mismatch
+            d = module.DEMO
+            top_p = f" top_p {d['top_p']}" if "top_p" in d else ""
+            print(f"    defaults: arms {','.join(d['arms'])}, rollout {d['precision']}{top_p}, completions <= "
                   f"{d['completion_length']} tokens, lr {d['lr']}, {d['steps']} steps, seed {d['seed']}, "
                   "num_iterations 1")
-            for arm, text in mismatch.ARM_HELP.items():
-                print(f"    arm {arm:<8} {text}")
+            width = max(8, *map(len, module.ARM_HELP))
+            for arm, text in module.ARM_HELP.items():
+                print(f"    arm {arm:<{width}} {text}")
         else:
             print(f"    defaults: losses {','.join(DEFAULT_LOSSES)}, completions <= 4 tokens, lr {_BASIC_DEFAULTS['lr']}, "
                   f"{_BASIC_DEFAULTS['steps']} steps, seed 0, num_iterations {_BASIC_DEFAULTS['num_iterations']}")
