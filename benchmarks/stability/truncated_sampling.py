@@ -76,6 +76,23 @@ def write_table(runs: list[dict], name: str) -> Path:
     return path
 
 
+def plot(runs: list[dict], arms: list[str], name: str, seed: int = 0) -> Path:
+    """Reward and entropy curves of ``arms`` on ``seed`` (torch 2.13 runs of the demo's setting): ``<name>.png``."""
+    from stablerl.tools import demo
+    from stablerl.tools.demo import truncated
+
+    d = truncated.DEMO
+    results = {}
+    for r in runs:
+        if (r["arm"] in arms and r["seed"] == seed and r["environment"]["torch"].startswith("2.13.0")
+                and (r["precision"], r["top_p"], r["steps"]) == (d["precision"], d["top_p"], d["steps"])):
+            results[r["arm"]] = {"steps": r["steps_logged"], "reward": r["reward"], "entropy": r["entropy"]}
+    path = C.DOCS / f"{name}.png"
+    demo.plot({a: results[a] for a in arms if a in results}, path,
+              title=f"{d['precision']} top_p {d['top_p']} rollout, seed {seed}")
+    return path
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--arms", default="trl_none,trl_seq_mask,trl_tok_trunc2,replay_tis")
@@ -88,10 +105,20 @@ def main() -> int:
     p.add_argument("--name", default="truncated_sampling")
     p.add_argument("--append", action="store_true")
     p.add_argument("--out", default="/tmp/stablerl-truncated")
+    p.add_argument("--merge", default=None, help="comma-separated record names whose runs are appended to --name's "
+                   "(records written by concurrent invocations), then the table and plot are written; nothing runs")
+    p.add_argument("--plot-arms", default="trl_tok_trunc,trl_tok_trunc2,replay_tis")
     a = p.parse_args()
     C.setup(1)
     path = C.DOCS / f"{a.name}.json"
-    runs = json.loads(path.read_text())["runs"] if a.append and path.exists() else []
+    runs = json.loads(path.read_text())["runs"] if (a.append or a.merge) and path.exists() else []
+    if a.merge:
+        for other in a.merge.split(","):
+            runs += json.loads((C.DOCS / f"{other}.json").read_text())["runs"]
+        path.write_text(json.dumps({"runs": runs}, indent=1))
+        write_table(runs, a.name)
+        plot(runs, a.plot_arms.split(","), a.name)
+        return 0
     for precision in a.precisions.split(","):
         for top_p in [float(x) for x in a.top_ps.split(",")]:
             for seed in [int(s) for s in a.seeds.split(",")]:
