@@ -42,7 +42,7 @@ def train(arm: str, precision: str, top_p: float, *, steps: int, seed: int, lr: 
     history = list(mismatch.rollout_of(trainer).history)
     r["mismatch_kl"] = sum(h["kl"] for h in history) / max(1, len(history))
     n = len(record["step"])
-    kept = [v for v in record["metrics"].get("stablerl/sampling_mask/kept_mass", []) + [None] * n if v is not None]
+    kept = [v for v in record["metrics"].get("sampling_mask/kept_mass", []) + [None] * n if v is not None]
     r["kept_mass_mean"] = sum(kept) / len(kept) if kept else None
     return r
 

@@ -59,7 +59,9 @@ ARM_HELP = {
 }
 
 # `stablerl demo --scenario truncated` runs these
-DEMO: dict[str, Any] = {"arms": ("trl_tok_trunc2", "replay_tis"), "precision": "int2", "top_p": 0.8, "lr": 1e-3,
+# TRL's best arm of the search (token_truncate, clip_max 3) and the stablerl fix; `--arms trl_tok_trunc2,replay_tis`
+# is the same token-level objective without and with the replay
+DEMO: dict[str, Any] = {"arms": ("trl_tok_trunc", "replay_tis"), "precision": "int2", "top_p": 0.8, "lr": 1e-3,
                         "steps": 200, "completion_length": 16, "seed": 0}
 
 
