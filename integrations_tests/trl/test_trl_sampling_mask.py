@@ -184,3 +184,56 @@ def test_demo_record_is_the_recorded_json():
             record.setdefault(r["arm"], {})[r["seed"]] = (round(r["final_reward"], 3), round(r["best_reward"], 3))
     assert record == truncated.DEMO_RECORD
     assert all(len(record[a]) == 3 for a in d["arms"])
+
+
+def _rollout_func_with_masks(engine, corrupt=False):
+    """A rollout_func that samples with the stand-in engine and returns, like vLLM >= 0.28 with
+    return_sampling_mask, each completion's kept sets (recomputed from the engine's own logits); ``corrupt``: the
+    first token's kept set of the first completion loses the sampled token."""
+    def rollout_func(prompts, trainer):
+        prompt_ids = [H.TOKENIZER(p)["input_ids"] for p in prompts]
+        _, completions, logprobs, _ = engine.generate(prompt_ids, None, 1)
+        masks = []
+        for p, c in zip(prompt_ids, completions):
+            with torch.no_grad():
+                logits = engine.sampler(input_ids=torch.tensor([p + c])).logits[0, len(p) - 1:-1].float()
+            dense = kept_mask(logits / engine.temperature, engine.rule)
+            if corrupt and not masks:
+                dense[0, c[0]] = False
+            masks.append(SamplingMask.from_dense(dense))
+        return {"prompt_ids": prompt_ids, "completion_ids": completions,
+                "logprobs": [[lp[0] for lp in seq] for seq in logprobs], "sampling_mask": masks}
+
+    return rollout_func
+
+
+@pytest.mark.parametrize("corrupt", [False, True])
+def test_engine_masks_from_a_rollout_func(corrupt):
+    """The engine's kept sets (a rollout_func's ``sampling_mask`` field) are replayed instead of the recomputed rule:
+    with an fp32 engine the rollout's log-probs become the trainer's full-vocabulary ones; a mask that excludes the
+    sampled token is refused, naming the position."""
+    args = truncated.make_config("/tmp/stablerl-trl-smask-test", "replay_tis", steps=1, seed=0, lr=1e-3,
+                                 max_completion_length=16, use_vllm=False, vllm_importance_sampling_correction=False)
+    model = H.build_model(H.TOKENIZER, seed=0)
+    engine = mismatch.LowPrecisionRollout(model, H.TOKENIZER, precision="fp32", max_completion_length=16, top_p=0.8)
+    from stablerl.adapters.trl import GRPOTrainer
+
+    trainer = GRPOTrainer(model=model, reward_funcs=demo.copy_reward, args=args, train_dataset=demo.build_dataset(),
+                          processing_class=H.TOKENIZER, rollout_func=_rollout_func_with_masks(engine, corrupt))
+    trainer.model.train()
+    rows = [{"prompt": f"copy {d} :", "target": str(d)} for d in range(8) for _ in range(8)]
+    torch.manual_seed(0)
+    if corrupt:
+        with pytest.raises(stablerl.StableRLError, match=r"kept set at position \(0, 0\).*excludes the sampled token"):
+            trainer._generate_and_score_completions(rows)
+        return
+    out = trainer._generate_and_score_completions(rows)
+    assert trainer._stablerl_replay.on and "engine's kept sets" not in trainer._stablerl_replay.decision.reason
+    mask = out["completion_mask"].bool()
+    ids = torch.cat([out["prompt_ids"], out["completion_ids"]], 1)
+    with torch.no_grad():
+        logits = trainer.model(input_ids=ids).logits[:, out["prompt_ids"].size(1) - 1:-1].float()
+    full = logits.log_softmax(-1).gather(-1, out["completion_ids"].unsqueeze(-1)).squeeze(-1)
+    assert torch.allclose(out["sampling_per_token_logps"][mask], full[mask], atol=1e-4)
+    kept = trainer._metrics["train"]["sampling_mask/kept_mass"][-1]
+    assert 0.5 < kept < 0.95

@@ -78,7 +78,7 @@ def make_config(output_dir: str, arm: str, *, steps: int, seed: int, lr: float, 
     """The scenario's GRPOConfig on TRL's vLLM path (``use_vllm=True``) with ``top_p``, for one arm."""
     loss, arm_overrides = ARMS[check_arm(arm)]
     return task.make_config(output_dir, loss, steps=steps, seed=seed, lr=lr, num_iterations=num_iterations,
-                            use_vllm=True, vllm_mode="colocate", top_p=top_p, **{**arm_overrides, **overrides})
+                            top_p=top_p, **{"use_vllm": True, "vllm_mode": "colocate", **arm_overrides, **overrides})
 
 
 make_trainer = mismatch.make_trainer  # the quantized engine (it samples with the config's top_p)
