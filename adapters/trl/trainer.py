@@ -73,6 +73,7 @@ class GRPOTrainer(TRL_GRPOTrainer):
     # the record of the generation batch / the loss micro-batch under way while TRL's own method runs (None between)
     _stablerl_batch: Optional[GenerationBatch] = None
     _stablerl_pass: Optional[LossBatch] = None
+    _stablerl_replay: Optional[SamplingMaskReplay] = None  # sampling-mask replay (set up in _stablerl_setup)
 
     def __init__(self, *args, **kwargs):
         check_rollout(args, kwargs)  # before TRL builds (or imports) vLLM
@@ -154,7 +155,9 @@ class GRPOTrainer(TRL_GRPOTrainer):
             num_generations, has_tool_images=has_tool_images)
 
     def _generate(self, prompts):
-        out = self._stablerl_replay.generated(self._stablerl_batch, super()._generate(prompts))
+        out = super()._generate(prompts)
+        if self._stablerl_replay is not None:
+            out = self._stablerl_replay.generated(self._stablerl_batch, out)
         return self._stablerl_routing.generated(self._stablerl_batch, out)
 
     def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
@@ -166,7 +169,8 @@ class GRPOTrainer(TRL_GRPOTrainer):
         try:
             out = super()._generate_and_score_completions(inputs)
             self._stablerl_routing.finish(batch, out)
-            self._stablerl_replay.finish(batch, out, self._stablerl_passes)
+            if self._stablerl_replay is not None:
+                self._stablerl_replay.finish(batch, out, self._stablerl_passes)
         finally:
             self._stablerl_batch = None
         return self._stablerl_rollout.finish(batch, out)
