@@ -88,7 +88,9 @@ class SamplingMaskReplay:
         args = trainer.args
         self.trainer, self.rule = trainer, rollout_rule(args)
         self.value = getattr(args, REPLAY_OPTION, None)
-        self.rollout_log_probs = bool((trainer.use_vllm or trainer.rollout_func is not None) and reads_rollout)
+        # (a host that runs only the loss, stablerl bench's, has neither attribute)
+        rollout = getattr(trainer, "use_vllm", False) or getattr(trainer, "rollout_func", None) is not None
+        self.rollout_log_probs = bool(rollout and reads_rollout)
         self.decision = self._decide(engine_masks=False)
         log_replay_decision(self.decision)
 

@@ -118,8 +118,9 @@ class GRPOTrainer(TRL_GRPOTrainer):
             reward_shaper=names["reward_shaper"], reward_shaper_params=params_of(cfg, "stablerl_reward_shaper_params"),
             batch_filter=names["batch_filter"], batch_filter_params=params_of(cfg, "stablerl_batch_filter_params"))
         self._stablerl_replay = SamplingMaskReplay(self, reads_rollout=bool(
-            (self.use_vllm and self.vllm_importance_sampling_correction) or correction
-            or self.off_policy_mask_threshold is not None or "rollout_log_prob" in needs))
+            (getattr(self, "use_vllm", False) and getattr(self, "vllm_importance_sampling_correction", False))
+            or correction or getattr(self, "off_policy_mask_threshold", None) is not None
+            or "rollout_log_prob" in needs))
         self._stablerl_passes = ForwardPasses(self, self._stablerl_routing, sum_sq=selection.reads("sum_pi_squared"))
         self._stablerl_rollout = AdvantageCallSite(self, self._stablerl_passes, selection, loss_reads=needs)
         per_process = cfg.per_device_train_batch_size * cfg.steps_per_generation

@@ -59,16 +59,15 @@ def write_table(runs: list[dict], name: str) -> Path:
     for (precision, top_p, lr, steps, length, torch_v, tf_v), group in settings.items():
         lines += [f"## rollout {precision}, top_p {top_p}, lr {lr:g}, {steps} steps, completions <= {length} tokens; "
                   f"torch {torch_v}, transformers {tf_v}", "",
-                  "| arm | seeds | final reward per seed | best per seed | failed | kept mass (run mean) | time/run |",
-                  "|---|---|---|---|---|---|---|"]
+                  "| arm | seeds | final reward per seed | best per seed | failed | time/run |",
+                  "|---|---|---|---|---|---|"]
         arms: dict[str, list[dict]] = {}
         for r in group:
             arms.setdefault(r["arm"], []).append(r)
         for arm, rs in arms.items():
             rs = sorted(rs, key=lambda r: r["seed"])
-            kept = [r["kept_mass_mean"] for r in rs if r.get("kept_mass_mean") is not None]
             lines.append(
-                f"{C.seed_cells(arm, rs)} {', '.join(f'{k:.3f}' for k in kept) if kept else '-'} | "
+                f"{C.seed_cells(arm, rs)} "
                 f"{sum(r['time_s'] for r in rs) / len(rs):.0f}s |")
         lines.append("")
     path = C.DOCS / f"{name}.md"

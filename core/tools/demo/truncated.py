@@ -86,7 +86,13 @@ make_trainer = mismatch.make_trainer  # the quantized engine (it samples with th
 # (final, best) reward per seed of DEMO's setting, 10%-window means, with torch 2.13.0
 # (benchmarks/stability/truncated_sampling.py; every run in docs/stability/truncated_sampling.json; a test checks
 # they match), for the demo's "other seeds" lines
-DEMO_RECORD: dict[str, dict[int, tuple[float, float]]] = {}
+DEMO_RECORD: dict[str, dict[int, tuple[float, float]]] = {
+    "trl_tok_trunc": {0: (1.0, 1.0), 1: (0.96, 0.98), 2: (0.851, 0.868)},
+    "replay_tis": {0: (0.98, 0.996), 1: (0.948, 0.954), 2: (0.915, 0.936)},
+    "trl_tok_trunc2": {0: (0.673, 0.963), 1: (0.914, 0.914), 2: (0.948, 0.948)},
+    "trl_none": {0: (0.7, 0.732), 1: (0.785, 0.841), 2: (0.903, 0.952)},
+    "tis_no_replay": {0: (0.673, 0.963)},
+}
 
 
 def verdict(results: dict[str, dict], *, seed: int, precision: str, lr: float, steps: int, completion_length: int,
