@@ -164,6 +164,7 @@ def test_demo_truncated_smoke(tmp_path, capsys):
     kept = [v for v in fix["metrics"]["sampling_mask/kept_mass"] if v is not None]
     assert len(kept) == 2 and all(0.5 < v < 1 for v in kept)
     assert "sampling_mask/kept_mass" not in baseline["metrics"]
+    assert results["config"]["recorded_with"] == truncated.RECORDED_WITH
     assert (tmp_path / "curves.png").stat().st_size > 10_000
     assert demo.main(["--scenario", "mismatch", "--top-p", "0.9", "--out", str(tmp_path)]) == 2
 

@@ -333,7 +333,8 @@ def main(argv: Optional[list[str]] = None) -> int:
           f"seed {args.seed}, {torch.get_num_threads()} thread(s); imports took {time.perf_counter() - t0:.1f}s")
 
     env = task.environment()
-    env_lines = task.version_lines(env)
+    recorded_with = truncated.RECORDED_WITH if args.scenario == "truncated" else task.RECORDED_WITH
+    env_lines = task.version_lines(env, recorded_with)
     print(env_lines[0])
     results: dict[str, dict] = {}
     for name in names:
@@ -346,7 +347,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                                             "threads")}
     config.update(task="copy the digit", prompts_per_step=8, generations=8, max_completion_length=args.completion_length,
                   model="Qwen2 hidden 128, 2 layers, word-level vocab of %d" % len(VOCAB))
-    config.update(environment=env, recorded_with=task.RECORDED_WITH)
+    config.update(environment=env, recorded_with=recorded_with)
     print()
     for line in env_lines:
         print(line)

@@ -83,6 +83,9 @@ def make_config(output_dir: str, arm: str, *, steps: int, seed: int, lr: float, 
 
 make_trainer = mismatch.make_trainer  # the quantized engine (it samples with the config's top_p)
 
+#: the versions DEMO_RECORD was made with (an Intel Xeon; torch 2.14.1 / transformers 5.25.0 gave the same rewards)
+RECORDED_WITH = {"torch": "2.13.0", "transformers": "5.24.0", "trl": "1.16.0", "cpu_kernels": "AVX512"}
+
 # (final, best) reward per seed of DEMO's setting, 10%-window means, with torch 2.13.0
 # (benchmarks/stability/truncated_sampling.py; every run in docs/stability/truncated_sampling.json; a test checks
 # they match), for the demo's "other seeds" lines
@@ -92,6 +95,12 @@ DEMO_RECORD: dict[str, dict[int, tuple[float, float]]] = {
     "trl_tok_trunc2": {0: (0.673, 0.963), 1: (0.914, 0.914), 2: (0.948, 0.948)},
     "trl_none": {0: (0.7, 0.732), 1: (0.785, 0.841), 2: (0.903, 0.952)},
     "tis_no_replay": {0: (0.673, 0.963)},
+    "trl_tok_mask": {0: (0.73, 0.801)},
+    "trl_tok_mask_band": {0: (0.641, 0.721)},
+    "trl_opm": {0: (0.646, 0.71)},
+    "trl_tok_trunc2_dapo": {0: (0.541, 0.953)},
+    "trl_seq_mask": {0: (0.103, 0.12)},
+    "trl_seq_trunc": {0: (0.245, 0.281)},
 }
 
 
