@@ -33,6 +33,14 @@ def _generation(replay: str, *, precision="bf16", arm="trl_tok_trunc", top_p=0.8
     return trainer, trainer._generate_and_score_completions(rows)
 
 
+def _full_log_probs(trainer, out):
+    """The trainer's log-probs of the completion tokens over the full vocabulary (a plain forward)."""
+    ids = torch.cat([out["prompt_ids"], out["completion_ids"]], 1)
+    with torch.no_grad():
+        logits = trainer.model(input_ids=ids).logits[:, out["prompt_ids"].size(1) - 1:-1].float()
+    return logits.log_softmax(-1).gather(-1, out["completion_ids"].unsqueeze(-1)).squeeze(-1)
+
+
 def _ratio_stats(ratio, mask):
     r = ratio[mask.bool()]
     return float(r.mean()), float(((r < 0.9) | (r > 1.1)).float().mean())
@@ -49,10 +57,7 @@ def test_ratio_table_before_and_after_replay():
         if replay == "true":
             kept = trainer._metrics["train"]["sampling_mask/kept_mass"][-1]
             # TRL's old log-probs are its own (the PPO ratio's anchor): full vocabulary, not the kept set
-            ids = torch.cat([out["prompt_ids"], out["completion_ids"]], 1)
-            with torch.no_grad():
-                logits = trainer.model(input_ids=ids).logits[:, out["prompt_ids"].size(1) - 1:-1].float()
-            full = logits.log_softmax(-1).gather(-1, out["completion_ids"].unsqueeze(-1)).squeeze(-1)
+            full = _full_log_probs(trainer, out)
             assert torch.allclose(out["old_per_token_logps"][mask.bool()], full[mask.bool()], atol=1e-4)
             # the rollout's log-probs were replaced by their full-vocabulary form: the ratio to them is ~1
             ratio = (out["old_per_token_logps"] - out["sampling_per_token_logps"]).exp()
@@ -72,10 +77,7 @@ def test_replay_without_trls_old_pass_uses_one_extra_forward():
     trainer, out = _generation("true", precision="fp32", arm="replay_tis", vllm_importance_sampling_clip_max=3.0)
     assert "old_per_token_logps" not in out and "importance_sampling_ratio" not in out
     mask = out["completion_mask"].bool()
-    ids = torch.cat([out["prompt_ids"], out["completion_ids"]], 1)
-    with torch.no_grad():
-        logits = trainer.model(input_ids=ids).logits[:, out["prompt_ids"].size(1) - 1:-1].float()
-    full = logits.log_softmax(-1).gather(-1, out["completion_ids"].unsqueeze(-1)).squeeze(-1)
+    full = _full_log_probs(trainer, out)
     # fp32 engine = the trainer's weights: over the full vocabulary the rollout's log-probs are the trainer's
     assert torch.allclose(out["sampling_per_token_logps"][mask], full[mask], atol=1e-4)
     # and without replay they are the kept-set ones, higher by -log M
@@ -231,10 +233,7 @@ def test_engine_masks_from_a_rollout_func(corrupt):
     out = trainer._generate_and_score_completions(rows)
     assert trainer._stablerl_replay.on and "engine's kept sets" not in trainer._stablerl_replay.decision.reason
     mask = out["completion_mask"].bool()
-    ids = torch.cat([out["prompt_ids"], out["completion_ids"]], 1)
-    with torch.no_grad():
-        logits = trainer.model(input_ids=ids).logits[:, out["prompt_ids"].size(1) - 1:-1].float()
-    full = logits.log_softmax(-1).gather(-1, out["completion_ids"].unsqueeze(-1)).squeeze(-1)
+    full = _full_log_probs(trainer, out)
     assert torch.allclose(out["sampling_per_token_logps"][mask], full[mask], atol=1e-4)
     kept = trainer._metrics["train"]["sampling_mask/kept_mass"][-1]
     assert 0.5 < kept < 0.95
