@@ -1,4 +1,4 @@
-"""One session per environment: verl, TRL and OpenRLHF need different transformers versions.
+"""One session per environment: verl, TRL, OpenRLHF and SkyRL need different transformers versions.
 
     nox                 # the whole suite (what README's test command and CI run)
     nox -s unit         # torch-only unit tests of core and every plugin
@@ -6,12 +6,13 @@
     nox -s trl          # TRL 1.16 adapter, real CPU training, demo smoke test, MoE routing replay
     nox -s openrlhf     # OpenRLHF 0.11.2 adapter: parity with its real PolicyLoss / estimators, CLI, a Ray worker,
                         # and its entry point end to end (test_openrlhf_e2e.py: 3 runs of 2 GRPO steps in a local Ray cluster)
-    nox -s parity       # the cross-framework parity matrix from the three sessions' results -> docs/parity-matrix.md
+    nox -s skyrl        # SkyRL 0.3.0 adapter: registries, refusals, parity, and SkyRL's real trainer end to end on CPU
+    nox -s parity       # the cross-framework parity matrix from the four sessions' results -> docs/parity-matrix.md
 """
 
 import nox
 
-nox.options.sessions = ["unit", "verl", "trl", "openrlhf", "parity"]  # parity last: it reads the others' results
+nox.options.sessions = ["unit", "verl", "trl", "openrlhf", "skyrl", "parity"]  # parity last: it reads the others' results
 nox.options.reuse_existing_virtualenvs = True
 
 TORCH = "torch==2.13.0"  # the CPU build; frameworks' extras would pull CUDA builds
@@ -74,8 +75,30 @@ def openrlhf(session):
 
 
 @nox.session
+def skyrl(session):
+    session.install(TORCH)
+    # SkyRL's wheel without its GPU pins (vllm, flash-attn, jax, the CUDA torch of its fsdp extra); the modules its
+    # trainer, FSDP workers and config import on CPU, at the versions it pins (transformers <= 5.8.0, ray 2.56.0).
+    # On Python 3.11 skyrl/tinker/types.py needs typing_extensions.TypedDict and model_wrapper.py imports
+    # flash_attn.bert_padding at module top: test-only shims in integrations_tests/skyrl/stubs (sitecustomize).
+    session.install("--no-deps", "skyrl==0.3.0", "skyrl-gym==0.4.0")
+    session.install("transformers==5.8.0", "peft==0.18.1", "ray==2.56.0", "datasets", "pillow", "rich", "safetensors",
+                    "tokenizers", "typer", "cloudpathlib", "loguru", "tqdm", "hydra-core==1.3.2", "omegaconf",
+                    "accelerate", "torchdata", "tensordict", "jaxtyping", "cloudpickle", "aiohttp", "func_timeout",
+                    "pandas")
+    session.install("-e", ".[test]")
+    # includes test_skyrl_e2e.py: two runs of the entry point (SkyRL's RayPPOTrainer, its FSDP policy worker on
+    # gloo via a CPU shim, a canned generator in place of vLLM): one step and a checkpoint, then the resume
+    session.run(
+        *PYTEST, "integrations_tests/skyrl", *session.posargs,
+        env={"RAY_USAGE_STATS_ENABLED": "0", "TOKENIZERS_PARALLELISM": "false", "TORCHDYNAMO_DISABLE": "1",
+             "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"},
+    )
+
+
+@nox.session
 def parity(session):
-    """The cross-framework parity matrix: compares the verl / TRL / OpenRLHF sessions' results
+    """The cross-framework parity matrix: compares the verl / TRL / OpenRLHF / SkyRL sessions' results
     (build/parity/, or $STABLERL_PARITY_DIR) and writes docs/parity-matrix.md (`-- --check`: fail if
     the committed page differs instead of writing it)."""
     session.install(TORCH, "numpy", "pytest")  # numpy: torch warns without it

@@ -1,4 +1,4 @@
-"""The built-in framework declarations (verl, TRL, OpenRLHF): stablerl's ``register_frameworks`` plugin.
+"""The built-in framework declarations (verl, TRL, OpenRLHF, SkyRL): stablerl's ``register_frameworks`` plugin.
 
 Core reaches the built-in declarations only through the plugin manager (entry-point group ``stablerl.builtin``), the
 way a third party would declare a fourth framework. Each framework's declaration lives with its adapter
@@ -15,8 +15,9 @@ from stablerl.hookspecs import hookimpl
 @hookimpl
 def register_frameworks(register):
     from stablerl.adapters.openrlhf._spec import OPENRLHF
+    from stablerl.adapters.skyrl._spec import SKYRL
     from stablerl.adapters.trl._spec import TRL
     from stablerl.adapters.verl._spec import VERL
 
-    for framework in (VERL, TRL, OPENRLHF):
+    for framework in (VERL, TRL, OPENRLHF, SKYRL):
         register(framework)

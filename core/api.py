@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from typing import Any, Optional
 
@@ -43,10 +44,13 @@ from .checks import (  # noqa: F401  (is_binary_mask: also stablerl.api's, as be
 from .ops import (AGG_MODES, aggregate, as_floats, ensure_same_shape, group_ids, high_entropy_mask, is_functorch_wrapped,
                   masked_tangent)
 from .params import MissingInputError, StableRLError, UnknownNameError, build_params, unknown_name_message
+from .policy_versions import check_policy_versions
 from .registry import get_registry, switch_names
 
 _FLOAT_TYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _LOSS_INPUTS = set(OPTIONAL_INPUTS) | {"is_weights"}
+#: PolicyLossBatch's own fields: a declared loss input outside them reaches the loss in ``batch.extras``
+_POLICY_BATCH_FIELDS = frozenset(f.name for f in dataclasses.fields(PolicyLossBatch))
 
 
 # integer type of the same width as each compute float type (for zeroing padding bit by bit)
@@ -289,6 +293,10 @@ def compute_policy_loss(
         if t is not None:
             require_float(k, t)
     check_mask(response_mask)
+    if inputs.get("versions") is not None or inputs.get("policy_version") is not None:
+        # a token newer than the weights being trained is refused (A-3PO's alpha would clamp it to 0 silently)
+        inputs["policy_version"] = check_policy_versions(inputs.get("versions"), inputs.get("policy_version"),
+                                                         response_mask)
     if inputs.get("scores") is not None:
         scores = check_per_response("scores", inputs["scores"], shape[0])
         if not bool(torch.isfinite(scores).all()):
@@ -385,6 +393,8 @@ def compute_policy_loss(
             loss_agg_params=loss_agg_params,
             seq_advantages=seq_advantages,
             valid_tokens=valid,
+            # declared inputs without a field of their own (teacher_topk_log_prob, ...), as given
+            extras={k: v for k, v in inputs.items() if k not in _POLICY_BATCH_FIELDS},
         )
         if check_finite:
             # seq_advantages is non-finite exactly where the cleaned [B, T] advantages would be
@@ -434,7 +444,10 @@ def compute_policy_loss(
         bit_masks.clear()  # the pattern is rebuilt on a recompute, not held until backward
         return loss, metrics
 
-    if fused_form is None and _recomputes(recompute_half, log_prob, spec, ctx, correction, loss_agg_mode, loss_agg_params):
+    # an input other than log_prob that carries gradient (generalized_jsd's student_topk_log_prob): kept, not recomputed
+    grad_inputs = any(isinstance(v, torch.Tensor) and v.requires_grad for v in inputs.values())
+    if fused_form is None and not grad_inputs and _recomputes(recompute_half, log_prob, spec, ctx, correction,
+                                                              loss_agg_mode, loss_agg_params):
         from torch.utils.checkpoint import checkpoint
 
         loss, metrics = checkpoint(loss_of, log_prob, use_reentrant=False)
@@ -548,7 +561,8 @@ def compute_advantage(
 
 
 #: estimator inputs laid out like the rewards, one value per response token
-_PER_TOKEN_INPUTS = ("old_log_prob", "sum_pi_squared", "entropy", "old_entropy", "rollout_log_prob", "turn_ids")
+_PER_TOKEN_INPUTS = ("old_log_prob", "sum_pi_squared", "entropy", "old_entropy", "rollout_log_prob", "turn_ids",
+                     "teacher_log_prob")
 
 
 def _check_input_shapes(name: str, inputs: dict[str, Any], shape: torch.Size) -> None:

@@ -41,6 +41,12 @@ def top_entropy_on(options: Mapping[str, Any]) -> bool:
 CALL_OPTION_OF_KIND = {"aggregation": "loss_agg_mode", "rollout_correction": "rollout_correction"}
 
 
+def option_inputs(options: Mapping[str, Any]) -> tuple[str, ...]:
+    """The inputs a loss call's options need beyond the loss's declaration: the rollout log-probs for a stablerl
+    rollout correction, the current entropy for ``top_entropy_quantile`` < 1 (:func:`top_entropy_on`)."""
+    return (("rollout_log_prob",) if options.get("rollout_correction") else ()) + (
+        (TOP_ENTROPY_INPUT,) if top_entropy_on(options) else ())
+
 def split_call_options(params: Mapping[str, Any]) -> tuple[dict, dict]:
     """``(hyper-parameters, call options)`` of a stablerl loss's params (:data:`CALL_OPTIONS`)."""
     hyper = {k: v for k, v in params.items() if k not in CALL_OPTIONS}

@@ -49,8 +49,10 @@ OPTIONAL_INPUTS: dict[str, str] = {
     "token_ids": "response token ids (verl: batch['responses']; TRL: completion_ids)",
     "index": "group ids of the responses (verl: uid; TRL: contiguous blocks of num_generations)",
     "turn_ids": "per-token turn/segment ids of multi-turn traces (agent loops)",
-    "versions": "per-token policy version that generated each token (asynchronous rollout systems)",
-    "policy_version": "the current policy version (an integer)",
+    "versions": "per-token policy version that generated each token, [B, T] integers (negative: not generated), "
+    "counted in weight updates as AReaL does (stablerl.policy_versions; TRL: the generation round that generated the row)",
+    "policy_version": "the version of the weights being trained (an integer, never below a trained token's version; "
+    "TRL: the generation round of the batch being trained)",
     "sampling_mask": "the rollout engine's kept set per response token under top-k/top-p/min-p sampling "
     "(stablerl.sampling_mask: the engine's CSR SamplingMask, or its SamplingRule to recompute it); the adapter "
     "expresses rollout_log_prob over the full vocabulary with it before any ratio against the rollout is formed",
@@ -88,6 +90,15 @@ OPTIONAL_INPUTS: dict[str, str] = {
     "hashes the observation)",
     "step_returns": "per-row discounted return from that agent step on, [B]: G_t = r_t + gamma G_{t+1} within "
     "its trajectory (GiGPO Eq. 5; the agent loop computes it from the step rewards)",
+    # on-policy distillation: a frozen teacher (same tokenizer) scores the student's own samples
+    "teacher_log_prob": "per-token log-prob under the frozen teacher of each sampled token, [B, T] (the framework's "
+    "second model pointed at a teacher checkpoint with the student's tokenizer: verl's teacher loop teacher_logprobs; "
+    "TRL: stablerl_teacher_model; OpenRLHF: --algo.advantage.stablerl_teacher_model)",
+    "teacher_topk_log_prob": "the teacher's top-k next-token log-probs at each response position, [B, T, k] (an extra "
+    "teacher forward)",
+    "teacher_topk_ids": "the token ids of teacher_topk_log_prob, [B, T, k] ints",
+    "student_topk_log_prob": "the current policy's log-probs at teacher_topk_ids, [B, T, k], with gradient (from the "
+    "training forward's logits)",
     # what a trainer hook needs from the trainer loop (not tensors: capabilities an adapter provides)
     "params_view": "the policy's trainable parameters and optimizer between optimizer passes over one rollout "
     "batch, and control of how many passes run (a trainer hook's ParamsView and passes_per_batch)",

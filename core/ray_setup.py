@@ -6,7 +6,11 @@ from __future__ import annotations
 
 import importlib
 import os
+import sys
 from typing import Optional, Sequence
+
+#: Ray's zero-copy tensor serializer (a framework may turn it on): it drops attributes set on a tensor
+ZERO_COPY_ENV = "RAY_ENABLE_ZERO_COPY_TORCH_TENSORS"
 
 
 def load_callable(path: str):
@@ -43,4 +47,16 @@ def with_setup_hook(runtime_env: Optional[dict], hook: str, *, ours: Sequence[st
     return env
 
 
-__all__ = ["load_callable", "with_setup_hook"]
+def without_zero_copy(runtime_env: dict, *, why: str, what: str, carrier: str, label: str) -> dict:
+    """``runtime_env`` with :data:`ZERO_COPY_ENV` = 0 for the workers: ``what`` rides as an attribute on the
+    ``carrier`` tensors (for ``why``), which Ray's zero-copy serializer drops. Turning off a value that was on is
+    said on stderr (``label``: who says it)."""
+    env_vars = runtime_env.setdefault("env_vars", {})
+    if env_vars.get(ZERO_COPY_ENV, "0") != "0":
+        print(f"{label}: {why} sets {ZERO_COPY_ENV}=0 for the Ray workers (was {env_vars[ZERO_COPY_ENV]!r}): Ray's "
+              f"zero-copy tensor serializer drops the {what} carried on the {carrier}", file=sys.stderr, flush=True)
+    env_vars[ZERO_COPY_ENV] = "0"
+    return runtime_env
+
+
+__all__ = ["ZERO_COPY_ENV", "load_callable", "with_setup_hook", "without_zero_copy"]

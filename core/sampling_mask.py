@@ -34,7 +34,7 @@ from .params import StableRLError
 __all__ = [
     "SamplingRule", "SamplingMask", "kept_mask", "processed_log_probs", "log_kept_mass",
     "rollout_log_prob_over_vocab", "REPLAY_OPTION", "ReplayDecision", "resolve_replay", "log_kept_mass_rows",
-    "replay_rollout_log_prob", "KEPT_MASS_METRIC", "log_replay_decision",
+    "replay_rollout_log_prob", "KEPT_MASS_METRIC", "log_replay_decision", "concat_positions",
 ]
 
 _CHUNK = 256  # positions per chunk: bounds the [chunk, V] temporaries
@@ -295,6 +295,26 @@ def log_kept_mass_rows(logits: torch.Tensor, rows: torch.Tensor, token_ids: torc
         out[start:end] = log_kept_mass(chunk, ids, torch.ones_like(ids, dtype=torch.bool), mask=sub,
                                        rule=None if sub is not None else rule)[0]
     return out
+
+
+def concat_positions(masks, keep, what: str = "sampling mask") -> SamplingMask:
+    """One CSR mask over the kept positions of several rows, row-major: ``masks[i]`` a 1-D :class:`SamplingMask` (row
+    ``i``'s kept sets per position), ``keep[i]`` a boolean tensor over that row's positions (the response positions a
+    framework computes ``log M`` at). ``what`` names the source in errors."""
+    if len(masks) != len(keep):
+        raise StableRLError(f"{what}: {len(masks)} masks for {len(keep)} rows")
+    ids, counts = [], []
+    for i, (mask, row_keep) in enumerate(zip(masks, keep)):
+        if not isinstance(mask, SamplingMask) or len(mask.shape) != 1 or mask.shape[0] < row_keep.numel():
+            raise StableRLError(f"{what}: row {i} must be a SamplingMask of shape [>= {row_keep.numel()}] (one kept set "
+                                f"per position), got {type(mask).__name__} {getattr(mask, 'shape', '')}")
+        for t in row_keep.nonzero().flatten().tolist():
+            lo, hi = int(mask.offsets[t]), int(mask.offsets[t + 1])
+            ids.append(mask.token_ids[lo:hi])
+            counts.append(hi - lo)
+    offsets = torch.zeros(len(counts) + 1, dtype=torch.long)
+    offsets[1:] = torch.tensor(counts, dtype=torch.long).cumsum(0) if counts else offsets[1:]
+    return SamplingMask(torch.cat(ids) if ids else torch.zeros(0, dtype=torch.int32), offsets, (len(counts),))
 
 
 def replay_rollout_log_prob(rollout_log_prob: torch.Tensor, log_mass: torch.Tensor, response_mask: torch.Tensor,

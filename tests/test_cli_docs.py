@@ -29,7 +29,7 @@ def test_list_json_has_required_fields(capsys):
         assert {"name", "kind", "status", "paper", "frameworks"} <= set(r)
         assert r["status"] in ("stable", "experimental", "unavailable")
     vanilla = next(r for r in rows if r["name"] == "vanilla")
-    assert vanilla["frameworks"] == ["verl", "trl", "openrlhf"] and vanilla["paper"] == "2503.14476"
+    assert vanilla["frameworks"] == ["verl", "trl", "openrlhf", "skyrl"] and vanilla["paper"] == "2503.14476"
 
 
 def test_list_filters_by_kind(capsys):
@@ -41,14 +41,16 @@ def test_list_filters_by_kind(capsys):
 
 def test_list_table(capsys):
     code, out, _ = run_cli(capsys, "list")
-    assert code == 0 and out.splitlines()[0].split() == ["name", "kind", "status", "paper", "verl", "trl", "openrlhf"]
+    assert code == 0 and out.splitlines()[0].split() == ["name", "kind", "status", "paper", "verl", "trl", "openrlhf",
+                                                    "skyrl"]
     assert f"{len(stablerl.list_algorithms())} algorithms; reach: verl " in out
     pacs = next(line.split() for line in out.splitlines() if line.startswith("pacs "))
-    assert pacs[-3:] == ["partial", "yes", "partial"]  # verl and OpenRLHF: whole prompt groups under a setting
+    # verl and OpenRLHF: whole prompt groups under a setting; SkyRL's loss call gets no prompt groups
+    assert pacs[-4:] == ["partial", "yes", "partial", "no"]
     erc = next(line.split() for line in out.splitlines() if line.startswith("erc "))
-    assert erc[-3:] == ["partial", "yes", "yes"]
+    assert erc[-4:] == ["partial", "yes", "yes", "no"]
     d3s = next(line.split() for line in out.splitlines() if line.startswith("d3s "))
-    assert d3s[-3:] == ["partial", "yes", "yes"]
+    assert d3s[-4:] == ["partial", "yes", "yes", "no"]
     # every partial says what to set, every refusal why, per framework
     assert "  partial  pacs: needs index: --train.micro_batch_size" in out
     assert "  partial  pacs: needs index: the legacy trainer (trainer.use_v1=false), actor_rollout_ref.actor." in out
@@ -72,7 +74,7 @@ def test_list_json_reach_per_framework(capsys):
     assert rows["turn_ppo"]["reach"]["verl"] == {"status": "selectable", "name": "turn_ppo"}
     assert rows["vanilla"]["reach"]["verl"] == {"status": "selectable", "name": "stablerl_vanilla"}
     # the counts stablerl list and README print come from the same rows
-    counts = {fw: {s: 0 for s in ("selectable", "partial", "refused")} for fw in ("verl", "trl", "openrlhf")}
+    counts = {fw: {s: 0 for s in ("selectable", "partial", "refused")} for fw in ("verl", "trl", "openrlhf", "skyrl")}
     for r in json.loads(out):  # every row: a name may be used by two kinds (gpg: a loss and an estimator)
         for fw, entry in r["reach"].items():
             counts[fw][entry["status"]] += 1
@@ -171,7 +173,7 @@ def test_the_builtins_page_agrees_with_stablerl_list():
     page = Path(__file__).resolve().parents[1] / "docs" / docs.BUILTINS_PAGE
     text = page.read_text()
     assert text == docs.builtins_page(text), "docs/framework-builtins.md is out of date: run python -m stablerl.docs"
-    spelled = {"verl": "verl", "trl": "TRL", "openrlhf": "OpenRLHF"}
+    spelled = {"verl": "verl", "trl": "TRL", "openrlhf": "OpenRLHF", "skyrl": "SkyRL"}
     reach = {row["name"]: row["reach"] for row in reach_table(docs.builtins_page_specs(text))}
     claims = 0
     for line in text.split(docs.BUILTINS_BEGIN)[0].splitlines():

@@ -32,6 +32,11 @@ from stablerl.testing import (
 )
 
 BY_DESIGN: dict[str, dict[str, str]] = {
+    "generalized_jsd": {
+        "detached_inputs": "student_topk_log_prob is the student's log-probs at the teacher's top-k ids from the "
+        "training forward: the distillation term's gradient flows through it by design (checked against TRL's loss and "
+        "by finite differences in tests/test_on_policy_distillation.py)",
+    },
     "krpo": {
         "permutation": "the Kalman filter runs over each group's responses in rollout order (arXiv 2505.07527); "
         "reordering the responses within a group changes the advantages",
@@ -68,8 +73,15 @@ def _skips() -> dict[str, tuple[str, ...]]:
     return {n: tuple(BY_DESIGN.get(n, {})) + tuple(KNOWN_ISSUES.get(n, {})) for n in names}
 
 
+# hyper-parameters other than the defaults the suite runs with, and why
+PARAMS: dict[str, dict] = {
+    # alone, its gradient flows through student_topk_log_prob, not log_prob (the suite follows log_prob): with a task
+    # loss added, every property is checked on the sum (tests/test_on_policy_distillation.py checks the term alone)
+    "generalized_jsd": {"task_loss": "vanilla"},
+}
+
 BUILTIN_CASES = conformance_cases(plugin="stablerl.plugins", kinds=(POLICY_LOSS, ADVANTAGE_ESTIMATOR), skip=_skips(),
-                                  inputs=INPUTS)
+                                  inputs=INPUTS, params=PARAMS)
 
 
 @pytest.mark.parametrize("case", BUILTIN_CASES)

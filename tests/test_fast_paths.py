@@ -158,8 +158,11 @@ def test_scores_follow_a_reassigned_field():
 
 
 # every loss recomputed by default: no batch statistics
+# generalized_jsd: its gradient flows through student_topk_log_prob, an input other than log_prob, so core keeps its
+# forward (test_an_input_with_gradient_is_never_recomputed)
 RECOMPUTED = [s.name for s in stablerl.list_algorithms("policy_loss")
-              if s.status != "unavailable" and s.fn is not None and not s.batch_statistics]
+              if s.status != "unavailable" and s.fn is not None and not s.batch_statistics
+              and s.name != "generalized_jsd"]
 
 
 def _half_inputs(dtype, B=6, T=40):
@@ -345,3 +348,21 @@ def test_estimators_with_sliced_scores_are_bit_identical(name, monkeypatch):
     got = stablerl.compute_advantage(name, token_level_rewards=rewards, response_mask=mask, index=index)
     for w, o in zip(want, got):
         assert torch.equal(w.view(torch.uint8), o.view(torch.uint8))
+
+
+def test_an_input_with_gradient_is_never_recomputed(monkeypatch):
+    """generalized_jsd's gradient also flows through student_topk_log_prob: with recompute on, core keeps the forward
+    (a recompute from log_prob alone would lose that gradient), so loss and both gradients are unchanged."""
+    from stablerl.tools import bench
+
+    inp = _half_inputs(torch.bfloat16)
+    call = bench.ours_fn("generalized_jsd", inp, params={"task_loss": "vanilla"})
+    student = inp["student_topk_log_prob"]
+    lp = inp["log_prob"].detach().clone().requires_grad_(True)
+    loss = call(lp)[0]
+    kept = torch.autograd.grad(loss, (lp, student))
+    monkeypatch.setenv("STABLERL_RECOMPUTE_HALF", "1")
+    again_loss = call(lp)[0]
+    again = torch.autograd.grad(again_loss, (lp, student))
+    assert torch.equal(loss, again_loss)
+    assert all(torch.equal(a, b) for a, b in zip(kept, again)) and bool((again[1] != 0).any())

@@ -16,8 +16,8 @@ from stablerl import frameworks as F
 from stablerl.contracts import ADVANTAGE_ESTIMATOR, POLICY_LOSS
 
 
-def test_the_three_builtin_frameworks_are_declared_through_the_hook():
-    assert [fw.name for fw in F.list_frameworks()] == ["verl", "trl", "openrlhf"]
+def test_the_builtin_frameworks_are_declared_through_the_hook():
+    assert [fw.name for fw in F.list_frameworks()] == ["verl", "trl", "openrlhf", "skyrl"]
     assert F.get_framework("verl").adapter == "stablerl.adapters.verl"
     with pytest.raises(stablerl.UnknownNameError, match="unknown framework 'verll' .*did you mean 'verl'"):
         F.get_framework("verll")
@@ -47,8 +47,16 @@ def test_one_name_rule_in_every_framework():
 def test_refusals_say_why_in_the_frameworks_words():
     with pytest.raises(stablerl.MissingInputError, match=r"hidden_states: OpenRLHF's Actor.forward returns log-probs"):
         F.resolve("openrlhf", POLICY_LOSS, "capo")
-    status, why = F.reach(F.get_framework("trl"), stablerl.get_spec(POLICY_LOSS, "a3po"))
-    assert status == "refused" and "versions: TRL's GRPOTrainer keeps no per-token policy versions" in why
+    status, why = F.reach(F.get_framework("trl"), stablerl.get_spec(POLICY_LOSS, "capo"))
+    assert status == "refused" and "hidden_states: TRL's forward in _compute_loss returns log-probs" in why
+    # TRL: policy versions as generation rounds (its synchronous GRPOTrainer: alpha 0); the behaviour log-probs
+    # under a setting
+    a3po = stablerl.get_spec(POLICY_LOSS, "a3po")
+    assert F.reach(F.get_framework("trl"), a3po) == ("partial", "a3po")
+    conditions = F.reach_conditions(F.get_framework("trl"), a3po)
+    assert [n.split(":")[0] for n in conditions] == ["rollout_log_prob", "versions", "policy_version"]
+    assert "versions == policy_version and A-3PO's alpha = 0" in conditions[1]
+    assert {"versions", "policy_version"} <= F.get_framework("trl").feedable[POLICY_LOSS]
     # verl and OpenRLHF: one weight version per batch in their synchronous trainers (A-3PO's alpha = 0), under
     # that setting
     assert F.reach(F.get_framework("verl"), stablerl.get_spec(POLICY_LOSS, "a3po")) == ("partial", "a3po")
@@ -62,8 +70,9 @@ def test_refusals_say_why_in_the_frameworks_words():
     assert F.reach_conditions(F.get_framework("verl"), stablerl.get_spec("batch_filter", "d3s"))[0].startswith(
         "entropy: the legacy trainer (trainer.use_v1=false) without bypass mode")
     # the old-log-prob pass's entropy: every framework feeds it to erc (verl: under a setting)
+    # (SkyRL's loss call gets no entropy; m2po needs none)
     assert F.selectable_in(stablerl.get_spec(POLICY_LOSS, "erc")) == ["verl", "trl", "openrlhf"]
-    assert F.selectable_in(stablerl.get_spec(POLICY_LOSS, "m2po")) == ["verl", "trl", "openrlhf"]
+    assert F.selectable_in(stablerl.get_spec(POLICY_LOSS, "m2po")) == ["verl", "trl", "openrlhf", "skyrl"]
     assert F.selectable_in(stablerl.get_spec("batch_filter", "gtpo_entropy_filter")) == ["verl", "trl", "openrlhf"]
 
 
@@ -175,8 +184,8 @@ def test_describe_framework_prints_the_effective_settings(capsys):
     out = capsys.readouterr().out
     assert "verl: select with actor_rollout_ref.actor.policy_loss.loss_mode=stablerl_gspo" in out
     assert "clip_ratio_low  = 0.0003" in out and "One precedence rule in every framework" in out
-    assert main(["describe", "a3po", "--framework", "trl"]) == 0
-    assert "trl: 'a3po' cannot be selected: needs" in capsys.readouterr().out
+    assert main(["describe", "capo", "--framework", "trl"]) == 0
+    assert "trl: 'capo' cannot be selected: needs" in capsys.readouterr().out
     assert main(["describe", "gspo", "--framework", "jax"]) == 2
     assert "unknown framework 'jax'" in capsys.readouterr().err
 
@@ -212,7 +221,7 @@ def test_a_fourth_framework_through_the_hook(tmp_path, monkeypatch):
     monkeypatch.delenv("STABLERL_PLUGINS", raising=False)
     try:
         stablerl.reload_registry()
-        assert [fw.name for fw in F.list_frameworks()] == ["verl", "trl", "openrlhf", "jaxrl"]
+        assert [fw.name for fw in F.list_frameworks()] == ["verl", "trl", "openrlhf", "skyrl", "jaxrl"]
         assert F.resolve("jaxrl", POLICY_LOSS, "ppo") is None and F.resolve("jaxrl", POLICY_LOSS, "m2po") == "m2po"
         with pytest.raises(stablerl.MissingInputError, match="index: jaxrl shuffles rows"):
             F.resolve("jaxrl", POLICY_LOSS, "pacs")
@@ -274,9 +283,13 @@ def test_aggregations_and_rollout_corrections_by_the_loss_params_key():
 def test_router_families_are_reached_through_routing_replay():
     """No key names a router family: each framework's routing-replay switch uses the detected one."""
     qwen3 = stablerl.get_spec("router_family", "qwen3_moe")
-    for fw in F.list_frameworks():
+    replaying = [fw for fw in F.list_frameworks() if "routing_replay" in fw.switches]
+    assert [fw.name for fw in replaying] == ["verl", "trl", "openrlhf"]
+    for fw in replaying:
         status, how = F.reach(fw, qwen3)
         assert status == "selectable" and how == fw.switches["routing_replay"] and "R2" in how
+    # the SkyRL adapter has no routing replay (yet): refused, not offered under a switch that does nothing
+    assert F.reach(F.get_framework("skyrl"), qwen3)[0] == "refused"
     assert F.config_lines(qwen3)["openrlhf"][0].startswith("--actor.stablerl_routing_replay R2")
 
 

@@ -210,7 +210,7 @@ def test_stablerl_plugins_none_loads_no_third_party_plugin(install, monkeypatch)
     assert "good_loss" not in registry.names()
     assert "sr_broken" not in sys.modules
     assert all(p.startswith(("stablerl.plugins.", "stablerl.adapters.frameworks")) for p in registry.plugins)
-    assert sorted(registry.frameworks) == ["openrlhf", "trl", "verl"]  # built-in declarations still load
+    assert sorted(registry.frameworks) == ["openrlhf", "skyrl", "trl", "verl"]  # built-in declarations still load
     assert "vanilla" in registry.names(POLICY_LOSS)  # built-ins always load
 
 

@@ -29,7 +29,7 @@ from stablerl.frameworks import as_params, log_effective_settings
 from stablerl.ops import group_ids, group_stats, scores_on_last_token
 from stablerl.steps import AdvantageSelection, AdvantageStep, BatchRecord
 
-from ._flags import FILTER_FLAG, NAME
+from ._flags import ARGS_KEY, FILTER_FLAG, NAME
 from ._groups import group_index, tag_groups
 from ._inputs import drop_old_pass_stats, from_info, padded
 from ._selection import selection_from_args
@@ -106,6 +106,8 @@ class OpenRLHFAdvantageStep(AdvantageStep):
                 adv, ret = adv.clamp(*self.clip_range), ret.clamp(*self.clip_range)
             # the KL reward after the baseline, by OpenRLHF's own code (zero shaped reward: the KL part only)
             kl = experience.kl if experience.kl is not None else torch.zeros_like(adv)
+            if self.selection.reads("teacher_log_prob"):  # the reference is the teacher: its KL is the estimator's
+                kl = torch.zeros_like(adv)
             kl_reward = compute_reward(torch.zeros(mask.shape[0], dtype=adv.dtype, device=adv.device),
                                        self.maker.kl_ctl.value, kl, action_mask=mask, reward_clip_range=None)
             kl_returns = self.maker.get_cumulative_returns(kl_reward, mask, 1.0)
@@ -149,6 +151,7 @@ def _advantage_step(adapter, maker, experiences, sel, openrlhf_method: Callable)
     record = BatchRecord(adapter, response_mask=padded([e.action_mask for e in experiences], width, rewards.dtype),
                          index=group_index(experiences, int(args.rollout.n_samples_per_prompt)), scores=rewards,
                          host=experiences)
+    record.produced[ARGS_KEY] = args  # the teacher provider reads --algo.kl.estimator
     filter_scores = (torch.cat([e.scores.reshape(-1) for e in experiences]).to(rewards.dtype)
                      if all(e.scores is not None for e in experiences) else rewards)
     params, extras = {}, None

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import Optional
 
+from stablerl.contracts import ADVANTAGE_ESTIMATOR, BATCH_FILTER, CONTROLLER, POLICY_LOSS, REWARD_SHAPER
 from stablerl.frameworks import UnsupportedVersionError, check_version, installed_version
 
 NAME = "openrlhf"
@@ -24,7 +25,11 @@ CONTROLLER_FLAG = "--actor.stablerl_entropy_controller"
 COMPONENTS_FLAG = "--algo.advantage.stablerl_reward_components"
 COMPONENT_WEIGHTS_FLAG = "--algo.advantage.stablerl_reward_weights"
 ROUTING_REPLAY_FLAG = "--actor.stablerl_routing_replay"
+TEACHER_FLAG = "--algo.advantage.stablerl_teacher_model"  # on-policy distillation: the reference loads the teacher
+#: the advantage record's key for OpenRLHF's args (not an input: the teacher provider reads --algo.kl.estimator there)
+ARGS_KEY = "_openrlhf_args"
 IS_CORRECTION_FLAG = "--algo.advantage.is_correction_level"
+SAMPLING_REPLAY_FLAG = "--algo.advantage.sampling_mask_replay"  # auto | true | false (stablerl.sampling_mask)
 # OpenRLHF's knobs that also set a stablerl hyper-parameter when given on the command line
 EPS_CLIP_FLAG, EPS_CLIP_LOW_HIGH_FLAG = "--actor.eps_clip", "--actor.eps_clip_low_high"
 DUAL_CLIP_FLAG = "--actor.dual_clip"
@@ -38,12 +43,17 @@ ENV_ADVANTAGE, ENV_ADVANTAGE_PARAMS = "STABLERL_ADVANTAGE_ESTIMATOR", "STABLERL_
 ENV_REWARD_SHAPER, ENV_REWARD_SHAPER_PARAMS = "STABLERL_REWARD_SHAPER", "STABLERL_REWARD_SHAPER_PARAMS"
 ENV_BATCH_FILTER, ENV_BATCH_FILTER_PARAMS = "STABLERL_BATCH_FILTER", "STABLERL_BATCH_FILTER_PARAMS"
 ENV_CONTROLLER, ENV_CONTROLLER_PARAMS = "STABLERL_ENTROPY_CONTROLLER", "STABLERL_ENTROPY_CONTROLLER_PARAMS"
+#: kind -> (the variable naming its stablerl algorithm, the one holding its parameters): core's AlgorithmSelection.from_env
+ENV_SELECTION = {POLICY_LOSS: (ENV_POLICY_LOSS, ENV_POLICY_LOSS_PARAMS), ADVANTAGE_ESTIMATOR: (ENV_ADVANTAGE, ENV_ADVANTAGE_PARAMS),
+                 REWARD_SHAPER: (ENV_REWARD_SHAPER, ENV_REWARD_SHAPER_PARAMS),
+                 BATCH_FILTER: (ENV_BATCH_FILTER, ENV_BATCH_FILTER_PARAMS), CONTROLLER: (ENV_CONTROLLER, ENV_CONTROLLER_PARAMS)}
 ENV_ROUTING_REPLAY = "STABLERL_ROUTING_REPLAY"  # the mode where no args exist (vLLM rollout workers)
+ENV_SAMPLING_REPLAY = "STABLERL_SAMPLING_MASK_REPLAY"  # the no-wrapper route's --algo.advantage.sampling_mask_replay
 ENV_CHAINED_SETUP_HOOK = "STABLERL_CHAINED_SETUP_HOOK"
 ENV_PREVIOUS_RUNTIME_ENV_HOOK = "STABLERL_PREVIOUS_RAY_RUNTIME_ENV_HOOK"
 FORWARDED_ENV = (ENV_POLICY_LOSS, ENV_POLICY_LOSS_PARAMS, ENV_ADVANTAGE, ENV_ADVANTAGE_PARAMS, ENV_ROUTING_REPLAY,
                  ENV_REWARD_SHAPER, ENV_REWARD_SHAPER_PARAMS, ENV_BATCH_FILTER, ENV_BATCH_FILTER_PARAMS,
-                 ENV_CONTROLLER, ENV_CONTROLLER_PARAMS, ENV_CHAINED_SETUP_HOOK)
+                 ENV_CONTROLLER, ENV_CONTROLLER_PARAMS, ENV_CHAINED_SETUP_HOOK, ENV_SAMPLING_REPLAY)
 #: Ray's worker_process_setup_hook: instrument() in every worker (the older name still works)
 SETUP_HOOK = "stablerl.adapters.openrlhf.instrument"
 LEGACY_SETUP_HOOK = "stablerl.adapters.openrlhf.setup"

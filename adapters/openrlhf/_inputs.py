@@ -31,7 +31,11 @@ from ._groups import pop_index
 #: statistic -> (attribute of the CPU log-prob tensor, ``Experience.info`` key: [B, A], per row after the buffer's
 #: split); the two fields that carry the old-log-prob pass's statistics between the processes
 OLD_PASS_STATS = {"entropy": ("stablerl_old_entropy", "stablerl_old_entropy"),
-                  "sum_pi_squared": ("stablerl_sum_pi_squared", "stablerl_sum_pi_squared")}
+                  "sum_pi_squared": ("stablerl_sum_pi_squared", "stablerl_sum_pi_squared"),
+                  # sampling-mask replay's log M (._sampling_mask), consumed by make_experience
+                  "log_kept_mass": ("stablerl_log_kept_mass", "stablerl_log_kept_mass")}
+#: attribute of the CPU log-prob tensor: where the old pass took the kept set from ("engine" masks or the "rule")
+KEPT_SET_SOURCE = "stablerl_kept_set_source"
 OLD_ENTROPY_KEY, SUM_PI_SQUARED_KEY = OLD_PASS_STATS["entropy"][1], OLD_PASS_STATS["sum_pi_squared"][1]
 
 
@@ -123,6 +127,16 @@ def old_pass_forward(forward, worker, actor, *args, **kwargs):
             attention_mask = kwargs.get("attention_mask", args[2] if len(args) > 2 else None)
             per_position = _unpacked(per_position, sequences, attention_mask, kwargs.get("ring_attn_group"))
         setattr(out, OLD_PASS_STATS["sum_pi_squared"][0], (per_position[:, :-1][:, -width:] * mask).cpu())
+    if "log_kept_mass" in wanted:
+        from ._sampling_mask import MASK_ATTR, old_pass_log_kept_mass
+
+        sequences = kwargs.get("sequences", args[0] if args else None)
+        attention_mask = kwargs.get("attention_mask", args[2] if len(args) > 2 else None)
+        log_mass = old_pass_log_kept_mass(output["logits"].detach(), sequences, attention_mask, action_mask,
+                                          worker.sampling_rule, bool(actor.packing_samples),
+                                          kwargs.get("ring_attn_group"))
+        setattr(out, OLD_PASS_STATS["log_kept_mass"][0], (log_mass * mask).cpu())
+        setattr(out, KEPT_SET_SOURCE, "engine" if getattr(action_mask, MASK_ATTR, None) is not None else "rule")
     return out
 
 

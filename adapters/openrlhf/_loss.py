@@ -10,8 +10,9 @@ import torch
 import stablerl
 from openrlhf.models.loss import PolicyLoss
 from openrlhf.models.utils import masked_mean
-from stablerl.frameworks import (TOP_ENTROPY_INPUT, as_params, check_call_options, log_effective_settings,
-                                 pending_loss_inputs, split_call_options, top_entropy_on)
+from stablerl.call_options import option_inputs
+from stablerl.frameworks import (as_params, check_call_options, log_effective_settings, pending_loss_inputs,
+                                 split_call_options)
 from stablerl.params import StableRLError, build_params
 from stablerl.state import StateStore
 
@@ -80,8 +81,8 @@ class StablePolicyLoss(PolicyLoss):
         params.update(hyper)
         build_params(spec, params)  # fail at construction, not at the first step
         check_call_options(NAME, spec, self.call_options, params)
-        if top_entropy_on(self.call_options):  # top_entropy_quantile < 1: the training forward's entropy, for any loss
-            self.fed_inputs = self.fed_inputs | {TOP_ENTROPY_INPUT}
+        # top_entropy_quantile < 1: the training forward's entropy, for any loss (the rollout log-probs: OpenRLHF's)
+        self.fed_inputs = self.fed_inputs | (frozenset(option_inputs(self.call_options)) - self.CALL_INPUTS)
         self.stablerl_params = params
         check_rollout_log_probs(spec, self.call_options, is_correction_level)
         # the loss corrects for the sampler itself, or stablerl's rollout correction does: OpenRLHF's own

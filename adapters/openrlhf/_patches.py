@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import functools
 
-from . import _controller, _routing_replay, _state
+from . import _controller, _routing_replay, _state, _teacher
 from ._flags import check_openrlhf, check_policy_loss_api
 from ._selection import selection_from_args
 
@@ -36,8 +36,11 @@ def _patch_actor_module(module, ledger, adapter) -> None:
             self.actor_loss_fn = build_policy_loss(self.args, sel, strategy=self.strategy)
             adapter.loss_state.adopt(self.actor_loss_fn.stablerl_state)  # saved with this actor's checkpoints
         stats = sel.old_pass_stats()
-        if stats:  # its old-log-prob pass also returns entropy / sum_pi_squared (._inputs)
-            adapter.worker(self.actor, create=True).old_pass_stats = stats
+        if stats:  # its old-log-prob pass also returns entropy / sum_pi_squared / log M (._inputs)
+            worker = adapter.worker(self.actor, create=True)
+            worker.old_pass_stats = stats
+            if "log_kept_mass" in stats:  # sampling-mask replay (._sampling_mask)
+                worker.sampling_rule = sel.sampling_replay.rule
         if sel.routing_replay is not None:
             _routing_replay.arm(self, sel.routing_replay, adapter)
         _controller.arm(self, adapter)  # an entropy controller steering --actor.entropy_coef, if one is selected
@@ -101,7 +104,10 @@ PATCHERS = {
     "openrlhf.trainer.ray.ppo_critic": functools.partial(_patch_loss_normalisers, owner="ppo_critic"),
     "openrlhf.trainer.ppo_utils.experience_maker": _patch_maker_module,
     # routing replay R3: the model actors' base, the samples generator, the agent executors, vLLM's engine args
-    "openrlhf.trainer.ray.launcher": _routing_replay.patch_launcher_module,
+    # on-policy distillation: the reference group loads the teacher (_teacher)
+    "openrlhf.trainer.ray.launcher": lambda module, ledger, adapter: (
+        _routing_replay.patch_launcher_module(module, ledger, adapter),
+        _teacher.patch_launcher_module(module, ledger, adapter)),
     "openrlhf.trainer.ppo_utils.samples_generator": _routing_replay.patch_samples_module,
     "openrlhf.utils.agent": _routing_replay.patch_agent_module,
     "vllm.engine.arg_utils": _routing_replay.patch_vllm_arg_utils,
@@ -119,7 +125,7 @@ PATCH_KEYS = (
     "SamplesGenerator._process_response_into_experience", "SingleTurnAgentExecutor.execute",
     "MultiTurnAgentExecutor.execute", "AsyncEngineArgs.__init__", "DeepspeedStrategy.save_ckpt",
     "DeepspeedStrategy.load_ckpt", "BasePPOTrainer.save_logs_and_checkpoints", "BasePPOTrainer.save_best_checkpoint",
-    "BasePPOTrainer.init_checkpoint_states",
+    "BasePPOTrainer.init_checkpoint_states", "RayActorGroup.async_init_model_from_pretrained",
 )
 
 

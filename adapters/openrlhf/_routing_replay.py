@@ -28,6 +28,8 @@ from . import _controller
 from . import _inputs as loss_inputs
 from ._flags import ENV_ROUTING_REPLAY as ENV_MODE  # the mode where no args exist (vLLM rollout workers)
 from ._flags import ROUTING_REPLAY_FLAG as FLAG
+from ._flags import SAMPLING_REPLAY_FLAG
+from ._sampling_mask import MASK_ATTR, replay_experiences
 from ._selection import selection_from_args
 
 MODES = rr.MODES
@@ -220,8 +222,15 @@ def patch_maker_module(module, ledger, adapter) -> None:
         if mode is not None:
             _attach(out)
         stats = selection.old_pass_stats()
+        engine_masks = [getattr(s.action_mask, MASK_ATTR, None) is not None for s in samples_list]
         if stats:
+            sources = [getattr(s.action_log_probs, loss_inputs.KEPT_SET_SOURCE, None) for s in out]
             loss_inputs.attach_old_pass_stats(out, stats)
+        if "log_kept_mass" in stats:  # sampling-mask replay: vLLM's log-probs over the full vocabulary
+            if any(m and src != "engine" for m, src in zip(engine_masks, sources)):
+                raise StableRLError(f"{SAMPLING_REPLAY_FLAG}: the rollout attached engine sampling masks, but the "
+                                    "actor's old-log-prob pass did not receive them (it recomputed the kept set)")
+            replay_experiences(out, loss_inputs.OLD_PASS_STATS["log_kept_mass"][1])
         return out
 
 

@@ -4,9 +4,10 @@ built-in names, what it cannot feed and why, its flags, and the config lines of 
 
 from __future__ import annotations
 
+from stablerl.config_recipe import KindLines, Note, Params, recipe_lines
 from stablerl.contracts import (ADVANTAGE_ESTIMATOR, BATCH_FILTER, CONTROLLER, POLICY_LOSS, REWARD_SHAPER,
-                                TRAINER_HOOK, AlgorithmSpec)
-from stablerl.frameworks import FrameworkKey, FrameworkSpec, framework_names
+                                TRAINER_HOOK)
+from stablerl.frameworks import FrameworkKey, FrameworkSpec
 
 from ._adapter import OpenRLHFAdapter
 from ._flags import (ADV_FLAG, ADV_PARAMS_FLAG, COMMAND, CONTROLLER_FLAG, DUAL_CLIP_FLAG, EPS_CLIP_FLAG,
@@ -33,13 +34,21 @@ OPENRLHF = FrameworkSpec(
     feedable=OpenRLHFAdapter.feedable(),  # derived from its @provides methods (_adapter)
     why_not={
         "*": {
+            "teacher_log_prob": "the adapter feeds the reference model's (the teacher's) log-probs to advantage "
+            "estimators only",
+            "teacher_topk_log_prob": "not built yet: OpenRLHF's reference forward returns the log-probs of the sampled "
+            "tokens only; a top-k teacher distribution needs another forward of the teacher",
+            "teacher_topk_ids": "not built yet (see teacher_topk_log_prob)",
+            "student_topk_log_prob": "OpenRLHF's Actor.forward returns the sampled tokens' log-probs, not the logits: "
+            "the student's log-probs at the teacher's ids are not available to the loss",
             "rollout_log_prob": f"set {IS_CORRECTION_FLAG} token|seq (OpenRLHF requests vLLM "
             "log-probs only then)",
             "turn_ids": "OpenRLHF's experiences carry no per-token turn ids",
             "anchor_ids": "OpenRLHF's experiences are one per sample (its agent mode keeps a whole episode in one), "
             "with no anchor-state ids",
             "step_returns": "OpenRLHF's experiences carry no per-step discounted returns",
-            "versions": "OpenRLHF's experiences carry no per-token policy versions (its async mode keeps none per token)",
+            "versions": "OpenRLHF's experiences carry no per-token policy versions (its async generator records no "
+            "weight version with its samples)",
             "policy_version": "OpenRLHF's loss call does not know the current policy version",
             "router_log_prob": "OpenRLHF's loss call gets no router log-probs (stablerl's R2/R3 replay there replays "
             "experts, it records no router log-probs)",
@@ -113,44 +122,36 @@ OPENRLHF = FrameworkSpec(
 )
 
 
-def _config_lines(spec: AlgorithmSpec) -> list[str]:
-    fields = list(spec.defaults())
-    if spec.kind == CONTROLLER:
-        lines = [COMMAND, f"  {CONTROLLER_FLAG} {spec.name}"]
-        if fields:
-            lines.append(f"  {CONTROLLER_FLAG}_params " + " ".join(f"{f}=<value>" for f in fields))
-        return lines + ["  (--actor.entropy_coef stays unset: the controller sets OpenRLHF's entropy bonus every step)"]
-    if spec.kind in (REWARD_SHAPER, BATCH_FILTER):
-        flag = SHAPER_FLAG if spec.kind == REWARD_SHAPER else FILTER_FLAG
-        lines = [COMMAND, f"  {flag} {spec.name}"]
-        if fields:
-            lines.append(f"  {flag}_params " + " ".join(f"{f}=<value>" for f in fields))
-        if spec.kind == BATCH_FILTER:
-            lines.append("  (dropped rows get action_mask 0; filters that repeat rows are refused)")
-        if "entropy" in spec.requires:
-            lines.append("  (entropy: the adapter has OpenRLHF's old-log-prob pass return it; no flag needed)")
-        return lines
-    loss = spec.kind == POLICY_LOSS
-    flag, params_flag = (LOSS_FLAG, LOSS_PARAMS_FLAG) if loss else (ADV_FLAG, ADV_PARAMS_FLAG)
-    lines = [COMMAND, f"  {flag} {framework_names(OPENRLHF, spec)[0]}"]
-    if fields:
-        lines.append(f"  {params_flag} " + " ".join(f"{f}=<value>" for f in fields))
-    if loss and set(fields) & {"clip_ratio_low", "clip_ratio_high", "clip_ratio_c"}:
-        lines.append("  (--actor.eps_clip / --actor.eps_clip_low_high / --actor.dual_clip, when given, "
-                     "set clip_ratio_low/high/c)")
-    if "rollout_log_prob" in spec.requires:
-        lines.append(f"  {IS_CORRECTION_FLAG} token   # OpenRLHF passes vLLM log-probs only then")
-    if loss and "entropy" in spec.requires:
-        lines.append("  (entropy: the adapter has OpenRLHF's training forward return it; no flag needed)")
-    if not loss and "sum_pi_squared" in spec.requires:
-        lines.append("  (old_log_prob: OpenRLHF's action_log_probs; sum_pi_squared: the adapter has the old-log-prob pass "
-                     "compute it at --rollout.temperature; no flag needed)")
-    if "old_entropy" in spec.requires or (not loss and "entropy" in spec.requires):
-        lines.append("  (old-log-prob pass entropy: the adapter has that pass return it and carries it with the rows; "
+_OLD_PASS_ENTROPY = ("  (old-log-prob pass entropy: the adapter has that pass return it and carries it with the rows; "
                      "no flag needed)")
-    if loss and "index" in spec.requires:
-        lines.append("  (index: the adapter carries prompt groups through the replay buffer and shuffles whole groups)")
-    return lines
+_IS_NOTE = Note(f"  {IS_CORRECTION_FLAG} token   # OpenRLHF passes vLLM log-probs only then", requires=("rollout_log_prob",))
 
 
-OPENRLHF = OPENRLHF.with_config_lines(_config_lines)
+def _kind(flag: str, params_flag: str, *notes: Note) -> KindLines:
+    return KindLines(head=(COMMAND,), select=f"  {flag} {{name}}", params=(Params((f"  {params_flag} {{items}}",)),),
+                     notes=notes)
+
+
+_ENTROPY_FLAGLESS = Note("  (entropy: the adapter has OpenRLHF's old-log-prob pass return it; no flag needed)",
+                         requires=("entropy",))
+OPENRLHF = OPENRLHF.with_config_lines(recipe_lines(OPENRLHF, {
+    CONTROLLER: _kind(CONTROLLER_FLAG, CONTROLLER_FLAG + "_params", Note(
+        "  (--actor.entropy_coef stays unset: the controller sets OpenRLHF's entropy bonus every step)")),
+    REWARD_SHAPER: _kind(SHAPER_FLAG, SHAPER_FLAG + "_params", _ENTROPY_FLAGLESS),
+    BATCH_FILTER: _kind(FILTER_FLAG, FILTER_FLAG + "_params",
+                        Note("  (dropped rows get action_mask 0; filters that repeat rows are refused)"), _ENTROPY_FLAGLESS),
+    POLICY_LOSS: _kind(
+        LOSS_FLAG, LOSS_PARAMS_FLAG,
+        Note("  (--actor.eps_clip / --actor.eps_clip_low_high / --actor.dual_clip, when given, set clip_ratio_low/high/c)",
+             fields_any=frozenset({"clip_ratio_low", "clip_ratio_high", "clip_ratio_c"})),
+        _IS_NOTE,
+        Note("  (entropy: the adapter has OpenRLHF's training forward return it; no flag needed)", requires=("entropy",)),
+        Note(_OLD_PASS_ENTROPY, requires=("old_entropy",)),
+        Note("  (index: the adapter carries prompt groups through the replay buffer and shuffles whole groups)",
+             requires=("index",))),
+    "*": _kind(  # estimators (the declaration's fallback)
+        ADV_FLAG, ADV_PARAMS_FLAG, _IS_NOTE,
+        Note("  (old_log_prob: OpenRLHF's action_log_probs; sum_pi_squared: the adapter has the old-log-prob pass "
+             "compute it at --rollout.temperature; no flag needed)", requires=("sum_pi_squared",)),
+        Note(_OLD_PASS_ENTROPY, requires=("old_entropy", "entropy"))),
+}))

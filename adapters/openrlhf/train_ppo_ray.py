@@ -31,15 +31,17 @@ from typing import Any, Callable, Optional, Sequence
 import stablerl
 from stablerl.frameworks import get_framework
 from stablerl.params import StableRLError
+from stablerl.sampling_mask import log_replay_decision
 from stablerl.script_wrapper import ModuleView, NameChoices, argparse_view, flag_given, name_flag_help, run_script
 
 from . import _routing_replay
 from ._flags import (ADV_FLAG, ADV_PARAMS_FLAG, COMPONENT_WEIGHTS_FLAG, COMPONENTS_FLAG, CONTROLLER_FLAG,
                      DUAL_CLIP_FLAG, ENV_ROUTING_REPLAY, EPS_CLIP_FLAG, EPS_CLIP_LOW_HIGH_FLAG, FILTER_FLAG, GAMMA_FLAG,
-                     LOSS_FLAG, LOSS_PARAMS_FLAG, NAME, NO_STD_NORM_FLAG, REWARD_CLIP_FLAG, SHAPER_FLAG,
-                     check_openrlhf)
+                     LOSS_FLAG, LOSS_PARAMS_FLAG, NAME, NO_STD_NORM_FLAG, REWARD_CLIP_FLAG, SAMPLING_REPLAY_FLAG,
+                     SHAPER_FLAG, TEACHER_FLAG, check_openrlhf)
+from ._sampling_mask import decide
 from ._selection import (Selection, add_setup_hook, check_entropy_coef_unset, check_one_version_per_batch,
-                         check_rollout_log_probs, openrlhf_choices, parse_params, resolve)
+                         check_rollout_log_probs, openrlhf_choices)
 
 
 def _stablerl_flags(kind: str) -> list[tuple[str, dict]]:
@@ -73,6 +75,14 @@ def _stablerl_flags(kind: str) -> list[tuple[str, dict]]:
             "stablerl batch filter, applied after the estimator; dropped rows get action_mask 0 (no loss, not "
             f"counted): {', '.join(openrlhf_choices(stablerl.BATCH_FILTER))}"))),
         (FILTER_FLAG + "_params", params("batch filter")),
+        (TEACHER_FLAG, dict(type=str, default=None, metavar="PATH", help=(
+            "on-policy distillation: the reference model loads this teacher checkpoint (the actor's tokenizer, "
+            "checked) instead of the actor's; its log-probs feed --algo.advantage.estimator on_policy_distillation"))),
+        (SAMPLING_REPLAY_FLAG, dict(type=str, default="auto", choices=("auto", "true", "false"), help=(
+            "stablerl sampling-mask replay: express vLLM's top-p/top-k log-probs over the full vocabulary (the old-"
+            "log-prob pass measures the trainer's mass on the kept set) before --algo.advantage.is_correction_level "
+            "and any stablerl loss compare against them; auto: on when --rollout.top_p < 1 and rollout log-probs "
+            "are collected"))),
     ]
 
 
@@ -163,23 +173,22 @@ def selection_from_cli(args) -> Selection:
     def flag(namespace, name: str):
         return getattr(namespace, name, None)
 
-    sel = Selection(
-        policy_loss=resolve(stablerl.POLICY_LOSS, actor.policy_loss_type),
-        policy_loss_params=parse_params(flag(actor, "stablerl_params"), LOSS_PARAMS_FLAG),
-        advantage_estimator=resolve(stablerl.ADVANTAGE_ESTIMATOR, advantage.estimator),
-        advantage_params=parse_params(flag(advantage, "stablerl_params"), ADV_PARAMS_FLAG),
-        reward_shaper=resolve(stablerl.REWARD_SHAPER, flag(advantage, "stablerl_reward_shaper")),
-        reward_shaper_params=parse_params(flag(advantage, "stablerl_reward_shaper_params"), SHAPER_FLAG + "_params"),
-        batch_filter=resolve(stablerl.BATCH_FILTER, flag(advantage, "stablerl_batch_filter")),
-        batch_filter_params=parse_params(flag(advantage, "stablerl_batch_filter_params"), FILTER_FLAG + "_params"),
-        entropy_controller=resolve(stablerl.CONTROLLER, flag(actor, "stablerl_entropy_controller")),
-        entropy_controller_params=parse_params(flag(actor, "stablerl_entropy_controller_params"),
-                                               CONTROLLER_FLAG + "_params"),
+    sel = Selection.from_values(
+        {stablerl.POLICY_LOSS: (actor.policy_loss_type, flag(actor, "stablerl_params"), LOSS_PARAMS_FLAG),
+         stablerl.ADVANTAGE_ESTIMATOR: (advantage.estimator, flag(advantage, "stablerl_params"), ADV_PARAMS_FLAG),
+         stablerl.REWARD_SHAPER: (flag(advantage, "stablerl_reward_shaper"),
+                                  flag(advantage, "stablerl_reward_shaper_params"), SHAPER_FLAG + "_params"),
+         stablerl.BATCH_FILTER: (flag(advantage, "stablerl_batch_filter"),
+                                 flag(advantage, "stablerl_batch_filter_params"), FILTER_FLAG + "_params"),
+         stablerl.CONTROLLER: (flag(actor, "stablerl_entropy_controller"),
+                               flag(actor, "stablerl_entropy_controller_params"), CONTROLLER_FLAG + "_params")},
         reward_components=tuple(flag(advantage, "stablerl_reward_components") or ()),
         reward_weights=tuple(float(w) for w in flag(advantage, "stablerl_reward_weights") or ()),
         openrlhf_clip=explicit_clip_flags(args, argv),
         routing_replay=_routing_replay.check_mode(flag(actor, "stablerl_routing_replay"), args),
+        sampling_replay=decide(args, flag(advantage, "sampling_mask_replay")),
     )
+    log_replay_decision(sel.sampling_replay)
     sel.openrlhf_advantage, sel.reward_clip_range = explicit_advantage_flags(args, argv)
     sel.validate()  # the effective hyper-parameters, clip flags included
     check_entropy_coef_unset(sel.entropy_controller, actor)
@@ -210,9 +219,23 @@ def check_group_batching(loss: str, args) -> None:
                             "micro-batch: " + "; ".join(problems))
 
 
+def _patch_driver() -> None:
+    """On-policy distillation: OpenRLHF's ``train()`` builds its model groups in this (driver) process, where no Ray
+    setup hook runs, so the launcher patch that lets the reference group load the teacher is applied here (through
+    the adapter's ledger: once, undone by ``uninstrument()``)."""
+    from openrlhf.trainer.ray import launcher
+
+    from ._adapter import OpenRLHFAdapter
+    from ._teacher import patch_launcher_module
+
+    adapter = OpenRLHFAdapter()
+    patch_launcher_module(launcher, adapter.ledger, adapter)
+
+
 def main(argv: Optional[Sequence[str]] = None) -> None:
     """Run ``openrlhf.cli.train_ppo_ray`` with stablerl names accepted (``argv``: its flags)."""
     check_openrlhf()
+    _patch_driver()
     run_script("openrlhf.cli.train_ppo_ray", _ScriptRun().views(), argv, restore_env=(ENV_ROUTING_REPLAY,))
 
 

@@ -31,6 +31,19 @@ _ROUTING_REPLAY = "routing_replay='R2' or 'R3' on an MoE model"
 _SAMPLING_REPLAY = ("sampling_mask_replay='auto' (on when top_k > 0, top_p < 1 or min_p > 0) or 'true', with use_vllm=True "
                     "or a rollout_func, and a ratio against the rollout (vLLM IS correction, off_policy_mask_threshold, "
                     "a stablerl correction)")
+# the sampler's log-probs, or (TRL generating with the policy itself) the generating weights' own log-probs
+BEHAVIOUR_LOG_PROBS = (
+    "use_vllm=False (TRL generates with the policy itself: the behaviour log-probs are its old-log-prob pass at "
+    "generation, run whenever steps_per_generation * num_iterations spans more than one optimizer step; else the "
+    "batch is on-policy and they are the training forward's, detached), or use_vllm=True with "
+    "vllm_importance_sampling_correction=True (the engine's sampling log-probs)")
+#: per-row tensor of the trainer's generation batch: the generation round (A-3PO's weight version, AReaL's sense) that
+#: generated the row (travels with the rows through TRL's shuffles and splits)
+VERSION_KEY = "stablerl_policy_version"
+SYNCHRONOUS_VERSIONS = (
+    "TRL's synchronous GRPOTrainer: versions are generation rounds (AReaL's weight versions), and every batch is "
+    "trained in the round that generated it (steps_per_generation / num_iterations reuse one generation batch), so "
+    "versions == policy_version and A-3PO's alpha = 0 (decoupled PPO with the behaviour log-probs as proximal policy)")
 # per-response inputs the user provides (a reward function's TRL log_extra, a rollout_func field or a dataset column)
 USER_INPUTS = ("correct", "flawed", "void_turn", "pos_count", "neg_count")
 
@@ -109,12 +122,12 @@ class TRLAdapter(FrameworkAdapter):
         """TRL's completion_ids."""
         return record.host["completion_ids"]
 
-    @provides("rollout_log_prob", to=(POLICY_LOSS,),
-              condition="use_vllm=True and vllm_importance_sampling_correction=True")
+    @provides("rollout_log_prob", to=(POLICY_LOSS,), condition=BEHAVIOUR_LOG_PROBS)
     @provides("rollout_log_prob", to=(ROLLOUT_CORRECTION,),
               condition="use_vllm=True (or a rollout_func returning logprobs) and vllm_importance_sampling_correction=False")
     def rollout_log_prob(self, record):
-        """The rollout engine's sampling log-probs (TRL's sampling_per_token_logps; NaN: not scored, no mismatch)."""
+        """The rollout engine's sampling log-probs (TRL's sampling_per_token_logps; NaN: not scored, no mismatch);
+        without vLLM (losses only), the generating weights' own: TRL's old-log-prob pass at generation."""
         return record.rollout_log_prob
 
     @provides("sampling_mask", to=(POLICY_LOSS, ADVANTAGE_ESTIMATOR), condition=_SAMPLING_REPLAY)
@@ -122,6 +135,22 @@ class TRLAdapter(FrameworkAdapter):
         """The rollout's kept set replayed into sampling_per_token_logps: a rollout_func's per-completion masks (the
         generation batch), else TRL's SamplingRule (top_k/top_p/min_p, temperature)."""
         return record.sampling_mask
+    # -- policy versions (A-3PO): generation rounds, AReaL's weight versions ---------------------------------
+
+    @provides("versions", to=(POLICY_LOSS,), condition=SYNCHRONOUS_VERSIONS)
+    def versions(self, record):
+        """The generation round that generated the row, on its generated tokens (-1 elsewhere)."""
+        stamp = record.host.get(VERSION_KEY)
+        if stamp is None:
+            return None
+        mask = record.response_mask
+        stamp = stamp.to(mask.device).unsqueeze(1).expand(mask.shape)
+        return torch.where(mask.bool(), stamp, torch.full_like(stamp, -1))
+
+    @provides("policy_version", to=(POLICY_LOSS,), condition="TRL's synchronous GRPOTrainer, as for versions")
+    def policy_version(self, record):
+        """The generation round of the batch being trained (constant over the optimizer steps that reuse it)."""
+        return record.policy_version
 
     @provides("router_log_prob", to=(POLICY_LOSS,), condition=_ROUTING_REPLAY)
     def router_log_prob(self, record):
@@ -176,6 +205,15 @@ class TRLAdapter(FrameworkAdapter):
         """sum_v pi(v)^2 of each token: the fused LM head's log_sum_sq_probs, in the same forward as old_log_prob."""
         return record.gathered(record.old_pass_stats()["sum_pi_squared"]) * record.response_mask
 
+    @provides("teacher_log_prob", to=(ADVANTAGE_ESTIMATOR,), extra_pass=True,
+              condition="stablerl_teacher_model=<path of a teacher with the student's tokenizer>")
+    def teacher_log_prob(self, record):
+        """The frozen teacher's log-probs of the sampled tokens (one extra no-grad forward of the teacher)."""
+        teacher = getattr(record.site.trainer, "_stablerl_teacher", None)
+        if teacher is None:
+            return None
+        return record.gathered(teacher.log_probs(record.host, record.mode)) * record.response_mask
+
     # -- what the training loop offers controllers and trainer hooks (record: the trainer's LoopExtras) -----
 
     @provides("params_view", to=(TRAINER_HOOK,))
@@ -199,4 +237,5 @@ class TRLAdapter(FrameworkAdapter):
         return record.apply
 
 
-__all__ = ["TRLAdapter", "UnsupportedTRLVersionError", "REQUIRED_SIGNATURES", "USER_INPUTS"]
+__all__ = ["TRLAdapter", "UnsupportedTRLVersionError", "REQUIRED_SIGNATURES", "USER_INPUTS", "VERSION_KEY",
+           "BEHAVIOUR_LOG_PROBS"]

@@ -11,6 +11,7 @@ from typing import Any, Optional, Union
 
 import stablerl
 from stablerl import routing_replay as rr
+from stablerl.algorithm_selection import AlgorithmSelection
 from stablerl.contracts import (ADVANTAGE_ESTIMATOR, BATCH_FILTER, CONTROLLER, OPTIONAL_INPUTS, POLICY_LOSS,
                                 REWARD_SHAPER, ROLLOUT_CORRECTION, TRAINER_HOOK)
 from stablerl.frameworks import (as_params, check_call_options, check_framework_keys_used, check_inputs,
@@ -44,10 +45,12 @@ def resolve_loss_type(loss_type: str) -> Optional[str]:
     return resolve(TRL, POLICY_LOSS, loss_type, inputs=False)
 
 
-def loss_inputs_trl_can_feed(use_vllm_is: bool, routing_replay: bool = False) -> set[str]:
+def loss_inputs_trl_can_feed(use_vllm_is: bool, routing_replay: bool = False, own_generation: bool = False) -> set[str]:
     """The policy-loss inputs TRL feeds in a run: its providers' (the declaration lists all), less the conditional
-    ones whose setting is off (vLLM IS correction: the sampler's log-probs; routing replay: router log-probs)."""
-    holds = {"rollout_log_prob": use_vllm_is, "router_log_prob": routing_replay, "old_router_log_prob": routing_replay,
+    ones whose setting is off (vLLM IS correction, or ``own_generation`` (use_vllm=False): the behaviour log-probs;
+    routing replay: router log-probs)."""
+    holds = {"rollout_log_prob": use_vllm_is or own_generation, "router_log_prob": routing_replay,
+             "old_router_log_prob": routing_replay, "versions": True, "policy_version": True,  # GRPOTrainer: sync
              "sampling_mask": True}  # on or off per run (sampling_mask_replay, decided when the trainer is built)
     conditional = TRL.conditions.get(POLICY_LOSS, {})
     return {name for name in TRL.feedable[POLICY_LOSS] if name not in conditional or holds[name]}
@@ -112,6 +115,9 @@ class GRPOConfig(_trl.GRPOConfig):
         "Sampling-mask replay: 'auto' (on when top_k > 0, top_p < 1 or min_p > 0 and a ratio is formed against the "
         "rollout's log-probs), 'true' or 'false'. Expresses the engine's kept-set log-probs over the full vocabulary "
         "before TRL's vLLM IS correction, off_policy_mask_threshold and stablerl's corrections read them.", "auto")
+    stablerl_teacher_model: Optional[str] = _field(
+        "On-policy distillation: path of the frozen teacher (the student's tokenizer; checked at start-up) whose "
+        "log-probs of the sampled tokens feed teacher_log_prob (advantage_estimator='on_policy_distillation').")
 
     def __post_init__(self):
         super().__post_init__()
@@ -167,7 +173,8 @@ def validate_stablerl_args(args, warn: bool = True) -> tuple[Optional[str], Opti
             raise UnknownNameError(unknown_name_message("stablerl_loss_agg_mode", agg, AGG_MODES))
         # the inputs TRL feeds in this run, and those a trainer subclass declared it supplies
         check_inputs(TRL, spec, extra_inputs=check_extra_loss_inputs(getattr(args, "stablerl_extra_loss_inputs", None)),
-                     feedable=loss_inputs_trl_can_feed(vllm_is(args), routing_replay_mode(args) is not None))
+                     feedable=loss_inputs_trl_can_feed(vllm_is(args), routing_replay_mode(args) is not None,
+                                                       own_generation=not getattr(args, "use_vllm", False)))
         if warn and args.delta is not None and "clip_ratio_c" not in spec.defaults():
             warnings.warn(f"delta (TRL's two-sided ratio clip, a dual clip: clip_ratio_c) has no counterpart in the "
                           f"stablerl loss {loss!r}, which does not use it", UserWarning, stacklevel=3)
@@ -269,7 +276,34 @@ def validate_stablerl_extensions(args) -> dict[str, Optional[str]]:
 
 
 
-__all__ = ["GRPOConfig", "SUPPORTED_TRL", "TRL_LOSS_TYPES", "TRL_GRPOTrainer", "advantage_settings",
+@dataclass
+class TRLSelection(AlgorithmSelection):
+    """A GRPOConfig's stablerl selections as core's one selection object, checked by TRL's rules above (TRL's keys
+    and messages); its effective hyper-parameters are :func:`loss_settings` / :func:`advantage_settings`'s."""
+
+    framework, label = "trl", "TRL"
+    trainer_hook: Optional[str] = None
+    config: Any = None
+
+    def loss_settings(self) -> list:
+        return loss_settings(self.config, self.policy_loss)
+
+    def advantage_settings(self) -> list:
+        return advantage_settings(self.config, self.advantage_estimator)
+
+
+def selection_of(cfg) -> TRLSelection:
+    """The validated selection of GRPOConfig ``cfg`` (a plain TRL config is validated here, with the delta warning)."""
+    loss, estimator = validate_stablerl_args(cfg, warn=not isinstance(cfg, GRPOConfig))
+    names = validate_stablerl_extensions(cfg)
+    return TRLSelection(**names, **{f"{key}_params": params_of(cfg, EXTENSION_PARAMS_KEYS[key])
+                                    for key in ("reward_shaper", "batch_filter", "entropy_controller")},
+                        policy_loss=loss, policy_loss_params=params_of(cfg, "stablerl_loss_params"),
+                        advantage_estimator=estimator, advantage_params=params_of(cfg, "stablerl_advantage_params"),
+                        config=cfg)
+
+
+__all__ = ["GRPOConfig", "TRLSelection", "selection_of", "SUPPORTED_TRL", "TRL_LOSS_TYPES", "TRL_GRPOTrainer", "advantage_settings",
            "check_extra_loss_inputs", "check_rollout_correction", "loss_inputs_trl_can_feed", "loss_settings",
            "resolve_loss_type", "rollout_correction_setting", "routing_replay_mode", "validate_stablerl_args",
            "validate_stablerl_extensions", "without_rollout_correction"]

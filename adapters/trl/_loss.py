@@ -156,6 +156,10 @@ class PolicyLossStep:
             rollout_log_prob = torch.where(torch.isnan(sampling), unscored, sampling)
         elif use_vllm_is:
             weights.append(inputs["importance_sampling_ratio"])
+        elif "rollout_log_prob" in spec.requires and not t.use_vllm and t.rollout_func is None:
+            # TRL generates with the policy itself: the behaviour log-probs are the generating weights' (TRL's
+            # old-log-prob pass at generation; without it the batch is on-policy and they are the detached current)
+            rollout_log_prob = old
         is_weights = functools.reduce(lambda a, w: a * w.to(logps.dtype), weights, torch.ones_like(logps)).detach() \
             if weights else None
 
@@ -165,7 +169,8 @@ class PolicyLossStep:
         record = LossBatch(TRLAdapter(), response_mask=valid, index=inputs.get("stablerl_index"),
                            scores=inputs.get("stablerl_scores"), host=inputs, produced=dict(supplied), logps=logps,
                            entropies=entropies, router_log_prob=router_log_prob, rollout_log_prob=rollout_log_prob,
-                           sampling_mask=t._stablerl_replay.kept_set() if t._stablerl_replay else None)
+                           sampling_mask=t._stablerl_replay.kept_set() if t._stablerl_replay else None,
+                           policy_version=getattr(t, "_stablerl_policy_version", None))
         # (required ones only: an optional input stays the loss's default, as before the providers)
         extra: dict[str, Any] = {**supplied, **record.declared(spec, skip=("entropy", "rollout_log_prob"), optional=False)}
         if self.correction:

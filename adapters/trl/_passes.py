@@ -89,6 +89,11 @@ class ForwardPasses:
         through TRL's fused LM head: TRL's old-log-prob pass where TRL ran one (recorded in ``batch``), else one
         extra no-grad forward (the current policy, which is the one that generated the batch)."""
         out = batch.host
+        if not self.trainer._stablerl_rollout.selection.reads("sum_pi_squared"):  # old_log_prob alone (distillation)
+            old = out.get("old_per_token_logps")
+            if old is None:  # TRL ran no old-log-prob pass: the generating policy is the current one
+                old = self.rollout_forward(out, batch.mode, f"{needed_by} (old_log_prob)")[0]
+            return {"old_log_prob": old.detach()}
         if batch.sum_sq_chunks is not None:
             if not batch.sum_sq_chunks or out.get("old_per_token_logps") is None:
                 raise StableRLError(f"{needed_by} needs the old-log-prob pass's sum_pi_squared, but TRL's old-log-prob "

@@ -81,6 +81,7 @@ class LossBatch(BatchRecord):
     router_log_prob: Optional[torch.Tensor] = None  # at the replayed experts (routing replay, for rspo)
     rollout_log_prob: Optional[torch.Tensor] = None
     sampling_mask: Any = None  # the kept-set rule replayed into rollout_log_prob (sampling_mask_replay on)
+    policy_version: Optional[int] = None  # the generation round of the batch being trained (A-3PO's current version)
     capture: bool = True  # whether the next training forward is this pass's
 
 

@@ -6,9 +6,10 @@ Framework-free. What TRL can feed (``feedable``, ``conditions``) is derived from
 
 from __future__ import annotations
 
+from stablerl.config_recipe import KindLines, Note, Params, recipe_lines
 from stablerl.contracts import (ADVANTAGE_ESTIMATOR, BATCH_FILTER, CONTROLLER, POLICY_LOSS, REWARD_SHAPER,
-                                ROLLOUT_CORRECTION, TRAINER_HOOK, AlgorithmSpec)
-from stablerl.frameworks import FrameworkKey, FrameworkSpec, framework_names
+                                ROLLOUT_CORRECTION, TRAINER_HOOK)
+from stablerl.frameworks import FrameworkKey, FrameworkSpec
 
 from ._adapter import TRLAdapter
 
@@ -49,14 +50,11 @@ TRL = FrameworkSpec(
             "anchor_ids": "TRL's GRPOTrainer has one row per completion (its tool calls stay inside it), no agent "
             "steps with anchor-state ids",
             "step_returns": "TRL's GRPOTrainer has one row per completion, no agent steps with step returns",
-            "versions": "TRL's GRPOTrainer keeps no per-token policy versions (a trainer subclass that tracks them can "
-            "supply them through stablerl_extra_loss_inputs, as benchmarks/stability/_offpolicy_trainer.py does)",
-            "policy_version": "TRL's loss call is not given the current policy version (a trainer subclass can supply "
-            "it through stablerl_extra_loss_inputs)",
             "router_log_prob": "needs routing_replay='R2' or 'R3' on an MoE model (TRL's fused LM head drops router "
             "logits; stablerl records the router log-probs at the replayed experts)",
             "old_router_log_prob": "needs routing_replay='R2' or 'R3' on an MoE model (recorded in the old-log-prob pass)",
-            "rollout_log_prob": "needs use_vllm=True and vllm_importance_sampling_correction=True",
+            "rollout_log_prob": "with use_vllm=True it needs vllm_importance_sampling_correction=True (TRL keeps the "
+            "sampler's log-probs only then; without vLLM they are TRL's old-log-prob pass at generation)",
             "entropy": "TRL computes entropies only inside _compute_loss, after advantages",
             "old_log_prob": "the adapter hands the old-log-prob pass's log-probs to advantage estimators only (the "
             "loss gets TRL's old_per_token_logps as its old policy)",
@@ -65,6 +63,14 @@ TRL = FrameworkSpec(
             "for advantage estimators only",
             "hidden_states": "TRL's forward in _compute_loss returns log-probs and entropies, not the last hidden states",
             "lm_head_weight": "TRL's loss computation does not expose the LM-head weight to the loss",
+            "teacher_log_prob": "the adapter feeds the teacher's log-probs (stablerl_teacher_model) to advantage "
+            "estimators only",
+            "teacher_topk_log_prob": "not built yet: TRL's fused LM head returns log-probs of the sampled tokens only; "
+            "a top-k teacher distribution needs the teacher's logits (TRL's own DistillationTrainer computes the "
+            "full-vocabulary divergence in its own loss)",
+            "teacher_topk_ids": "not built yet (see teacher_topk_log_prob)",
+            "student_topk_log_prob": "not built yet: TRL's fused LM head never materialises the training forward's "
+            "logits, so the student's log-probs at the teacher's ids are not available to the loss",
             "sampling_rounds": "TRL's GRPOTrainer generates exactly num_generations completions per prompt in one "
             "call per generation batch (RepeatSampler fixes the batch layout), so it cannot draw more for a prompt",
         },
@@ -130,6 +136,15 @@ TRL = FrameworkSpec(
         "old log-probs)",
         "optimal_token_baseline": _TRL_OTB_NOTE,
         "tir_optimal_token_baseline": _TRL_OTB_NOTE,
+        "a3po": "versions are generation rounds (AReaL's weight versions: one per weight sync to the rollout engine, "
+        "constant over the optimizer steps that train one rollout batch): each row is stamped with the round that "
+        "generated it (-1 on prompt, padding and tool tokens), policy_version is the round of the batch being trained. "
+        "TRL's GRPOTrainer is synchronous: it trains only its latest generation batch (over steps_per_generation / "
+        "gradient_accumulation_steps optimizer steps, num_iterations times), so versions == policy_version and alpha = "
+        "0: A-3PO is decoupled PPO with the behaviour log-probs as proximal policy. Without vLLM the behaviour "
+        "log-probs are TRL's old-log-prob pass at generation (the generating weights'); with vLLM they are the "
+        "sampler's (vllm_importance_sampling_correction=True). trl.experimental.async_grpo.AsyncGRPOTrainer (where "
+        "alpha would be nonzero) is not supported: it has no loss_type and needs a vLLM server",
         "m2po": "old_log_prob is TRL's old_per_token_logps (recomputed when num_iterations > 1 or "
         "steps_per_generation > gradient_accumulation_steps), else the detached current policy (ratio 1); a "
         "trainer subclass can hand the behaviour policy's log-probs (stablerl_extra_loss_inputs)",
@@ -137,31 +152,29 @@ TRL = FrameworkSpec(
 )
 
 
-def _trl_lines(spec: AlgorithmSpec) -> list[str]:
-    fields = list(spec.defaults())
-    if spec.kind in (REWARD_SHAPER, BATCH_FILTER, CONTROLLER, TRAINER_HOOK):
-        key = {REWARD_SHAPER: "reward_shaper", BATCH_FILTER: "batch_filter", CONTROLLER: "entropy_controller",
-               TRAINER_HOOK: "trainer_hook"}[spec.kind]
-        lines = ["from stablerl.adapters.trl import GRPOTrainer, GRPOConfig", f'GRPOConfig({key}="{spec.name}", ...)']
-        if fields:
-            example = ", ".join(f'"{f}": <value>' for f in fields)
-            lines.append(f"GRPOConfig(..., stablerl_{key}_params={{{example}}})")
-        if spec.kind == REWARD_SHAPER:
-            lines.append('(needs a stablerl advantage_estimator, e.g. "grpo")')
-        if spec.name == "sfpo":
-            lines.append("(num_iterations = inner_steps + 1, e.g. 4; steps_per_generation = gradient_accumulation_steps)")
-        return lines
-    key = TRL.selection_keys[spec.kind]
-    params_key = "stablerl_loss_params" if spec.kind == POLICY_LOSS else "stablerl_advantage_params"
-    name = framework_names(TRL, spec)[0]
-    lines = ["from stablerl.adapters.trl import GRPOTrainer, GRPOConfig", f'GRPOConfig({key}="{name}", ...)']
-    if fields:
-        example = ", ".join(f'"{f}": <value>' for f in fields)
-        lines.append(f"GRPOConfig(..., {params_key}={{{example}}})")
-        lines.append(f"CLI/YAML: --{key} {name} --{params_key} '{{{example}}}'")
-    return lines
+_IMPORT = "from stablerl.adapters.trl import GRPOTrainer, GRPOConfig"
+_JSON = dict(item='"{field}": <value>', sep=", ")
 
 
-TRL = TRL.with_config_lines(_trl_lines)
+def _trl_kind(params_key: str, *notes: Note) -> KindLines:
+    return KindLines(head=(_IMPORT,), select='GRPOConfig({key}="{name}", ...)', notes=notes, params=(Params((
+        f"GRPOConfig(..., {params_key}={{{{{{items}}}}}})",), **_JSON),))
+
+
+def _trl_name_kind(params_key: str) -> KindLines:  # loss and estimators: also the TrlParser CLI/YAML spelling
+    return KindLines(head=(_IMPORT,), select='GRPOConfig({key}="{name}", ...)', params=(Params((
+        f"GRPOConfig(..., {params_key}={{{{{{items}}}}}})",
+        f"CLI/YAML: --{{key}} {{name}} --{params_key} '{{{{{{items}}}}}}'"), **_JSON),))
+
+
+TRL = TRL.with_config_lines(recipe_lines(TRL, {
+    REWARD_SHAPER: _trl_kind("stablerl_reward_shaper_params", Note('(needs a stablerl advantage_estimator, e.g. "grpo")')),
+    BATCH_FILTER: _trl_kind("stablerl_batch_filter_params"),
+    CONTROLLER: _trl_kind("stablerl_entropy_controller_params"),
+    TRAINER_HOOK: _trl_kind("stablerl_trainer_hook_params", Note(
+        "(num_iterations = inner_steps + 1, e.g. 4; steps_per_generation = gradient_accumulation_steps)", name="sfpo")),
+    POLICY_LOSS: _trl_name_kind("stablerl_loss_params"),
+    "*": _trl_name_kind("stablerl_advantage_params"),  # estimators (the declaration's fallback)
+}))
 
 __all__ = ["TRL", "TRL_BUILTIN_LOSS_TYPES"]

@@ -33,22 +33,22 @@ from typing import Any, Optional
 import torch
 
 import stablerl
-from stablerl.contracts import ADVANTAGE_ESTIMATOR, POLICY_LOSS, ROLLOUT_CORRECTION
-from stablerl.frameworks import as_params, effective_hyperparameters, log_effective_settings, split_call_options
+from stablerl.contracts import POLICY_LOSS, ROLLOUT_CORRECTION
+from stablerl.frameworks import effective_hyperparameters, log_effective_settings
 from stablerl.params import StableRLError
 from stablerl.patching import PatchLedger
-from stablerl.steps import AdvantageSelection
 
-from ._adapter import TRLAdapter, UnsupportedTRLVersionError
-from ._config import (SUPPORTED_TRL, TRL, TRL_LOSS_TYPES, GRPOConfig, TRL_GRPOTrainer, advantage_settings,
-                      check_rollout_correction, loss_inputs_trl_can_feed, loss_settings, params_of, resolve_loss_type,
-                      rollout_correction_setting, routing_replay_mode, validate_stablerl_args,
-                      validate_stablerl_extensions, without_rollout_correction)
+from ._adapter import VERSION_KEY, TRLAdapter, UnsupportedTRLVersionError
+from ._config import (EXTENSION_KINDS, SUPPORTED_TRL, TRL, TRL_LOSS_TYPES, GRPOConfig, TRL_GRPOTrainer,
+                      advantage_settings, check_rollout_correction, loss_inputs_trl_can_feed, loss_settings,
+                      resolve_loss_type, rollout_correction_setting, routing_replay_mode, selection_of,
+                      validate_stablerl_args, validate_stablerl_extensions, without_rollout_correction)
 from ._loop import STATE_FILE, LoopExtras, StateCallback
 from ._loss import PolicyLossStep
 from ._passes import ForwardPasses
 from ._records import GenerationBatch, LossBatch
 from ._rollout import AdvantageCallSite
+from ._teacher import setup as setup_teacher
 from ._routing import RoutingReplay, check_rollout
 from ._sampling_mask import SamplingMaskReplay
 
@@ -85,19 +85,12 @@ class GRPOTrainer(TRL_GRPOTrainer):
         one is validated here); the effective hyper-parameters are printed once with their sources."""
         cfg = self.args
         self._stablerl_ledger = PatchLedger("__stablerl_trl_trainer_patch__")
-        loss, estimator = validate_stablerl_args(cfg, warn=not isinstance(cfg, GRPOConfig))
-        self._stablerl_loss, self._stablerl_estimator = loss, estimator
+        sel = selection_of(cfg)
+        loss, estimator = self._stablerl_loss, self._stablerl_estimator = sel.policy_loss, sel.advantage_estimator
         spec = stablerl.get_spec(POLICY_LOSS, loss) if loss else None
-        loss_params, call_options, adv_params = {}, {}, {}
-        if loss:
-            settings = loss_settings(cfg, loss)
-            log_effective_settings(TRL, spec, settings)
-            loss_params, options = split_call_options(as_params(settings))
-            call_options = without_rollout_correction(options)  # the correction: its own key
-        if estimator:
-            settings = advantage_settings(cfg, estimator)
-            log_effective_settings(TRL, stablerl.get_spec(ADVANTAGE_ESTIMATOR, estimator), settings)
-            adv_params = as_params(settings)
+        loss_params, call_options = sel.effective_loss_params() if loss else ({}, {})
+        call_options = without_rollout_correction(call_options)  # the correction: its own key
+        selection = sel.advantage_selection(sel.effective_estimator_params() if estimator else {})
         correction, correction_params = check_rollout_correction(cfg, loss), rollout_correction_setting(cfg)[1]
         if correction:
             if not (self.use_vllm or self.rollout_func is not None):
@@ -106,21 +99,21 @@ class GRPOTrainer(TRL_GRPOTrainer):
             cspec = stablerl.get_spec(ROLLOUT_CORRECTION, correction)
             log_effective_settings(TRL, cspec, effective_hyperparameters(TRL, cspec, correction_params, {}))
         needs = set(spec.requires) if spec else set()
+        self._stablerl_versions = "versions" in needs
+        # A-3PO's weight versions (AReaL's sense): training generation rounds so far, and the round of the batch now
+        # being trained (TRL's synchronous loop trains only its latest generation batch: versions == policy_version)
+        self._stablerl_generation_rounds, self._stablerl_policy_version = 0, 0
         self._stablerl_routing = RoutingReplay(self, routing_replay_mode(cfg), router_lp="router_log_prob" in needs)
         self._stablerl_losses = PolicyLossStep(
             self, loss, params=loss_params, call_options=call_options, correction=correction,
             agg_mode=getattr(cfg, "stablerl_loss_agg_mode", "token-mean"), correction_params=correction_params)
-        names = validate_stablerl_extensions(cfg)
-        self._stablerl_loop = LoopExtras(self, names)
+        self._stablerl_loop = LoopExtras(self, {key: getattr(sel, key) for key in EXTENSION_KINDS})
         self._stablerl_store = self._stablerl_loop.store  # every algorithm's state, saved in TRL's checkpoints
-        selection = AdvantageSelection(
-            estimator=estimator, estimator_params=adv_params,
-            reward_shaper=names["reward_shaper"], reward_shaper_params=params_of(cfg, "stablerl_reward_shaper_params"),
-            batch_filter=names["batch_filter"], batch_filter_params=params_of(cfg, "stablerl_batch_filter_params"))
         self._stablerl_replay = SamplingMaskReplay(self, reads_rollout=bool(
             (getattr(self, "use_vllm", False) and getattr(self, "vllm_importance_sampling_correction", False))
             or correction or getattr(self, "off_policy_mask_threshold", None) is not None
             or "rollout_log_prob" in needs))
+        self._stablerl_teacher = setup_teacher(self, selection.reads("teacher_log_prob"))  # on-policy distillation
         self._stablerl_passes = ForwardPasses(self, self._stablerl_routing, sum_sq=selection.reads("sum_pi_squared"))
         self._stablerl_rollout = AdvantageCallSite(self, self._stablerl_passes, selection, loss_reads=needs)
         per_process = cfg.per_device_train_batch_size * cfg.steps_per_generation
@@ -174,7 +167,22 @@ class GRPOTrainer(TRL_GRPOTrainer):
                 self._stablerl_replay.finish(batch, out, self._stablerl_passes)
         finally:
             self._stablerl_batch = None
-        return self._stablerl_rollout.finish(batch, out)
+        out = self._stablerl_rollout.finish(batch, out)
+        if self._stablerl_versions:  # A-3PO: the version of the weights that generated each row
+            rows = out["completion_ids"].size(0)
+            out[VERSION_KEY] = torch.full((rows,), self._stablerl_generation_round(), dtype=torch.long,
+                                          device=out["completion_ids"].device)
+        return out
+
+    def _stablerl_generation_round(self) -> int:
+        """A-3PO's version of the weights generating now, in AReaL's sense (one version per weight sync to the
+        rollout engine, constant over the optimizer steps that train one rollout batch): the index of this training
+        generation round (each new generation batch sees the weights after all updates so far); it becomes the
+        policy version of the batch now being trained. An evaluation generation is of the latest round's version."""
+        if self._mode() == "train":
+            self._stablerl_policy_version = self._stablerl_generation_rounds
+            self._stablerl_generation_rounds += 1
+        return self._stablerl_policy_version
 
     # -- the forwards and the loss -----------------------------------------------------------------------
 

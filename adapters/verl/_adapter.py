@@ -100,10 +100,6 @@ def _check_signatures(core_algos) -> None:
                                      "this verl lacks: " + "; ".join(problems))
 
 
-def _owner(fn: Any) -> str:
-    return f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', repr(fn))}"
-
-
 class VerlAdapter(AdvantageInputs, LossInputs, FrameworkAdapter):
     """verl 0.9.1: registries, call sites, engine, workers and trainers (see the module docstring)."""
 
@@ -155,8 +151,8 @@ class VerlAdapter(AdvantageInputs, LossInputs, FrameworkAdapter):
         from verl.trainer.ppo import core_algos
         from verl.workers.config import PolicyLossConfig  # already imported by core_algos
 
-        from stablerl.adapters.verl import (_advantage, _engine, _groups, _inputs, _routing_replay, _state,
-                                            _trainer_hook)
+        from stablerl.adapters.verl import (_advantage, _engine, _groups, _inputs, _routing_replay, _sampling_mask,
+                                            _state, _trainer_hook)
         from stablerl.config_fields import config_subclass
 
         state, report = self.state, self.state.report
@@ -175,6 +171,7 @@ class VerlAdapter(AdvantageInputs, LossInputs, FrameworkAdapter):
         _state.instrument()
         _trainer_hook.instrument()
         _groups.instrument()
+        _sampling_mask.instrument()
         usable = [s for s in stablerl.list_algorithms(POLICY_LOSS)
                   if s.status != stablerl.UNAVAILABLE and set(s.requires) <= feeds.get(POLICY_LOSS, frozenset())]
         # StablePolicyLossConfig: verl rejects unknown policy_loss keys, even with "+"; this _target_ takes them
@@ -194,9 +191,8 @@ class VerlAdapter(AdvantageInputs, LossInputs, FrameworkAdapter):
     def _register(self, core_algos, ledger, only=None, feeds=None) -> None:
         """Register each stablerl loss / estimator whose required inputs this process feeds (``feeds``; all of them,
         or those in ``only``), under ``stablerl_<name>`` and the bare name where free; the rest is skipped, and why."""
-        import stablerl
-
         from stablerl.adapters.verl import _translate as tr
+        from stablerl.name_registration import register_algorithms
 
         feeds = feeds or self.state.feeds
         makers = {POLICY_LOSS: (core_algos.POLICY_LOSS_REGISTRY, tr.make_policy_loss_fn),
@@ -204,30 +200,9 @@ class VerlAdapter(AdvantageInputs, LossInputs, FrameworkAdapter):
         # verl's grpo and gae are hard-coded branches of compute_advantage: treat as taken even if absent
         reserved = {ADVANTAGE_ESTIMATOR: {"gae", "grpo"}, POLICY_LOSS: set()}
         for kind, (registry, make) in makers.items():
-            for spec in stablerl.list_algorithms(kind):
-                if only is not None and (kind, spec.name) not in only:
-                    continue
-                if spec.status == stablerl.UNAVAILABLE:
-                    self._skip(kind, spec.name, f"status unavailable: {spec.notes}")
-                    continue
-                missing = [r for r in spec.requires if r not in feeds.get(kind, frozenset())]
-                if missing:
-                    self._skip(kind, spec.name, self._why_unfed(kind, missing))
-                    continue
-                fn = make(spec.name)
-                for verl_name, bare in ((PREFIX + spec.name, False), (spec.name, True)):
-                    existing = registry.get(verl_name)
-                    if existing is not None:
-                        if getattr(existing, "_stablerl_verl", None) == (kind, spec.name):  # imported before
-                            self._record(kind, verl_name, spec.name)
-                        else:
-                            self._skip(kind, verl_name, f"verl already has {verl_name!r} ({_owner(existing)}); use "
-                                       f"{PREFIX}{spec.name}" if bare else f"name taken by {_owner(existing)}")
-                    elif verl_name in reserved[kind]:
-                        self._skip(kind, verl_name, f"{verl_name!r} is hard-coded in verl; use {PREFIX}{spec.name}")
-                    else:
-                        ledger.set_item(f"{kind}:{verl_name}", registry, verl_name, fn)  # undone by uninstrument()
-                        self._record(kind, verl_name, spec.name)
+            register_algorithms(ledger, kind, registry, make, feeds=feeds.get(kind, frozenset()), prefix=PREFIX,
+                                mark="_stablerl_verl", label="verl", record=self._record, skip=self._skip,
+                                why_unfed=functools.partial(self._why_unfed, kind), reserved=reserved[kind], only=only)
 
     def _why_unfed(self, kind: str, missing: list) -> str:
         from ._providers import WHERE

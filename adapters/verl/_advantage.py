@@ -42,9 +42,10 @@ from stablerl import ADVANTAGE_ESTIMATOR, BATCH_FILTER, REWARD_SHAPER, Context, 
 from stablerl.adapters.verl._ledger import LEDGER, patch_ray_trainer_method, verl_adapter
 from stablerl.adapters.verl._providers import (BATCH_FIELD_INPUTS, KEPT_ENTROPY, WHERE, VerlAdvantageInputError,
                                                advantage_input_missing, batch_field)
+from stablerl.algorithm_selection import AlgorithmSelection
 from stablerl.frameworks import check_shaper_and_components
-from stablerl.selection import check_known, config_get, name_or_none, read_selection, truthy
-from stablerl.steps import AdvantageSelection, AdvantageStep, BatchRecord
+from stablerl.selection import config_get, name_or_none, truthy
+from stablerl.steps import AdvantageStep, BatchRecord
 
 logger = logging.getLogger("stablerl.adapters.verl")
 
@@ -74,7 +75,21 @@ def reset_state() -> None:
     verl_adapter().state.reset()
 
 
-def selection(config: Any, estimator: Optional[str] = None) -> AdvantageSelection:
+@dataclasses.dataclass
+class VerlSelection(AlgorithmSelection):
+    """The stablerl algorithms of verl's ``algorithm`` config (core's one selection object); the estimator's
+    hyper-parameters are the ``algorithm.<name>`` keys (:func:`~stablerl.adapters.verl._translate.estimator_settings`)."""
+
+    framework, label = "verl", "verl"
+    algorithm_config: Any = None
+
+    def advantage_settings(self) -> list:
+        from ._translate import estimator_settings
+
+        return estimator_settings(stablerl.get_spec(ADVANTAGE_ESTIMATOR, self.advantage_estimator), self.algorithm_config)
+
+
+def selection(config: Any, estimator: Optional[str] = None) -> VerlSelection:
     """The stablerl algorithms named in verl's ``algorithm`` config (and ``estimator``, a stablerl estimator verl
     selected), validated (names, hyper-parameters); the estimator's hyper-parameters are read by the call site."""
     controller = name_or_none(config_get(config, CONTROLLER_KEY))
@@ -85,12 +100,9 @@ def selection(config: Any, estimator: Optional[str] = None) -> AdvantageSelectio
             "(actor_rollout_ref.actor.policy_loss._target_=stablerl.adapters.verl.StablePolicyLossConfig "
             f"+actor_rollout_ref.actor.policy_loss.stablerl_entropy_controller={controller}); verl runs only "
             "controllers that act through its entropy bonus (adaptive_entropy)")
-    shaper = read_selection(config, SHAPER_KEY, SHAPER_PARAMS_KEY, prefix="algorithm.",
-                            check=functools.partial(check_known, REWARD_SHAPER, f"algorithm.{SHAPER_KEY}"))
-    filtering = read_selection(config, FILTER_KEY, FILTER_PARAMS_KEY, prefix="algorithm.",
-                               check=functools.partial(check_known, BATCH_FILTER, f"algorithm.{FILTER_KEY}"))
-    return AdvantageSelection(estimator=estimator, reward_shaper=shaper[0], reward_shaper_params=shaper[1],
-                              batch_filter=filtering[0], batch_filter_params=filtering[1])
+    return VerlSelection.from_config(config, {REWARD_SHAPER: (SHAPER_KEY, SHAPER_PARAMS_KEY),
+                                              BATCH_FILTER: (FILTER_KEY, FILTER_PARAMS_KEY)},
+                                     prefix="algorithm.", advantage_estimator=estimator, algorithm_config=config)
 
 
 def _refuse_unregistered(adv_estimator: Any) -> None:
@@ -145,8 +157,6 @@ def _wrap(original):
     @functools.wraps(original)
     def compute_advantage(data, adv_estimator, gamma=1.0, lam=1.0, num_repeat=1, norm_adv_by_std_in_grpo=True,
                           config=None):
-        from ._translate import estimator_hyperparameters
-
         def verl_estimator(record=None):  # verl's own code, on the (shaped) batch
             if record is not None:
                 data.batch["token_level_rewards"] = record.token_level_rewards
@@ -162,7 +172,7 @@ def _wrap(original):
         if name is None:
             _refuse_unregistered(adv_estimator)
         chosen = selection(config, name)
-        if not chosen.active:
+        if name is None and not chosen.has_extensions:
             _drop_kept_entropy(data)
             return verl_estimator()
         if "response_mask" not in data.batch.keys():  # as verl does for old trainers
@@ -178,12 +188,12 @@ def _wrap(original):
             check_shaper_and_components(chosen.reward_shaper, spec, bool(config_get(config, "gdpo_reward_keys"))
                                         or batch_field(data, "reward_components") is not None,
                                         "algorithm.gdpo_reward_keys or a 'reward_components' batch field")
-            chosen = dataclasses.replace(chosen, estimator_params=estimator_hyperparameters(spec, config))
         record = BatchRecord(adapter, response_mask=data.batch["response_mask"], index=index, host=data,
                              token_level_rewards=data.batch["token_level_rewards"], missing=advantage_input_missing,
                              # a customised pipeline's per-row / per-token fields (turn_ids, anchor_ids, step_returns)
                              produced={k: v for k in BATCH_FIELD_INPUTS if (v := batch_field(data, k)) is not None})
-        step = AdvantageStep(chosen, ctx=functools.partial(_context, config), state=adapter.state.driver,
+        step = AdvantageStep(chosen.advantage_selection(chosen.effective_estimator_params(logger) if name else {}),
+                             ctx=functools.partial(_context, config), state=adapter.state.driver,
                              filter_key=f"algorithm.{FILTER_KEY}", why_no_resampling=_NO_RESAMPLING)
         result = step.run(record, estimate=verl_estimator, extras=_extras(data, config) if name else None)
         data.batch["token_level_rewards"] = result.token_level_rewards
@@ -192,7 +202,8 @@ def _wrap(original):
             data.batch["returns"] = result.returns
         data.batch["response_mask"] = result.response_mask
         _drop_kept_entropy(data)  # read above; the update gets verl's own batch
-        adapter.state.metrics.clear()
+        for key in [k for k in adapter.state.metrics if k.startswith("stablerl/")]:
+            del adapter.state.metrics[key]  # the step's earlier metrics (sampling_mask/...) stay for Tracking.log
         adapter.state.metrics.update({f"stablerl/{k}": float(v) for k, v in result.metrics.items()})
         return data
 
@@ -214,7 +225,7 @@ def needs_entropy(config: Any) -> bool:
     from verl.trainer.ppo import core_algos  # noqa: F401  (the registry the estimator name is looked up in)
 
     estimator = verl_adapter().stablerl_name(ADVANTAGE_ESTIMATOR, config_get(config, "adv_estimator"))
-    return selection(config, estimator).reads("entropy")
+    return selection(config, estimator).advantage_selection({}).reads("entropy")
 
 
 def _wrap_old_log_prob(original):
@@ -234,7 +245,10 @@ def _wrap_old_log_prob(original):
 
 
 def _patch_old_log_prob(module) -> None:
-    patch_ray_trainer_method(f"{PATCH_KEY}:_compute_old_log_prob", module, "_compute_old_log_prob", _wrap_old_log_prob,
+    from stablerl.adapters.verl._sampling_mask import wrap_old_log_prob as replay  # sampling-mask replay, inside
+
+    patch_ray_trainer_method(f"{PATCH_KEY}:_compute_old_log_prob", module, "_compute_old_log_prob",
+                             lambda original: _wrap_old_log_prob(replay(original)),
                              "the old-log-prob pass's entropy does not reach compute_advantage")
 
 

@@ -31,7 +31,7 @@ logger = logging.getLogger("stablerl.adapters.verl")
 
 KEY, PARAMS_KEY = "stablerl_entropy_controller", "stablerl_entropy_controller_params"
 ENTROPY_METRIC = "actor/entropy_loss"
-_CONTROLLERS: dict[str, Any] = {}  # name -> the controller of this process (one actor per worker process)
+_CONTROLLERS: dict[str, Any] = {}  # name -> the controller's driver in this process (one actor per worker process)
 
 
 def selection(policy_loss_cfg: Any) -> tuple[Optional[str], dict]:
@@ -76,17 +76,18 @@ def update_entropy(metrics: Optional[dict]) -> Optional[float]:
 
 
 def controller_for(worker_config: Any):
-    """This process's controller for the worker's config (built on first use, tracked in the loss-state store)."""
-    import stablerl
+    """This process's controller for the worker's config: core's :class:`~stablerl.trainer_loop.ControllerDriver`
+    (built on first use; the controller tracked in the loss-state store)."""
     from stablerl.contracts import CONTROLLER
     from stablerl.params import StableRLError
+    from stablerl.trainer_loop import ControllerDriver
 
     actor = config_get(worker_config, "actor")
     name, params = selection(config_get(actor, "policy_loss"))
     if name is None:
         return None
-    controller = _CONTROLLERS.get(name)
-    if controller is None:
+    driver = _CONTROLLERS.get(name)
+    if driver is None:
         if float(config_get(actor, "entropy_coeff", 0.0) or 0.0) != 0.0:
             raise StableRLError(
                 f"policy_loss.{KEY}={name!r} sets verl's entropy bonus coefficient itself: leave "
@@ -95,16 +96,18 @@ def controller_for(worker_config: Any):
             raise StableRLError(
                 f"policy_loss.{KEY}={name!r} is stepped with verl's {ENTROPY_METRIC}, which verl computes only with "
                 "actor_rollout_ref.actor.calculate_entropy=True (or entropy_coeff != 0, which the controller sets)")
-        controller = stablerl.make_controller(name, **params)
-        _CONTROLLERS[name] = controller
-        verl_adapter().state.loss.track(CONTROLLER, name, controller)  # saved / restored with the per-rank loss state
+        # the coefficient is read before every update (before_update): nothing to apply after a step
+        driver = ControllerDriver(name, params, provides=("entropy",), framework="verl", apply=lambda decision: None,
+                                  gives=f"the adapter gives each update's {ENTROPY_METRIC}")
+        _CONTROLLERS[name] = driver
+        verl_adapter().state.loss.track(CONTROLLER, name, driver.controller)  # saved with the per-rank loss state
         logger.warning("stablerl/verl: entropy controller %r runs with %s", name, params or "its defaults")
-    return controller
+    return driver
 
 
-def before_update(worker: Any, controller: Any) -> float:
+def before_update(worker: Any, driver: Any) -> float:
     """Set the coefficient in force for this update (``applied_coef``) on verl's loss config."""
-    coef = float(controller.applied_coef)
+    coef = float(driver.controller.applied_coef)
     from stablerl.contracts import CONTROLLER
     from stablerl.steps import BatchRecord
 
@@ -115,22 +118,21 @@ def before_update(worker: Any, controller: Any) -> float:
     return coef
 
 
-def after_update(controller: Any, name: str, output: Any, applied: float) -> None:
+def after_update(driver: Any, name: str, output: Any, applied: float) -> None:
     """Step the controller with the update's entropy (the same on every rank) and report its decision."""
     from stablerl.params import StableRLError
+    from stablerl.trainer_loop import scalar_metrics
 
     metrics = metrics_of(output)
     entropy = update_entropy(metrics)
     if entropy is None:
         raise StableRLError(f"stablerl entropy controller {name!r}: verl reported no {ENTROPY_METRIC} for this update "
                             "(set actor_rollout_ref.actor.calculate_entropy=True)")
-    decision = controller.step(entropy=entropy)
+    decision = driver.step(entropy=entropy)
     if metrics is not None:
-        for key, value in decision.items():
-            if isinstance(value, (bool, int, float)):
-                metrics[f"stablerl/{name}/{key}"] = [float(value)]
-        metrics[f"stablerl/{name}/applied_coef"] = [applied]
+        for key, value in scalar_metrics({**decision, "applied_coef": applied}, prefix=f"stablerl/{name}/").items():
+            metrics[key] = [value]
 
 
 def status() -> dict[str, Any]:
-    return {name: controller.state_dict() for name, controller in _CONTROLLERS.items()}
+    return {name: driver.controller.state_dict() for name, driver in _CONTROLLERS.items()}

@@ -20,7 +20,7 @@ from typing import Any
 from stablerl.adapters.verl._ledger import LEDGER, guarded
 
 from . import _routing_replay as routing
-from . import _state
+from . import _sampling_mask, _state
 
 logger = logging.getLogger("stablerl.adapters.verl")
 
@@ -66,6 +66,9 @@ def engine_class(base):
                 model_output["routed_experts"] = session.recorded(
                     micro_batch["input_ids"], routing.num_hidden_layers(self.model_config.hf_config),
                     int(output_args.get("pad_size", 0)))
+            log_mass = _sampling_mask.engine_log_kept_mass(self, output, output_args, micro_batch)
+            if log_mass is not None:  # the old-log-prob pass under sampling-mask replay
+                model_output[_sampling_mask.OUTPUT] = log_mass
             return model_output
 
         def save_checkpoint(self, local_path, hdfs_path=None, global_step=0, max_ckpt_to_keep=None, **kwargs):

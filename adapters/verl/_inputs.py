@@ -41,7 +41,8 @@ from typing import Any, Optional
 from stablerl import POLICY_LOSS, get_spec
 from stablerl.adapters.verl._ledger import LEDGER, patch_ray_trainer_method, verl_adapter
 from stablerl.adapters.verl._providers import VERSION_KEY, LossBatch, VerlInputError, loss_input_missing
-from stablerl.frameworks import TOP_ENTROPY_INPUT, loss_inputs, pending_loss_inputs, top_entropy_on
+from stablerl.call_options import option_inputs
+from stablerl.frameworks import loss_inputs, pending_loss_inputs
 from stablerl.steps import BatchRecord
 from stablerl.steps import loss_inputs as declared_loss_inputs
 
@@ -104,10 +105,8 @@ def _wrap(original):
         if name is None:  # a verl loss (or not a policy-loss config): nothing to gather
             return original(config, model_output, data, dp_group)
         pinned = (policy_loss.get("stablerl_params", None) if policy_loss is not None else None) or {}
-        also = ("rollout_log_prob",) if pinned.get("rollout_correction") else ()  # stablerl's correction needs them
-        if top_entropy_on(pinned):  # top_entropy_quantile < 1: the current entropy, for any stablerl loss
-            also += (TOP_ENTROPY_INPUT,)
-        gathered = gather(name, loss_mode, model_output, data, also)
+        # a stablerl rollout correction: the rollout log-probs; top_entropy_quantile < 1: the current entropy
+        gathered = gather(name, loss_mode, model_output, data, option_inputs(pinned))
         groups = None
         if "index" in gathered and "index" in get_spec(POLICY_LOSS, name).requires:
             from stablerl.adapters.verl import _groups

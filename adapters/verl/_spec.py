@@ -8,9 +8,10 @@ importing this module imports neither verl nor the adapter's call sites.
 
 from __future__ import annotations
 
+from stablerl.config_recipe import KindLines, Note, Params, recipe_lines
 from stablerl.contracts import (ADVANTAGE_ESTIMATOR, BATCH_FILTER, CONTROLLER, POLICY_LOSS, REWARD_SHAPER,
                                 TRAINER_HOOK, AlgorithmSpec)
-from stablerl.frameworks import CALL_OPTIONS, FrameworkKey, FrameworkSpec, framework_names
+from stablerl.frameworks import CALL_OPTIONS, FrameworkKey, FrameworkSpec
 
 from ._adapter import VerlAdapter
 from ._providers import HOOK_TARGET
@@ -70,6 +71,13 @@ VERL = FrameworkSpec(
             "neg_count": "no verl trainer counts samples per prompt over sampling rounds",
             "hidden_states": "verl's model output at ppo_loss carries log-probs (and entropy), not the last hidden states",
             "lm_head_weight": "verl's ppo_loss gets no handle on the model (its LM-head weight)",
+            "teacher_log_prob": "the adapter feeds verl's teacher loop's log-probs to advantage estimators only",
+            "teacher_topk_log_prob": "not built yet: verl's teacher loop writes the teacher's top-k (teacher_logprobs / "
+            "teacher_ids with loss_mode=forward_kl_topk), but the student's log-probs at those ids exist only inside "
+            "verl's engine (its logits processor), not at ppo_loss",
+            "teacher_topk_ids": "not built yet (see teacher_topk_log_prob)",
+            "student_topk_log_prob": "verl's ppo_loss gets the update forward's log-probs of the sampled tokens, not its "
+            "logits: the student's log-probs at the teacher's ids are computed only in verl's own distillation loss",
             "reward_baselines": "verl's RayPPOTrainer generates and scores the greedy baseline response only when "
             "algorithm.adv_estimator=remax (verl's own ReMax, which stablerl's equals)",
         },
@@ -148,44 +156,33 @@ VERL = FrameworkSpec(
 )
 
 
-def _verl_lines(spec: AlgorithmSpec) -> list[str]:
-    fields = list(spec.defaults())
-    name = framework_names(VERL, spec)[0]
-    if spec.kind == TRAINER_HOOK:
-        lines = [HOOK_TARGET, f"{VERL.selection_keys[TRAINER_HOOK]}={spec.name}"]
-        if fields:
-            lines.append(f"+{_POLICY_LOSS}stablerl_trainer_hook_params={{" + ",".join(f"{f}:<value>" for f in fields) + "}")
-        if spec.name == "sfpo":
-            lines.append("(actor_rollout_ref.actor.calculate_entropy=True feeds its entropy stop rule)")
-        return lines
-    if spec.kind == CONTROLLER:
-        lines = [HOOK_TARGET, f"{VERL.selection_keys[CONTROLLER]}={spec.name}"]
-        if fields:
-            lines.append(f"+{_POLICY_LOSS}stablerl_entropy_controller_params={{"
-                         + ",".join(f"{f}:<value>" for f in fields) + "}")
-        return lines + [_ACTOR + "calculate_entropy=True  # the controller is stepped with verl's actor/entropy_loss"]
-    if spec.kind in (REWARD_SHAPER, BATCH_FILTER):
-        key = "reward_shaper" if spec.kind == REWARD_SHAPER else "batch_filter"
-        return [f"+algorithm.stablerl_{key}={spec.name}"] + [f"+algorithm.stablerl_{key}_params.{f}=<value>" for f in fields]
-    if spec.kind == POLICY_LOSS:
-        lines = [f"{VERL.selection_keys[POLICY_LOSS]}={name}"]
-        if fields:
-            lines.append(_POLICY_LOSS + "_target_=stablerl.adapters.verl.StablePolicyLossConfig")
-            lines += [_verl_loss_key(f, "<value>") for f in fields if f not in VERL_POLICY_LOSS_FIELDS]
-            shared = [f for f in fields if f in VERL_POLICY_LOSS_FIELDS]
-            if shared:
-                lines.append(f"+{_POLICY_LOSS}stablerl_params={{" + ",".join(f"{f}:<value>" for f in shared) + "}")
-        shared = [f for f in fields if f in VERL.hyperparameter_keys[POLICY_LOSS]]
-        if shared:
-            lines.append("(verl's own " + ", ".join(VERL.hyperparameter_keys[POLICY_LOSS][f].key for f in shared)
-                         + " apply when set to a value other than verl's default)")
-        if "index" in spec.requires:
-            lines.append("trainer.use_v1=false  # prompt groups (index): the legacy trainer, whose balance_batch the "
-                         "adapter makes deal out whole groups")
-        return lines
-    return [f"algorithm.adv_estimator={name}"] + [
-        (f"algorithm.{f}=<value>" if f == "norm_adv_by_std_in_grpo" else f"+algorithm.{f}=<value>") for f in fields
-    ]
+_HOOK_PARAMS = "+" + _POLICY_LOSS + "stablerl_{}_params={{{{{{items}}}}}}"  # {f:<value>,...} on the loss config
+_FIELDS = dict(item="{field}:<value>", sep=",")
+_SHAPER_FILTER = KindLines(params=(Params(per_field="{key}_params.{field}=<value>"),))
+_VERL_OWN = frozenset(VERL.hyperparameter_keys[POLICY_LOSS])
 
 
-VERL = VERL.with_config_lines(_verl_lines)
+def _verl_own_note(spec: AlgorithmSpec, fields: list) -> str:
+    keys = ", ".join(VERL.hyperparameter_keys[POLICY_LOSS][f].key for f in fields if f in _VERL_OWN)
+    return f"(verl's own {keys} apply when set to a value other than verl's default)"
+
+
+VERL = VERL.with_config_lines(recipe_lines(VERL, {
+    TRAINER_HOOK: KindLines(head=(HOOK_TARGET,), params=(Params((_HOOK_PARAMS.format("trainer_hook"),), **_FIELDS),),
+                            notes=(Note("(actor_rollout_ref.actor.calculate_entropy=True feeds its entropy stop rule)",
+                                        name="sfpo"),)),
+    CONTROLLER: KindLines(head=(HOOK_TARGET,), params=(Params((_HOOK_PARAMS.format("entropy_controller"),), **_FIELDS),),
+                          notes=(Note(_ACTOR + "calculate_entropy=True  # the controller is stepped with verl's "
+                                      "actor/entropy_loss"),)),
+    REWARD_SHAPER: _SHAPER_FILTER,
+    BATCH_FILTER: _SHAPER_FILTER,
+    POLICY_LOSS: KindLines(
+        params_head=(_POLICY_LOSS + "_target_=stablerl.adapters.verl.StablePolicyLossConfig",),
+        params=(Params(per_field=lambda f: _verl_loss_key(f, "<value>"), exclude=VERL_POLICY_LOSS_FIELDS),
+                Params((f"+{_POLICY_LOSS}stablerl_params={{{{{{items}}}}}}",), only=VERL_POLICY_LOSS_FIELDS, **_FIELDS)),
+        notes=(Note(_verl_own_note, fields_any=_VERL_OWN),
+               Note("trainer.use_v1=false  # prompt groups (index): the legacy trainer, whose balance_batch the adapter "
+                    "makes deal out whole groups", requires=("index",)))),
+    "*": KindLines(select="algorithm.adv_estimator={name}", params=(  # estimators (the declaration's fallback)
+        Params(per_field=lambda f: f"algorithm.{f}=<value>" if f == "norm_adv_by_std_in_grpo" else f"+algorithm.{f}=<value>"),)),
+}))

@@ -18,16 +18,15 @@ from stablerl import ADVANTAGE_ESTIMATOR, POLICY_LOSS, Context, StableRLError, t
 from stablerl import compute_advantage as _compute_advantage
 from stablerl import compute_policy_loss as _compute_policy_loss
 from stablerl import get_spec
+from stablerl.call_options import option_inputs
 from stablerl.frameworks import (
     CALL_OPTIONS,
-    TOP_ENTROPY_INPUT,
     as_params,
     check_framework_keys_used,
     effective_hyperparameters,
     get_framework,
     log_effective_settings,
     split_call_options,
-    top_entropy_on,
 )
 from stablerl.selection import config_get as cfg_get
 
@@ -181,10 +180,8 @@ def make_policy_loss_fn(name: str):
         log_effective_settings(VERL, spec, settings, logger)  # once per worker process
         params, options = split_call_options(as_params(settings))
         options.setdefault("loss_agg_mode", mode)  # a registered aggregation (delta_l) replaces verl's mode
-        if options.get("rollout_correction") and "rollout_log_prob" not in extra:
-            extra.update(_declared.inputs_for(name, ("rollout_log_prob",)))  # gathered by the ppo_loss wrapper
-        if top_entropy_on(options) and TOP_ENTROPY_INPUT not in extra:
-            extra.update(_declared.inputs_for(name, (TOP_ENTROPY_INPUT,)))  # the wrapper gathered it (or said what to set)
+        # the inputs the call options need (a rollout correction, top_entropy_quantile), gathered by the ppo_loss wrapper
+        extra.update(_declared.inputs_for(name, [n for n in option_inputs(options) if n not in extra]))
         loss, metrics = _compute_policy_loss(
             name,
             log_prob=log_prob,

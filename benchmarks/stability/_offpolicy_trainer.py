@@ -1,8 +1,10 @@
 """A stablerl TRL ``GRPOTrainer`` subclass that feeds the off-policy losses ``decoupled_ppo`` (Hilton et al.,
 arXiv 2110.00641; AReaL, arXiv 2505.24298) and ``a3po`` (arXiv 2512.06547) in the staleness experiment.
 
-TRL 1.16 without vLLM gives a stablerl loss neither behaviour log-probs nor policy versions, and the adapter's
-validation refuses both losses. In the staleness setup (``steps_per_generation = k + 1``,
+(The TRL adapter itself now feeds a3po the behaviour log-probs and versions in AReaL's sense, generation rounds, so
+alpha = 0 in TRL's synchronous trainer: see docs/trl.md. This subclass stays for the experiment: it counts every
+optimizer step as a version, standing in for an asynchronous rollout, and supplies its proximal policy.) In the
+staleness setup (``steps_per_generation = k + 1``,
 ``num_iterations = 1``, ``gradient_accumulation_steps = 1``) the three policies of decoupled PPO are all
 available inside TRL:
 

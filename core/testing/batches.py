@@ -76,6 +76,12 @@ def _synth_input(name: str, B: int, T: int, g: torch.Generator, dtype: torch.dty
         return torch.randn(B, T, 8, generator=g, dtype=dtype)
     if name == "lm_head_weight":  # [V=1000, H=8]: covers the synthesised token_ids
         return 0.5 * torch.randn(1000, 8, generator=g, dtype=dtype)
+    if name == "teacher_log_prob":  # a teacher's log-prob of each sampled token, near the student's
+        return (old_log_prob + 0.3 * torch.randn(B, T, generator=g, dtype=dtype)).clamp(max=-1e-4)
+    if name in ("teacher_topk_log_prob", "student_topk_log_prob"):  # [B, T, k=4] of 4 ids out of 8, mass < 1
+        return torch.log_softmax(torch.randn(B, T, 8, generator=g, dtype=torch.float64), -1)[..., :4].to(dtype)
+    if name == "teacher_topk_ids":
+        return torch.randperm(8, generator=g)[:4].expand(B, T, 4).clone()
     if name == "anchor_ids":  # [B] GiGPO anchor states: 3 ids, so that groups share some
         return torch.randint(0, 3, (B,), generator=g)
     if name == "step_returns":  # [B] discounted returns of agent steps

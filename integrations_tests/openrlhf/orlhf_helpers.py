@@ -205,3 +205,55 @@ def through_replay_buffer(experiences, order, packing: bool):
         items += split_experience_batch(e)
     items = remove_padding_in_sequences(items)
     return make_experience_batch([items[i] for i in order], packing)
+
+
+class PickleGroup:
+    """RayActorGroup stand-in: calls the actor's execute_batch; results cross a pickle round trip (Ray)."""
+
+    def __init__(self, worker):
+        self.worker = worker
+
+    def async_run_method_batch(self, method_name, **kwargs):
+        import pickle
+
+        n = len(next(iter(kwargs.values())))
+        return [pickle.loads(pickle.dumps(self.worker.execute_batch(method_name, kwargs, 0, n)))]
+
+
+def actor_pipeline(monkeypatch, args, model, packing: bool, temperature: float):
+    """OpenRLHF's policy Actor around ``model``, the real ``ActorPPOTrainer`` (plain SGD at lr 0), the by-value
+    ``PolicyModelActor`` and a ``RemoteExperienceMaker`` whose actor group is a :class:`PickleGroup`, in one CPU
+    process (the adapter instrumented; ``--ds.packing_samples`` as ``packing``)."""
+    import openrlhf.trainer.ray.ppo_actor as ppo_actor
+    from openrlhf.models import Actor
+    from openrlhf.trainer.ppo_utils.experience_maker import RemoteExperienceMaker
+
+    import stablerl.adapters.openrlhf as adapter
+
+    adapter.instrument(now=True)
+    if packing:
+        from test_openrlhf_routing_replay import _torch_bert_padding
+
+        _torch_bert_padding(monkeypatch)
+    run_without_ray_or_gpu(monkeypatch, ppo_actor)
+    args.ds = SimpleNamespace(packing_samples=packing, ring_attn_size=1, tensor_parallel_size=1)
+    args.train.colocate_actor_ref = False
+    actor = Actor(model)
+    actor.packing_samples, actor.temperature = packing, temperature
+    optim = torch.optim.SGD(actor.parameters(), lr=0.0)
+
+    def optimizer_step(optimizer, *a, **k):
+        optimizer.step()
+        optimizer.zero_grad()
+
+    strategy = training_strategy(args, optimizer_step)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optim, lambda s: 1)
+    trainer = ppo_actor.ActorPPOTrainer(strategy, actor, None, optim, scheduler)
+    worker = object.__new__(ppo_actor.PolicyModelActor.__ray_metadata__.modified_class)
+    worker.actor, worker.strategy = actor, strategy
+    maker = RemoteExperienceMaker.__new__(RemoteExperienceMaker)
+    maker.strategy, maker.args, maker.kl_ctl = strategy, args, SimpleNamespace(value=0.0)
+    maker.advantage_estimator = args.algo.advantage.estimator
+    maker.actor_model_group, maker.critic_model_group = PickleGroup(worker), None
+    maker.reward_model_group = maker.initial_model_group = None
+    return SimpleNamespace(trainer=trainer, maker=maker, model=model, actor=actor, args=args)

@@ -158,6 +158,25 @@ def test_m2po_with_rollout_routing_replay_on_a_moe_model(cluster, tmp_path):
     assert loss["m2_threshold"][0] == 0.05 and loss["m2_threshold"][1] != "paper default", loss
 
 
+def test_a3po_is_on_policy_over_the_optimizer_steps_of_a_rollout_batch_through_ray(cluster, tmp_path):
+    """A-3PO with 4 optimizer steps per rollout batch (16 responses, --train.batch_size 4) in OpenRLHF's synchronous
+    trainer: AReaL's convention keeps the policy version constant over the optimizer steps of one rollout batch (it
+    counts weight syncs to the rollout engine; its proximal policy, recomputed once per training step, is the
+    behaviour policy in a synchronous trainer), so every step gets alpha = 0 (behaviour weight 1)."""
+    assets = harness.make_assets(tmp_path, n_prompts=N_PROMPTS * STEPS)
+    argv = base_flags(assets, tmp_path) + [
+        "--algo.advantage.estimator", "group_norm",  # OpenRLHF's GRPO (its default, gae, needs a critic)
+        "--actor.policy_loss_type", "a3po", "--algo.advantage.is_correction_level", "token",
+        "--train.batch_size", "4", "--train.micro_batch_size", "4"]
+    run = harness.launch(argv, cluster.env, tmp_path / "run.log")
+    _ok(run)
+    assert sorted(run["steps"]) == [1, 2]
+    for status in run["steps"].values():
+        assert status["stablerl/a3po/alpha_mean"] == 0.0, status
+        assert status["stablerl/behave_imp_weight"] == pytest.approx(1.0), status
+        assert math.isfinite(status["policy_loss"]), status
+
+
 def test_erc_and_gtpo_filter_get_the_old_pass_entropy_through_ray(cluster, tmp_path):
     """erc (old_entropy) and gtpo_entropy_filter (entropy at the advantage step): the old-log-prob pass's entropy
     comes back from the PolicyModelActor through Ray on the log-prob tensor (zero-copy off), into the filter and,
@@ -182,3 +201,26 @@ def test_erc_and_gtpo_filter_get_the_old_pass_entropy_through_ray(cluster, tmp_p
                                                                     "stablerl/erc/entropy_frac",
                                                                     "stablerl/erc/entropy_ratio_mean", "reward"))
         for n, status in sorted(run["steps"].items())))
+
+
+def test_on_policy_distillation_with_the_reference_model_loading_the_teacher(cluster, tmp_path):
+    """On-policy distillation: the reference model (colocated with the actor) loads a teacher built in code (another
+    tiny Qwen3, same tokenizer) through --algo.advantage.stablerl_teacher_model, and its log-probs
+    (base_action_log_probs, --algo.kl.use_loss) feed on_policy_distillation; 2 steps."""
+    from stablerl.tools.demo import build_tokenizer
+
+    assets = harness.make_assets(tmp_path, n_prompts=N_PROMPTS * STEPS)
+    tokenizer = build_tokenizer()
+    teacher = tmp_path / "teacher"
+    harness.build_model(tokenizer, seed=5).save_pretrained(teacher)
+    tokenizer.save_pretrained(teacher)
+    argv = base_flags(assets, tmp_path) + [
+        "--algo.advantage.estimator", "on_policy_distillation", "--algo.advantage.stablerl_teacher_model", str(teacher),
+        "--algo.kl.init_coef", "0.001", "--algo.kl.use_loss", "--algo.kl.estimator", "k3",
+        "--ref.num_nodes", "1", "--ref.num_gpus_per_node", "1", "--train.colocate_actor_ref"]
+    run = harness.launch(argv, cluster.env, tmp_path / "run.log")
+    _ok(run)
+    assert sorted(run["steps"]) == [1, 2]
+    assert f"stablerl/openrlhf: the reference model loads the teacher {teacher}" in run["output"]
+    for status in run["steps"].values():
+        assert math.isfinite(status["reward"])

@@ -214,13 +214,43 @@ def test_a3po_gets_one_version_per_batch_through_training_step(monkeypatch, pack
     assert abs(float(old) - float(vanilla)) > 1e-4
 
 
+@pytest.mark.parametrize("packing", [False, True])
+def test_a3po_version_is_constant_over_the_optimizer_steps_of_one_rollout_batch(monkeypatch, packing):
+    """OpenRLHF's synchronous trainer may train one rollout batch over several optimizer steps (--train.batch_size
+    below the rollout batch, --train.max_epochs > 1). AReaL's convention (the version counts weight syncs to the
+    rollout engine, constant over the ppo_n_minibatches optimizer steps of one batch; its proximal policy is
+    recomputed once per training step, i.e. the behaviour policy in a synchronous trainer): every step of the batch
+    gets versions 0 / policy_version 1, so alpha = 0 at every step and each loss is vanilla PPO's clip of
+    exp(lp - lp_rollout) on that step's forward."""
+    from stablerl.api import compute_policy_loss as real
+
+    clip = dict(clip_ratio_low=0.2, clip_ratio_high=0.28, clip_ratio_c=10.0)
+    trainer, model = _trainer(monkeypatch, "a3po", packing, params=clip, is_level="token")
+    batch, _ = _batch(packing)
+    g = torch.Generator().manual_seed(7)
+    batch.rollout_log_probs = (batch.action_log_probs + 0.3 * torch.randn(batch.action_log_probs.shape, generator=g)
+                               ) * batch.action_mask
+    calls = _spy(monkeypatch)
+    statuses = [_step(trainer, batch) for _ in range(3)]  # three optimizer steps on the same rollout batch
+    mask = batch.action_mask.bool()
+    assert len(calls) == 3
+    for fed, status in zip(calls, statuses):
+        assert torch.equal(fed["versions"], torch.where(mask, 0, -1)) and fed["policy_version"] == 1
+        assert float(status["metrics"]["stablerl/a3po/alpha_mean"]) == 0.0
+        kw = dict(advantages=fed["advantages"], response_mask=fed["response_mask"], ctx=fed["ctx"],
+                  loss_agg_mode=fed["loss_agg_mode"])
+        vanilla, _ = real("vanilla", log_prob=fed["log_prob"].detach(), old_log_prob=batch.rollout_log_probs, **kw,
+                          **clip)
+        torch.testing.assert_close(fed["__loss__"], vanilla, rtol=1e-6, atol=1e-8)
+
+
 def test_a3po_is_refused_under_the_async_trainer():
     from stablerl.adapters.openrlhf._loss import build_policy_loss
 
     args = make_args(policy_loss_type="a3po", is_level="token")
     args.train.async_enable = True
     with pytest.raises(stablerl.MissingInputError, match=r"holds only for OpenRLHF's synchronous trainer; "
-                                                         r"--train.async_enable"):
+                                                         r"--train.async_enable .*records no weight version"):
         build_policy_loss(args, Selection(policy_loss="a3po"))
 
 
@@ -265,7 +295,8 @@ def test_what_openrlhf_can_and_cannot_feed():
         lines = frameworks.config_lines(stablerl.get_spec(kind, name))["openrlhf"]
         assert f"  --actor.policy_loss_type {name}" in lines
     assert frameworks.get_framework("openrlhf").feedable[kind] == {"rollout_log_prob", "entropy", "token_ids", "scores",
-                                                                   "index", "old_entropy", "versions", "policy_version"}
+                                                                   "index", "old_entropy", "versions", "policy_version",
+                                                                   "sampling_mask"}
     # prompt groups through the replay buffer (test_openrlhf_group_losses); erc: the old-log-prob pass's entropy
     # (test_openrlhf_old_entropy); a3po: one weight version per batch (above)
     for name in ("pacs", "gvpo", "gtpo", "erc", "turn_ppo", "a3po"):  # turn_ppo: turns are the action mask's runs

@@ -13,14 +13,13 @@ import pytest
 
 pytest.importorskip("openrlhf", reason="OpenRLHF is not installed (nox -s openrlhf installs it)")
 
-import pickle
 from types import SimpleNamespace
 
 import torch
 
 import stablerl
 import stablerl.adapters.openrlhf as adapter
-from orlhf_helpers import make_args, run_without_ray_or_gpu, through_replay_buffer, training_strategy
+from orlhf_helpers import PickleGroup, actor_pipeline, make_args, through_replay_buffer
 from stablerl.adapters.openrlhf import Selection
 from stablerl.adapters.openrlhf import _inputs
 
@@ -74,52 +73,13 @@ def _reference_entropy(model, sequences, attention_mask, width):
     return entropy[:, :-1][:, -width:]
 
 
-class _Group:
-    """RayActorGroup stand-in: calls the actor's execute_batch; results cross a pickle round trip (Ray)."""
-
-    def __init__(self, worker):
-        self.worker = worker
-
-    def async_run_method_batch(self, method_name, **kwargs):
-        n = len(next(iter(kwargs.values())))
-        return [pickle.loads(pickle.dumps(self.worker.execute_batch(method_name, kwargs, 0, n)))]
+_Group = PickleGroup  # RayActorGroup stand-in (orlhf_helpers); test_openrlhf_otb imports it from here
 
 
 def _setup(monkeypatch, selection, packing):
-    import openrlhf.trainer.ray.ppo_actor as ppo_actor
-    from openrlhf.models import Actor
-    from openrlhf.trainer.ppo_utils.experience_maker import RemoteExperienceMaker
-
-    adapter.instrument(now=True)
-    if packing:
-        from test_openrlhf_routing_replay import _torch_bert_padding
-
-        _torch_bert_padding(monkeypatch)
-    run_without_ray_or_gpu(monkeypatch, ppo_actor)
     args = make_args(policy_loss_type=selection.policy_loss or "ppo", estimator="group_norm", n_samples=3,
                      stablerl=selection)
-    args.ds = SimpleNamespace(packing_samples=packing, ring_attn_size=1, tensor_parallel_size=1)
-    args.train.colocate_actor_ref = False
-    model = _tiny_dense()
-    actor = Actor(model)
-    actor.packing_samples, actor.temperature = packing, TEMPERATURE
-    optim = torch.optim.SGD(actor.parameters(), lr=0.0)
-
-    def optimizer_step(optimizer, *a, **k):
-        optimizer.step()
-        optimizer.zero_grad()
-
-    strategy = training_strategy(args, optimizer_step)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optim, lambda s: 1)
-    trainer = ppo_actor.ActorPPOTrainer(strategy, actor, None, optim, scheduler)
-    worker = object.__new__(ppo_actor.PolicyModelActor.__ray_metadata__.modified_class)
-    worker.actor, worker.strategy = actor, strategy
-    maker = RemoteExperienceMaker.__new__(RemoteExperienceMaker)
-    maker.strategy, maker.args, maker.kl_ctl = strategy, args, SimpleNamespace(value=0.0)
-    maker.advantage_estimator = args.algo.advantage.estimator
-    maker.actor_model_group, maker.critic_model_group = _Group(worker), None
-    maker.reward_model_group = maker.initial_model_group = None
-    return SimpleNamespace(trainer=trainer, maker=maker, model=model, actor=actor)
+    return actor_pipeline(monkeypatch, args, _tiny_dense(), packing, TEMPERATURE)
 
 
 def _count_entropy_calls(monkeypatch):
@@ -235,7 +195,7 @@ def test_filter_only_entropy_is_not_sent_to_the_actors(monkeypatch):
 def test_lost_entropy_says_why(monkeypatch):
     """Ray's zero-copy serializer drops tensor attributes: the experience maker says so, by name."""
     run = _setup(monkeypatch, Selection(policy_loss="erc"), False)
-    monkeypatch.setattr(_Group, "async_run_method_batch", lambda self, method_name, **kw: [
+    monkeypatch.setattr(PickleGroup, "async_run_method_batch", lambda self, method_name, **kw: [
         [t.clone() for t in self.worker.execute_batch(method_name, kw, 0, len(kw["sequences"]))]])
     with pytest.raises(stablerl.MissingInputError, match="RAY_ENABLE_ZERO_COPY_TORCH_TENSORS=0"):
         run.maker.make_experience(_samples())

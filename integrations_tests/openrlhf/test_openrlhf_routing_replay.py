@@ -12,13 +12,13 @@ import pytest
 pytest.importorskip("openrlhf", reason="OpenRLHF is not installed (nox -s openrlhf installs it)")
 
 import os
-import pickle
 from types import SimpleNamespace
 
 import torch
 
 import stablerl.adapters.openrlhf as adapter
-from orlhf_helpers import dry_run, make_args, run_without_ray_or_gpu, through_replay_buffer, training_strategy
+from orlhf_helpers import (PickleGroup, dry_run, make_args, run_without_ray_or_gpu, through_replay_buffer,
+                           training_strategy)
 from stablerl import routing_replay as rr
 from stablerl.adapters.openrlhf import Selection
 from stablerl.adapters.openrlhf import _routing_replay as orr
@@ -92,15 +92,7 @@ def _samples():
     return [Experience.concat_experiences(singles[:3], 0), Experience.concat_experiences(singles[3:], 0)]
 
 
-class _Group:
-    """RayActorGroup stand-in: calls the actor's execute_batch; results cross a pickle round trip (Ray)."""
-
-    def __init__(self, worker):
-        self.worker = worker
-
-    def async_run_method_batch(self, method_name, **kwargs):
-        n = len(next(iter(kwargs.values())))
-        return [pickle.loads(pickle.dumps(self.worker.execute_batch(method_name, kwargs, 0, n)))]
+_Group = PickleGroup  # RayActorGroup stand-in (orlhf_helpers)
 
 
 def _run(monkeypatch, *, packing, mode, lr=0.05, steps=2, gc=False):

@@ -80,7 +80,7 @@ def _through_policy_loss(name, b, mode, params):
     return loss.detach(), grad
 
 
-def _experiences(b, split, with_sum_pi_squared=False, old_entropy=False):
+def _experiences(b, split, with_sum_pi_squared=False, old_entropy=False, teacher=False):
     """The rollout as OpenRLHF's trainer hands it over: experiences cut to their own padded width."""
     from openrlhf.trainer.ppo_utils.experience import Experience
 
@@ -99,6 +99,8 @@ def _experiences(b, split, with_sum_pi_squared=False, old_entropy=False):
         out.append(Experience(action_mask=mask[:, :width], rewards=b["scores"][rows].clone(), kl=None,
                               action_log_probs=b["old_log_prob"][rows, :width].clone(),
                               index=list(range(b["scores"].numel()))[rows], response_length=lengths.float(), info=info))
+        if teacher:  # the reference model loading the teacher, with --algo.kl.use_loss (on_policy_distillation)
+            out[-1].base_action_log_probs = b["teacher_log_prob"][rows, :width].clone()
     return out
 
 
@@ -122,7 +124,8 @@ def _through_experience_maker(name, b, params):
     experiences = RemoteExperienceMaker.compute_advantages_and_returns(
         make_maker(args, flag, kl_coef=0.0),
         _experiences(b, split=5, with_sum_pi_squared="sum_pi_squared" in selection.old_pass_stats(),
-                     old_entropy="entropy" in M.advantage_inputs(name, b)))
+                     old_entropy="entropy" in M.advantage_inputs(name, b),
+                     teacher="teacher_log_prob" in M.advantage_inputs(name, b)))
     T = b["response_mask"].shape[1]
     adv = torch.cat([torch.nn.functional.pad(e.advantages, (0, T - e.advantages.shape[1])) for e in experiences])
     return adv * b["response_mask"]

@@ -195,13 +195,17 @@ def reward_batch() -> dict[str, Any]:
     old_log_prob = -torch.rand(N, T, generator=g) * 3 * mask
     sum_pi_squared = (0.05 + 0.9 * torch.rand(N, T, generator=g)) * mask
     entropy = torch.rand(N, T, generator=torch.Generator().manual_seed(2468)) * 2.0 * mask
+    # a frozen teacher's log-probs of the sampled tokens (on_policy_distillation)
+    teacher_log_prob = -torch.rand(N, T, generator=torch.Generator().manual_seed(1357)) * 3 * mask
     return {"scores": scores, "token_level_rewards": rewards, "response_mask": mask,
             "index": torch.arange(N) // GROUP_SIZE, "group_size": GROUP_SIZE,
-            "old_log_prob": old_log_prob, "sum_pi_squared": sum_pi_squared, "entropy": entropy}
+            "old_log_prob": old_log_prob, "sum_pi_squared": sum_pi_squared, "entropy": entropy,
+            "teacher_log_prob": teacher_log_prob}
 
 
-#: per-token estimator inputs of the old-log-prob pass the reward batch carries (each framework feeds them its way)
-OLD_PASS_INPUTS = ("old_log_prob", "sum_pi_squared", "entropy")
+#: per-token estimator inputs of the old-log-prob pass (and the teacher's) the reward batch carries (each framework
+#: feeds them its way)
+OLD_PASS_INPUTS = ("old_log_prob", "sum_pi_squared", "entropy", "teacher_log_prob")
 
 
 def advantage_inputs(name: str, batch: dict) -> dict[str, Any]:

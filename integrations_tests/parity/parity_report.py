@@ -2,7 +2,7 @@
 
     python integrations_tests/parity/parity_report.py [--check]
 
-Reads ``$STABLERL_PARITY_DIR/{verl,trl,openrlhf}.json`` (default ``build/parity/``), written by each
+Reads ``$STABLERL_PARITY_DIR/{verl,trl,openrlhf,skyrl}.json`` (default ``build/parity/``), written by each
 framework session's ``test_parity_matrix.py``. Fails (exit 1) when a results file is missing (naming
 the session to run first), when the files disagree on the algorithms or the batch, or when an
 algorithm's values differ between two frameworks (rel 1e-6) without a listed reason. Needs torch only
@@ -21,8 +21,8 @@ from pathlib import Path
 
 import torch
 
-FRAMEWORKS = ("verl", "trl", "openrlhf")
-TITLES = {"verl": "verl", "trl": "TRL", "openrlhf": "OpenRLHF"}
+FRAMEWORKS = ("verl", "trl", "openrlhf", "skyrl")
+TITLES = {"verl": "verl", "trl": "TRL", "openrlhf": "OpenRLHF", "skyrl": "SkyRL"}
 KIND_TITLES = {"policy_loss": "Policy losses", "advantage_estimator": "Advantage estimators"}
 REPO = Path(__file__).resolve().parents[2]
 DOC = REPO / "docs" / "parity-matrix.md"
@@ -32,7 +32,8 @@ SETTINGS = {
     "defaults": ("Nothing set", "What selecting the algorithm by name gives in each framework."),
     "no_std_knob": ("Framework knob: advantages not divided by the group std",
                     "Only the framework's own knob set (verl `algorithm.norm_adv_by_std_in_grpo=False`, TRL "
-                    "`scale_rewards=\"none\"`, OpenRLHF `--algo.advantage.no_std_norm`), for the estimators with a "
+                    "`scale_rewards=\"none\"`, OpenRLHF `--algo.advantage.no_std_norm`, SkyRL "
+                    "`trainer.algorithm.grpo_norm_by_std=false`), for the estimators with a "
                     "`norm_adv_by_std_in_grpo` hyper-parameter; expected: the estimator with it False."),
 }
 IDENTICAL, DIFFERS, NOT_OFFERED = "identical", "differs", "not offered"
@@ -128,10 +129,12 @@ def render(results: dict[str, dict]) -> str:
         "The call sites: verl's "
         "`verl.workers.utils.losses.ppo_loss` and `ray_trainer.compute_advantage`; TRL's stablerl "
         "`GRPOTrainer._compute_loss` and its advantage step; OpenRLHF's stablerl policy loss built from "
-        "OpenRLHF args and the patched `RemoteExperienceMaker.compute_advantages_and_returns`. "
+        "OpenRLHF args and the patched `RemoteExperienceMaker.compute_advantages_and_returns`; SkyRL's "
+        "`PolicyLossRegistry` loss fed by the stablerl trainer's `_normalize_advantages` and "
+        "`ppo_utils.compute_advantages_and_returns`. "
         f"*identical*: loss, gradient with respect to the log-probs, and advantages equal the direct "
         f"`stablerl.compute_policy_loss` / `stablerl.compute_advantage` call and each other within rel "
-        f"{first['rtol']:g} (largest entry's scale), under each loss aggregation all three offer: "
+        f"{first['rtol']:g} (largest entry's scale), under each loss aggregation all four offer: "
         + ", ".join(f"`{m}`" for m in first["loss_agg_modes"]) + ".",
         "",
         f"Measured with {versions}, torch {first['torch']}. Reasons for differences are listed in "

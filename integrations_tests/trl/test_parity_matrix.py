@@ -136,6 +136,11 @@ def _through_compute_loss(monkeypatch, name, b, mode, params):
         # TRL's old-log-prob pass's entropies, which the adapter carries with the rows for erc
         "stablerl_old_entropy": b["old_entropy"],
     }
+    if "versions" in spec.requires:  # the generation round the trainer stamps on each row (A-3PO's versions)
+        from stablerl.adapters.trl._adapter import VERSION_KEY
+
+        t._stablerl_policy_version = 0  # the round of the batch being trained: the batch's own (synchronous)
+        inputs[VERSION_KEY] = torch.full((B,), t._stablerl_policy_version, dtype=torch.long)
     if rollout:
         inputs["sampling_per_token_logps"] = b["rollout_log_prob"]
         inputs["importance_sampling_ratio"] = torch.ones(B, T)  # TRL's own ratio: not applied to such a loss
@@ -158,9 +163,12 @@ def _through_advantage_step(name, b, params):
     from stablerl.adapters.trl._records import GenerationBatch
 
     stats = M.advantage_inputs(name, b)
+    teacher = stats.pop("teacher_log_prob", None)  # the teacher's forward (stablerl_teacher_model), once computed
     batch = GenerationBatch(TRLAdapter(), site=t._stablerl_rollout, response_mask=mask.float(), index=group,
                             scores=b["scores"], unscorable=torch.zeros(n, dtype=torch.bool), host=out, rows=slice(0, n),
                             entropy=stats.pop("entropy", None), old_stats=stats or None)
+    if teacher is not None:
+        batch.produced["teacher_log_prob"] = teacher
     adv = t._stablerl_rollout.run(batch, out)["advantages"]
     return adv * mask
 

@@ -4,7 +4,6 @@ TRL 1.16 training on CPU with stale rollouts made by ``steps_per_generation = k 
 behaviour log-probs = the generating weights' log-probs, proximal = the detached current log-probs,
 versions = the optimizer step of generation, policy_version = the current optimizer step."""
 
-import copy
 import sys
 from pathlib import Path
 
@@ -35,11 +34,14 @@ def _final_params(trainer_cls, args, dtype=torch.float32):
     return rec.params[-1]
 
 
-def test_the_adapter_accepts_the_off_policy_losses_only_when_a_subclass_declares_the_inputs(tmp_path):
-    with pytest.raises(stablerl.MissingInputError, match="rollout_log_prob: needs use_vllm=True"):
-        GRPOConfig(**H.base_kwargs(tmp_path, loss_type="decoupled_ppo"))
-    with pytest.raises(stablerl.MissingInputError, match="versions"):  # declared too little
-        GRPOConfig(**H.base_kwargs(tmp_path, loss_type="a3po", stablerl_extra_loss_inputs=["rollout_log_prob"]))
+def test_the_adapter_refuses_the_off_policy_losses_where_trl_has_no_behaviour_log_probs(tmp_path):
+    # without vLLM TRL feeds them itself (its old-log-prob pass at generation, policy versions as generation rounds:
+    # test_trl_policy_versions.py); with vLLM only with the sampler's log-probs, unless a subclass declares them
+    vllm = dict(use_vllm=True, vllm_importance_sampling_correction=False)
+    with pytest.raises(stablerl.MissingInputError, match="rollout_log_prob: with use_vllm=True it needs "
+                                                         "vllm_importance_sampling_correction=True"):
+        GRPOConfig(**H.base_kwargs(tmp_path, loss_type="decoupled_ppo", **vllm))
+    GRPOConfig(**H.base_kwargs(tmp_path, loss_type="a3po", stablerl_extra_loss_inputs=["rollout_log_prob"], **vllm))
     with pytest.raises(stablerl.UnknownNameError, match="'rollout_logprob'.*'rollout_log_prob'"):
         GRPOConfig(**H.base_kwargs(tmp_path, loss_type="a3po", stablerl_extra_loss_inputs=["rollout_logprob"]))
     assert _args(tmp_path, "a3po", k=0, steps=1).stablerl_extra_loss_inputs == [
@@ -85,17 +87,6 @@ def test_losses_without_off_policy_inputs_pass_through(tmp_path):
     assert torch.equal(plain, sub)
 
 
-def _completion_logps(model, inp):
-    """Log-probs of the completion tokens under ``model`` (plain forward, independent of TRL's code)."""
-    ids = torch.cat([inp["prompt_ids"], inp["completion_ids"]], dim=1)
-    mask = torch.cat([inp["prompt_mask"], inp["completion_mask"]], dim=1)
-    with torch.no_grad():
-        logits = model(input_ids=ids, attention_mask=mask).logits
-    T = inp["completion_ids"].size(1)
-    logp = torch.log_softmax(logits[:, -T - 1:-1].float(), dim=-1)
-    return logp.gather(-1, inp["completion_ids"].unsqueeze(-1)).squeeze(-1)
-
-
 def test_a3po_gets_behaviour_logps_proximal_versions_and_policy_version(tmp_path, monkeypatch):
     k, steps = 2, 6
     calls, seen, snapshots = [], [], {}
@@ -109,11 +100,7 @@ def test_a3po_gets_behaviour_logps_proximal_versions_and_policy_version(tmp_path
 
     class Recording(OP.trainer_class()):
         def _generate_and_score_completions(self, inputs):
-            # the behaviour policy, in a fresh model (a deepcopy would keep TRL's fused-head patch, whose
-            # plain forward still calls the original model)
-            behaviour_model = H.tiny_model()
-            behaviour_model.load_state_dict(copy.deepcopy(self.model.state_dict()))
-            snapshots[int(self.state.global_step)] = behaviour_model.eval()
+            snapshots[int(self.state.global_step)] = H.weights_snapshot(self.model)  # the behaviour policy
             return super()._generate_and_score_completions(inputs)
 
         def _stablerl_policy_loss(self, inputs, logps, *args, **kwargs):
@@ -131,7 +118,7 @@ def test_a3po_gets_behaviour_logps_proximal_versions_and_policy_version(tmp_path
         assert (kw["versions"][~mask] == -1).all()
         assert kw["is_weights"] is None  # no TRL IS ratio on top of the loss's own weight
         assert torch.equal(kw["old_log_prob"], logps)  # proximal: the detached current policy
-        behaviour = _completion_logps(snapshots[generated_at], inp)
+        behaviour = H.completion_logps(snapshots[generated_at], inp)
         torch.testing.assert_close(kw["rollout_log_prob"][mask], behaviour[mask], rtol=0, atol=2e-5)
         gap = (kw["rollout_log_prob"] - logps)[mask].abs().max().item()
         if step == generated_at:  # the rollout is on-policy for the first step of its generation

@@ -70,8 +70,13 @@ def test_every_advantage_estimator_trains(spec, tmp_path):
     reason = _skip_reason(spec, TRL.feedable[spec.kind])
     if reason:
         pytest.skip(reason)
+    extra = {}
+    if "teacher_log_prob" in spec.requires:  # on-policy distillation: a teacher checkpoint built in code
+        H.tiny_model(seed=7).save_pretrained(tmp_path / "teacher")
+        H.TOKENIZER.save_pretrained(tmp_path / "teacher")
+        extra = dict(stablerl_teacher_model=str(tmp_path / "teacher"))
     args = GRPOConfig(**H.base_kwargs(tmp_path, loss_type="dapo", advantage_estimator=spec.name,
-                                      stablerl_advantage_params=ESTIMATOR_PARAMS.get(spec.name)))
+                                      stablerl_advantage_params=ESTIMATOR_PARAMS.get(spec.name), **extra))
     trainer, rec, initial = H.train(GRPOTrainer, args)
     _check_run(trainer, rec, initial)
     assert any("stablerl/advantages/mean" in log for log in rec.logs)

@@ -150,3 +150,25 @@ def completion_log_softmax(model, out, temperature):
         logits = model(input_ids=ids, attention_mask=mask).logits.double()
     T = out["completion_ids"].size(1)
     return (logits[:, -T - 1:-1] / temperature).log_softmax(-1)
+
+
+def completion_logps(model, inp):
+    """Log-probs of the completion tokens of TRL's batch ``inp`` under ``model`` (a plain forward, independent of
+    TRL's code)."""
+    ids = torch.cat([inp["prompt_ids"], inp["completion_ids"]], dim=1)
+    mask = torch.cat([inp["prompt_mask"], inp["completion_mask"]], dim=1)
+    with torch.no_grad():
+        logits = model(input_ids=ids, attention_mask=mask).logits
+    T = inp["completion_ids"].size(1)
+    logp = torch.log_softmax(logits[:, -T - 1:-1].float(), dim=-1)
+    return logp.gather(-1, inp["completion_ids"].unsqueeze(-1)).squeeze(-1)
+
+
+def weights_snapshot(model):
+    """The weights of ``model`` now, in a fresh tiny model (a deepcopy would keep TRL's fused-head patch, whose
+    plain forward still calls the original model)."""
+    import copy
+
+    snapshot = tiny_model()
+    snapshot.load_state_dict(copy.deepcopy(model.state_dict()))
+    return snapshot.eval()

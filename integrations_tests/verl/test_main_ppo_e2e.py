@@ -11,11 +11,12 @@ exercises several stablerl features together (one process start costs most of a 
   ``total_training_steps``), 2 steps, checkpoint at step 2;
 * the same run resumed in a new process to step 3: step counter and EntroPIC's integral continue;
 * ``a3po`` (verl's weight versions) + ``gtpo_entropy_filter`` (the old-log-prob pass's entropy at
-  ``compute_advantage``);
+  ``compute_advantage``); ``a3po`` with ``ppo_epochs=3`` (alpha 0 over the optimizer steps of one batch: AReaL's convention);
 * ``gtpo`` (a loss that takes prompt groups) at verl's default ``trainer.balance_batch=true`` with two micro-batches
   of two whole groups each; the same settings with a micro-batch that would split groups are refused at start-up;
 * SFPO as a trainer hook (K=1, alpha 0.5): passes, reposition and entropy window, with ``empg`` (an estimator
-  on the old-log-prob pass's entropy, selected by ``algorithm.adv_estimator`` alone).
+  on the old-log-prob pass's entropy, selected by ``algorithm.adv_estimator`` alone);
+* sampling-mask replay (top_p 0.8 rollouts, ``algorithm.rollout_correction.rollout_is=token``).
 
 Everything is asserted from verl's file logger (``trainer.logger=[console,file]``) and console.
 Real: Hydra config + validation, Ray, TaskRunner, legacy RayPPOTrainer, FSDP2 workers on gloo, the
@@ -278,6 +279,22 @@ def test_a3po_and_gtpo_entropy_filter_get_verls_versions_and_old_pass_entropy(wo
         assert d["actor/behave_imp_weight"] == pytest.approx(1.0)
 
 
+def test_a3po_alpha_is_zero_over_ppo_epochs(workdir):
+    """A-3PO in verl's own trainer with actor.ppo_epochs=3 (one mini-batch): each batch gets 3 optimizer steps, and
+    AReaL's convention keeps the policy version constant over them (it counts weight syncs to the rollout engine;
+    its proximal policy, recomputed once per training step, is the behaviour policy in a synchronous trainer), so
+    alpha is 0 at all three loss calls: verl logs alpha_mean 0 and behave_imp_weight 1 at every step."""
+    out, rows = run_main_ppo(workdir, "a3po_epochs", [
+        "trainer.total_training_steps=2", "trainer.save_freq=-1", "trainer.resume_mode=disable",
+        "algorithm.adv_estimator=grpo", "actor_rollout_ref.actor.policy_loss.loss_mode=a3po",
+        "actor_rollout_ref.actor.ppo_epochs=3",
+    ])
+    _assert_steps_and_reward(rows, [1, 2])
+    for r in rows:
+        assert r["data"]["actor/a3po/alpha_mean"] == 0.0, r["data"]
+        assert r["data"]["actor/behave_imp_weight"] == pytest.approx(1.0), r["data"]
+
+
 SFPO_EMPG = [
     "actor_rollout_ref.actor.policy_loss._target_=stablerl.adapters.verl.StablePolicyLossConfig",
     "actor_rollout_ref.actor.calculate_entropy=true",
@@ -345,3 +362,27 @@ def test_gtpo_gets_whole_prompt_groups_at_verls_default_balance_batch(workdir):
     assert d["actor/stablerl/prompt_groups"] == 2.0, sorted(k for k in d if "stablerl" in k)
     assert "global_seqlen/min" in d  # the balance ran (the adapter's group-aware one)
     assert math.isfinite(d["actor/pg_loss"])
+
+
+def test_sampling_mask_replay_in_verls_trainer(workdir):
+    """Sampling-mask replay (issue 28) in verl's own trainer: the stand-in rollout server samples with top_p 0.8 and
+    returns kept-set log-probs; with +algorithm.sampling_mask_replay at its default (auto) the old-log-prob pass
+    measures the kept mass and rollout_log_probs are replaced before verl's debug metrics and rollout correction see
+    them, so the rollout and actor probabilities agree (same weights) while the kept mass is well below 1."""
+    out, rows = run_main_ppo(workdir, "sampling_mask", [
+        "trainer.total_training_steps=2", "trainer.save_freq=-1", "trainer.resume_mode=disable",
+        "algorithm.adv_estimator=grpo", "actor_rollout_ref.rollout.top_p=0.8",
+        "actor_rollout_ref.rollout.calculate_log_probs=true",
+        "algorithm.rollout_correction.rollout_is=token", "algorithm.rollout_correction.rollout_is_threshold=2.0",
+    ])
+    _assert_steps_and_reward(rows, [1, 2])
+    assert "stablerl/verl: sampling-mask replay on (auto: actor_rollout_ref.rollout.top_k / top_p truncate)" in out
+    for r in rows:
+        d = r["data"]
+        assert 0.3 < d["sampling_mask/kept_mass"] < 0.99, sorted(d)
+        # the same weights in rollout and actor: after the replay the probabilities agree (before, the rollout's
+        # kept-set probability exceeds the actor's by the factor 1 / M)
+        assert d["training/rollout_probs_diff_mean"] < 1e-3, d["training/rollout_probs_diff_mean"]
+        # verl's own token IS weights (rollout_correction): 1 within noise (measured with the replay off: 0.822, the
+        # kept mass; rollout_probs_diff_mean 0.014)
+        assert d["rollout_corr/rollout_is_mean"] == pytest.approx(1.0, abs=0.02), d["rollout_corr/rollout_is_mean"]

@@ -142,7 +142,9 @@ def _through_compute_advantage(name, b, params):
             algorithm[k] = v
     # verl's old-log-prob pass's batch fields (old_log_probs, sum_pi_squared: optimal_token_baseline) and the pass's
     # entropy as the adapter keeps it for compute_advantage in the legacy trainer (empg)
-    fields = {"old_log_prob": "old_log_probs", "sum_pi_squared": "sum_pi_squared", "entropy": KEPT_ENTROPY}
+    # and the teacher's log-probs as verl's teacher loop writes them (on_policy_distillation)
+    fields = {"old_log_prob": "old_log_probs", "sum_pi_squared": "sum_pi_squared", "entropy": KEPT_ENTROPY,
+              "teacher_log_prob": "teacher_logprobs"}
     old_pass = {fields[k]: v for k, v in M.advantage_inputs(name, b).items()}
     data = DataProto.from_dict(
         tensors={"token_level_rewards": b["token_level_rewards"], "response_mask": b["response_mask"], **old_pass},

@@ -131,6 +131,11 @@ def make_inputs(B: int, T: int, dtype: torch.dtype, device: str = "cpu", seed: i
         # CAPO's LM-head model (H=16; V=vocab covers token_ids); drawn last so the tensors above are unchanged
         "hidden_states": f(torch.randn(B, T, 16, generator=g)),
         "lm_head_weight": f(0.1 * torch.randn(vocab, 16, generator=g)),
+        # on-policy distillation (drawn after the rest): a teacher's log-probs, and top-k (k=8 of 16 ids) of both
+        # models; the student's carry the gradient (generalized_jsd's gradient flows through them)
+        "teacher_log_prob": f((old + 0.3 * torch.randn(B, T, generator=g)).clamp(max=-1e-4)),
+        "teacher_topk_log_prob": f(torch.randn(B, T, 16, generator=g).log_softmax(-1)[..., :8]),
+        "student_topk_log_prob": f(torch.randn(B, T, 16, generator=g).log_softmax(-1)[..., :8]).requires_grad_(True),
     }
 
 

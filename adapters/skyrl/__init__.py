@@ -1,0 +1,28 @@
+"""stablerl in SkyRL 0.3: every stablerl policy loss and advantage estimator SkyRL can feed, in SkyRL's own
+registries and trainer (docs/skyrl.md).
+
+:func:`instrument` (:class:`SkyRLAdapter`) registers them in ``PolicyLossRegistry`` / ``AdvantageEstimatorRegistry``
+(``stablerl_<name>`` where SkyRL owns the name); ``python -m stablerl.adapters.skyrl.main <SkyRL overrides>`` does
+that before Ray starts, accepts the stablerl keys of ``trainer.algorithm`` (``_config``), prints the effective
+settings, and trains with :class:`~stablerl.adapters.skyrl._trainer.StableRayPPOTrainer`: SkyRL's ``RayPPOTrainer``
+with SkyRL's advantage pre-scaling taken over, reward shapers and batch filters, and the stablerl state in SkyRL's
+checkpoints. Importing this package imports no SkyRL module.
+"""
+
+from __future__ import annotations
+
+from ._adapter import SkyRLAdapter  # noqa: F401
+from ._names import (NAME, PREFIX, SKYRL_ADV_ESTIMATORS, SKYRL_POLICY_LOSSES, SUPPORTED_SKYRL,  # noqa: F401
+                     UnsupportedSkyRLVersionError, skyrl_names)
+
+
+def instrument(**options) -> bool:
+    """``SkyRLAdapter().instrument()``: register the stablerl algorithms in SkyRL's registries (in the driver, before
+    Ray starts: ``initialize_ray`` shares them with every worker)."""
+    return SkyRLAdapter().instrument(**options)
+
+
+def uninstrument() -> bool:
+    """``SkyRLAdapter().uninstrument()``: SkyRL's registries and workers as they were (a registry actor already
+    synced keeps its copies until Ray shuts down)."""
+    return SkyRLAdapter().uninstrument()

@@ -1,0 +1,162 @@
+"""``SkyRLAdapter``: stablerl in SkyRL 0.3 (framework-free at import: SkyRL is imported when it instruments).
+
+SkyRL has registries for both policy losses and advantage estimators (``PolicyLossRegistry`` /
+``AdvantageEstimatorRegistry``, selected by ``trainer.algorithm.policy_loss_type`` / ``advantage_estimator``), which
+SkyRL shares with every Ray worker through a named registry actor once ``initialize_ray`` syncs them. So
+:meth:`SkyRLAdapter._instrument` registers every stablerl loss and estimator SkyRL can feed, in the driver before
+Ray starts, under the bare name where SkyRL has none of its own and always as ``stablerl_<name>`` (SkyRL's own
+names are never replaced), and adds the loss state to SkyRL's policy-worker checkpoints.
+
+The ``@provides`` methods say what SkyRL feeds: at the advantage step ``record.host`` is the trainer's
+``TrainingInputBatch`` (None when SkyRL's own trainer calls a registered estimator); at the loss SkyRL's call passes
+log-probs, old and rollout log-probs, advantages, config and loss mask, nothing else.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Optional
+
+from stablerl.adapter import FrameworkAdapter
+from stablerl.contracts import ADVANTAGE_ESTIMATOR as _ADV, BATCH_FILTER as _FILTER, POLICY_LOSS as _LOSS
+from stablerl.contracts import REWARD_SHAPER as _SHAPER
+from stablerl.params import MissingInputError
+from stablerl.providers import provides
+from stablerl.state import StateStore
+
+from ._names import NAME, SKYRL_ADV_ESTIMATORS, SKYRL_POLICY_LOSSES, UnsupportedSkyRLVersionError, skyrl_names
+
+_ADVANTAGE_SIDE = (_ADV, _SHAPER, _FILTER)
+ROLLOUT_LOGPROBS = ("the generator returns rollout_logprobs (generator.sampling_params.logprobs set: SkyRL's "
+                    "default 1)")
+LOSS_STATE_FILE = "stablerl_loss_state_rank{rank}.pt"
+
+
+def _field(record, key: str):
+    host = record.host
+    return None if host is None else host.get(key) if hasattr(host, "get") else None
+
+
+class SkyRLAdapter(FrameworkAdapter):
+    """The SkyRL adapter: one instance per process (``SkyRLAdapter()``)."""
+
+    name = NAME
+    version_error = UnsupportedSkyRLVersionError
+
+    def __init__(self) -> None:
+        if "driver_state" in vars(self):
+            return
+        #: the trainer process's estimator / shaper / filter state (checkpointed by the entry point's trainer)
+        self.driver_state = StateStore(holds="driver")
+        #: a policy worker's loss state (saved next to SkyRL's policy checkpoint, per rank)
+        self.loss_state = StateStore(holds="loss")
+        #: the trainer's batch while its advantage step runs (the estimator's record reads it)
+        self.pending: Any = None
+        self.seed = 42
+        self.last_metrics: dict[str, float] = {}
+
+    def __reduce__(self):
+        return type(self), ()
+
+    def _instrument(self, ledger, register: bool = True) -> None:
+        """Register the stablerl losses and estimators SkyRL can feed (``register``), and add the loss state to
+        the policy workers' checkpoints."""
+        from skyrl.backends.skyrl_train.utils import ppo_utils
+
+        if register:
+            from ._advantage import StableSkyRLEstimator, runnable as runnable_estimators
+            from ._loss import StableSkyRLLoss, runnable as runnable_losses
+
+            for registry, builtin, names, make in (
+                    (ppo_utils.PolicyLossRegistry, SKYRL_POLICY_LOSSES, runnable_losses(), StableSkyRLLoss),
+                    (ppo_utils.AdvantageEstimatorRegistry, SKYRL_ADV_ESTIMATORS, runnable_estimators(),
+                     StableSkyRLEstimator)):
+                for name in names:
+                    for skyrl_name in skyrl_names(name, builtin):
+                        ledger.set_item(f"{registry.__name__}:{skyrl_name}", registry._functions, skyrl_name, make(name))
+                registry._synced_to_actor = False  # the next sync pushes them to the registry actor
+        self.arm_worker(ledger)
+
+    def arm_worker(self, ledger=None) -> None:
+        """Save / restore this process's loss state with SkyRL's policy checkpoint (``Worker.save_checkpoint`` /
+        ``load_checkpoint`` of ``PolicyWorkerBase``); run when a worker unpickles a stablerl loss."""
+        from skyrl.backends.skyrl_train.workers.worker import PolicyWorkerBase
+
+        ledger = ledger or self.ledger
+        adapter = self
+
+        def save_checkpoint(worker, ckpt_dir, *args, **kwargs):
+            out = _original_save(worker, ckpt_dir, *args, **kwargs)
+            if adapter.loss_state:
+                import torch
+
+                torch.save(adapter.loss_state.state_dict(), os.path.join(ckpt_dir, _state_file()))
+            return out
+
+        def load_checkpoint(worker, ckpt_dir, *args, **kwargs):
+            out = _original_load(worker, ckpt_dir, *args, **kwargs)
+            path = os.path.join(ckpt_dir, _state_file())
+            if os.path.exists(path):
+                from stablerl.state import read_state
+
+                adapter.loss_state.load_state_dict(read_state(path), where=path)
+            return out
+
+        _original_save, _original_load = PolicyWorkerBase.save_checkpoint, PolicyWorkerBase.load_checkpoint
+        if getattr(_original_save, ledger.mark, False):
+            return
+        ledger.set_attr("PolicyWorkerBase.save_checkpoint", PolicyWorkerBase, "save_checkpoint", save_checkpoint)
+        ledger.set_attr("PolicyWorkerBase.load_checkpoint", PolicyWorkerBase, "load_checkpoint", load_checkpoint)
+
+    def context(self, kind: str, name: str):
+        """The driver-side :class:`~stablerl.context.Context` of one estimator / shaper / filter call."""
+        return self.driver_state.context(kind, name, self.seed)
+
+    # -- providers: the advantage step (record.host: the trainer's TrainingInputBatch, or None) ----------
+
+    @provides("index", to=_ADVANTAGE_SIDE)
+    def index(self, record):
+        """The prompt groups: SkyRL's ``uids`` (``index`` of its estimator call)."""
+        return record.index
+
+    @provides("scores", to=_ADVANTAGE_SIDE)
+    def scores(self, record):
+        """One reward per response: the masked sum of SkyRL's per-token ``rewards``."""
+        return record.response_scores()
+
+    @provides("lengths", to=_ADVANTAGE_SIDE)
+    def lengths(self, record):
+        """The response lengths (``response_mask`` sums)."""
+        return record.response_mask.sum(-1).float()
+
+    @provides("old_log_prob", to=(_ADV,))
+    def old_log_prob(self, record):
+        """The old-log-prob pass's ``action_log_probs`` (the entry point's trainer; SkyRL's own estimator call
+        does not pass them)."""
+        value = _field(record, "action_log_probs")
+        if value is None:
+            raise MissingInputError("the estimator needs old_log_prob: SkyRL's batch has no action_log_probs here "
+                                    "(run python -m stablerl.adapters.skyrl.main; rollout_is / dppo skip that pass)")
+        return value
+
+    @provides("rollout_log_prob", to=(_ADV,), condition=ROLLOUT_LOGPROBS)
+    def advantage_rollout_log_prob(self, record):
+        """The generator's ``rollout_logprobs`` (the entry point's trainer)."""
+        return _field(record, "rollout_logprobs")
+
+    # -- providers: the loss (SkyRL's call passes them itself) -----------------------------------------------
+
+    @provides("rollout_log_prob", to=(_LOSS,), condition=ROLLOUT_LOGPROBS)
+    def rollout_log_prob(self, record):
+        """SkyRL's loss call passes ``rollout_logprobs`` (None when the generator returned none)."""
+        return None
+
+
+def _state_file() -> str:
+    import torch
+
+    rank = torch.distributed.get_rank() if torch.distributed.is_available() and torch.distributed.is_initialized() else 0
+    return LOSS_STATE_FILE.format(rank=rank)
+
+
+__all__ = ["SkyRLAdapter", "UnsupportedSkyRLVersionError"]

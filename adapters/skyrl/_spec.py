@@ -1,0 +1,117 @@
+"""SkyRL 0.3's declaration (its :class:`~stablerl.frameworks.FrameworkSpec`), registered by
+``stablerl.adapters.frameworks``. What SkyRL feeds is derived from :class:`SkyRLAdapter`'s providers; the rest are
+facts about SkyRL. Framework-free."""
+
+from __future__ import annotations
+
+from stablerl.contracts import (ADVANTAGE_ESTIMATOR, BATCH_FILTER, CONTROLLER, POLICY_LOSS, REWARD_SHAPER,
+                                TRAINER_HOOK, AlgorithmSpec)
+from stablerl.config_recipe import KindLines, Note, Params, recipe_lines
+from stablerl.frameworks import FrameworkKey, FrameworkSpec
+
+from ._adapter import SkyRLAdapter
+from ._names import (ADV_KEY, ADV_PARAMS, ALGORITHM, FILTER, FILTER_PARAMS, LOSS_KEY, LOSS_PARAMS, NAME, SHAPER,
+                     SHAPER_PARAMS, SKYRL_ADV_ESTIMATORS, SKYRL_POLICY_LOSSES, SUPPORTED_SKYRL)
+
+_LOSS_CALL = ("SkyRL's loss call (PolicyWorkerBase._forward_backward_micro) passes log-probs, old and rollout "
+              "log-probs, advantages, the algorithm config and the loss mask, nothing else")
+_ONE_ROW = "SkyRL's batch keeps one row per response (or per step, step-wise) with no "
+ENTRY = "python -m stablerl.adapters.skyrl.main"
+
+SKYRL = FrameworkSpec(
+    name=NAME,
+    distribution="skyrl",
+    supported=SUPPORTED_SKYRL,
+    adapter="stablerl.adapters.skyrl",
+    adapter_class="stablerl.adapters.skyrl._adapter:SkyRLAdapter",
+    builtin_names={POLICY_LOSS: SKYRL_POLICY_LOSSES, ADVANTAGE_ESTIMATOR: SKYRL_ADV_ESTIMATORS},
+    feedable=SkyRLAdapter.feedable(),
+    why_not={
+        "*": {
+            "entropy": "the current policy's entropy is computed inside SkyRL's worker forward and not passed to the "
+            "loss (" + _LOSS_CALL + ")",
+            "old_entropy": "SkyRL's old-log-prob pass returns log-probs only",
+            "token_ids": _LOSS_CALL,
+            "scores": _LOSS_CALL,
+            "index": _LOSS_CALL + " (no uids: prompt groups reach only the estimator)",
+            "turn_ids": _ONE_ROW + "per-token turn ids",
+            "anchor_ids": _ONE_ROW + "anchor-state ids",
+            "step_returns": _ONE_ROW + "per-step returns",
+            "versions": "SkyRL's batch has no per-token policy versions",
+            "policy_version": _LOSS_CALL,
+            "router_log_prob": _LOSS_CALL,
+            "old_router_log_prob": "SkyRL's old-log-prob pass returns no router log-probs",
+            "hidden_states": _LOSS_CALL,
+            "lm_head_weight": _LOSS_CALL,
+            "reward_baselines": "SkyRL generates no greedy baseline response per prompt (ReMax)",
+            "sum_pi_squared": "SkyRL's old-log-prob pass returns log-probs only",
+            "pos_count": "SkyRL samples n_samples_per_prompt per prompt in one round",
+            "neg_count": "SkyRL samples n_samples_per_prompt per prompt in one round",
+            "teacher_log_prob": "not in this adapter yet: SkyRL's reference model could load a teacher, but the "
+            "adapter does not feed its log-probs as the teacher's",
+            "teacher_topk_log_prob": "no teacher forward returning top-k log-probs in SkyRL",
+            "teacher_topk_ids": "no teacher forward returning top-k ids in SkyRL",
+            "student_topk_log_prob": _LOSS_CALL,
+            "params_view": "no trainer hook in SkyRL (see why_no_key)",
+            "entropy_bonus": "no controller in SkyRL (see why_no_key)",
+        },
+        ADVANTAGE_ESTIMATOR: {"entropy": "SkyRL's old-log-prob pass returns log-probs only"},
+        REWARD_SHAPER: {"entropy": "SkyRL's old-log-prob pass returns log-probs only"},
+        BATCH_FILTER: {"entropy": "SkyRL's old-log-prob pass returns log-probs only"},
+    },
+    conditions=SkyRLAdapter.conditions(),
+    why_no_key={
+        TRAINER_HOOK: "not in this adapter yet: a hook acts between optimizer steps inside SkyRL's policy workers, "
+        "whose optimizer is FSDP's (or Megatron's); the TRL adapter runs sfpo",
+        CONTROLLER: "not in this adapter yet: an entropy controller steers SkyRL's entropy_loss_coef inside its "
+        "policy workers, which read it from the config they were built with",
+    },
+    selection_keys={
+        POLICY_LOSS: LOSS_KEY, ADVANTAGE_ESTIMATOR: ADV_KEY, REWARD_SHAPER: ALGORITHM + SHAPER,
+        BATCH_FILTER: ALGORITHM + FILTER,
+    },
+    hyperparameter_keys={
+        POLICY_LOSS: {
+            "clip_ratio_low": FrameworkKey(ALGORITHM + "eps_clip_low", 0.2),
+            "clip_ratio_high": FrameworkKey(ALGORITHM + "eps_clip_high", 0.2),
+            "clip_ratio_c": FrameworkKey(ALGORITHM + "clip_ratio_c", 3.0),
+            "tau_pos": FrameworkKey(ALGORITHM + "sapo.tau_pos", 1.0),
+            "tau_neg": FrameworkKey(ALGORITHM + "sapo.tau_neg", 1.05),
+        },
+        ADVANTAGE_ESTIMATOR: {
+            "norm_adv_by_std_in_grpo": FrameworkKey(ALGORITHM + "grpo_norm_by_std", True, refuse_if_unused=True),
+        },
+    },
+    params_keys={
+        POLICY_LOSS: ALGORITHM + LOSS_PARAMS + ".{name}={value}",
+        ADVANTAGE_ESTIMATOR: ALGORITHM + ADV_PARAMS + ".{name}={value}",
+        REWARD_SHAPER: ALGORITHM + SHAPER_PARAMS + ".{name}={value}",
+        BATCH_FILTER: ALGORITHM + FILTER_PARAMS + ".{name}={value}",
+    },
+    usage=f'pip install "skyrl>=0.3,<0.4" stablerl; run {ENTRY} with SkyRL\'s own overrides (it registers every '
+    "stablerl loss and estimator in SkyRL's registries and takes over SkyRL's advantage pre-scaling)",
+    algorithm_notes={},
+)
+
+
+_SKYRL_OWN = frozenset(SKYRL.hyperparameter_keys[POLICY_LOSS])
+
+
+def _skyrl_own_note(spec: AlgorithmSpec, fields: list) -> str:
+    keys = ", ".join(SKYRL.hyperparameter_keys[POLICY_LOSS][f].key for f in fields if f in _SKYRL_OWN)
+    return f"(SkyRL's own {keys} apply when set to a value other than SkyRL's default)"
+
+
+def _per_field(params: str) -> Params:
+    return Params(per_field=ALGORITHM + params + ".{field}=<value>")
+
+
+SKYRL = SKYRL.with_config_lines(recipe_lines(SKYRL, {
+    REWARD_SHAPER: KindLines(head=(ENTRY + " ...",), params=(_per_field(SHAPER_PARAMS),)),
+    BATCH_FILTER: KindLines(head=(ENTRY + " ...",), params=(_per_field(FILTER_PARAMS),)),
+    POLICY_LOSS: KindLines(head=(ENTRY + " ...",), params=(_per_field(LOSS_PARAMS),),
+                           notes=(Note(_skyrl_own_note, fields_any=_SKYRL_OWN),)),
+    "*": KindLines(select=ADV_KEY + "={name}", params=(Params(  # estimators
+        per_field=lambda f: ALGORITHM + ("grpo_norm_by_std" if f == "norm_adv_by_std_in_grpo" else ADV_PARAMS + "." + f)
+        + "=<value>"),)),
+}))

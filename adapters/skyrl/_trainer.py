@@ -1,0 +1,131 @@
+"""``StableRayPPOTrainer``: SkyRL's ``RayPPOTrainer`` with the stablerl steps SkyRL's registries cannot hold (imported
+by the entry point in SkyRL's trainer process; imports SkyRL).
+
+- **Advantage pre-scaling taken over** (``_normalize_advantages``), for a stablerl policy loss only: the advantages
+  stay as the estimator made them (with ``advantage_batch_normalize``: SkyRL's method runs, z-score and scaling,
+  and its scaling is divided out again with SkyRL's own weights, exact to float rounding) and the loss mask carries
+  ``1 / D`` instead (``_loss``'s docstring): the loss gets the advantages verl, TRL and OpenRLHF give it and
+  aggregates itself.
+- **Reward shaper / batch filter** around SkyRL's estimator (``compute_advantages_and_returns``): core's
+  :class:`~stablerl.steps.AdvantageStep` shape -> estimator (SkyRL's registry: its own or a stablerl one, which
+  reads the whole batch through the adapter's providers) -> filter (a dropped row or token gets loss mask 0: SkyRL's
+  batch is fixed-size, rows cannot be duplicated) -> the driver state advanced once.
+- **Checkpoints**: the driver state next to SkyRL's ``trainer_state.pt`` (``stablerl_state.pt``), restored on
+  resume; the loss state is saved by the policy workers (``SkyRLAdapter.arm_worker``).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from skyrl.backends.skyrl_train.utils.ppo_utils import apply_loss_reduction_to_advantages_minibatch
+from skyrl.train.trainer import RayPPOTrainer
+from stablerl import BATCH_FILTER, POLICY_LOSS, REWARD_SHAPER
+from stablerl.state import read_state
+from stablerl.steps import AdvantageSelection, AdvantageStep, BatchRecord
+
+from ._adapter import SkyRLAdapter
+from ._config import params, selected
+from ._names import ALGORITHM, FILTER
+
+STATE_FILE = "stablerl_state.pt"
+WHY_NO_RESAMPLING = ("SkyRL's training batch has a fixed size at compute_advantages_and_returns: rows can be "
+                     "dropped (loss mask 0), not duplicated")
+
+
+class StableRayPPOTrainer(RayPPOTrainer):
+    """SkyRL's trainer with the stablerl steps of this module's docstring."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._stablerl_setup()
+
+    def _stablerl_setup(self) -> None:
+        algorithm = self.cfg.trainer.algorithm
+        self.stablerl_loss = selected(algorithm, POLICY_LOSS)
+        self.stablerl_adapter = SkyRLAdapter()
+        self.stablerl_adapter.seed = int(getattr(self.cfg.trainer, "seed", 42))
+        shaper, filt = selected(algorithm, REWARD_SHAPER), selected(algorithm, BATCH_FILTER)
+        self.stablerl_step = AdvantageStep(
+            AdvantageSelection(reward_shaper=shaper, reward_shaper_params=params(algorithm, REWARD_SHAPER) if shaper else {},
+                               batch_filter=filt, batch_filter_params=params(algorithm, BATCH_FILTER) if filt else {}),
+            ctx=self.stablerl_adapter.context, filter_key=ALGORITHM + FILTER, why_no_resampling=WHY_NO_RESAMPLING)
+
+    # -- the advantage step ---------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def compute_advantages_and_returns(self, data):
+        adapter, step = self.stablerl_adapter, self.stablerl_step
+        record = BatchRecord(adapter=adapter, response_mask=data["response_mask"], index=list(data.metadata["uids"]),
+                             token_level_rewards=data["rewards"], host=data)
+        metrics = step.shape(record) if step.selection.reward_shaper else {}
+        if step.selection.reward_shaper:
+            data["rewards"] = record.token_level_rewards
+        adapter.pending = data
+        try:
+            data = super().compute_advantages_and_returns(data)
+        finally:
+            adapter.pending = None
+        if step.selection.batch_filter:
+            record.response_mask = data["response_mask"]
+            _, filtered = step.filter(record, data["advantages"])
+            keep = filtered.response_mask.to(data["loss_mask"].dtype)
+            data["advantages"] = filtered.advantages.to(data["advantages"].dtype)
+            data["loss_mask"] = data["loss_mask"] * keep
+            metrics.update(filtered.metrics)
+        adapter.driver_state.advance()
+        metrics.update(adapter.last_metrics)
+        if metrics:
+            self.all_metrics.update({f"stablerl/{k}": float(v) for k, v in metrics.items()})
+        return data
+
+    # -- SkyRL's advantage pre-scaling, taken over for a stablerl loss -----------------------------------------
+
+    @torch.no_grad()
+    def _normalize_advantages(self, data, mini_batch_boundaries, prompt_boundaries=None):
+        if self.stablerl_loss is None:
+            return super()._normalize_advantages(data, mini_batch_boundaries, prompt_boundaries)
+        algorithm = self.cfg.trainer.algorithm
+        loss_mask = data["loss_mask"]
+        if algorithm.advantage_batch_normalize:  # SkyRL's z-score, then its scaling divided out (float rounding)
+            data = super()._normalize_advantages(data, mini_batch_boundaries, prompt_boundaries)
+            data["advantages"] = self._unscaled(data["advantages"], loss_mask, mini_batch_boundaries)
+        weights = torch.zeros_like(data["advantages"], dtype=torch.float32)
+        for start, end in mini_batch_boundaries:
+            mask = loss_mask[start:end] > 0
+            d = mask.sum() if algorithm.loss_reduction == "token_mean" else end - start
+            weights[start:end] = mask.float() / max(float(d), 1.0)
+        data["loss_mask"] = weights
+        return data
+
+    def _unscaled(self, scaled, loss_mask, mini_batch_boundaries):
+        """SkyRL's per-mini-batch scaling divided out again, with SkyRL's own weights."""
+        algorithm, out = self.cfg.trainer.algorithm, torch.zeros_like(scaled)
+        for start, end in mini_batch_boundaries:
+            mask = loss_mask[start:end]
+            weight = apply_loss_reduction_to_advantages_minibatch(
+                advantages=torch.ones_like(scaled[start:end]), loss_mask=mask, loss_reduction=algorithm.loss_reduction,
+                micro_batch_size=self.cfg.trainer.micro_train_batch_size_per_gpu, max_seq_len=algorithm.max_seq_len)
+            valid = (mask > 0) & (weight != 0)
+            out[start:end] = torch.where(valid, scaled[start:end] / torch.where(valid, weight, 1.0), 0.0)
+        return out
+
+    # -- checkpoints -------------------------------------------------------------------------------------------
+
+    def save_checkpoints(self) -> str:
+        folder = super().save_checkpoints()
+        state = self.stablerl_adapter.driver_state
+        if state:
+            torch.save(state.state_dict(), os.path.join(folder, STATE_FILE))
+        return folder
+
+    def load_checkpoints(self):
+        out = super().load_checkpoints()
+        path = out[1] if isinstance(out, tuple) and len(out) > 1 else None
+        if path and os.path.exists(os.path.join(str(path), STATE_FILE)):
+            where = os.path.join(str(path), STATE_FILE)
+            self.stablerl_adapter.driver_state.load_state_dict(read_state(where), where=where)
+        return out
+
