@@ -28,6 +28,9 @@ from stablerl.providers import provides
 
 _EXTENSIONS = (REWARD_SHAPER, BATCH_FILTER)
 _ROUTING_REPLAY = "routing_replay='R2' or 'R3' on an MoE model"
+_SAMPLING_REPLAY = ("sampling_mask_replay='auto' (on when top_k > 0, top_p < 1 or min_p > 0) or 'true', with use_vllm=True "
+                    "or a rollout_func, and a ratio against the rollout (vLLM IS correction, off_policy_mask_threshold, "
+                    "a stablerl correction)")
 # the sampler's log-probs, or (TRL generating with the policy itself) the generating weights' own log-probs
 BEHAVIOUR_LOG_PROBS = (
     "use_vllm=False (TRL generates with the policy itself: the behaviour log-probs are its old-log-prob pass at "
@@ -127,6 +130,11 @@ class TRLAdapter(FrameworkAdapter):
         without vLLM (losses only), the generating weights' own: TRL's old-log-prob pass at generation."""
         return record.rollout_log_prob
 
+    @provides("sampling_mask", to=(POLICY_LOSS, ADVANTAGE_ESTIMATOR), condition=_SAMPLING_REPLAY)
+    def sampling_mask(self, record):
+        """The rollout's kept set replayed into sampling_per_token_logps: a rollout_func's per-completion masks (the
+        generation batch), else TRL's SamplingRule (top_k/top_p/min_p, temperature)."""
+        return record.sampling_mask
     # -- policy versions (A-3PO): generation rounds, AReaL's weight versions ---------------------------------
 
     @provides("versions", to=(POLICY_LOSS,), condition=SYNCHRONOUS_VERSIONS)

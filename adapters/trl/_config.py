@@ -50,7 +50,8 @@ def loss_inputs_trl_can_feed(use_vllm_is: bool, routing_replay: bool = False, ow
     ones whose setting is off (vLLM IS correction, or ``own_generation`` (use_vllm=False): the behaviour log-probs;
     routing replay: router log-probs)."""
     holds = {"rollout_log_prob": use_vllm_is or own_generation, "router_log_prob": routing_replay,
-             "old_router_log_prob": routing_replay, "versions": True, "policy_version": True}  # GRPOTrainer: sync
+             "old_router_log_prob": routing_replay, "versions": True, "policy_version": True,  # GRPOTrainer: sync
+             "sampling_mask": True}  # on or off per run (sampling_mask_replay, decided when the trainer is built)
     conditional = TRL.conditions.get(POLICY_LOSS, {})
     return {name for name in TRL.feedable[POLICY_LOSS] if name not in conditional or holds[name]}
 
@@ -110,6 +111,10 @@ class GRPOConfig(_trl.GRPOConfig):
         "stablerl mismatch correction of a stablerl loss ('tis', 'icepop', ...) from the rollout engine's log-probs; "
         "needs vllm_importance_sampling_correction=False. Alias: stablerl_loss_params' rollout_correction(_params).")
     stablerl_rollout_correction_params: Optional[Union[dict, str]] = _field(_PARAMS.format("rollout correction") + ".")
+    sampling_mask_replay: Optional[str] = _field(
+        "Sampling-mask replay: 'auto' (on when top_k > 0, top_p < 1 or min_p > 0 and a ratio is formed against the "
+        "rollout's log-probs), 'true' or 'false'. Expresses the engine's kept-set log-probs over the full vocabulary "
+        "before TRL's vLLM IS correction, off_policy_mask_threshold and stablerl's corrections read them.", "auto")
     stablerl_teacher_model: Optional[str] = _field(
         "On-policy distillation: path of the frozen teacher (the student's tokenizer; checked at start-up) whose "
         "log-probs of the sampled tokens feed teacher_log_prob (advantage_estimator='on_policy_distillation').")
@@ -121,6 +126,9 @@ class GRPOConfig(_trl.GRPOConfig):
                     *EXTENSION_PARAMS_KEYS.values()):
             setattr(self, key, params_dict(getattr(self, key), key))
         validate_stablerl_args(self)
+        from ._sampling_mask import check_option
+
+        check_option(self)
         self.routing_replay = routing_replay_mode(self)
         validate_stablerl_extensions(self)
 

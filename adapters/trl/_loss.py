@@ -169,6 +169,7 @@ class PolicyLossStep:
         record = LossBatch(TRLAdapter(), response_mask=valid, index=inputs.get("stablerl_index"),
                            scores=inputs.get("stablerl_scores"), host=inputs, produced=dict(supplied), logps=logps,
                            entropies=entropies, router_log_prob=router_log_prob, rollout_log_prob=rollout_log_prob,
+                           sampling_mask=t._stablerl_replay.kept_set() if t._stablerl_replay else None,
                            policy_version=getattr(t, "_stablerl_policy_version", None))
         # (required ones only: an optional input stays the loss's default, as before the providers)
         extra: dict[str, Any] = {**supplied, **record.declared(spec, skip=("entropy", "rollout_log_prob"), optional=False)}

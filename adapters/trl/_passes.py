@@ -50,6 +50,9 @@ class ForwardPasses:
                 kwargs["compute_entropy"] = True
         training = batch is None and loss_pass is not None and loss_pass.capture and kwargs.get("compute_entropy")
         fn = functools.partial(parent, **kwargs)
+        replay = getattr(t, "_stablerl_replay", None)
+        if old_pass and replay is not None and replay.on:  # sampling-mask replay: log M in this same forward
+            fn = functools.partial(replay.old_pass, fn, model, input_ids, logits_to_keep, batch)
         if old_pass and batch.sum_sq_chunks is not None:  # optimal_token_baseline: log sum pi^2 of the same forward
             fn = functools.partial(self._with_sum_sq, fn, batch.sum_sq_chunks, logits_to_keep)
         if self.routing.mode is None:

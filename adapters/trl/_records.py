@@ -48,6 +48,12 @@ class GenerationBatch(BatchRecord):
     # the generating policy's statistics, [n, T] of this process: computed once per batch
     entropy: Optional[torch.Tensor] = None
     old_stats: Optional[dict] = None
+    # sampling-mask replay: a rollout_func's kept sets (one per completion), log M [n, C] of this process's rows,
+    # and TRL's old log-probs (the old-log-prob pass returned them over the kept set)
+    engine_masks: Optional[list] = None
+    log_mass: Optional[torch.Tensor] = None
+    old_logps: Optional[torch.Tensor] = None
+    sampling_mask: Any = None  # what the sampling_mask provider gives: the engine's masks or TRL's SamplingRule
 
     def gathered(self, local: torch.Tensor) -> torch.Tensor:
         return self.site.gathered(local, self.response_mask.device)
@@ -74,6 +80,7 @@ class LossBatch(BatchRecord):
     entropies: Optional[torch.Tensor] = None
     router_log_prob: Optional[torch.Tensor] = None  # at the replayed experts (routing replay, for rspo)
     rollout_log_prob: Optional[torch.Tensor] = None
+    sampling_mask: Any = None  # the kept-set rule replayed into rollout_log_prob (sampling_mask_replay on)
     policy_version: Optional[int] = None  # the generation round of the batch being trained (A-3PO's current version)
     capture: bool = True  # whether the next training forward is this pass's
 

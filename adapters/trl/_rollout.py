@@ -110,6 +110,7 @@ class AdvantageCallSite:
         """After TRL's ``_generate_and_score_completions``: the rows' extra keys and the stablerl advantage step."""
         t = self.trainer
         batch.host = out
+        batch.sampling_mask = t._stablerl_replay.kept_set(batch) if t._stablerl_replay else None
         if batch.record_old_entropy:
             if batch.old_entropy is None:
                 raise stablerl.StableRLError(

@@ -50,6 +50,7 @@ from ._records import GenerationBatch, LossBatch
 from ._rollout import AdvantageCallSite
 from ._teacher import setup as setup_teacher
 from ._routing import RoutingReplay, check_rollout
+from ._sampling_mask import SamplingMaskReplay
 
 instrument = TRLAdapter().instrument  # TRL's version and private signatures (done on import); idempotent
 uninstrument = TRLAdapter().uninstrument  # nothing of TRL's to put back
@@ -72,6 +73,7 @@ class GRPOTrainer(TRL_GRPOTrainer):
     # the record of the generation batch / the loss micro-batch under way while TRL's own method runs (None between)
     _stablerl_batch: Optional[GenerationBatch] = None
     _stablerl_pass: Optional[LossBatch] = None
+    _stablerl_replay: Optional[SamplingMaskReplay] = None  # sampling-mask replay (set up in _stablerl_setup)
 
     def __init__(self, *args, **kwargs):
         check_rollout(args, kwargs)  # before TRL builds (or imports) vLLM
@@ -107,6 +109,10 @@ class GRPOTrainer(TRL_GRPOTrainer):
             agg_mode=getattr(cfg, "stablerl_loss_agg_mode", "token-mean"), correction_params=correction_params)
         self._stablerl_loop = LoopExtras(self, {key: getattr(sel, key) for key in EXTENSION_KINDS})
         self._stablerl_store = self._stablerl_loop.store  # every algorithm's state, saved in TRL's checkpoints
+        self._stablerl_replay = SamplingMaskReplay(self, reads_rollout=bool(
+            (getattr(self, "use_vllm", False) and getattr(self, "vllm_importance_sampling_correction", False))
+            or correction or getattr(self, "off_policy_mask_threshold", None) is not None
+            or "rollout_log_prob" in needs))
         self._stablerl_teacher = setup_teacher(self, selection.reads("teacher_log_prob"))  # on-policy distillation
         self._stablerl_passes = ForwardPasses(self, self._stablerl_routing, sum_sq=selection.reads("sum_pi_squared"))
         self._stablerl_rollout = AdvantageCallSite(self, self._stablerl_passes, selection, loss_reads=needs)
@@ -143,7 +149,10 @@ class GRPOTrainer(TRL_GRPOTrainer):
             num_generations, has_tool_images=has_tool_images)
 
     def _generate(self, prompts):
-        return self._stablerl_routing.generated(self._stablerl_batch, super()._generate(prompts))
+        out = super()._generate(prompts)
+        if self._stablerl_replay is not None:
+            out = self._stablerl_replay.generated(self._stablerl_batch, out)
+        return self._stablerl_routing.generated(self._stablerl_batch, out)
 
     def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
         return self._stablerl_rollout.rewards(
@@ -154,6 +163,8 @@ class GRPOTrainer(TRL_GRPOTrainer):
         try:
             out = super()._generate_and_score_completions(inputs)
             self._stablerl_routing.finish(batch, out)
+            if self._stablerl_replay is not None:
+                self._stablerl_replay.finish(batch, out, self._stablerl_passes)
         finally:
             self._stablerl_batch = None
         out = self._stablerl_rollout.finish(batch, out)

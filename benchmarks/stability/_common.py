@@ -120,5 +120,11 @@ def fmt(x: Optional[float]) -> str:
     return "-" if x is None or x != x else f"{x:.2f}"
 
 
+def seed_cells(arm: str, runs: list[dict]) -> str:
+    """``| arm | seeds | final per seed | best per seed | failed/n |`` of a markdown table row (runs sorted by seed)."""
+    return (f"| {arm} | {','.join(str(r['seed']) for r in runs)} | {', '.join(fmt(r['final_reward']) for r in runs)} | "
+            f"{', '.join(fmt(r['best_reward']) for r in runs)} | {sum(r['failed'] for r in runs)}/{len(runs)} |")
+
+
 def log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)

@@ -133,8 +133,7 @@ def write_table(runs: list[dict], config: dict, name: str) -> Path:
             eval_cell = ", ".join(f"{e['fp32']:.2f} / {e.get(r['precision'], e['fp32']):.2f}" if "fp32" in e else "-"
                                   for e, r in zip(evals, rs)) if any(evals) else "-"
             lines.append(
-                f"| {arm} | {','.join(str(r['seed']) for r in rs)} | {', '.join(C.fmt(r['final_reward']) for r in rs)} | "
-                f"{', '.join(C.fmt(r['best_reward']) for r in rs)} | {sum(r['failed'] for r in rs)}/{len(rs)} | "
+                f"{C.seed_cells(arm, rs)} "
                 f"{', '.join(C.fmt(r['final_entropy']) for r in rs)} | {mismatch_cell} | {eval_cell} | "
                 f"{f'{sum(times) / len(times):.0f}s' if times else '-'} |")
         lines.append("")

@@ -149,8 +149,10 @@ def test_benchmark_script_smoke(tmp_path):
 
 
 def test_engine_refuses_sampling_settings_it_does_not_implement():
-    args = mismatch.make_config("/tmp/stablerl-trl-mismatch-test", "none", steps=1, seed=0, lr=1e-3, top_p=0.9)
-    with pytest.raises(stablerl.StableRLError, match="top_p"):
+    # top_p / top_k / min_p are implemented (vLLM's rule, processed log-probs: test_trl_sampling_mask.py)
+    args = mismatch.make_config("/tmp/stablerl-trl-mismatch-test", "none", steps=1, seed=0, lr=1e-3,
+                                repetition_penalty=1.2)
+    with pytest.raises(stablerl.StableRLError, match="repetition_penalty"):
         mismatch.make_trainer(args, "int4")
 
 

@@ -27,7 +27,7 @@ from typing import Any, Optional
 # the task's module first: it puts the Hugging Face libraries in offline mode before anything imports them
 from .task import (DIGITS, VOCAB, build_dataset, build_model, build_tokenizer, copy_reward,  # noqa: F401
                    load_adapter, make_config, make_trainer, window_mean)
-from . import mismatch, task  # the mismatch scenario (imports no framework), the shared task
+from . import mismatch, task, truncated  # the scenarios' modules (import no framework), the shared task
 
 DEFAULT_LOSSES = ("dapo", "m2po", "gspo")  # TRL's built-in baseline, then two stablerl losses
 DEFAULT_STEPS = 200
@@ -76,10 +76,10 @@ def _recorder_callback(record: dict, bar):
 
 def run_one(loss: str, *, steps: int, seed: int, out_dir: Path, estimator: Optional[str], lr: float,
             num_iterations: int, progress: bool = True, precision: Optional[str] = None,
-            completion_length: int = 4) -> dict:
+            completion_length: int = 4, top_p: Optional[float] = None) -> dict:
     """Train one loss (``basic``), or one arm of the mismatch scenario when ``precision`` is given (``loss``
-    is then the arm's name); return its per-step record and summary. ``completion_length``: TRL's
-    ``max_completion_length``."""
+    is then the arm's name; with ``top_p`` too, one arm of the truncated-sampling scenario); return its per-step
+    record and summary. ``completion_length``: TRL's ``max_completion_length``."""
     from tqdm.auto import tqdm
 
     record: dict[str, Any] = {"step": [], "metrics": {}}
@@ -89,6 +89,11 @@ def run_one(loss: str, *, steps: int, seed: int, out_dir: Path, estimator: Optio
         args = make_config(str(out_dir / "runs" / loss), loss, steps=steps, seed=seed, lr=lr,
                            num_iterations=num_iterations, estimator=estimator, max_completion_length=completion_length)
         trainer = make_trainer(args, callbacks=[_recorder_callback(record, bar)], seed=seed)
+    elif top_p is not None:
+        args = truncated.make_config(str(out_dir / "runs" / loss), loss, steps=steps, seed=seed, lr=lr, top_p=top_p,
+                                     num_iterations=num_iterations, advantage_estimator=estimator,
+                                     max_completion_length=completion_length)
+        trainer = truncated.make_trainer(args, precision, callbacks=[_recorder_callback(record, bar)], seed=seed)
     else:
         args = mismatch.make_config(str(out_dir / "runs" / loss), loss, steps=steps, seed=seed, lr=lr,
                                     num_iterations=num_iterations, advantage_estimator=estimator,
@@ -107,6 +112,9 @@ def run_one(loss: str, *, steps: int, seed: int, out_dir: Path, estimator: Optio
         "loss_type": args.loss_type,
         "stablerl_rollout_correction": getattr(args, "stablerl_rollout_correction", None),
         "trl_importance_sampling": bool(args.use_vllm and args.vllm_importance_sampling_correction),
+        "trl_importance_sampling_mode": args.vllm_importance_sampling_mode if args.vllm_importance_sampling_correction
+        else None,
+        "sampling_mask_replay": bool(getattr(trainer, "_stablerl_replay", None) and trainer._stablerl_replay.on),
         "stablerl_loss_agg_mode": args.stablerl_loss_agg_mode if trainer._stablerl_loss else None,
         "steps": record["step"],
         "reward": reward,  # per step; None on steps that reuse a generated batch (num_iterations > 1)
@@ -170,6 +178,9 @@ def plot(results: dict[str, dict], path: Path, title: str = "copy the digit") ->
 
 
 SCENARIOS = {
+    "truncated": "truncated sampling: rollouts of up to 16 tokens sampled with top_p 0.8 by a 2-bit-quantized copy of "
+                 "the policy through TRL's vLLM path; TRL's best correction (token_truncate, clip_max 3: its IS ratio "
+                 "carries the kept probability mass, TRL issue #6789) vs stablerl's tis with sampling-mask replay",
     "mismatch": "training-inference mismatch: rollouts of up to 16 tokens sampled by a 2-bit-quantized copy of the "
                 "policy through TRL's vLLM path, trained in fp32; TRL's default correction vs stablerl's tis (no "
                 "correction: --arms trl_is,tis,none)",
@@ -195,7 +206,9 @@ def build_parser() -> argparse.ArgumentParser:
                    f"losses (m2po, gspo, ..., or stablerl_<name>) (default: {','.join(DEFAULT_LOSSES)})")
     p.add_argument("--arms", default=None,
                    help="mismatch: comma-separated arms (none, trl_is, trl_tis, vanilla, m2po, tis, icepop, seq_mis, "
-                   "geo_rs, opsm; default: the scenario's)")
+                   "geo_rs, opsm); truncated: " + ", ".join(truncated.ARMS) + " (default: the scenario's)")
+    p.add_argument("--top-p", type=float, default=None,
+                   help="truncated: the rollout engine's top_p (TRL's top_p; default: the scenario's)")
     p.add_argument("--precision", default=None,
                    help="mismatch: the rollout engine's weights (fp32 = no mismatch, bf16, fp16, fp8, int8, int4, "
                    "int3, int2, intN-tensor; default: the scenario's)")
@@ -219,13 +232,16 @@ def build_parser() -> argparse.ArgumentParser:
 def _list_scenarios() -> None:
     for name, text in SCENARIOS.items():
         print(f"{name}{' (default)' if name == DEFAULT_SCENARIO else ''}: {text}")
-        if name == "mismatch":
-            d = mismatch.DEMO
-            print(f"    defaults: arms {','.join(d['arms'])}, rollout {d['precision']}, completions <= "
+        if name in ("truncated", "mismatch"):
+            module = truncated if name == "truncated" else mismatch
+            d = module.DEMO
+            top_p = f" top_p {d['top_p']}" if "top_p" in d else ""
+            print(f"    defaults: arms {','.join(d['arms'])}, rollout {d['precision']}{top_p}, completions <= "
                   f"{d['completion_length']} tokens, lr {d['lr']}, {d['steps']} steps, seed {d['seed']}, "
                   "num_iterations 1")
-            for arm, text in mismatch.ARM_HELP.items():
-                print(f"    arm {arm:<8} {text}")
+            width = max(8, *map(len, module.ARM_HELP))
+            for arm, text in module.ARM_HELP.items():
+                print(f"    arm {arm:<{width}} {text}")
         else:
             print(f"    defaults: losses {','.join(DEFAULT_LOSSES)}, completions <= 4 tokens, lr {_BASIC_DEFAULTS['lr']}, "
                   f"{_BASIC_DEFAULTS['steps']} steps, seed 0, num_iterations {_BASIC_DEFAULTS['num_iterations']}")
@@ -236,13 +252,17 @@ def main(argv: Optional[list[str]] = None) -> int:
     if args.list:
         _list_scenarios()
         return 0
-    mismatch_scenario = args.scenario == "mismatch"
+    mismatch_scenario = args.scenario in ("mismatch", "truncated")  # a scenario of arms on a low-precision engine
+    scenario = truncated if args.scenario == "truncated" else mismatch
+    if args.top_p is not None and args.scenario != "truncated":
+        print("stablerl demo: --top-p is for --scenario truncated", file=sys.stderr)
+        return 2
     if mismatch_scenario:
         if args.losses is not None:
-            print("stablerl demo: --losses is for --scenario basic; the mismatch scenario takes --arms",
+            print(f"stablerl demo: --losses is for --scenario basic; the {args.scenario} scenario takes --arms",
                   file=sys.stderr)
             return 2
-        defaults = {**mismatch.DEMO, "num_iterations": 1}
+        defaults = {**scenario.DEMO, "num_iterations": 1}
         names = [s.strip() for s in (args.arms or ",".join(defaults["arms"])).split(",") if s.strip()]
     else:
         if args.arms is not None or args.precision is not None:
@@ -254,6 +274,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         if getattr(args, key) is None:
             setattr(args, key, defaults[key])
     precision = (args.precision or defaults["precision"]) if mismatch_scenario else None
+    top_p = (defaults["top_p"] if args.top_p is None else args.top_p) if args.scenario == "truncated" else None
     if not names:
         print(f"stablerl demo: --{'arms' if mismatch_scenario else 'losses'} is empty", file=sys.stderr)
         return 2
@@ -291,9 +312,10 @@ def main(argv: Optional[list[str]] = None) -> int:
         for name in names:
             if mismatch_scenario:
                 mismatch.check_precision(precision)
-                mismatch.make_config(str(out / "runs" / name), name, steps=args.steps, seed=args.seed, lr=args.lr,
+                scenario.make_config(str(out / "runs" / name), name, steps=args.steps, seed=args.seed, lr=args.lr,
                                      num_iterations=args.num_iterations, advantage_estimator=args.estimator,
-                                     max_completion_length=args.completion_length)
+                                     max_completion_length=args.completion_length,
+                                     **({} if top_p is None else {"top_p": top_p}))
             else:
                 make_config(str(out / "runs" / name), name, steps=args.steps, seed=args.seed, lr=args.lr,
                             num_iterations=args.num_iterations, estimator=args.estimator,
@@ -301,42 +323,48 @@ def main(argv: Optional[list[str]] = None) -> int:
     except StableRLError as e:
         print(f"stablerl demo: {e}", file=sys.stderr)
         return 2
-    what = (f"scenario mismatch: rollouts from {precision} weights through TRL's vLLM path, training in fp32; "
-            f"{len(names)} arm(s)" if mismatch_scenario else f"scenario basic: {len(names)} run(s)")
+    what = (f"scenario {args.scenario}: rollouts from {precision} weights"
+            + ("" if top_p is None else f" sampled with top_p {top_p}")
+            + f" through TRL's vLLM path, training in fp32; {len(names)} arm(s)" if mismatch_scenario
+            else f"scenario basic: {len(names)} run(s)")
     print(f"stablerl demo: {what} x {args.steps} steps, 8 prompts x 8 generations of <= {args.completion_length} "
           "tokens, "
           f"lr {args.lr}, num_iterations {args.num_iterations}, estimator {args.estimator or 'TRL (group)'}, "
           f"seed {args.seed}, {torch.get_num_threads()} thread(s); imports took {time.perf_counter() - t0:.1f}s")
 
     env = task.environment()
-    env_lines = task.version_lines(env)
+    recorded_with = truncated.RECORDED_WITH if args.scenario == "truncated" else task.RECORDED_WITH
+    env_lines = task.version_lines(env, recorded_with)
     print(env_lines[0])
     results: dict[str, dict] = {}
     for name in names:
         results[name] = run_one(name, steps=args.steps, seed=args.seed, out_dir=out, estimator=args.estimator,
                                 lr=args.lr, num_iterations=args.num_iterations, progress=not args.no_progress,
-                                precision=precision, completion_length=args.completion_length)
+                                precision=precision, completion_length=args.completion_length, top_p=top_p)
     print()
     print_table(results, label="arm" if mismatch_scenario else "loss_type")
     config = {k: getattr(args, k) for k in ("scenario", "steps", "seed", "estimator", "lr", "num_iterations",
                                             "threads")}
     config.update(task="copy the digit", prompts_per_step=8, generations=8, max_completion_length=args.completion_length,
                   model="Qwen2 hidden 128, 2 layers, word-level vocab of %d" % len(VOCAB))
-    config.update(environment=env, recorded_with=task.RECORDED_WITH)
+    config.update(environment=env, recorded_with=recorded_with)
     print()
     for line in env_lines:
         print(line)
     if mismatch_scenario:
-        config.update(arms=names, rollout_precision=precision)
+        config.update(arms=names, rollout_precision=precision, **({} if top_p is None else {"top_p": top_p}))
         print()
-        for line in mismatch.verdict(results, seed=args.seed, precision=precision, lr=args.lr, steps=args.steps,
-                                     completion_length=args.completion_length):
+        for line in (mismatch.verdict(results, seed=args.seed, precision=precision, lr=args.lr, steps=args.steps,
+                                      completion_length=args.completion_length) if top_p is None else
+                     truncated.verdict(results, seed=args.seed, precision=precision, lr=args.lr, steps=args.steps,
+                                       completion_length=args.completion_length, top_p=top_p)):
             print(line)
     else:
         config.update(losses=names)
     (out / "results.json").write_text(json.dumps({"config": config, ("arms" if mismatch_scenario else "losses"):
                                                   results}, indent=1))
-    title = (f"{precision} rollout, <= {args.completion_length} tokens, seed {args.seed}" if mismatch_scenario
+    title = (f"{precision}{'' if top_p is None else f' top_p {top_p}'} rollout, <= {args.completion_length} tokens, "
+             f"seed {args.seed}" if mismatch_scenario
              else "copy the digit")
     plot(results, out / "curves.png", title=title)
     total = time.perf_counter() - t0

@@ -77,24 +77,29 @@ def round_weight(weight, precision: str):
 
 
 # TRL sampling settings the stand-in does not implement, with the values that mean "off"
-_SAMPLING_DEFAULTS = {"top_p": (None, 1.0), "top_k": (None, 0, -1), "min_p": (None, 0.0),
-                      "repetition_penalty": (None, 1.0), "structured_outputs_regex": (None,)}
+_SAMPLING_DEFAULTS = {"repetition_penalty": (None, 1.0), "structured_outputs_regex": (None,)}
 
 
 class LowPrecisionRollout:
     """TRL ``VLLMGeneration`` stand-in that samples from a copy of the policy rounded to ``precision``."""
 
     def __init__(self, model, processing_class, *, precision: str = "int4", temperature: float = 1.0,
-                 max_completion_length: int = 16, **_vllm_kwargs: Any):
+                 max_completion_length: int = 16, top_p: Optional[float] = None, top_k: Optional[int] = None,
+                 min_p: Optional[float] = None, **_vllm_kwargs: Any):
         unsupported = {k: v for k, v in _vllm_kwargs.items() if k in _SAMPLING_DEFAULTS and v not in _SAMPLING_DEFAULTS[k]}
         if unsupported:
             from stablerl.params import StableRLError
 
-            raise StableRLError(f"the low-precision rollout stand-in samples at temperature only; it does not "
-                                f"implement {unsupported} (leave them at TRL's defaults)")
+            raise StableRLError(f"the low-precision rollout stand-in samples with temperature, top_p, top_k and "
+                                f"min_p only; it does not implement {unsupported} (leave them at TRL's defaults)")
+        from stablerl.sampling_mask import SamplingRule
+
         self.model = model  # the trainer's (weights are read at each sync_weights)
         self.precision = check_precision(precision)
         self.temperature = float(temperature or 1.0)
+        # vLLM's truncation (its reference order) and its processed_logprobs: normalised over the kept tokens
+        self.rule = SamplingRule(temperature=self.temperature, top_k=int(top_k or -1),
+                                 top_p=1.0 if top_p is None else float(top_p), min_p=float(min_p or 0.0))
         self.max_completion_length = int(max_completion_length)
         self.eos_token_id = processing_class.eos_token_id
         self.pad_token_id = processing_class.pad_token_id
@@ -122,8 +127,11 @@ class LowPrecisionRollout:
         self.syncs += 1
 
     def generate(self, prompts: list[list[int]], images=None, num_generations: int = 1, profiler=None):
-        """One completion per prompt row; returns (prompt_ids, completion_ids, logprobs [[[lp]...]], None)."""
+        """One completion per prompt row; returns (prompt_ids, completion_ids, logprobs [[[lp]...]], None). With
+        top_p / top_k / min_p the log-probs are normalised over the kept tokens (vLLM's processed_logprobs)."""
         import torch
+
+        from stablerl.sampling_mask import processed_log_probs
 
         if self.sampler is None:
             self.sync_weights()
@@ -141,8 +149,7 @@ class LowPrecisionRollout:
                     logits = self.sampler(input_ids=ids).logits[:, -1, :].float()
                     if self.precision == "fp8-logits":  # an fp8 output kernel: the logits rounded to e4m3
                         logits = logits.to(torch.float8_e4m3fn).to(torch.float32)
-                    logits = logits / self.temperature
-                    logp = torch.log_softmax(logits, dim=-1)
+                    logp = processed_log_probs(logits, self.rule)  # / temperature, then top-k/top-p/min-p
                     token = torch.multinomial(logp.exp(), 1).squeeze(1)
                     token_logp = logp.gather(1, token.unsqueeze(1)).squeeze(1)
                     for j, i in enumerate(rows):
@@ -294,45 +301,50 @@ def recorded_failed(final: float, best: float) -> bool:
 
 
 def verdict(results: dict[str, dict], *, seed: int, precision: str, lr: float, steps: int,
-            completion_length: int = 4) -> list[str]:
+            completion_length: int = 4, demo: Optional[dict] = None, record: Optional[dict] = None,
+            arm_help: Optional[dict] = None, doc: str = "docs/stability/rollout_mismatch.md",
+            script: str = "benchmarks/stability/rollout_mismatch.py", extra_match: bool = True) -> list[str]:
     """Which arms failed on this seed, the gap between the best and the worst arm, and, for the recorded
     setting (:data:`DEMO`), how many of the other recorded seeds agree: the same arms fail and the same hold
-    (:data:`DEMO_RECORD`, the finals of docs/stability/rollout_mismatch.json)."""
+    (:data:`DEMO_RECORD`, the finals of docs/stability/rollout_mismatch.json). Another scenario passes its own
+    ``demo`` setting, ``record``, ``arm_help``, ``doc`` and ``script`` (``extra_match``: its own settings beyond
+    these four match its record)."""
+    setting, helps = demo or DEMO, arm_help or ARM_HELP
+    recorded_runs = DEMO_RECORD if record is None else record
     lines = [f"on seed {seed} (failed = final reward < 0.5 or < half of the run's best):"]
     verdicts = {arm: failed(r) for arm, r in results.items()}
     for arm, r in results.items():
         lines.append(f"  {arm:<8} {'FAILED' if verdicts[arm] else 'held  '}  final {r['final_reward']:.2f}  "
-                     f"({ARM_HELP.get(arm, arm)})")
+                     f"({helps.get(arm, arm)})")
     if len(results) >= 2:
         ranked = sorted(results, key=lambda a: results[a]["final_reward"])
         low, high = ranked[0], ranked[-1]
         gap = results[high]["final_reward"] - results[low]["final_reward"]
         lines.append(f"largest difference: {high} ends {gap:+.2f} above {low}")
-    recorded = (precision == DEMO["precision"] and lr == DEMO["lr"] and steps == DEMO["steps"]
-                and completion_length == DEMO["completion_length"])
+    recorded = (precision == setting["precision"] and lr == setting["lr"] and steps == setting["steps"]
+                and completion_length == setting["completion_length"] and extra_match)
     if not recorded:
-        lines.append("other seeds: not the recorded setting (see docs/stability/rollout_mismatch.md); run "
-                     "benchmarks/stability/rollout_mismatch.py for them")
+        lines.append(f"other seeds: not the recorded setting (see {doc}); run {script} for them")
         return lines
-    arms = [a for a in results if a in DEMO_RECORD]
-    others = sorted(set.intersection(*(set(DEMO_RECORD[a]) for a in arms)) - {seed}) if arms else []
+    arms = [a for a in results if a in recorded_runs]
+    others = sorted(set.intersection(*(set(recorded_runs[a]) for a in arms)) - {seed}) if arms else []
     if not others:
-        lines.append("other seeds: none recorded for these arms (docs/stability/rollout_mismatch.md)")
+        lines.append(f"other seeds: none recorded for these arms ({doc})")
         return lines
-    agree = [s for s in others if all(recorded_failed(*DEMO_RECORD[a][s]) == verdicts[a] for a in arms)]
+    agree = [s for s in others if all(recorded_failed(*recorded_runs[a][s]) == verdicts[a] for a in arms)]
     lines.append(f"other seeds: {len(agree)} of {len(others)} recorded ({', '.join(map(str, others))}) agree "
                  "(the same arms fail, the same hold); their finals:")
     for a in arms:
-        finals = ", ".join(f"{DEMO_RECORD[a][s][0]:.2f}" for s in others)
-        n_failed = sum(recorded_failed(*DEMO_RECORD[a][s]) for s in others)
-        n_high = sum(DEMO_RECORD[a][s][0] >= 0.9 for s in others)
+        finals = ", ".join(f"{recorded_runs[a][s][0]:.2f}" for s in others)
+        n_failed = sum(recorded_failed(*recorded_runs[a][s]) for s in others)
+        n_high = sum(recorded_runs[a][s][0] >= 0.9 for s in others)
         lines.append(f"  {a:<8} {finals}  (failed on {n_failed} of {len(others)}; >= 0.9 on {n_high} of {len(others)})")
-    for a in DEMO_RECORD:
+    for a in recorded_runs:
         if a not in results:  # recorded arms this run left out (e.g. `none` with the default arms)
-            seeds = sorted(DEMO_RECORD[a])
-            n_failed = sum(recorded_failed(*DEMO_RECORD[a][s]) for s in seeds)
+            seeds = sorted(recorded_runs[a])
+            n_failed = sum(recorded_failed(*recorded_runs[a][s]) for s in seeds)
             lines.append(f"  {a:<8} not run here; recorded on seeds {', '.join(map(str, seeds))}: "
-                         f"{', '.join(f'{DEMO_RECORD[a][s][0]:.2f}' for s in seeds)} (failed on {n_failed} of "
+                         f"{', '.join(f'{recorded_runs[a][s][0]:.2f}' for s in seeds)} (failed on {n_failed} of "
                          f"{len(seeds)}; --arms {','.join(list(results) + [a])})")
-    lines.append("every run and curve: docs/stability/rollout_mismatch.md")
+    lines.append(f"every run and curve: {doc}")
     return lines
