@@ -79,7 +79,8 @@ class SkyRLAdapter(FrameworkAdapter):
 
     def arm_worker(self, ledger=None) -> None:
         """Save / restore this process's loss state with SkyRL's policy checkpoint (``Worker.save_checkpoint`` /
-        ``load_checkpoint`` of ``PolicyWorkerBase``); run when a worker unpickles a stablerl loss."""
+        ``load_checkpoint`` of ``PolicyWorkerBase``) and arm routing replay (``_routing``); run when a worker
+        unpickles a stablerl loss or the stablerl config."""
         from skyrl.backends.skyrl_train.workers.worker import PolicyWorkerBase
 
         ledger = ledger or self.ledger
@@ -102,6 +103,9 @@ class SkyRLAdapter(FrameworkAdapter):
                 adapter.loss_state.load_state_dict(read_state(path), where=path)
             return out
 
+        from ._routing import arm
+
+        arm(ledger, PolicyWorkerBase)  # routing replay (trainer.algorithm.stablerl_routing_replay)
         _original_save, _original_load = PolicyWorkerBase.save_checkpoint, PolicyWorkerBase.load_checkpoint
         if getattr(_original_save, ledger.mark, False):
             return

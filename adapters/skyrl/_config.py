@@ -8,6 +8,7 @@ to extend it. :func:`config_class` returns the ``SkyRLTrainConfig`` whose ``trai
   (``trainer.algorithm.stablerl_params.clip_ratio_high=0.28``);
 - ``stablerl_advantage_params`` (dict): the stablerl advantage estimator's;
 - ``stablerl_reward_shaper`` / ``stablerl_batch_filter`` (names) with ``..._params`` (dicts);
+- ``stablerl_routing_replay`` (``R2`` / ``R3``): MoE routing replay on the FSDP policy worker (``_routing``);
 - ``stablerl_reduction`` / ``stablerl_mini_batch_rows`` (set by the entry point, not by users): SkyRL's advantage
   pre-scaling is taken over (``_trainer``), so a stablerl loss gets unscaled advantages and aggregates itself; the
   rows of one policy mini-batch (``policy_mini_batch_size * n_samples_per_prompt``).
@@ -27,7 +28,7 @@ from ._names import (ADV_PARAMS, ALGORITHM, FILTER, FILTER_PARAMS, LOSS_PARAMS, 
 #: the stablerl fields of the algorithm config (name -> default factory)
 STABLERL_FIELDS = {LOSS_PARAMS: dict, ADV_PARAMS: dict, SHAPER: lambda: None, SHAPER_PARAMS: dict,
                    FILTER: lambda: None, FILTER_PARAMS: dict, "stablerl_reduction": lambda: False,
-                   "stablerl_mini_batch_rows": lambda: None}
+                   "stablerl_mini_batch_rows": lambda: None, "stablerl_routing_replay": lambda: None}
 _CLASSES: dict = {}
 
 
@@ -51,6 +52,7 @@ def config_class():
             stablerl_batch_filter_params: Dict[str, Any] = field(default_factory=dict)
             stablerl_reduction: bool = False
             stablerl_mini_batch_rows: Optional[int] = None
+            stablerl_routing_replay: Optional[str] = None
 
         StableAlgorithmConfig.__module__ = __name__
         StableAlgorithmConfig.__qualname__ = "StableAlgorithmConfig"
@@ -62,6 +64,9 @@ def config_class():
 def __getattr__(name: str):  # pickled configs name the class by this module (Ray ships them to workers)
     if name == "StableAlgorithmConfig":
         config_class()
+        from ._adapter import SkyRLAdapter
+
+        SkyRLAdapter().arm_worker()  # a worker unpickling the config: routing replay and the loss state armed
         return _CLASSES["algorithm"]
     raise AttributeError(name)
 

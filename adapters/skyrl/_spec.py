@@ -91,6 +91,8 @@ SKYRL = FrameworkSpec(
     usage=f'pip install "skyrl>=0.3,<0.4" stablerl; run {ENTRY} with SkyRL\'s own overrides (it registers every '
     "stablerl loss and estimator in SkyRL's registries and takes over SkyRL's advantage pre-scaling)",
     algorithm_notes={},
+    switches={"routing_replay": ALGORITHM + "stablerl_routing_replay=R2  # or R3 (FSDP policy worker; R3: the "
+              "generator returns rollout_expert_indices)"},
 )
 
 

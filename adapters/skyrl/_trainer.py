@@ -10,6 +10,8 @@ by the entry point in SkyRL's trainer process; imports SkyRL).
   :class:`~stablerl.steps.AdvantageStep` shape -> estimator (SkyRL's registry: its own or a stablerl one, which
   reads the whole batch through the adapter's providers) -> filter (a dropped row or token gets loss mask 0: SkyRL's
   batch is fixed-size, rows cannot be duplicated) -> the driver state advanced once.
+- **R2 routing replay**: the routes the policy workers record in the old-log-prob pass go into the batch as
+  ``rollout_expert_indices`` for the update to replay (``_routing``).
 - **Checkpoints**: the driver state next to SkyRL's ``trainer_state.pt`` (``stablerl_state.pt``), restored on
   resume; the loss state is saved by the policy workers (``SkyRLAdapter.arm_worker``).
 """
@@ -29,6 +31,7 @@ from stablerl.steps import AdvantageSelection, AdvantageStep, BatchRecord
 from ._adapter import SkyRLAdapter
 from ._config import params, selected
 from ._names import ALGORITHM, FILTER
+from ._routing import ROUTES, batch_routes, mode_of
 
 STATE_FILE = "stablerl_state.pt"
 WHY_NO_RESAMPLING = ("SkyRL's training batch has a fixed size at compute_advantages_and_returns: rows can be "
@@ -52,6 +55,34 @@ class StableRayPPOTrainer(RayPPOTrainer):
             AdvantageSelection(reward_shaper=shaper, reward_shaper_params=params(algorithm, REWARD_SHAPER) if shaper else {},
                                batch_filter=filt, batch_filter_params=params(algorithm, BATCH_FILTER) if filt else {}),
             ctx=self.stablerl_adapter.context, filter_key=ALGORITHM + FILTER, why_no_resampling=WHY_NO_RESAMPLING)
+
+    # -- R2 routing replay: the old-log-prob pass's routes into the batch (``_routing``) ----------------------
+
+    def _execute_forward_pass(self, model, data_fwd_pass, key, mini_batch_boundaries):
+        if model != "policy" or mode_of(self.cfg.trainer.algorithm) != "R2":
+            return super()._execute_forward_pass(model, data_fwd_pass, key, mini_batch_boundaries)
+        outputs, dispatch = [], self.dispatch
+
+        def keeping(fn):
+            def call(*args, **kwargs):
+                out = fn(*args, **kwargs)
+                outputs.extend(out.loss_fn_outputs)
+                return out
+            return call
+
+        dispatch.forward, dispatch.forward_from_staged = keeping(dispatch.forward), keeping(dispatch.forward_from_staged)
+        try:
+            return super()._execute_forward_pass(model, data_fwd_pass, key, mini_batch_boundaries)
+        finally:
+            del dispatch.forward, dispatch.forward_from_staged
+            self.stablerl_routes = batch_routes(outputs)
+
+    def fwd_logprobs_values_reward(self, training_input):
+        out = super().fwd_logprobs_values_reward(training_input)
+        routes, self.stablerl_routes = getattr(self, "stablerl_routes", None), None
+        if routes is not None:
+            out[ROUTES] = routes[: len(out["sequences"])]
+        return out
 
     # -- the advantage step ---------------------------------------------------------------------------------
 
