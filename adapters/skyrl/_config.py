@@ -64,9 +64,9 @@ def config_class():
 def __getattr__(name: str):  # pickled configs name the class by this module (Ray ships them to workers)
     if name == "StableAlgorithmConfig":
         config_class()
-        from ._adapter import SkyRLAdapter
+        from stablerl.adapter import get_adapter
 
-        SkyRLAdapter().arm_worker()  # a worker unpickling the config: routing replay and the loss state armed
+        get_adapter(NAME).arm_worker()  # a worker unpickling the config: routing replay and the loss state armed
         return _CLASSES["algorithm"]
     raise AttributeError(name)
 

@@ -166,3 +166,37 @@ def test_config_key_and_reach():
     assert cfg.trainer.algorithm.stablerl_routing_replay == "R2"
     status, how = reach(get_framework("skyrl"), get_spec("router_family", "qwen3_moe"))
     assert status == "selectable" and "stablerl_routing_replay=R2" in how
+
+
+def test_r2_trainer_puts_the_recorded_routes_into_the_batch():
+    """The entry point's trainer: the per-sample routes of the policy's old-log-prob pass become the batch's
+    rollout_expert_indices (SkyRL's own ``_execute_forward_pass`` runs, its dispatch answers with canned outputs)."""
+    from skyrl.backends.skyrl_train.training_batch import TrainingInputBatch
+    from skyrl.train.trainer import RayPPOTrainer
+
+    from stablerl.adapters.skyrl._config import config_class
+    from stablerl.adapters.skyrl._trainer import StableRayPPOTrainer
+
+    routes = torch.randint(0, 8, (B, T, LAYERS, TOP_K), dtype=torch.uint8)
+    canned = SimpleNamespace(loss_fn_outputs=[{"logprobs": [-1.0] * RESPONSE, "rollout_expert_indices": r}
+                                              for r in routes])
+    class Dispatch:  # SkyRL's WorkerDispatch answering with canned outputs
+        def forward(self, *args, **kwargs):
+            return canned
+
+        forward_from_staged = forward
+
+    dispatch = Dispatch()
+    trainer = StableRayPPOTrainer.__new__(StableRayPPOTrainer)
+    trainer.cfg = config_class().from_cli_overrides(["trainer.algorithm.stablerl_routing_replay=R2"])
+    trainer.dispatch = dispatch
+    logp = trainer._execute_forward_pass("policy", None, "logprobs", None)
+    assert logp.shape == (B, RESPONSE) and not vars(dispatch)  # dispatch as it was
+    batch = TrainingInputBatch({"sequences": torch.zeros(B, T, dtype=torch.long)})
+    RayPPOTrainer_fwd = RayPPOTrainer.fwd_logprobs_values_reward
+    try:
+        RayPPOTrainer.fwd_logprobs_values_reward = lambda self, data: data
+        out = trainer.fwd_logprobs_values_reward(batch)
+    finally:
+        RayPPOTrainer.fwd_logprobs_values_reward = RayPPOTrainer_fwd
+    assert torch.equal(out["rollout_expert_indices"], routes) and trainer.stablerl_routes is None
