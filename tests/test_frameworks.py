@@ -284,12 +284,11 @@ def test_router_families_are_reached_through_routing_replay():
     """No key names a router family: each framework's routing-replay switch uses the detected one."""
     qwen3 = stablerl.get_spec("router_family", "qwen3_moe")
     replaying = [fw for fw in F.list_frameworks() if "routing_replay" in fw.switches]
-    assert [fw.name for fw in replaying] == ["verl", "trl", "openrlhf"]
+    assert [fw.name for fw in replaying] == ["verl", "trl", "openrlhf", "skyrl"]
     for fw in replaying:
         status, how = F.reach(fw, qwen3)
         assert status == "selectable" and how == fw.switches["routing_replay"] and "R2" in how
-    # the SkyRL adapter has no routing replay (yet): refused, not offered under a switch that does nothing
-    assert F.reach(F.get_framework("skyrl"), qwen3)[0] == "refused"
+    assert F.config_lines(qwen3)["skyrl"][0].startswith("trainer.algorithm.stablerl_routing_replay=R2")
     assert F.config_lines(qwen3)["openrlhf"][0].startswith("--actor.stablerl_routing_replay R2")
 
 
