@@ -25,13 +25,14 @@ import torch
 from skyrl.backends.skyrl_train.utils.ppo_utils import apply_loss_reduction_to_advantages_minibatch
 from skyrl.train.trainer import RayPPOTrainer
 from stablerl import BATCH_FILTER, POLICY_LOSS, REWARD_SHAPER
+from stablerl.params import StableRLError
 from stablerl.state import read_state
 from stablerl.steps import AdvantageSelection, AdvantageStep, BatchRecord
 
 from ._adapter import SkyRLAdapter
 from ._config import params, selected
 from ._names import ALGORITHM, FILTER
-from ._routing import ROUTES, batch_routes, mode_of
+from ._routing import KEY, ROUTES, batch_routes, mode_of
 
 STATE_FILE = "stablerl_state.pt"
 WHY_NO_RESAMPLING = ("SkyRL's training batch has a fixed size at compute_advantages_and_returns: rows can be "
@@ -47,6 +48,9 @@ class StableRayPPOTrainer(RayPPOTrainer):
 
     def _stablerl_setup(self) -> None:
         algorithm = self.cfg.trainer.algorithm
+        if mode_of(algorithm) and self.cfg.trainer.strategy not in ("fsdp", "fsdp2"):
+            raise StableRLError(f"{ALGORITHM}{KEY} is stablerl's routing replay for SkyRL's FSDP policy worker, not "
+                                f"trainer.strategy={self.cfg.trainer.strategy} (Megatron has SkyRL's own)")
         self.stablerl_loss = selected(algorithm, POLICY_LOSS)
         self.stablerl_adapter = SkyRLAdapter()
         self.stablerl_adapter.seed = int(getattr(self.cfg.trainer, "seed", 42))

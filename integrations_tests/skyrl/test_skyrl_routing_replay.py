@@ -200,3 +200,15 @@ def test_r2_trainer_puts_the_recorded_routes_into_the_batch():
     finally:
         RayPPOTrainer.fwd_logprobs_values_reward = RayPPOTrainer_fwd
     assert torch.equal(out["rollout_expert_indices"], routes) and trainer.stablerl_routes is None
+
+
+def test_megatron_is_refused():
+    """stablerl's replay wraps the FSDP worker's methods: under Megatron (SkyRL's own replay there) it says so."""
+    from stablerl.adapters.skyrl._config import config_class
+    from stablerl.adapters.skyrl._trainer import StableRayPPOTrainer
+
+    trainer = StableRayPPOTrainer.__new__(StableRayPPOTrainer)
+    trainer.cfg = config_class().from_cli_overrides(["trainer.strategy=megatron",
+                                                     "trainer.algorithm.stablerl_routing_replay=R3"])
+    with pytest.raises(StableRLError, match="not trainer.strategy=megatron"):
+        trainer._stablerl_setup()
