@@ -9,7 +9,8 @@ names are never replaced), and adds the loss state to SkyRL's policy-worker chec
 
 The ``@provides`` methods say what SkyRL feeds: at the advantage step ``record.host`` is the trainer's
 ``TrainingInputBatch`` (None when SkyRL's own trainer calls a registered estimator); at the loss SkyRL's call passes
-log-probs, old and rollout log-probs, advantages, config and loss mask, nothing else.
+log-probs, old and rollout log-probs, advantages, config and loss mask; the micro-batch's ``token_ids`` and the
+update forward's ``entropy`` come from the worker glue (``_micro``).
 """
 
 from __future__ import annotations
@@ -52,6 +53,8 @@ class SkyRLAdapter(FrameworkAdapter):
         self.loss_state = StateStore(holds="loss")
         #: the trainer's batch while its advantage step runs (the estimator's record reads it)
         self.pending: Any = None
+        #: a policy worker's update micro-batch while ``_forward_backward_micro`` runs (``_micro``)
+        self.micro: Any = None
         self.seed = 42
         self.last_metrics: dict[str, float] = {}
 
@@ -149,6 +152,17 @@ class SkyRLAdapter(FrameworkAdapter):
         return _field(record, "rollout_logprobs")
 
     # -- providers: the loss (SkyRL's call passes them itself) -----------------------------------------------
+
+    @provides("token_ids", to=(_LOSS,))
+    def token_ids(self, record):
+        """The micro-batch's response tokens (``experience.sequences[:, -num_actions:]``, ``_micro``)."""
+        return record.host.sequences[:, -record.host.num_actions:]
+
+    @provides("entropy", to=(_LOSS,))
+    def training_entropy(self, record):
+        """The update forward's entropy: ``_micro``'s hook puts SkyRL's ``output["entropy"]`` into
+        ``record.produced`` (None before that forward ran)."""
+        return None
 
     @provides("rollout_log_prob", to=(_LOSS,), condition=ROLLOUT_LOGPROBS)
     def rollout_log_prob(self, record):

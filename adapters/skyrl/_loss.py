@@ -35,6 +35,8 @@ NOT_TAKEN_OVER = (
     "trainer.override_entrypoint=stablerl.adapters.skyrl.main"
 )
 
+CALL_INPUTS = frozenset({"log_prob", "old_log_prob", "advantages", "response_mask", "rollout_log_prob"})
+
 
 def normaliser(loss_mask: torch.Tensor) -> tuple[torch.Tensor, Optional[int]]:
     """``(0/1 mask, D)`` from a loss mask carrying ``1 / D`` on valid tokens (``D`` None: no valid token)."""
@@ -80,9 +82,11 @@ class StableSkyRLLoss(Registered):
                                loss_scale_factor=getattr(config, "max_seq_len", None),
                                state=adapter.loss_state.slot(stablerl.POLICY_LOSS, self.name))
         rollout = rollout_logprobs if ("rollout_log_prob" in spec.requires or "rollout_correction" in options) else None
+        micro = adapter.micro  # the update micro-batch's token_ids / entropy (``_micro``)
+        fed = micro.declared(spec, skip=CALL_INPUTS) if micro is not None else {}
         loss, metrics = stablerl.compute_policy_loss(
             self.name, log_prob=log_probs, old_log_prob=old_log_probs, advantages=advantages, response_mask=mask,
-            rollout_log_prob=rollout, loss_agg_mode=options.pop("loss_agg_mode", None) or mode, ctx=ctx, **options, **hyper)
+            rollout_log_prob=rollout, **fed, loss_agg_mode=options.pop("loss_agg_mode", None) or mode, ctx=ctx, **options, **hyper)
         adapter.last_metrics = metrics
         return loss, {f"stablerl/{k}": float(v) for k, v in metrics.items()}
 

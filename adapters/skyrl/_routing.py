@@ -21,6 +21,7 @@ import torch
 from stablerl import routing_replay as rr
 from stablerl.params import StableRLError
 
+from ._micro import update_inputs
 from ._names import ALGORITHM
 
 KEY = "stablerl_routing_replay"
@@ -88,6 +89,10 @@ def arm(ledger, worker_class) -> None:
             return fwd_micro(self, micro_batch)
 
     def _forward_backward_micro(self, experience, *args, **kwargs):
+        with update_inputs(self, experience):  # the stablerl loss's token_ids / entropy (``_micro``)
+            return _update(self, experience, *args, **kwargs)
+
+    def _update(self, experience, *args, **kwargs):
         mode = mode_of(self.cfg.algorithm)
         if mode is None:
             return fb_micro(self, experience, *args, **kwargs)

@@ -28,10 +28,8 @@ SKYRL = FrameworkSpec(
     feedable=SkyRLAdapter.feedable(),
     why_not={
         "*": {
-            "entropy": "the current policy's entropy is computed inside SkyRL's worker forward and not passed to the "
-            "loss (" + _LOSS_CALL + ")",
             "old_entropy": "SkyRL's old-log-prob pass returns log-probs only",
-            "token_ids": _LOSS_CALL,
+            "token_ids": "fed to policy losses only (the update micro-batch's sequences), not to the advantage step",
             "scores": _LOSS_CALL,
             "index": _LOSS_CALL + " (no uids: prompt groups reach only the estimator)",
             "turn_ids": _ONE_ROW + "per-token turn ids",
