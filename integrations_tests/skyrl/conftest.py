@@ -10,6 +10,8 @@ import os
 import sys
 from pathlib import Path
 
+import pytest
+
 HERE = Path(__file__).parent
 STUBS = str(HERE / "stubs")
 
@@ -23,3 +25,17 @@ _pp = os.environ.get("PYTHONPATH", "")
 if STUBS not in _pp.split(os.pathsep):
     os.environ["PYTHONPATH"] = os.pathsep.join([p for p in (STUBS, _pp) if p])
 sys.path.insert(0, str(HERE))  # skyrl_helpers under --import-mode=importlib
+
+
+@pytest.fixture
+def worker_class(monkeypatch):
+    """SkyRL's ``PolicyWorkerBase`` with the adapter's worker glue armed (no registration), on CPU."""
+    import torch
+    from skyrl.backends.skyrl_train.workers.worker import PolicyWorkerBase
+
+    from stablerl.adapters.skyrl import SkyRLAdapter
+
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: "cpu")  # SkyRL's device of every micro-batch
+    SkyRLAdapter().instrument(register=False)
+    yield PolicyWorkerBase
+    SkyRLAdapter().uninstrument()

@@ -6,8 +6,11 @@ from __future__ import annotations
 
 import torch
 
+from stablerl.adapter import get_adapter
 from stablerl.adapters.skyrl._config import config_class
+from stablerl.steps import BatchRecord
 
+MICRO_INPUTS = ("entropy", "token_ids")  # what the worker's update micro-batch feeds a stablerl loss (``_micro``)
 MODES = {"token-mean": "token_mean", "seq-mean-token-mean": "sequence_mean"}
 
 
@@ -50,12 +53,16 @@ def worker_loss(cfg, batch: dict, micro: int = 0, rollout: bool = False):
     leaf = batch["log_prob"].clone().requires_grad_(True)
     micro = micro or leaf.shape[0]
     algorithm.stablerl_mini_batch_rows = leaf.shape[0]  # as the entry point sets it (one mini-batch here)
-    total = 0.0
+    total, worker = 0.0, get_adapter("skyrl")
+    worker.loss_state.clear()  # a fresh worker per call: a stateful loss (entropic) starts as the core call does
     for start in range(0, leaf.shape[0], micro):
         rows = slice(start, start + micro)
+        # the micro-batch's record as ``_micro`` makes it in the worker (test_skyrl_loss_inputs.py checks that one)
+        worker.micro = BatchRecord(adapter=worker, produced={k: batch[k][rows] for k in MICRO_INPUTS if k in batch})
         loss, _ = fn(leaf[rows], batch["old_log_prob"][rows], data["advantages"][rows], config=algorithm,
                      loss_mask=data["loss_mask"][rows],
                      rollout_logprobs=batch["rollout_log_prob"][rows] if rollout else None)
         total = total + loss
+    worker.micro = None
     (grad,) = torch.autograd.grad(total, leaf)
     return total.detach(), grad

@@ -18,7 +18,6 @@ from moe_models import VOCAB, build_moe, left_padded_batch  # noqa: E402
 import skyrl_helpers as H  # noqa: E402
 import stablerl  # noqa: E402
 from stablerl.adapter import get_adapter  # noqa: E402
-from stablerl.adapters.skyrl import SkyRLAdapter  # noqa: E402
 from stablerl.adapters.skyrl._loss import StableSkyRLLoss  # noqa: E402
 
 B, T, RESPONSE = 4, 10, 5
@@ -26,16 +25,6 @@ B, T, RESPONSE = 4, 10, 5
 
 class _Stop(Exception):
     """Raised after the loss call: the test stops SkyRL's update before its backward / optimizer."""
-
-
-@pytest.fixture
-def worker_class(monkeypatch):
-    from skyrl.backends.skyrl_train.workers.worker import PolicyWorkerBase
-
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: "cpu")  # SkyRL's device of every micro-batch
-    SkyRLAdapter().instrument(register=False)
-    yield PolicyWorkerBase
-    SkyRLAdapter().uninstrument()
 
 
 def _run_update(cls, algorithm, loss_fn, old, advantages, loss_mask):

@@ -16,7 +16,6 @@ sys.path.insert(0, str(Path(__file__).parents[1] / "moe"))
 from moe_models import build_moe, left_padded_batch  # noqa: E402
 
 from stablerl import routing_replay as rr  # noqa: E402
-from stablerl.adapters.skyrl import SkyRLAdapter  # noqa: E402
 from stablerl.params import StableRLError, UnknownNameError  # noqa: E402
 
 B, T, RESPONSE, LAYERS, TOP_K = 4, 10, 5, 2, 2
@@ -24,16 +23,6 @@ B, T, RESPONSE, LAYERS, TOP_K = 4, 10, 5, 2, 2
 
 class _Stop(Exception):
     """Raised by the test's policy loss: the update's forward (and the loss call) ran under the replay."""
-
-
-@pytest.fixture
-def worker_class(monkeypatch):
-    from skyrl.backends.skyrl_train.workers.worker import PolicyWorkerBase
-
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: "cpu")  # SkyRL's device of every micro-batch
-    SkyRLAdapter().instrument(register=False)
-    yield PolicyWorkerBase
-    SkyRLAdapter().uninstrument()
 
 
 def _worker(model, mode, micro=2):
