@@ -124,6 +124,19 @@ def training_strategy(args, optimizer_step):
                            get_grad_norm=lambda *a: 0.0)
 
 
+def step_and_zero_grad(optimizer, *a, **k):
+    """The stand-in strategy's optimizer_step: step, then clear the gradients (as DeepSpeed's engine.step() does)."""
+    optimizer.step()
+    optimizer.zero_grad()
+
+
+def ppo_trainer(ppo_actor, args, actor, optim, optimizer_step=step_and_zero_grad):
+    """OpenRLHF's real ``ActorPPOTrainer`` on :func:`training_strategy`, constant learning rate (``trainer.strategy``:
+    the strategy)."""
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optim, lambda s: 1)
+    return ppo_actor.ActorPPOTrainer(training_strategy(args, optimizer_step), actor, None, optim, scheduler)
+
+
 def init_ray_with_setup_hook(adapter):
     """A local Ray (2 CPUs) whose workers run stablerl's setup hook and import the CPU stubs."""
     import os
@@ -240,15 +253,8 @@ def actor_pipeline(monkeypatch, args, model, packing: bool, temperature: float):
     args.train.colocate_actor_ref = False
     actor = Actor(model)
     actor.packing_samples, actor.temperature = packing, temperature
-    optim = torch.optim.SGD(actor.parameters(), lr=0.0)
-
-    def optimizer_step(optimizer, *a, **k):
-        optimizer.step()
-        optimizer.zero_grad()
-
-    strategy = training_strategy(args, optimizer_step)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optim, lambda s: 1)
-    trainer = ppo_actor.ActorPPOTrainer(strategy, actor, None, optim, scheduler)
+    trainer = ppo_trainer(ppo_actor, args, actor, torch.optim.SGD(actor.parameters(), lr=0.0))
+    strategy = trainer.strategy
     worker = object.__new__(ppo_actor.PolicyModelActor.__ray_metadata__.modified_class)
     worker.actor, worker.strategy = actor, strategy
     maker = RemoteExperienceMaker.__new__(RemoteExperienceMaker)

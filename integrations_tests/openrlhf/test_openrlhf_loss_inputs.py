@@ -13,7 +13,7 @@ import torch
 
 import stablerl
 import stablerl.adapters.openrlhf as adapter
-from orlhf_helpers import make_args, training_strategy
+from orlhf_helpers import make_args, ppo_trainer
 from stablerl import frameworks
 from stablerl.adapters.openrlhf import Selection
 
@@ -90,14 +90,7 @@ def _trainer(monkeypatch, loss, packing, params=None, entropy_coef=None, is_leve
     model = _tiny_dense()
     actor = Actor(model)
     actor.packing_samples, actor.temperature = packing, TEMPERATURE
-    optim = torch.optim.SGD(actor.parameters(), lr=0.0)
-
-    def optimizer_step(optimizer, *a, **k):
-        optimizer.step()
-        optimizer.zero_grad()
-
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optim, lambda s: 1)
-    trainer = ppo_actor.ActorPPOTrainer(training_strategy(args, optimizer_step), actor, None, optim, scheduler)
+    trainer = ppo_trainer(ppo_actor, args, actor, torch.optim.SGD(actor.parameters(), lr=0.0))
     return trainer, model
 
 

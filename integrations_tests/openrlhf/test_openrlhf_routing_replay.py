@@ -17,8 +17,8 @@ from types import SimpleNamespace
 import torch
 
 import stablerl.adapters.openrlhf as adapter
-from orlhf_helpers import (PickleGroup, dry_run, make_args, run_without_ray_or_gpu, through_replay_buffer,
-                           training_strategy)
+from orlhf_helpers import (PickleGroup, dry_run, make_args, ppo_trainer, run_without_ray_or_gpu,
+                           through_replay_buffer)
 from stablerl import routing_replay as rr
 from stablerl.adapters.openrlhf import Selection
 from stablerl.adapters.openrlhf import _routing_replay as orr
@@ -120,9 +120,8 @@ def _run(monkeypatch, *, packing, mode, lr=0.05, steps=2, gc=False):
         optimizer.step()
         optimizer.zero_grad()
 
-    strategy = training_strategy(args, optimizer_step)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optim, lambda s: 1)
-    trainer = ppo_actor.ActorPPOTrainer(strategy, actor, None, optim, scheduler)
+    trainer = ppo_trainer(ppo_actor, args, actor, optim, optimizer_step)
+    strategy = trainer.strategy
 
     # reference: the experts of a native forward at theta_old, padded, one row per sample
     samples_list = _samples()

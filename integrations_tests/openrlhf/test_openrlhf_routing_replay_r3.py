@@ -29,7 +29,7 @@ import stablerl.adapters.openrlhf as adapter
 from stablerl import routing_replay as rr
 from stablerl.adapters.openrlhf import _routing_replay as orr
 from stablerl.params import StableRLError
-from orlhf_helpers import run_without_ray_or_gpu, through_replay_buffer, training_strategy
+from orlhf_helpers import ppo_trainer, run_without_ray_or_gpu, through_replay_buffer
 from test_openrlhf_routing_replay import _Group, _args, _torch_bert_padding
 
 VOCAB, NUM_EXPERTS, TOP_K, LAYERS, MOE_LAYERS = 64, 8, 2, 3, (1, 2)
@@ -239,15 +239,8 @@ def _run(monkeypatch, tmp_path, *, packing, mode, lr=0.05, steps=2):
 
     actor = Actor(model)
     actor.packing_samples, actor.temperature = packing, 1.0
-    optim = torch.optim.Adam(actor.parameters(), lr=lr)
-
-    def optimizer_step(optimizer, *a, **k):
-        optimizer.step()
-        optimizer.zero_grad()
-
-    strategy = training_strategy(args, optimizer_step)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optim, lambda s: 1)
-    trainer = ppo_actor.ActorPPOTrainer(strategy, actor, None, optim, scheduler)
+    trainer = ppo_trainer(ppo_actor, args, actor, torch.optim.Adam(actor.parameters(), lr=lr))
+    strategy = trainer.strategy
     worker = object.__new__(ray.cloudpickle.loads(policy_actor_class))
     worker.actor, worker.strategy = actor, strategy
     maker = RemoteExperienceMaker.__new__(RemoteExperienceMaker)
