@@ -23,4 +23,19 @@ def check_same_vocabulary(setting: str, student_size: Optional[int], teacher_siz
                             f"{differ}): on-policy distillation needs the student's tokenizer")
 
 
-__all__ = ["check_same_vocabulary"]
+def check_same_vocabulary_of(setting: str, student_path: str, teacher_path: str) -> None:
+    """:func:`check_same_vocabulary` of two Hugging Face checkpoints (folders or hub names): their configs'
+    ``vocab_size`` and, where both have a tokenizer, the token -> id maps (transformers imported here)."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    check_same_vocabulary(setting, *(getattr(AutoConfig.from_pretrained(p, trust_remote_code=True), "vocab_size", None)
+                                     for p in (student_path, teacher_path)))
+    try:
+        vocabs = [AutoTokenizer.from_pretrained(p, trust_remote_code=True).get_vocab()
+                  for p in (student_path, teacher_path)]
+    except (OSError, ValueError):  # a checkpoint without a tokenizer: the vocabulary sizes were checked
+        return
+    check_same_vocabulary(setting, None, None, *vocabs)
+
+
+__all__ = ["check_same_vocabulary", "check_same_vocabulary_of"]

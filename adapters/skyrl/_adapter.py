@@ -31,6 +31,11 @@ _ADVANTAGE_SIDE = (_ADV, _SHAPER, _FILTER)
 ROLLOUT_LOGPROBS = ("the generator returns rollout_logprobs (generator.sampling_params.logprobs set: SkyRL's "
                     "default 1)")
 LOSS_STATE_FILE = "stablerl_loss_state_rank{rank}.pt"
+WHOLE_GROUPS = ("trainer.micro_train_batch_size_per_gpu a multiple of generator.n_samples_per_prompt, "
+                "trainer.max_tokens_per_microbatch off (whole prompt groups per micro-batch)")
+TEACHER = ("trainer.ref.model.path=TEACHER (the teacher, with the policy's vocabulary: checked at start-up) and "
+           "trainer.algorithm.use_kl_loss=true (SkyRL builds its reference model only with a KL term; the KL loss to "
+           "the teacher stays, weight kl_loss_coef: a second pull toward it; use_kl_in_reward is refused)")
 
 
 def _field(record, key: str):
@@ -106,9 +111,10 @@ class SkyRLAdapter(FrameworkAdapter):
                 adapter.loss_state.load_state_dict(read_state(path), where=path)
             return out
 
-        from ._routing import arm
+        from . import _micro, _routing
 
-        arm(ledger, PolicyWorkerBase)  # routing replay (trainer.algorithm.stablerl_routing_replay)
+        _routing.arm(ledger, PolicyWorkerBase)  # routing replay; the old pass's extras (``_micro``)
+        _micro.arm(ledger)  # the trainer's per-row loss inputs into experience.info
         _original_save, _original_load = PolicyWorkerBase.save_checkpoint, PolicyWorkerBase.load_checkpoint
         if getattr(_original_save, ledger.mark, False):
             return
@@ -151,6 +157,21 @@ class SkyRLAdapter(FrameworkAdapter):
         """The generator's ``rollout_logprobs`` (the entry point's trainer)."""
         return _field(record, "rollout_logprobs")
 
+    @provides("entropy", to=_ADVANTAGE_SIDE, extra_pass=True)
+    def old_pass_entropy(self, record):
+        """The old-log-prob pass's per-token entropy at SkyRL's temperature (``_micro.old_pass``)."""
+        return _old_pass(record, "stablerl_old_entropy")
+
+    @provides("sum_pi_squared", to=(_ADV,), extra_pass=True)
+    def sum_pi_squared(self, record):
+        """The old-log-prob pass's per-token sum over the vocabulary of pi(v)^2 at SkyRL's temperature."""
+        return _old_pass(record, "stablerl_sum_pi_squared")
+
+    @provides("teacher_log_prob", to=(_ADV,), condition=TEACHER)
+    def teacher_log_prob(self, record):
+        """SkyRL's reference model's log-probs (``base_action_log_probs``), the reference loading the teacher."""
+        return _old_pass(record, "base_action_log_probs")
+
     # -- providers: the loss (SkyRL's call passes them itself) -----------------------------------------------
 
     @provides("token_ids", to=(_LOSS,))
@@ -168,6 +189,36 @@ class SkyRLAdapter(FrameworkAdapter):
     def rollout_log_prob(self, record):
         """SkyRL's loss call passes ``rollout_logprobs`` (None when the generator returned none)."""
         return None
+
+    @provides("old_entropy", to=(_LOSS,), extra_pass=True)
+    def old_entropy(self, record):
+        """The old-log-prob pass's entropy, carried with the rows (``_micro.ROW_INPUTS``)."""
+        return _carried(record, "stablerl_old_entropy")
+
+    @provides("scores", to=(_LOSS,))
+    def loss_scores(self, record):
+        """The advantage step's per-response rewards, carried with the rows."""
+        return _carried(record, "stablerl_scores")
+
+    @provides("index", to=(_LOSS,), condition=WHOLE_GROUPS)
+    def loss_index(self, record):
+        """The prompt groups (SkyRL's ``uids`` as numbers), carried with the rows; every group whole."""
+        from stablerl.framework_batch import check_whole_groups
+
+        ids = _carried(record, "stablerl_index")
+        if ids is not None:
+            check_whole_groups(ids, _carried(record, "stablerl_group_size"), why=WHOLE_GROUPS)
+        return ids
+
+
+def _old_pass(record, key: str):  # None: not in this batch (core's error then says what to set)
+    value = _field(record, key)
+    return None if value is None else value.float() * record.response_mask.to(value.device)
+
+
+def _carried(record, key: str):
+    value = record.host.info.get(key)
+    return None if value is None else value.to(record.response_mask.device)
 
 
 def _state_file() -> str:

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from stablerl.contracts import ADVANTAGE_ESTIMATOR, POLICY_LOSS
+from stablerl.contracts import ADVANTAGE_ESTIMATOR, BATCH_FILTER, POLICY_LOSS, REWARD_SHAPER
 from stablerl.params import StableRLError
 from stablerl.selection import as_params as params_of, name_or_none
 
@@ -88,6 +88,16 @@ def selected(algorithm: Any, kind: str) -> Optional[str]:
         return stablerl_name(str(_get(algorithm, "advantage_estimator")), SKYRL_ADV_ESTIMATORS)
     key = SHAPER if kind == "reward_shaper" else FILTER
     return name_or_none(_get(algorithm, key))
+
+
+def selection(algorithm: Any):
+    """core's :class:`~stablerl.algorithm_selection.AlgorithmSelection` of the stablerl algorithms ``trainer.algorithm``
+    selects (a name stablerl does not know: a SkyRL or user registration, left out)."""
+    from stablerl import get_registry
+    from stablerl.algorithm_selection import FIELDS, AlgorithmSelection
+
+    names = {kind: selected(algorithm, kind) for kind in (POLICY_LOSS, ADVANTAGE_ESTIMATOR, REWARD_SHAPER, BATCH_FILTER)}
+    return AlgorithmSelection(**{FIELDS[k][0]: n for k, n in names.items() if n in get_registry().names(k)})
 
 
 def params(algorithm: Any, kind: str) -> dict:

@@ -21,7 +21,7 @@ import torch
 from stablerl import routing_replay as rr
 from stablerl.params import StableRLError
 
-from ._micro import update_inputs
+from ._micro import OLD_PASS, old_pass, update_inputs
 from ._names import ALGORITHM
 
 KEY = "stablerl_routing_replay"
@@ -74,13 +74,17 @@ def arm(ledger, worker_class) -> None:
                                     worker_class.forward)
 
     def _forward_micro_batch(self, micro_batch):
+        with old_pass(self, micro_batch):  # the old pass's entropy / sum_pi_squared, when read (``_micro``)
+            return _routed(self, micro_batch)
+
+    def _routed(self, micro_batch):
         mode = mode_of(self.cfg.algorithm)
         if mode is None:
             return fwd_micro(self, micro_batch)
         if mode == "R2":
             with rr.capture(self.model) as cap:
                 out = fwd_micro(self, micro_batch)
-            self._stablerl_r2.append(_recorded(cap, micro_batch["attention_mask"], _num_hidden_layers(self.model)))
+            self._stablerl_old[ROUTES].append(_recorded(cap, micro_batch["attention_mask"], _num_hidden_layers(self.model)))
             return out
         indices = micro_batch.get(ROUTES, None) if hasattr(micro_batch, "get") else None
         if indices is None:
@@ -102,15 +106,17 @@ def arm(ledger, worker_class) -> None:
             return fb_micro(self, experience, *args, **kwargs)
 
     def forward_(self, data, loss_fn=None, *args, **kwargs):
-        if loss_fn is not None or mode_of(self.cfg.algorithm) != "R2":
+        keys = old_pass_keys(self.cfg.algorithm)
+        if loss_fn is not None or not keys:
             return forward(self, data, loss_fn, *args, **kwargs)
         if getattr(self.cfg, "max_tokens_per_microbatch", 0) > 0:
-            raise StableRLError(f"{ALGORITHM}{KEY}=R2 does not support max_tokens_per_microbatch > 0 yet")
-        self._stablerl_r2 = []
+            raise StableRLError(f"{', '.join(keys)} from the old-log-prob pass (R2, or a selected algorithm reads "
+                                "it): max_tokens_per_microbatch > 0 is not supported yet")
+        self._stablerl_old = {key: [] for key in keys}
         out = forward(self, data, loss_fn, *args, **kwargs)
-        routes, self._stablerl_r2 = torch.cat(self._stablerl_r2), []
-        for row, sample in zip(routes, out.loss_fn_outputs):
-            sample[ROUTES] = row
+        rows, self._stablerl_old = {k: torch.cat(v) for k, v in self._stablerl_old.items()}, None
+        for i, sample in enumerate(out.loss_fn_outputs):
+            sample.update({key: value[i] for key, value in rows.items()})
         return out
 
     for name, fn in (("_forward_micro_batch", _forward_micro_batch),
@@ -118,7 +124,16 @@ def arm(ledger, worker_class) -> None:
         ledger.set_attr(f"PolicyWorkerBase.{name}:routing_replay", worker_class, name, fn)
 
 
-def batch_routes(outputs):
-    """R2: the rows' recorded routes from ``forward``'s per-sample outputs (``[N, T, H, k]``), or None."""
-    rows = [o.get(ROUTES) for o in outputs]
+def old_pass_keys(algorithm) -> list[str]:
+    """What the policy's old-log-prob pass also returns per sample: R2's routes, the statistics a selected
+    algorithm reads (``_micro.OLD_PASS``)."""
+    from ._config import selection
+
+    stats = sorted(selection(algorithm).old_pass_stats())
+    return ([ROUTES] if mode_of(algorithm) == "R2" else []) + [OLD_PASS[stat] for stat in stats]
+
+
+def batch_field(outputs, key: str):
+    """``key`` of ``forward``'s per-sample outputs stacked (``[N, ...]``), or None."""
+    rows = [o.get(key) for o in outputs]
     return torch.stack(rows) if rows and all(r is not None for r in rows) else None

@@ -28,10 +28,7 @@ SKYRL = FrameworkSpec(
     feedable=SkyRLAdapter.feedable(),
     why_not={
         "*": {
-            "old_entropy": "SkyRL's old-log-prob pass returns log-probs only",
             "token_ids": "fed to policy losses only (the update micro-batch's sequences), not to the advantage step",
-            "scores": _LOSS_CALL,
-            "index": _LOSS_CALL + " (no uids: prompt groups reach only the estimator)",
             "turn_ids": _ONE_ROW + "per-token turn ids",
             "anchor_ids": _ONE_ROW + "anchor-state ids",
             "step_returns": _ONE_ROW + "per-step returns",
@@ -42,20 +39,14 @@ SKYRL = FrameworkSpec(
             "hidden_states": _LOSS_CALL,
             "lm_head_weight": _LOSS_CALL,
             "reward_baselines": "SkyRL generates no greedy baseline response per prompt (ReMax)",
-            "sum_pi_squared": "SkyRL's old-log-prob pass returns log-probs only",
             "pos_count": "SkyRL samples n_samples_per_prompt per prompt in one round",
             "neg_count": "SkyRL samples n_samples_per_prompt per prompt in one round",
-            "teacher_log_prob": "not in this adapter yet: SkyRL's reference model could load a teacher, but the "
-            "adapter does not feed its log-probs as the teacher's",
             "teacher_topk_log_prob": "no teacher forward returning top-k log-probs in SkyRL",
             "teacher_topk_ids": "no teacher forward returning top-k ids in SkyRL",
             "student_topk_log_prob": _LOSS_CALL,
             "params_view": "no trainer hook in SkyRL (see why_no_key)",
             "entropy_bonus": "no controller in SkyRL (see why_no_key)",
         },
-        ADVANTAGE_ESTIMATOR: {"entropy": "SkyRL's old-log-prob pass returns log-probs only"},
-        REWARD_SHAPER: {"entropy": "SkyRL's old-log-prob pass returns log-probs only"},
-        BATCH_FILTER: {"entropy": "SkyRL's old-log-prob pass returns log-probs only"},
     },
     conditions=SkyRLAdapter.conditions(),
     why_no_key={

@@ -10,8 +10,9 @@ by the entry point in SkyRL's trainer process; imports SkyRL).
   :class:`~stablerl.steps.AdvantageStep` shape -> estimator (SkyRL's registry: its own or a stablerl one, which
   reads the whole batch through the adapter's providers) -> filter (a dropped row or token gets loss mask 0: SkyRL's
   batch is fixed-size, rows cannot be duplicated) -> the driver state advanced once.
-- **R2 routing replay**: the routes the policy workers record in the old-log-prob pass go into the batch as
-  ``rollout_expert_indices`` for the update to replay (``_routing``).
+- **The old-log-prob pass's extras** into the batch: R2's routes as ``rollout_expert_indices`` (``_routing``), the
+  entropy / ``sum_pi_squared`` a selected algorithm reads (``_micro``); after the advantage step the loss's per-row
+  inputs (prompt groups, scores, the old entropy: ``_micro.ROW_INPUTS``) stay in it, the rest leaves.
 - **Checkpoints**: the driver state next to SkyRL's ``trainer_state.pt`` (``stablerl_state.pt``), restored on
   resume; the loss state is saved by the policy workers (``SkyRLAdapter.arm_worker``).
 """
@@ -24,6 +25,7 @@ import torch
 
 from skyrl.backends.skyrl_train.utils.ppo_utils import apply_loss_reduction_to_advantages_minibatch
 from skyrl.train.trainer import RayPPOTrainer
+import stablerl
 from stablerl import BATCH_FILTER, POLICY_LOSS, REWARD_SHAPER
 from stablerl.params import StableRLError
 from stablerl.state import read_state
@@ -32,7 +34,8 @@ from stablerl.steps import AdvantageSelection, AdvantageStep, BatchRecord
 from ._adapter import SkyRLAdapter
 from ._config import params, selected
 from ._names import ALGORITHM, FILTER
-from ._routing import KEY, ROUTES, batch_routes, mode_of
+from ._micro import OLD_PASS
+from ._routing import KEY, batch_field, mode_of, old_pass_keys
 
 STATE_FILE = "stablerl_state.pt"
 WHY_NO_RESAMPLING = ("SkyRL's training batch has a fixed size at compute_advantages_and_returns: rows can be "
@@ -60,10 +63,11 @@ class StableRayPPOTrainer(RayPPOTrainer):
                                batch_filter=filt, batch_filter_params=params(algorithm, BATCH_FILTER) if filt else {}),
             ctx=self.stablerl_adapter.context, filter_key=ALGORITHM + FILTER, why_no_resampling=WHY_NO_RESAMPLING)
 
-    # -- R2 routing replay: the old-log-prob pass's routes into the batch (``_routing``) ----------------------
+    # -- what the policy's old-log-prob pass also returns (R2's routes, entropy, sum_pi_squared) into the batch --
 
     def _execute_forward_pass(self, model, data_fwd_pass, key, mini_batch_boundaries):
-        if model != "policy" or mode_of(self.cfg.trainer.algorithm) != "R2":
+        keys = old_pass_keys(self.cfg.trainer.algorithm) if model == "policy" else []
+        if not keys:
             return super()._execute_forward_pass(model, data_fwd_pass, key, mini_batch_boundaries)
         outputs, dispatch = [], self.dispatch
 
@@ -79,13 +83,14 @@ class StableRayPPOTrainer(RayPPOTrainer):
             return super()._execute_forward_pass(model, data_fwd_pass, key, mini_batch_boundaries)
         finally:
             del dispatch.forward, dispatch.forward_from_staged
-            self.stablerl_routes = batch_routes(outputs)
+            self.stablerl_old_pass = {k: batch_field(outputs, k) for k in keys}
 
     def fwd_logprobs_values_reward(self, training_input):
         out = super().fwd_logprobs_values_reward(training_input)
-        routes, self.stablerl_routes = getattr(self, "stablerl_routes", None), None
-        if routes is not None:
-            out[ROUTES] = routes[: len(out["sequences"])]
+        fields, self.stablerl_old_pass = getattr(self, "stablerl_old_pass", None) or {}, None
+        for key, value in fields.items():
+            if value is not None:
+                out[key] = value[: len(out["sequences"])]
         return out
 
     # -- the advantage step ---------------------------------------------------------------------------------
@@ -111,10 +116,25 @@ class StableRayPPOTrainer(RayPPOTrainer):
             data["loss_mask"] = data["loss_mask"] * keep
             metrics.update(filtered.metrics)
         adapter.driver_state.advance()
+        self._loss_rows(data, record)
         metrics.update(adapter.last_metrics)
         if metrics:
             self.all_metrics.update({f"stablerl/{k}": float(v) for k, v in metrics.items()})
         return data
+
+    def _loss_rows(self, data, record) -> None:
+        """The per-row inputs the stablerl loss reads (``_micro.ROW_INPUTS``) into the batch; the old pass's
+        statistics no loss reads out of it."""
+        loss = self.stablerl_loss and stablerl.get_spec(POLICY_LOSS, self.stablerl_loss)
+        if loss and "index" in loss.requires:
+            groups = {uid: n for n, uid in enumerate(dict.fromkeys(record.index))}
+            ids = torch.tensor([groups[uid] for uid in record.index])
+            data["stablerl_index"], data["stablerl_group_size"] = ids, torch.bincount(ids)[ids]
+        if loss and "scores" in loss.requires:
+            data["stablerl_scores"] = record.response_scores().float()
+        for stat, key in OLD_PASS.items():
+            if not (loss and stat == "entropy" and "old_entropy" in loss.requires) and key in data:
+                data.pop(key)
 
     # -- SkyRL's advantage pre-scaling, taken over for a stablerl loss -----------------------------------------
 

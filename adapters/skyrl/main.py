@@ -19,8 +19,10 @@ from stablerl.frameworks import check_call_options, log_effective_settings, reso
 from stablerl.frameworks import as_params as settings_params
 from stablerl.params import build_params
 
-from ._adapter import SkyRLAdapter
-from ._config import config_class, loss_agg_mode, params, selected, settings, strip_plus
+from stablerl.teacher import check_same_vocabulary_of
+
+from ._adapter import TEACHER, WHOLE_GROUPS, SkyRLAdapter
+from ._config import config_class, loss_agg_mode, params, selected, selection, settings, strip_plus
 from ._names import ADV_KEY, ALGORITHM, FILTER, LOSS_KEY, NAME, SHAPER
 
 _KEYS = {POLICY_LOSS: LOSS_KEY, ADVANTAGE_ESTIMATOR: ADV_KEY, REWARD_SHAPER: ALGORITHM + SHAPER,
@@ -47,6 +49,16 @@ def check(cfg: Any) -> None:
             log_effective_settings(NAME, spec, effective)
         else:
             build_params(stablerl.get_spec(kind, name), params(algorithm, kind))
+    sel = selection(algorithm)
+    if sel.requires(ADVANTAGE_ESTIMATOR, "teacher_log_prob"):
+        ref, policy = cfg.trainer.ref.model.path, cfg.trainer.policy.model.path
+        if not algorithm.use_kl_loss or algorithm.use_kl_in_reward or ref in (None, policy):
+            raise stablerl.StableRLError(f"{NAME}: on-policy distillation reads the teacher's log-probs from SkyRL's "
+                                         f"reference model: set {TEACHER}")
+        check_same_vocabulary_of(f"trainer.ref.model.path={ref}", policy, ref)
+    if sel.requires(POLICY_LOSS, "index") and (cfg.trainer.max_tokens_per_microbatch > 0 or
+                                               cfg.trainer.micro_train_batch_size_per_gpu % cfg.generator.n_samples_per_prompt):
+        raise stablerl.StableRLError(f"{NAME}: policy loss {sel.policy_loss!r} takes whole prompt groups: set {WHOLE_GROUPS}")
     # the entry point's trainer takes SkyRL's advantage pre-scaling over (the loss checks this flag)
     algorithm.stablerl_reduction = selected(algorithm, POLICY_LOSS) is not None
     if algorithm.stablerl_reduction:

@@ -24,14 +24,34 @@ def normalized_batch(cfg, advantages: torch.Tensor, mask: torch.Tensor, boundari
     TrainingInputBatch (advantages, loss_mask as the policy worker gets them)."""
     from skyrl.backends.skyrl_train.training_batch import TrainingInputBatch
 
-    from stablerl.adapters.skyrl._trainer import StableRayPPOTrainer
-
     data = TrainingInputBatch({"advantages": advantages.clone().float(), "loss_mask": mask.long(),
                                "response_mask": mask.long()})
-    trainer = StableRayPPOTrainer.__new__(StableRayPPOTrainer)  # the method only reads these two attributes
-    trainer.cfg, trainer.stablerl_loss = cfg, _stablerl_loss(cfg)
     boundaries = boundaries or [(0, advantages.shape[0])]
-    return trainer._normalize_advantages(data, boundaries, None)
+    return trainer_of(cfg)._normalize_advantages(data, boundaries, None)
+
+
+def trainer_of(cfg):
+    """``StableRayPPOTrainer`` without Ray (its batch methods read only ``cfg`` and ``stablerl_loss``)."""
+    from stablerl.adapters.skyrl._trainer import StableRayPPOTrainer
+
+    trainer = StableRayPPOTrainer.__new__(StableRayPPOTrainer)
+    trainer.cfg, trainer.stablerl_loss = cfg, _stablerl_loss(cfg)
+    return trainer
+
+
+def with_row_inputs(cfg, data, batch: dict):
+    """The batch as the entry point's trainer sends it to the policy workers: the old pass's entropy (its
+    ``fwd_logprobs_values_reward``), then the loss's per-row inputs from the advantage step's record (prompt groups
+    from SkyRL's uids, scores from the per-token rewards: ``_loss_rows``)."""
+    mask = batch["response_mask"]
+    data["sequences"], data.metadata = batch["token_ids"].long(), {"response_length": mask.shape[1]}
+    data["stablerl_old_entropy"] = batch["old_entropy"].float()
+    rewards = torch.zeros(mask.shape)
+    rewards[:, 0] = batch["scores"]  # the masked sum is the score
+    record = BatchRecord(response_mask=mask, index=[f"uid{int(i)}" for i in batch["index"]],
+                         token_level_rewards=rewards)
+    trainer_of(cfg)._loss_rows(data, record)
+    return data
 
 
 def _stablerl_loss(cfg):
@@ -46,6 +66,7 @@ def worker_loss(cfg, batch: dict, micro: int = 0, rollout: bool = False):
     ``PolicyWorkerBase._forward_backward_micro`` calls it, summed (SkyRL's gradient accumulation; 0: one call with
     every row): (loss, grad)."""
     from skyrl.backends.skyrl_train.utils.ppo_utils import PolicyLossRegistry
+    from skyrl.backends.skyrl_train.workers.worker_utils import BaseBatchIterator
 
     algorithm = cfg.trainer.algorithm
     data = normalized_batch(cfg, batch["advantages"], batch["response_mask"])
@@ -55,10 +76,14 @@ def worker_loss(cfg, batch: dict, micro: int = 0, rollout: bool = False):
     algorithm.stablerl_mini_batch_rows = leaf.shape[0]  # as the entry point sets it (one mini-batch here)
     total, worker = 0.0, get_adapter("skyrl")
     worker.loss_state.clear()  # a fresh worker per call: a stateful loss (entropic) starts as the core call does
+    data = with_row_inputs(cfg, data, batch)
     for start in range(0, leaf.shape[0], micro):
         rows = slice(start, start + micro)
-        # the micro-batch's record as ``_micro`` makes it in the worker (test_skyrl_loss_inputs.py checks that one)
-        worker.micro = BatchRecord(adapter=worker, produced={k: batch[k][rows] for k in MICRO_INPUTS if k in batch})
+        # the micro-batch's record as ``_micro`` makes it in the worker (test_skyrl_loss_inputs.py checks that one),
+        # on the Experience SkyRL's (patched) batch_to_experience makes of the micro-batch
+        experience = BaseBatchIterator.batch_to_experience(data[start:start + micro])
+        worker.micro = BatchRecord(adapter=worker, response_mask=experience.action_mask.float(), host=experience,
+                                   produced={k: batch[k][rows] for k in MICRO_INPUTS if k in batch})
         loss, _ = fn(leaf[rows], batch["old_log_prob"][rows], data["advantages"][rows], config=algorithm,
                      loss_mask=data["loss_mask"][rows],
                      rollout_logprobs=batch["rollout_log_prob"][rows] if rollout else None)

@@ -48,6 +48,8 @@ def _registered():
 
 
 def _value(v) -> str:
+    if isinstance(v, str) and (not v or v.replace(".", "", 1).isdigit()):
+        return f"'{v}'"  # a string that reads as a number or null (pacs' reward_method="1", task_estimator="")
     return "null" if v is None else str(v).lower() if isinstance(v, bool) else str(v)
 
 
@@ -74,7 +76,10 @@ def _through_estimator(name, b, params):
         args.append(f"trainer.algorithm.grpo_norm_by_std={_value(value)}" if key == "norm_adv_by_std_in_grpo"
                     else f"trainer.algorithm.stablerl_advantage_params.{key}={_value(value)}")
     algorithm = H.make_config(*args).trainer.algorithm
-    host = {"action_log_probs": b["old_log_prob"]}  # the trainer's batch (StableRayPPOTrainer sets it)
+    # the trainer's batch (StableRayPPOTrainer sets it): the old-log-prob pass's log-probs, entropy and sum_pi_squared
+    # (its fwd_logprobs_values_reward), the reference model's (the teacher's) log-probs
+    host = {"action_log_probs": b["old_log_prob"], "stablerl_old_entropy": b["entropy"],
+            "stablerl_sum_pi_squared": b["sum_pi_squared"], "base_action_log_probs": b["teacher_log_prob"]}
     state = adapter.SkyRLAdapter()
     state.pending = host
     try:

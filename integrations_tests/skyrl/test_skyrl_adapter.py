@@ -49,13 +49,15 @@ def test_registration_never_replaces_skyrl_names_and_uninstrument_removes_ours()
     assert losses["stablerl_sapo"].name == "sapo" and losses["stablerl_gspo"].name == "gspo"
     assert losses["gmpo"].name == losses["stablerl_gmpo"].name == "gmpo"
     assert estimators["stablerl_grpo"].name == "grpo" and estimators["grpo_passk"].name == "grpo_passk"
-    assert "pacs" not in losses and "stablerl_pacs" not in losses  # refused: SkyRL's loss gets no index / scores
+    assert losses["pacs"].name == "pacs"  # index / scores carried to the loss (``_micro.ROW_INPUTS``)
+    assert "a3po" not in losses and "stablerl_a3po" not in losses  # refused: SkyRL's batch has no policy versions
     assert losses["entropic"].name == "entropic"  # the update forward's entropy (``_micro``)
     n_loss = sum(isinstance(f, StableSkyRLLoss) for f in losses.values())
     ours = {f.name for f in losses.values() if isinstance(f, StableSkyRLLoss)}
-    # 22 before issue 27, + entropic and steer (the update forward's entropy / token ids)
-    assert len(ours) == 24 and ours & set(adapter.SKYRL_POLICY_LOSSES) == {"sapo", "gspo", "cispo", "clip_cov", "kl_cov"}
-    assert n_loss == 2 * 24 - 5  # 24 runnable losses, 5 of them under SkyRL's names (prefixed only)
+    # 22 before issue 27, + entropic and steer (the update forward's entropy / token ids), + erc (the old pass's
+    # entropy), gtpo, gvpo, pacs, rebel (prompt groups, scores)
+    assert len(ours) == 29 and ours & set(adapter.SKYRL_POLICY_LOSSES) == {"sapo", "gspo", "cispo", "clip_cov", "kl_cov"}
+    assert n_loss == 2 * 29 - 5  # 29 runnable losses, 5 of them under SkyRL's names (prefixed only)
     adapter.uninstrument()
     assert not any(isinstance(f, StableSkyRLLoss) for f in _registries()[0].values())
     assert "gmpo" not in _registries()[0] and "stablerl_grpo" not in _registries()[1]
@@ -75,7 +77,11 @@ def test_registered_objects_pickle_by_reference():
 
 
 @pytest.mark.parametrize("overrides, error, words", [
-    (["trainer.algorithm.policy_loss_type=pacs"], stablerl.MissingInputError, ["index", "_forward_backward_micro"]),
+    (["trainer.algorithm.policy_loss_type=a3po"], stablerl.MissingInputError, ["versions", "policy versions"]),
+    (["trainer.algorithm.policy_loss_type=pacs", "trainer.micro_train_batch_size_per_gpu=3"], stablerl.StableRLError,
+     ["whole prompt groups", "micro_train_batch_size_per_gpu a multiple of generator.n_samples_per_prompt"]),
+    (["trainer.algorithm.advantage_estimator=on_policy_distillation"], stablerl.StableRLError,
+     ["trainer.ref.model.path=TEACHER", "use_kl_loss=true"]),
     (["trainer.algorithm.policy_loss_type=gmpx"], stablerl.UnknownNameError, ["did you mean 'gmpo'"]),
     (["trainer.algorithm.policy_loss_type=gmpo", "trainer.algorithm.loss_reduction=prompt_mean"],
      stablerl.StableRLError, ["prompt_mean", "refused", "token mean per prompt"]),

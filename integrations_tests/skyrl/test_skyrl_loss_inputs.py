@@ -111,4 +111,5 @@ def test_entropy_losses_reach_skyrl():
     for name in ("steer", "entropic"):
         assert reach(skyrl, stablerl.get_spec(stablerl.POLICY_LOSS, name))[0] == SELECTABLE, name
     assert "token_ids" in skyrl.feedable[stablerl.POLICY_LOSS] and "entropy" in skyrl.feedable[stablerl.POLICY_LOSS]
-    assert "entropy" not in skyrl.feedable.get(stablerl.ADVANTAGE_ESTIMATOR, ())
+    # the old-log-prob pass's entropy at the advantage step (``_micro.old_pass``, test_skyrl_old_pass.py)
+    assert "entropy" in skyrl.feedable[stablerl.ADVANTAGE_ESTIMATOR]

@@ -119,9 +119,9 @@ def test_r2_records_in_the_old_pass_and_replays_in_the_update(worker_class):
     recorded = torch.stack([o["rollout_expert_indices"] for o in out.loss_fn_outputs])  # what the trainer gets
     assert recorded.shape == (B, T, LAYERS, TOP_K) and recorded.dtype == torch.uint8
     assert torch.equal(recorded, _as_skyrl(old_used))
-    from stablerl.adapters.skyrl._routing import batch_routes
+    from stablerl.adapters.skyrl._routing import batch_field
 
-    assert torch.equal(batch_routes(out.loss_fn_outputs), recorded)
+    assert torch.equal(batch_field(out.loss_fn_outputs, "rollout_expert_indices"), recorded)
 
     _perturb_routers(model, 0.5, seed=2)  # an optimizer step's worth of router drift
     native_lp, native_used = _update(worker_class, _worker(model, None), _batch(), {})
@@ -188,7 +188,7 @@ def test_r2_trainer_puts_the_recorded_routes_into_the_batch():
         out = trainer.fwd_logprobs_values_reward(batch)
     finally:
         RayPPOTrainer.fwd_logprobs_values_reward = RayPPOTrainer_fwd
-    assert torch.equal(out["rollout_expert_indices"], routes) and trainer.stablerl_routes is None
+    assert torch.equal(out["rollout_expert_indices"], routes) and trainer.stablerl_old_pass is None
 
 
 def test_megatron_is_refused():
