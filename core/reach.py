@@ -119,6 +119,13 @@ def _option_lines(fw: FrameworkSpec, spec: AlgorithmSpec) -> list[str]:
     return lines
 
 
+def runnable_names(framework: FrameworkSpec | str, kind: str) -> list[str]:
+    """The algorithms of ``kind`` (registry order) that ``framework`` can run: selectable or partial there (what an
+    adapter registers in its framework's registry)."""
+    fw = framework_of(framework)
+    return [spec.name for spec in list_algorithms(kind) if reach(fw, spec)[0] != REFUSED]
+
+
 def selectable_in(spec: AlgorithmSpec) -> list[str]:
     """The frameworks (declaration order) whose users can select ``spec`` by a config key."""
     return [fw.name for fw in list_frameworks() if reach(fw, spec)[0] != REFUSED]

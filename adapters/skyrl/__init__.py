@@ -1,12 +1,7 @@
-"""stablerl in SkyRL 0.3: every stablerl policy loss and advantage estimator SkyRL can feed, in SkyRL's own
-registries and trainer (docs/skyrl.md).
-
-:func:`instrument` (:class:`SkyRLAdapter`) registers them in ``PolicyLossRegistry`` / ``AdvantageEstimatorRegistry``
-(``stablerl_<name>`` where SkyRL owns the name); ``python -m stablerl.adapters.skyrl.main <SkyRL overrides>`` does
-that before Ray starts, accepts the stablerl keys of ``trainer.algorithm`` (``_config``), prints the effective
-settings, and trains with :class:`~stablerl.adapters.skyrl._trainer.StableRayPPOTrainer`: SkyRL's ``RayPPOTrainer``
-with SkyRL's advantage pre-scaling taken over, reward shapers and batch filters, and the stablerl state in SkyRL's
-checkpoints. Importing this package imports no SkyRL module.
+"""stablerl in SkyRL 0.3 (docs/skyrl.md): :func:`instrument` (:class:`SkyRLAdapter`) registers every stablerl policy
+loss and advantage estimator SkyRL can feed in its registries (``stablerl_<name>`` where SkyRL owns the name);
+``python -m stablerl.adapters.skyrl.main <SkyRL overrides>`` (``main``) trains with them. Importing this package
+imports no SkyRL module.
 """
 
 from __future__ import annotations

@@ -19,6 +19,7 @@ import os
 from typing import Any, Optional
 
 from stablerl.adapter import FrameworkAdapter
+from stablerl.framework_batch import check_whole_groups
 from stablerl.contracts import ADVANTAGE_ESTIMATOR as _ADV, BATCH_FILTER as _FILTER, POLICY_LOSS as _LOSS
 from stablerl.contracts import REWARD_SHAPER as _SHAPER
 from stablerl.params import MissingInputError
@@ -36,6 +37,19 @@ WHOLE_GROUPS = ("trainer.micro_train_batch_size_per_gpu a multiple of generator.
 TEACHER = ("trainer.ref.model.path=TEACHER (the teacher, with the policy's vocabulary: checked at start-up) and "
            "trainer.algorithm.use_kl_loss=true (SkyRL builds its reference model only with a KL term; the KL loss to "
            "the teacher stays, weight kl_loss_coef: a second pull toward it; use_kl_in_reward is refused)")
+
+
+#: per-trajectory values an environment's get_metrics() may return (SkyRL's env_metrics), for shapers / filters
+ENV_VALUES = ("correct", "flawed", "void_turn")
+
+
+def _env_value(what: str):
+    def value(self, record):
+        return _field(record, "stablerl_" + what)
+
+    value.__doc__ = f"The environment's per-trajectory {what!r} (its get_metrics(): SkyRL's env_metrics)."
+    return provides(what, to=(_SHAPER, _FILTER), condition=f"the environment's get_metrics() returns {what!r} for "
+                    "every trajectory (SkyRL's env_metrics; not step-wise)")(value)
 
 
 def _field(record, key: str):
@@ -72,14 +86,14 @@ class SkyRLAdapter(FrameworkAdapter):
         from skyrl.backends.skyrl_train.utils import ppo_utils
 
         if register:
-            from ._advantage import StableSkyRLEstimator, runnable as runnable_estimators
-            from ._loss import StableSkyRLLoss, runnable as runnable_losses
+            from stablerl.reach import runnable_names
 
-            for registry, builtin, names, make in (
-                    (ppo_utils.PolicyLossRegistry, SKYRL_POLICY_LOSSES, runnable_losses(), StableSkyRLLoss),
-                    (ppo_utils.AdvantageEstimatorRegistry, SKYRL_ADV_ESTIMATORS, runnable_estimators(),
-                     StableSkyRLEstimator)):
-                for name in names:
+            from ._loss import StableSkyRLEstimator, StableSkyRLLoss
+
+            for registry, builtin, kind, make in (
+                    (ppo_utils.PolicyLossRegistry, SKYRL_POLICY_LOSSES, _LOSS, StableSkyRLLoss),
+                    (ppo_utils.AdvantageEstimatorRegistry, SKYRL_ADV_ESTIMATORS, _ADV, StableSkyRLEstimator)):
+                for name in runnable_names(NAME, kind):
                     for skyrl_name in skyrl_names(name, builtin):
                         ledger.set_item(f"{registry.__name__}:{skyrl_name}", registry._functions, skyrl_name, make(name))
                 registry._synced_to_actor = False  # the next sync pushes them to the registry actor
@@ -97,18 +111,12 @@ class SkyRLAdapter(FrameworkAdapter):
         def save_checkpoint(worker, ckpt_dir, *args, **kwargs):
             out = _original_save(worker, ckpt_dir, *args, **kwargs)
             if adapter.loss_state:
-                import torch
-
-                torch.save(adapter.loss_state.state_dict(), os.path.join(ckpt_dir, _state_file()))
+                adapter.loss_state.save(os.path.join(ckpt_dir, _state_file()))
             return out
 
         def load_checkpoint(worker, ckpt_dir, *args, **kwargs):
             out = _original_load(worker, ckpt_dir, *args, **kwargs)
-            path = os.path.join(ckpt_dir, _state_file())
-            if os.path.exists(path):
-                from stablerl.state import read_state
-
-                adapter.loss_state.load_state_dict(read_state(path), where=path)
+            adapter.loss_state.load(os.path.join(ckpt_dir, _state_file()))
             return out
 
         from . import _micro, _routing
@@ -128,14 +136,20 @@ class SkyRLAdapter(FrameworkAdapter):
     # -- providers: the advantage step (record.host: the trainer's TrainingInputBatch, or None) ----------
 
     @provides("index", to=_ADVANTAGE_SIDE)
+    @provides("index", to=(_LOSS,), condition=WHOLE_GROUPS)
     def index(self, record):
-        """The prompt groups: SkyRL's ``uids`` (``index`` of its estimator call)."""
-        return record.index
+        """The prompt groups: SkyRL's ``uids`` (at the loss: as numbers, carried with the rows, every group whole)."""
+        if record.index is not None:
+            return record.index
+        ids = _carried(record, "stablerl_index")
+        if ids is not None:
+            check_whole_groups(ids, _carried(record, "stablerl_group_size"), why=WHOLE_GROUPS)
+        return ids
 
-    @provides("scores", to=_ADVANTAGE_SIDE)
+    @provides("scores", to=_ADVANTAGE_SIDE + (_LOSS,))
     def scores(self, record):
-        """One reward per response: the masked sum of SkyRL's per-token ``rewards``."""
-        return record.response_scores()
+        """One reward per response: the masked sum of SkyRL's per-token ``rewards`` (at the loss: carried)."""
+        return _carried(record, "stablerl_scores") if record.token_level_rewards is None else record.response_scores()
 
     @provides("lengths", to=_ADVANTAGE_SIDE)
     def lengths(self, record):
@@ -152,10 +166,12 @@ class SkyRLAdapter(FrameworkAdapter):
                                     "(run python -m stablerl.adapters.skyrl.main; rollout_is / dppo skip that pass)")
         return value
 
-    @provides("rollout_log_prob", to=(_ADV,), condition=ROLLOUT_LOGPROBS)
-    def advantage_rollout_log_prob(self, record):
-        """The generator's ``rollout_logprobs`` (the entry point's trainer)."""
+    @provides("rollout_log_prob", to=(_ADV, _LOSS), condition=ROLLOUT_LOGPROBS)
+    def rollout_log_prob(self, record):
+        """The generator's ``rollout_logprobs`` (the entry point's trainer; SkyRL's loss call passes them itself)."""
         return _field(record, "rollout_logprobs")
+
+    correct, flawed, void_turn = (_env_value(what) for what in ENV_VALUES)
 
     @provides("entropy", to=_ADVANTAGE_SIDE, extra_pass=True)
     def old_pass_entropy(self, record):
@@ -185,30 +201,10 @@ class SkyRLAdapter(FrameworkAdapter):
         ``record.produced`` (None before that forward ran)."""
         return None
 
-    @provides("rollout_log_prob", to=(_LOSS,), condition=ROLLOUT_LOGPROBS)
-    def rollout_log_prob(self, record):
-        """SkyRL's loss call passes ``rollout_logprobs`` (None when the generator returned none)."""
-        return None
-
     @provides("old_entropy", to=(_LOSS,), extra_pass=True)
     def old_entropy(self, record):
         """The old-log-prob pass's entropy, carried with the rows (``_micro.ROW_INPUTS``)."""
         return _carried(record, "stablerl_old_entropy")
-
-    @provides("scores", to=(_LOSS,))
-    def loss_scores(self, record):
-        """The advantage step's per-response rewards, carried with the rows."""
-        return _carried(record, "stablerl_scores")
-
-    @provides("index", to=(_LOSS,), condition=WHOLE_GROUPS)
-    def loss_index(self, record):
-        """The prompt groups (SkyRL's ``uids`` as numbers), carried with the rows; every group whole."""
-        from stablerl.framework_batch import check_whole_groups
-
-        ids = _carried(record, "stablerl_index")
-        if ids is not None:
-            check_whole_groups(ids, _carried(record, "stablerl_group_size"), why=WHOLE_GROUPS)
-        return ids
 
 
 def _old_pass(record, key: str):  # None: not in this batch (core's error then says what to set)

@@ -16,7 +16,7 @@ to extend it. :func:`config_class` returns the ``SkyRLTrainConfig`` whose ``trai
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Dict, Optional
 
 from stablerl.contracts import ADVANTAGE_ESTIMATOR, BATCH_FILTER, POLICY_LOSS, REWARD_SHAPER
 from stablerl.params import StableRLError
@@ -25,39 +25,26 @@ from stablerl.selection import as_params as params_of, name_or_none
 from ._names import (ADV_PARAMS, ALGORITHM, FILTER, FILTER_PARAMS, LOSS_PARAMS, NAME, REDUCTIONS, REFUSED_REDUCTIONS,
                      SHAPER, SHAPER_PARAMS, SKYRL_ADV_ESTIMATORS, SKYRL_POLICY_LOSSES, stablerl_name)
 
-#: the stablerl fields of the algorithm config (name -> default factory)
-STABLERL_FIELDS = {LOSS_PARAMS: dict, ADV_PARAMS: dict, SHAPER: lambda: None, SHAPER_PARAMS: dict,
-                   FILTER: lambda: None, FILTER_PARAMS: dict, "stablerl_reduction": lambda: False,
-                   "stablerl_mini_batch_rows": lambda: None, "stablerl_routing_replay": lambda: None}
+#: the stablerl fields of the algorithm config: name -> (type, default factory)
+STABLERL_FIELDS = {
+    LOSS_PARAMS: (Dict[str, Any], dict), ADV_PARAMS: (Dict[str, Any], dict), SHAPER: (Optional[str], lambda: None),
+    SHAPER_PARAMS: (Dict[str, Any], dict), FILTER: (Optional[str], lambda: None), FILTER_PARAMS: (Dict[str, Any], dict),
+    "stablerl_reduction": (bool, lambda: False), "stablerl_mini_batch_rows": (Optional[int], lambda: None),
+    "stablerl_routing_replay": (Optional[str], lambda: None)}
 _CLASSES: dict = {}
 
 
 def config_class():
-    """SkyRL's ``SkyRLTrainConfig`` with :data:`STABLERL_FIELDS` on ``trainer.algorithm`` (built once)."""
+    """SkyRL's ``SkyRLTrainConfig`` whose ``trainer.algorithm`` is SkyRL's ``AlgorithmConfig`` plus
+    :data:`STABLERL_FIELDS` (built once)."""
     if "config" not in _CLASSES:
-        from dataclasses import dataclass, field
-        from typing import Dict
+        from dataclasses import field, make_dataclass
 
         from skyrl.train.config import AlgorithmConfig, make_config
 
-        @dataclass
-        class StableAlgorithmConfig(AlgorithmConfig):
-            """SkyRL's AlgorithmConfig plus the stablerl keys (this module's docstring)."""
-
-            stablerl_params: Dict[str, Any] = field(default_factory=dict)
-            stablerl_advantage_params: Dict[str, Any] = field(default_factory=dict)
-            stablerl_reward_shaper: Optional[str] = None
-            stablerl_reward_shaper_params: Dict[str, Any] = field(default_factory=dict)
-            stablerl_batch_filter: Optional[str] = None
-            stablerl_batch_filter_params: Dict[str, Any] = field(default_factory=dict)
-            stablerl_reduction: bool = False
-            stablerl_mini_batch_rows: Optional[int] = None
-            stablerl_routing_replay: Optional[str] = None
-
-        StableAlgorithmConfig.__module__ = __name__
-        StableAlgorithmConfig.__qualname__ = "StableAlgorithmConfig"
-        _CLASSES["algorithm"] = StableAlgorithmConfig
-        _CLASSES["config"] = make_config(algorithm_cls=StableAlgorithmConfig)
+        algorithm = make_dataclass("StableAlgorithmConfig", [(name, kind, field(default_factory=default)) for name, (
+            kind, default) in STABLERL_FIELDS.items()], bases=(AlgorithmConfig,), namespace={"__module__": __name__})
+        _CLASSES["algorithm"], _CLASSES["config"] = algorithm, make_config(algorithm_cls=algorithm)
     return _CLASSES["config"]
 
 

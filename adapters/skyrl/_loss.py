@@ -1,5 +1,9 @@
-"""The policy-loss function registered in SkyRL's ``PolicyLossRegistry`` for a stablerl loss (runs in SkyRL's policy
-workers, where ``PolicyWorkerBase._forward_backward_micro`` calls it with SkyRL's six arguments).
+"""The callables registered in SkyRL's registries: :class:`StableSkyRLLoss` in ``PolicyLossRegistry`` (runs in SkyRL's
+policy workers, where ``PolicyWorkerBase._forward_backward_micro`` calls it with SkyRL's six arguments) and
+:class:`StableSkyRLEstimator` in ``AdvantageEstimatorRegistry`` (where ``ppo_utils.compute_advantages_and_returns``
+calls it: core's ``AdvantageStep`` estimator on SkyRL's ``token_level_rewards``, ``response_mask`` and ``uids``;
+under the entry point's trainer the record's host is the whole ``TrainingInputBatch``, and that trainer runs the
+reward shaper and batch filter around it).
 
 SkyRL's trainer pre-scales the advantages per mini-batch and expects a masked *sum*
 (``apply_loss_reduction_to_advantages_minibatch``); that is right only for a loss linear in the advantage that
@@ -21,9 +25,11 @@ import torch
 
 import stablerl
 from stablerl.adapter import get_adapter
-from stablerl.frameworks import log_effective_settings, split_call_options
 from stablerl.frameworks import as_params as settings_params
+from stablerl.frameworks import log_effective_settings, split_call_options
+from stablerl.mask_weights import read_weights
 from stablerl.params import StableRLError
+from stablerl.steps import AdvantageSelection, AdvantageStep, BatchRecord
 
 from ._config import loss_agg_mode, settings
 from ._names import ALGORITHM, NAME, Registered
@@ -36,19 +42,6 @@ NOT_TAKEN_OVER = (
 )
 
 CALL_INPUTS = frozenset({"log_prob", "old_log_prob", "advantages", "response_mask", "rollout_log_prob"})
-
-
-def normaliser(loss_mask: torch.Tensor) -> tuple[torch.Tensor, Optional[int]]:
-    """``(0/1 mask, D)`` from a loss mask carrying ``1 / D`` on valid tokens (``D`` None: no valid token)."""
-    valid = loss_mask > 0
-    if not bool(valid.any()):
-        return valid.to(torch.float32), None
-    weight = loss_mask[valid]
-    d = float(1.0 / weight.max())
-    if not torch.allclose(weight, weight.max(), rtol=1e-5, atol=0.0):
-        raise StableRLError(f"{NAME}: the loss mask's weights differ within the mini-batch; stablerl's trainer puts "
-                            "one 1/D on every valid token (is another trainer pre-scaling the loss mask?)")
-    return valid.to(torch.float32), max(1, round(d))
 
 
 class StableSkyRLLoss(Registered):
@@ -72,7 +65,7 @@ class StableSkyRLLoss(Registered):
         mode = loss_agg_mode(config, options)  # SkyRL's loss_reduction; a registered aggregation (delta_l) replaces it
         if loss_mask is None:
             loss_mask = torch.ones_like(log_probs)
-        mask, d = normaliser(loss_mask)
+        mask, d = read_weights(loss_mask, f"{NAME}: ")
         if d is None:  # a padding micro-batch: no valid token, no gradient
             return (log_probs * 0.0).sum(), {}
         adapter = get_adapter(NAME)
@@ -91,15 +84,31 @@ class StableSkyRLLoss(Registered):
         return loss, {f"stablerl/{k}": float(v) for k, v in metrics.items()}
 
 
-def runnable() -> list[str]:
-    """The stablerl policy losses SkyRL can run (selectable or partial in its declaration)."""
-    from stablerl.frameworks import REFUSED, get_framework, reach
-
-    framework = get_framework(NAME)
-    return [spec.name for spec in stablerl.list_algorithms(stablerl.POLICY_LOSS) if reach(framework, spec)[0] != REFUSED]
-
-
 def restore(name: str) -> StableSkyRLLoss:
     """Unpickling in a SkyRL worker: the loss, with the loss state armed in that worker's checkpoints."""
     get_adapter(NAME).arm_worker()
     return StableSkyRLLoss(name)
+
+
+class StableSkyRLEstimator(Registered):
+    """SkyRL's ``(token_level_rewards, response_mask, index, **kwargs) -> (advantages, returns)`` for stablerl
+    estimator :attr:`name`; pickled by reference."""
+
+    label = "advantage estimator"
+
+    def __call__(self, token_level_rewards: torch.Tensor, response_mask: torch.Tensor, index: Any,
+                 config: Any = None, **kwargs: Any):
+        adapter = get_adapter(NAME)
+        spec, effective = settings(config, stablerl.ADVANTAGE_ESTIMATOR)
+        log_effective_settings(NAME, spec, effective)
+        step = AdvantageStep(AdvantageSelection(estimator=self.name, estimator_params=settings_params(effective)),
+                             ctx=adapter.context)
+        host = adapter.pending  # the entry point's trainer: the whole batch, and it advances the state itself
+        record = BatchRecord(adapter=adapter, response_mask=response_mask, index=list(index),
+                             token_level_rewards=token_level_rewards, host=host)
+        advantages, returns, metrics = step.estimate(record)
+        adapter.last_metrics = dict(metrics)
+        if host is None:
+            adapter.driver_state.advance()
+        returns = advantages if returns is None else returns
+        return advantages.to(token_level_rewards.dtype), returns.to(token_level_rewards.dtype)

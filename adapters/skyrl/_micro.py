@@ -1,17 +1,13 @@
 """What a stablerl algorithm reads from SkyRL's policy worker beyond SkyRL's own call arguments.
 
-- **The update micro-batch's record**: around ``PolicyWorkerBase._forward_backward_micro`` (private in SkyRL 0.3,
-  ``(self, experience, microbatch_weight, loss_fn=None, loss_fn_config=None)``; the routing-replay wrapper,
-  ``_routing.arm``, enters :func:`update_inputs`) :attr:`SkyRLAdapter.micro` is a :class:`~stablerl.steps.BatchRecord`
-  on its ``Experience`` (``token_ids``: the response tokens), and a forward hook on the worker's model puts the
-  training forward's ``output["entropy"]`` (SkyRL computes it in every update forward) into ``record.produced``,
-  sliced as SkyRL slices its log-probs and detached: no second forward.
-- **The old-log-prob pass's statistics** (:func:`old_pass`, around ``_forward_micro_batch``): only when a selected
-  algorithm declares them (core's ``AlgorithmSelection.old_pass_stats``), that pass's model call is made with
-  SkyRL's ``return_output=True`` (and ``compute_entropy=True`` for the entropy) and the response positions' entropy /
-  ``sum_pi_squared`` (of the logits SkyRL divided by its temperature) ride back per sample next to the log-probs.
-- **Per-row inputs from the trainer** (:data:`ROW_INPUTS`: the old pass's entropy, prompt groups, scores): SkyRL's
-  ``batch_to_experience`` keeps a fixed set of fields, so :func:`arm` copies these into ``experience.info``.
+- :func:`update_inputs`, around ``PolicyWorkerBase._forward_backward_micro`` (entered from ``_routing.arm``):
+  :attr:`SkyRLAdapter.micro` is the micro-batch's :class:`~stablerl.steps.BatchRecord` (host: its ``Experience``), and
+  a forward hook puts the update forward's own ``output["entropy"]``, sliced as SkyRL slices its log-probs, into it.
+- :func:`old_pass`, around the old-log-prob ``_forward_micro_batch``, only when a selected algorithm reads them (core's
+  ``AlgorithmSelection.old_pass_stats``): that model call gets ``return_output=True`` (``compute_entropy=True``) and
+  the entropy / ``sum_pi_squared`` of the logits SkyRL divided by its temperature ride back per sample.
+- :func:`arm`: SkyRL's ``batch_to_experience`` keeps a fixed set of fields; the trainer's per-row loss inputs
+  (:data:`ROW_INPUTS`) go into ``experience.info``.
 """
 
 from __future__ import annotations
@@ -28,25 +24,23 @@ OLD_PASS = {"entropy": "stablerl_old_entropy", "sum_pi_squared": "stablerl_sum_p
 ROW_INPUTS = ("stablerl_old_entropy", "stablerl_index", "stablerl_group_size", "stablerl_scores")
 
 
-def _entropy_hook(record, num_actions):
+@contextlib.contextmanager
+def update_inputs(worker, experience):
+    """Around one ``_forward_backward_micro``: the micro-batch's record."""
+    from stablerl.adapter import get_adapter
+
+    from ._names import NAME
+
+    adapter, num_actions = get_adapter(NAME), experience.num_actions
+    record = BatchRecord(adapter=adapter, response_mask=experience.action_mask, host=experience)
+
     def hook(module, args, out):
         output = out[1] if isinstance(out, tuple) and len(out) == 2 else None
         entropy = output.get("entropy") if hasattr(output, "get") else None
         if entropy is not None:
             record.produced["entropy"] = entropy[:, -num_actions - 1: -1].detach()
-    return hook
 
-
-@contextlib.contextmanager
-def update_inputs(worker, experience):
-    """Around one ``_forward_backward_micro`` (the routing-replay wrapper's, ``_routing.arm``)."""
-    from stablerl.adapter import get_adapter
-
-    from ._names import NAME
-
-    adapter = get_adapter(NAME)
-    record = BatchRecord(adapter=adapter, response_mask=experience.action_mask, host=experience)
-    handle = worker.model.register_forward_hook(_entropy_hook(record, experience.num_actions))
+    handle = worker.model.register_forward_hook(hook)
     adapter.micro = record
     try:
         yield record

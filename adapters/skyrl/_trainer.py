@@ -2,10 +2,8 @@
 by the entry point in SkyRL's trainer process; imports SkyRL).
 
 - **Advantage pre-scaling taken over** (``_normalize_advantages``), for a stablerl policy loss only: the advantages
-  stay as the estimator made them (with ``advantage_batch_normalize``: SkyRL's method runs, z-score and scaling,
-  and its scaling is divided out again with SkyRL's own weights, exact to float rounding) and the loss mask carries
-  ``1 / D`` instead (``_loss``'s docstring): the loss gets the advantages verl, TRL and OpenRLHF give it and
-  aggregates itself.
+  stay as the estimator made them (``advantage_batch_normalize``: SkyRL's z-score, its scaling divided out again
+  with its own weights) and the loss mask carries ``1 / D`` (:mod:`stablerl.mask_weights`; ``_loss``).
 - **Reward shaper / batch filter** around SkyRL's estimator (``compute_advantages_and_returns``): core's
   :class:`~stablerl.steps.AdvantageStep` shape -> estimator (SkyRL's registry: its own or a stablerl one, which
   reads the whole batch through the adapter's providers) -> filter (a dropped row or token gets loss mask 0: SkyRL's
@@ -25,16 +23,16 @@ import torch
 
 from skyrl.backends.skyrl_train.utils.ppo_utils import apply_loss_reduction_to_advantages_minibatch
 from skyrl.train.trainer import RayPPOTrainer
-import stablerl
-from stablerl import BATCH_FILTER, POLICY_LOSS, REWARD_SHAPER
+from stablerl import BATCH_FILTER, POLICY_LOSS, REWARD_SHAPER, get_spec
+from stablerl.mask_weights import span_weights
+from stablerl.ops import group_ids
 from stablerl.params import StableRLError
-from stablerl.state import read_state
 from stablerl.steps import AdvantageSelection, AdvantageStep, BatchRecord
 
-from ._adapter import SkyRLAdapter
+from ._adapter import ENV_VALUES, SkyRLAdapter
 from ._config import params, selected
-from ._names import ALGORITHM, FILTER
 from ._micro import OLD_PASS
+from ._names import ALGORITHM, FILTER
 from ._routing import KEY, batch_field, mode_of, old_pass_keys
 
 STATE_FILE = "stablerl_state.pt"
@@ -71,12 +69,8 @@ class StableRayPPOTrainer(RayPPOTrainer):
             return super()._execute_forward_pass(model, data_fwd_pass, key, mini_batch_boundaries)
         outputs, dispatch = [], self.dispatch
 
-        def keeping(fn):
-            def call(*args, **kwargs):
-                out = fn(*args, **kwargs)
-                outputs.extend(out.loss_fn_outputs)
-                return out
-            return call
+        def keeping(fn):  # the per-sample outputs SkyRL turns into the log-prob tensor, kept
+            return lambda *args, **kwargs: (lambda out: outputs.extend(out.loss_fn_outputs) or out)(fn(*args, **kwargs))
 
         dispatch.forward, dispatch.forward_from_staged = keeping(dispatch.forward), keeping(dispatch.forward_from_staged)
         try:
@@ -94,6 +88,15 @@ class StableRayPPOTrainer(RayPPOTrainer):
         return out
 
     # -- the advantage step ---------------------------------------------------------------------------------
+
+    def convert_to_training_input(self, generator_output, uids):
+        """SkyRL's batch, plus the environments' per-trajectory values a shaper / filter reads (``ENV_VALUES``)."""
+        data, rows = super().convert_to_training_input(generator_output, uids), generator_output.get("env_metrics")
+        for what in ENV_VALUES:
+            values = [m.get(what) for m in rows or ()]
+            if len(values) == len(uids) and None not in values:
+                data["stablerl_" + what] = torch.tensor([bool(v) for v in values])
+        return data
 
     @torch.no_grad()
     def compute_advantages_and_returns(self, data):
@@ -125,10 +128,9 @@ class StableRayPPOTrainer(RayPPOTrainer):
     def _loss_rows(self, data, record) -> None:
         """The per-row inputs the stablerl loss reads (``_micro.ROW_INPUTS``) into the batch; the old pass's
         statistics no loss reads out of it."""
-        loss = self.stablerl_loss and stablerl.get_spec(POLICY_LOSS, self.stablerl_loss)
+        loss = self.stablerl_loss and get_spec(POLICY_LOSS, self.stablerl_loss)
         if loss and "index" in loss.requires:
-            groups = {uid: n for n, uid in enumerate(dict.fromkeys(record.index))}
-            ids = torch.tensor([groups[uid] for uid in record.index])
+            ids = group_ids(record.index)
             data["stablerl_index"], data["stablerl_group_size"] = ids, torch.bincount(ids)[ids]
         if loss and "scores" in loss.requires:
             data["stablerl_scores"] = record.response_scores().float()
@@ -147,12 +149,7 @@ class StableRayPPOTrainer(RayPPOTrainer):
         if algorithm.advantage_batch_normalize:  # SkyRL's z-score, then its scaling divided out (float rounding)
             data = super()._normalize_advantages(data, mini_batch_boundaries, prompt_boundaries)
             data["advantages"] = self._unscaled(data["advantages"], loss_mask, mini_batch_boundaries)
-        weights = torch.zeros_like(data["advantages"], dtype=torch.float32)
-        for start, end in mini_batch_boundaries:
-            mask = loss_mask[start:end] > 0
-            d = mask.sum() if algorithm.loss_reduction == "token_mean" else end - start
-            weights[start:end] = mask.float() / max(float(d), 1.0)
-        data["loss_mask"] = weights
+        data["loss_mask"] = span_weights(loss_mask, mini_batch_boundaries, algorithm.loss_reduction == "token_mean")
         return data
 
     def _unscaled(self, scaled, loss_mask, mini_batch_boundaries):
@@ -171,16 +168,12 @@ class StableRayPPOTrainer(RayPPOTrainer):
 
     def save_checkpoints(self) -> str:
         folder = super().save_checkpoints()
-        state = self.stablerl_adapter.driver_state
-        if state:
-            torch.save(state.state_dict(), os.path.join(folder, STATE_FILE))
+        if self.stablerl_adapter.driver_state:
+            self.stablerl_adapter.driver_state.save(os.path.join(folder, STATE_FILE))
         return folder
 
     def load_checkpoints(self):
         out = super().load_checkpoints()
-        path = out[1] if isinstance(out, tuple) and len(out) > 1 else None
-        if path and os.path.exists(os.path.join(str(path), STATE_FILE)):
-            where = os.path.join(str(path), STATE_FILE)
-            self.stablerl_adapter.driver_state.load_state_dict(read_state(where), where=where)
+        if isinstance(out, tuple) and len(out) > 1 and out[1]:
+            self.stablerl_adapter.driver_state.load(os.path.join(str(out[1]), STATE_FILE))
         return out
-

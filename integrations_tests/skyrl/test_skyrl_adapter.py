@@ -95,7 +95,7 @@ def test_registered_objects_pickle_by_reference():
      stablerl.UnknownNameError, ["clip_ratio_lo", "clip_ratio_low"]),
     (["trainer.algorithm.advantage_estimator=opo", "trainer.algorithm.grpo_norm_by_std=false"],
      stablerl.StableRLError, ["grpo_norm_by_std=False", "has no 'norm_adv_by_std_in_grpo'"]),
-    (["trainer.algorithm.stablerl_reward_shaper=fapo"], stablerl.MissingInputError, ["flawed"]),
+    (["trainer.algorithm.advantage_estimator=remax"], stablerl.MissingInputError, ["reward_baselines", "greedy"]),
     (["trainer.algorithm.stablerl_batch_filter=shuffle_r1x"], stablerl.UnknownNameError, ["shuffle_r1"]),
 ])
 def test_refused_at_start_up_with_the_reason(overrides, error, words):

@@ -63,7 +63,9 @@ class CannedGenerator:
             out["rewards"].append(1.0 if answer[0] == digit else 0.0)
             out["loss_masks"].append([1] * len(response))
             out["stop_reasons"].append("stop")
-        out.update(rollout_metrics={}, rollout_logprobs=None, trajectory_ids=None)
+        # per-trajectory environment metrics, as SkyRL's gym generator returns env.get_metrics()
+        out.update(rollout_metrics={}, rollout_logprobs=None, trajectory_ids=None,
+                   env_metrics=[{"correct": r == 1.0} for r in out["rewards"]])
         return out
 
 
