@@ -1,17 +1,10 @@
 """The stablerl keys of SkyRL's algorithm config, and the settings a selection runs with (framework-free: SkyRL's
-``AlgorithmConfig`` is subclassed only in :func:`config_class`, which imports SkyRL).
-
-SkyRL builds its config from dataclasses and rejects unknown keys; ``skyrl.train.config.make_config`` is its own way
-to extend it. :func:`config_class` returns the ``SkyRLTrainConfig`` whose ``trainer.algorithm`` also has:
-
-- ``stablerl_params`` (dict): the stablerl policy loss's hyper-parameters and call options
-  (``trainer.algorithm.stablerl_params.clip_ratio_high=0.28``);
-- ``stablerl_advantage_params`` (dict): the stablerl advantage estimator's;
-- ``stablerl_reward_shaper`` / ``stablerl_batch_filter`` (names) with ``..._params`` (dicts);
-- ``stablerl_routing_replay`` (``R2`` / ``R3``): MoE routing replay on the FSDP policy worker (``_routing``);
-- ``stablerl_reduction`` / ``stablerl_mini_batch_rows`` (set by the entry point, not by users): SkyRL's advantage
-  pre-scaling is taken over (``_trainer``), so a stablerl loss gets unscaled advantages and aggregates itself; the
-  rows of one policy mini-batch (``policy_mini_batch_size * n_samples_per_prompt``).
+``AlgorithmConfig`` is subclassed only in :func:`config_class`, SkyRL's own ``make_config`` way to extend its strict
+config). ``trainer.algorithm`` also has: ``stablerl_params`` / ``stablerl_advantage_params`` (dicts: the stablerl
+loss's / estimator's hyper-parameters and call options, ``trainer.algorithm.stablerl_params.clip_ratio_high=0.28``);
+``stablerl_reward_shaper`` / ``stablerl_batch_filter`` with ``..._params``; ``stablerl_routing_replay`` (R2 / R3,
+``_routing``); ``stablerl_reduction`` / ``stablerl_mini_batch_rows`` (set by the entry point, not by users: SkyRL's
+advantage pre-scaling is taken over, ``_trainer``; the rows of one policy mini-batch).
 """
 
 from __future__ import annotations

@@ -1,17 +1,12 @@
 """MoE routing replay (R2 / R3) on SkyRL's FSDP policy worker, for Hugging Face MoE models
-(``trainer.algorithm.stablerl_routing_replay=R2|R3``). SkyRL 0.3 replays routes only on Megatron; its FSDP worker
-never reads the batch's ``rollout_expert_indices``. The routing itself is :mod:`stablerl.routing_replay`.
-
-- **R3** (Ma et al., arXiv 2510.11370): the batch's ``rollout_expert_indices`` (``[B, T, num_hidden_layers, k]``,
-  aligned with ``sequences``, zero rows where the engine has no route) are replayed in the old-log-prob pass
-  (``PolicyWorkerBase._forward_micro_batch``) and in every update micro-batch (``_forward_backward_micro``, through
-  backward).
-- **R2** (Zheng et al., arXiv 2512.01374): the old-log-prob pass records the experts each router used, per row, in
-  the same layout; they travel back in ``forward``'s per-sample outputs, the entry point's trainer puts them into
-  the batch as ``rollout_expert_indices``, and the update replays them as R3 does.
-
-Refused: Ulysses sequence parallelism, token-based micro-batching under R2 (``max_tokens_per_microbatch``: its
-reordering of rows is not followed yet), top-1 routers (a zero row cannot mark padding).
+(``trainer.algorithm.stablerl_routing_replay=R2|R3``; SkyRL 0.3 replays routes only on Megatron), with
+:mod:`stablerl.routing_replay`. **R3** (arXiv 2510.11370): the batch's ``rollout_expert_indices`` (``[B, T,
+num_hidden_layers, k]``, zero rows where the engine has no route) are replayed in the old-log-prob pass
+(``_forward_micro_batch``) and every update micro-batch (``_forward_backward_micro``, through backward). **R2**
+(arXiv 2512.01374): the old-log-prob pass records the experts used per row in that layout; they ride back in
+``forward``'s per-sample outputs (with the old pass's statistics, ``_micro``), the entry point's trainer puts them
+into the batch as ``rollout_expert_indices``, and the update replays them. Refused: Ulysses sequence parallelism,
+``max_tokens_per_microbatch`` with R2 (its row reordering is not followed yet), top-1 routers.
 """
 
 from __future__ import annotations

@@ -32,8 +32,6 @@ SKYRL = FrameworkSpec(
             "turn_ids": _ONE_ROW + "per-token turn ids",
             "anchor_ids": _ONE_ROW + "anchor-state ids",
             "step_returns": _ONE_ROW + "per-step returns",
-            "versions": "SkyRL's batch has no per-token policy versions",
-            "policy_version": _LOSS_CALL,
             "router_log_prob": _LOSS_CALL,
             "old_router_log_prob": "SkyRL's old-log-prob pass returns no router log-probs",
             "hidden_states": _LOSS_CALL,

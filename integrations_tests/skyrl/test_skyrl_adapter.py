@@ -50,14 +50,14 @@ def test_registration_never_replaces_skyrl_names_and_uninstrument_removes_ours()
     assert losses["gmpo"].name == losses["stablerl_gmpo"].name == "gmpo"
     assert estimators["stablerl_grpo"].name == "grpo" and estimators["grpo_passk"].name == "grpo_passk"
     assert losses["pacs"].name == "pacs"  # index / scores carried to the loss (``_micro.ROW_INPUTS``)
-    assert "a3po" not in losses and "stablerl_a3po" not in losses  # refused: SkyRL's batch has no policy versions
+    assert "capo" not in losses and "stablerl_capo" not in losses  # refused: SkyRL's loss call has no hidden states
     assert losses["entropic"].name == "entropic"  # the update forward's entropy (``_micro``)
     n_loss = sum(isinstance(f, StableSkyRLLoss) for f in losses.values())
     ours = {f.name for f in losses.values() if isinstance(f, StableSkyRLLoss)}
     # 22 before issue 27, + entropic and steer (the update forward's entropy / token ids), + erc (the old pass's
-    # entropy), gtpo, gvpo, pacs, rebel (prompt groups, scores)
-    assert len(ours) == 29 and ours & set(adapter.SKYRL_POLICY_LOSSES) == {"sapo", "gspo", "cispo", "clip_cov", "kl_cov"}
-    assert n_loss == 2 * 29 - 5  # 29 runnable losses, 5 of them under SkyRL's names (prefixed only)
+    # entropy), gtpo, gvpo, pacs, rebel (prompt groups, scores), a3po (one weight version per batch)
+    assert len(ours) == 30 and ours & set(adapter.SKYRL_POLICY_LOSSES) == {"sapo", "gspo", "cispo", "clip_cov", "kl_cov"}
+    assert n_loss == 2 * 30 - 5  # 30 runnable losses, 5 of them under SkyRL's names (prefixed only)
     adapter.uninstrument()
     assert not any(isinstance(f, StableSkyRLLoss) for f in _registries()[0].values())
     assert "gmpo" not in _registries()[0] and "stablerl_grpo" not in _registries()[1]
@@ -77,7 +77,7 @@ def test_registered_objects_pickle_by_reference():
 
 
 @pytest.mark.parametrize("overrides, error, words", [
-    (["trainer.algorithm.policy_loss_type=a3po"], stablerl.MissingInputError, ["versions", "policy versions"]),
+    (["trainer.algorithm.policy_loss_type=capo"], stablerl.MissingInputError, ["hidden_states", "_forward_backward_micro"]),
     (["trainer.algorithm.policy_loss_type=pacs", "trainer.micro_train_batch_size_per_gpu=3"], stablerl.StableRLError,
      ["whole prompt groups", "micro_train_batch_size_per_gpu a multiple of generator.n_samples_per_prompt"]),
     (["trainer.algorithm.advantage_estimator=on_policy_distillation"], stablerl.StableRLError,
