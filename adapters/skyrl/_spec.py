@@ -48,10 +48,12 @@ SKYRL = FrameworkSpec(
     },
     conditions=SkyRLAdapter.conditions(),
     why_no_key={
-        TRAINER_HOOK: "not in this adapter yet: a hook acts between optimizer steps inside SkyRL's policy workers, "
-        "whose optimizer is FSDP's (or Megatron's); the TRL adapter runs sfpo",
-        CONTROLLER: "not in this adapter yet: an entropy controller steers SkyRL's entropy_loss_coef inside its "
-        "policy workers, which read it from the config they were built with",
+        TRAINER_HOOK: "SkyRL's weights and optimizer live in its Ray policy workers (FSDP shards), driven by the trainer "
+        "only through WorkerDispatch's forward_backward / optim_step: a hook that re-positions the weights between "
+        "optimizer steps (SFPO's theta_0 + alpha (theta_K - theta_0)) has no worker method to run in",
+        CONTROLLER: "SkyRL's policy worker weighs its entropy term with self.cfg.algorithm.entropy_loss_coef, the config "
+        "it was built with; forward_backward's loss_fn_config reaches only the loss function's config, so no "
+        "per-step entropy coefficient reaches the workers",
     },
     selection_keys={
         POLICY_LOSS: LOSS_KEY, ADVANTAGE_ESTIMATOR: ADV_KEY, REWARD_SHAPER: ALGORITHM + SHAPER,

@@ -281,3 +281,26 @@ def test_trainer_reward_shaper_changes_skyrls_own_estimator_input():
     # ReDit's noise makes the equal-reward group's advantages non-zero; without it they are 0
     assert float((plain["advantages"][8:] * mask[8:]).abs().max()) == 0.0
     assert float((data["advantages"][8:] * mask[8:]).abs().max()) > 0.1
+
+
+def test_teacher_is_the_reference_model_with_the_policy_vocabulary(tmp_path):
+    """on_policy_distillation: SkyRL's reference model loads the teacher (trainer.ref.model.path) when its
+    vocabulary is the policy's (core's check on the two checkpoints' configs), else refused before Ray starts."""
+    from transformers import Qwen3Config
+
+    paths = {}
+    for name, vocab in (("student", 32), ("teacher", 32), ("other", 48)):
+        Qwen3Config(vocab_size=vocab, hidden_size=8, num_hidden_layers=1, num_attention_heads=2,
+                    num_key_value_heads=1, intermediate_size=16).save_pretrained(tmp_path / name)
+        paths[name] = tmp_path / name
+
+    def cfg(ref):
+        return H.make_config("trainer.algorithm.advantage_estimator=on_policy_distillation",
+                             "trainer.algorithm.use_kl_loss=true", f"trainer.policy.model.path={paths['student']}",
+                             f"trainer.ref.model.path={paths[ref]}")
+
+    main.check(cfg("teacher"))
+    with pytest.raises(stablerl.StableRLError, match="teacher's vocabulary has 48 tokens and the student's 32"):
+        main.check(cfg("other"))
+    with pytest.raises(stablerl.StableRLError, match="use_kl_loss=true"):
+        main.check(cfg("student"))  # the reference is the policy itself: no teacher
