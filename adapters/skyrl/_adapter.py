@@ -76,7 +76,7 @@ class SkyRLAdapter(FrameworkAdapter):
         self.pending: Any = None
         #: a policy worker's update micro-batch while ``_forward_backward_micro`` runs (``_micro``)
         self.micro: Any = None
-        self.seed = 42
+        self.seed, self.total_steps = 42, None  # the trainer's seed and total_training_steps (Context's)
         self.last_metrics: dict[str, float] = {}
 
     def __reduce__(self):
@@ -133,7 +133,7 @@ class SkyRLAdapter(FrameworkAdapter):
 
     def context(self, kind: str, name: str):
         """The driver-side :class:`~stablerl.context.Context` of one estimator / shaper / filter call."""
-        return self.driver_state.context(kind, name, self.seed)
+        return self.driver_state.context(kind, name, self.seed, total_steps=self.total_steps)
 
     # -- providers: the advantage step (record.host: the trainer's TrainingInputBatch, or None) ----------
 

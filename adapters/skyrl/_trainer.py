@@ -101,6 +101,7 @@ class StableRayPPOTrainer(RayPPOTrainer):
     @torch.no_grad()
     def compute_advantages_and_returns(self, data):
         adapter, step = self.stablerl_adapter, self.stablerl_step
+        adapter.total_steps = getattr(self, "total_training_steps", None)
         record = BatchRecord(adapter=adapter, response_mask=data["response_mask"], index=list(data.metadata["uids"]),
                              token_level_rewards=data["rewards"], host=data)
         metrics = step.shape(record) if step.selection.reward_shaper else {}

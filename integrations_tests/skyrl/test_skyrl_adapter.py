@@ -283,6 +283,44 @@ def test_trainer_reward_shaper_changes_skyrls_own_estimator_input():
     assert float((data["advantages"][8:] * mask[8:]).abs().max()) > 0.1
 
 
+#: shapers / filters reachable since issue 27: the old-log-prob pass's entropy, the environments' per-trajectory values
+NEW_EXTENSIONS = [("stablerl_batch_filter", "d3s"), ("stablerl_batch_filter", "gtpo_entropy_filter"),
+                  ("stablerl_batch_filter", "simpletir"), ("stablerl_reward_shaper", "fapo"),
+                  ("stablerl_reward_shaper", "grpo_lambda")]
+
+
+@pytest.mark.parametrize("key, name", NEW_EXTENSIONS)
+def test_trainer_shaper_or_filter_reading_old_pass_and_env_values_equals_core(key, name):
+    """The entry point trainer's advantage step with the batch fields its old-log-prob pass (``stablerl_old_entropy``)
+    and ``convert_to_training_input`` (``stablerl_correct`` / ``_flawed`` / ``_void_turn``) put there, against core's
+    AdvantageStep on the same inputs with a fresh state."""
+    from stablerl.state import StateStore
+    from stablerl.steps import AdvantageSelection, AdvantageStep, BatchRecord
+
+    b = M.reward_batch()
+    trainer = _trainer_with("trainer.algorithm.advantage_estimator=stablerl_grpo", f"trainer.algorithm.{key}={name}")
+    trainer.total_training_steps = 10  # SkyRL's (d3s schedules by training progress)
+    adapter.SkyRLAdapter().driver_state.clear()
+    correct = b["scores"] >= 0.75
+    values = {"entropy": b["entropy"], "correct": correct, "flawed": correct & (torch.arange(12) % 3 == 0),
+              "void_turn": torch.arange(12) % 5 == 1, "lengths": b["response_mask"].sum(-1)}
+    data = _training_input(b)
+    data["stablerl_old_entropy"] = b["entropy"].clone()
+    for what in ("correct", "flawed", "void_turn"):
+        data["stablerl_" + what] = values[what]
+    data = trainer.compute_advantages_and_returns(data)
+    sel = AdvantageSelection(estimator="grpo", **({"batch_filter": name} if "filter" in key else {"reward_shaper": name}))
+    store = StateStore(holds="driver")
+    record = BatchRecord(response_mask=b["response_mask"], index=b["index"], token_level_rewards=b["token_level_rewards"],
+                         produced=values)
+    ref = AdvantageStep(sel, ctx=lambda kind, n: store.context(kind, n, trainer.stablerl_adapter.seed, total_steps=10)
+                        ).run(record)
+    mask = ref.response_mask.float()
+    torch.testing.assert_close(data["loss_mask"].float(), mask)
+    torch.testing.assert_close(data["advantages"] * mask, ref.advantages * mask, rtol=1e-6, atol=1e-7)
+    assert float((ref.advantages * mask).abs().sum()) > 0
+
+
 def test_teacher_is_the_reference_model_with_the_policy_vocabulary(tmp_path):
     """on_policy_distillation: SkyRL's reference model loads the teacher (trainer.ref.model.path) when its
     vocabulary is the policy's (core's check on the two checkpoints' configs), else refused before Ray starts."""
