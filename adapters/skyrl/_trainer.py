@@ -104,6 +104,7 @@ class StableRayPPOTrainer(RayPPOTrainer):
         adapter.total_steps = getattr(self, "total_training_steps", None)
         record = BatchRecord(adapter=adapter, response_mask=data["response_mask"], index=list(data.metadata["uids"]),
                              token_level_rewards=data["rewards"], host=data)
+        scores = record.response_scores()  # a loss's scores: the rewards before a shaper (verl's token_level_scores)
         metrics = step.shape(record) if step.selection.reward_shaper else {}
         if step.selection.reward_shaper:
             data["rewards"] = record.token_level_rewards
@@ -120,21 +121,21 @@ class StableRayPPOTrainer(RayPPOTrainer):
             data["loss_mask"] = data["loss_mask"] * keep
             metrics.update(filtered.metrics)
         adapter.driver_state.advance()
-        self._loss_rows(data, record)
+        self._loss_rows(data, record.index, scores)
         metrics.update(adapter.last_metrics)
         if metrics:
             self.all_metrics.update({f"stablerl/{k}": float(v) for k, v in metrics.items()})
         return data
 
-    def _loss_rows(self, data, record) -> None:
+    def _loss_rows(self, data, uids, scores) -> None:
         """The per-row inputs the stablerl loss reads (``_micro.ROW_INPUTS``) into the batch; the old pass's
         statistics no loss reads out of it."""
         loss = self.stablerl_loss and get_spec(POLICY_LOSS, self.stablerl_loss)
         if loss and "index" in loss.requires:
-            ids = group_ids(record.index)
+            ids = group_ids(uids)
             data["stablerl_index"], data["stablerl_group_size"] = ids, torch.bincount(ids)[ids]
         if loss and "scores" in loss.requires:
-            data["stablerl_scores"] = record.response_scores().float()
+            data["stablerl_scores"] = scores.float()
         for stat, key in OLD_PASS.items():
             if not (loss and stat == "entropy" and "old_entropy" in loss.requires) and key in data:
                 data.pop(key)

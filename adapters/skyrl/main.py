@@ -18,7 +18,6 @@ from stablerl.contracts import ADVANTAGE_ESTIMATOR, BATCH_FILTER, POLICY_LOSS, R
 from stablerl.frameworks import check_call_options, log_effective_settings, resolve, split_call_options
 from stablerl.frameworks import as_params as settings_params
 from stablerl.params import build_params
-
 from stablerl.teacher import check_same_vocabulary_of
 
 from ._adapter import TEACHER, WHOLE_GROUPS, SkyRLAdapter

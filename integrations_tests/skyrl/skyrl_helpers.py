@@ -42,15 +42,11 @@ def trainer_of(cfg):
 def with_row_inputs(cfg, data, batch: dict):
     """The batch as the entry point's trainer sends it to the policy workers: the old pass's entropy (its
     ``fwd_logprobs_values_reward``), then the loss's per-row inputs from the advantage step's record (prompt groups
-    from SkyRL's uids, scores from the per-token rewards: ``_loss_rows``)."""
+    from SkyRL's uids, the per-response rewards: ``_loss_rows``)."""
     mask = batch["response_mask"]
     data["sequences"], data.metadata = batch["token_ids"].long(), {"response_length": mask.shape[1]}
     data["stablerl_old_entropy"] = batch["old_entropy"].float()
-    rewards = torch.zeros(mask.shape)
-    rewards[:, 0] = batch["scores"]  # the masked sum is the score
-    record = BatchRecord(response_mask=mask, index=[f"uid{int(i)}" for i in batch["index"]],
-                         token_level_rewards=rewards)
-    trainer_of(cfg)._loss_rows(data, record)
+    trainer_of(cfg)._loss_rows(data, [f"uid{int(i)}" for i in batch["index"]], batch["scores"])
     return data
 
 
