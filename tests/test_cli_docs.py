@@ -45,12 +45,13 @@ def test_list_table(capsys):
                                                     "skyrl"]
     assert f"{len(stablerl.list_algorithms())} algorithms; reach: verl " in out
     pacs = next(line.split() for line in out.splitlines() if line.startswith("pacs "))
-    # verl and OpenRLHF: whole prompt groups under a setting; SkyRL's loss call gets no prompt groups
-    assert pacs[-4:] == ["partial", "yes", "partial", "no"]
+    # verl, OpenRLHF and SkyRL: whole prompt groups under a setting
+    assert pacs[-4:] == ["partial", "yes", "partial", "partial"]
     erc = next(line.split() for line in out.splitlines() if line.startswith("erc "))
-    assert erc[-4:] == ["partial", "yes", "yes", "no"]
+    assert erc[-4:] == ["partial", "yes", "yes", "yes"]  # SkyRL: the old-log-prob pass's entropy (issue 27)
     d3s = next(line.split() for line in out.splitlines() if line.startswith("d3s "))
-    assert d3s[-4:] == ["partial", "yes", "yes", "no"]
+    assert d3s[-4:] == ["partial", "yes", "yes", "yes"]
+    assert "  partial  pacs: needs index: trainer.micro_train_batch_size_per_gpu a multiple of" in out
     # every partial says what to set, every refusal why, per framework
     assert "  partial  pacs: needs index: --train.micro_batch_size" in out
     assert "  partial  pacs: needs index: the legacy trainer (trainer.use_v1=false), actor_rollout_ref.actor." in out

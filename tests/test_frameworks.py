@@ -69,11 +69,12 @@ def test_refusals_say_why_in_the_frameworks_words():
     assert F.reach(F.get_framework("verl"), stablerl.get_spec("batch_filter", "d3s")) == ("partial", "d3s")
     assert F.reach_conditions(F.get_framework("verl"), stablerl.get_spec("batch_filter", "d3s"))[0].startswith(
         "entropy: the legacy trainer (trainer.use_v1=false) without bypass mode")
-    # the old-log-prob pass's entropy: every framework feeds it to erc (verl: under a setting)
-    # (SkyRL's loss call gets no entropy; m2po needs none)
-    assert F.selectable_in(stablerl.get_spec(POLICY_LOSS, "erc")) == ["verl", "trl", "openrlhf"]
+    # the old-log-prob pass's entropy: every framework feeds it to erc (verl: under a setting; SkyRL since issue 27)
+    assert F.selectable_in(stablerl.get_spec(POLICY_LOSS, "erc")) == ["verl", "trl", "openrlhf", "skyrl"]
     assert F.selectable_in(stablerl.get_spec(POLICY_LOSS, "m2po")) == ["verl", "trl", "openrlhf", "skyrl"]
-    assert F.selectable_in(stablerl.get_spec("batch_filter", "gtpo_entropy_filter")) == ["verl", "trl", "openrlhf"]
+    assert F.selectable_in(stablerl.get_spec("batch_filter", "gtpo_entropy_filter")) == ["verl", "trl", "openrlhf",
+                                                                                         "skyrl"]
+    assert F.reach(F.get_framework("skyrl"), stablerl.get_spec("batch_filter", "d3s")) == ("selectable", "d3s")
 
 
 def test_partial_reach_says_what_the_user_must_set():

@@ -31,19 +31,23 @@ def test_list_has_a_skyrl_column(capsys):
     assert rows[(POLICY_LOSS, "sapo")]["reach"]["skyrl"] == {"status": "selectable", "name": "stablerl_sapo"}
     assert rows[(POLICY_LOSS, "entropic")]["reach"]["skyrl"]["status"] == "selectable"  # the update's entropy
     pacs = rows[(POLICY_LOSS, "pacs")]["reach"]["skyrl"]
-    assert pacs["status"] == "refused" and "PolicyWorkerBase._forward_backward_micro" in pacs["why"]
+    assert pacs["status"] == "partial" and "micro_train_batch_size_per_gpu a multiple of" in pacs["needs"][0]
+    capo = rows[(POLICY_LOSS, "capo")]["reach"]["skyrl"]
+    assert capo["status"] == "refused" and "PolicyWorkerBase._forward_backward_micro" in capo["why"]
     counts = F.reach_counts(F.reach_table())["skyrl"]
     # 35 when SkyRL landed, + on_policy_distillation and generalized_jsd (teacher inputs SkyRL does not feed)
-    # 47 / 32 before issue 27; + entropic and steer (the update forward's entropy and token ids, ``_micro``)
-    assert counts["selectable"] >= 49 and counts["refused"] <= 30
+    # 47 / 32 before issue 27; + entropic and steer (the update forward's entropy and token ids, ``_micro``) 49 / 30;
+    # + the old pass's entropy / sum_pi_squared, prompt groups and scores at the loss, a3po, the teacher, env values
+    assert counts["selectable"] >= 55 and counts["selectable"] + counts["partial"] >= 74 and counts["refused"] <= 15
 
 
 def test_names_precedence_and_refusals_in_skyrls_words():
     assert F.resolve("skyrl", POLICY_LOSS, "sapo") is None  # SkyRL's own
     assert F.resolve("skyrl", POLICY_LOSS, "stablerl_sapo") == "sapo"
     assert F.resolve("skyrl", ADVANTAGE_ESTIMATOR, "grpo_passk") == "grpo_passk"
-    with pytest.raises(stablerl.MissingInputError, match="index: SkyRL's loss call"):
-        F.resolve("skyrl", POLICY_LOSS, "gtpo")
+    with pytest.raises(stablerl.MissingInputError, match="hidden_states: SkyRL's loss call"):
+        F.resolve("skyrl", POLICY_LOSS, "capo")
+    assert F.resolve("skyrl", POLICY_LOSS, "gtpo") == "gtpo"  # prompt groups carried to the loss (issue 27)
     spec = stablerl.get_spec(POLICY_LOSS, "vanilla")
     s = {x.name: x for x in F.effective_hyperparameters("skyrl", spec, {"clip_ratio_c": 2.0},
                                                          {"clip_ratio_low": 0.1, "clip_ratio_high": 0.2})}
