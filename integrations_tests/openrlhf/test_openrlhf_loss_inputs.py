@@ -280,6 +280,43 @@ def test_entropic_state_persists_across_calls():
         3 * integrals[0])
 
 
+def test_entropic_integral_counts_one_error_per_optimizer_step_under_gradient_accumulation():
+    """OpenRLHF's normalisers (its own iter_grad_accum_global_norm) are the step's tokens and non-empty sequences
+    divided by gas, DeepSpeed scaling each micro-batch's loss by 1 / gas. The Context gets the real counts: EntroPIC's
+    integral adds (H - target) * rows-in-call / rows-in-step, so one optimizer step adds one error even when a batch
+    filter masked rows out (weights 8/16 + 8/16; the raw normalisers gave 8/5 each), and the loss is OpenRLHF's."""
+    from openrlhf.utils.loss_utils import iter_grad_accum_global_norm
+
+    from stablerl.adapters.openrlhf import StablePolicyLoss
+
+    target = 0.2
+    g = torch.Generator().manual_seed(1)
+    masks = [torch.ones(8, 5, dtype=torch.bool), torch.zeros(8, 5, dtype=torch.bool)]
+    masks[1][:2, :3] = True  # the filter kept 2 of the second micro-batch's 8 rows
+    entropies = (1.7, 3.1)
+    loss = StablePolicyLoss(policy_loss_type="entropic", clip_to_params=False,
+                            stablerl_params={"target_entropy": target}, grad_accum=2, step_rows=16)
+    window = list(iter_grad_accum_global_norm(iter(masks), SimpleNamespace(), 2, lambda m: m))
+    assert [float(info["global_batch_size"]) for _, info in window] == [5.0, 5.0]  # (8 + 2) / gas
+    before = 0.0
+    for (mask, info), entropy in zip(window, entropies):
+        lp = -torch.rand(8, 5, generator=g, dtype=torch.float64)
+        old = lp + 0.05 * torch.randn(8, 5, generator=g, dtype=torch.float64)
+        adv = torch.randn(8, 5, generator=g, dtype=torch.float64)
+        loss.feed({"entropy": torch.full_like(lp, entropy)})
+        value = loss(lp, old, adv, action_mask=mask, **info)[0]
+        # OpenRLHF's loss: the micro-batch's token sum over (step tokens / gas), dp_size 1; the integral here is
+        # the one before this call (alpha uses it), continued by the loss's own state
+        state = {"entropic": {"integral": before, "alpha": 0.0, "updates": 0}}
+        ref, _ = stablerl.compute_policy_loss(
+            "entropic", log_prob=lp, old_log_prob=old, advantages=adv, response_mask=mask, entropy=torch.full_like(
+                lp, entropy), target_entropy=target, ctx=stablerl.Context(token_count=info["batch_num_tokens"],
+                                                                          row_count=8.0, state=state))
+        torch.testing.assert_close(value, ref, rtol=1e-12, atol=0)
+        before = loss.last_metrics["entropic/integral"]
+    assert before == pytest.approx(0.5 * (entropies[0] - target) + 0.5 * (entropies[1] - target), rel=1e-6)  # a float32 metric
+
+
 def test_what_openrlhf_can_and_cannot_feed():
     kind = stablerl.POLICY_LOSS
     for name in ("steer", "entropic"):
