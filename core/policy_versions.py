@@ -14,7 +14,8 @@ count different things) instead of letting A-3PO's alpha clamp it silently to 0.
 
 Each adapter's provider reads the counter its framework keeps (TRL: ``state.global_step`` at generation and now;
 verl / OpenRLHF's synchronous trainers: one version per batch) or, where a framework keeps none, counts weight
-syncs itself; this module checks what they give, and holds :class:`WeightSyncCounter`, the count a framework whose
+syncs itself (OpenRLHF's asynchronous trainer: each sample stamped with the syncs before its generation, each round
+with the syncs before it + 1); this module checks what they give, and holds :class:`WeightSyncCounter`, the count a framework whose
 generator and trainer are different Ray actors (OpenRLHF's ``--train.async_enable``) shares between them.
 """
 
