@@ -165,15 +165,12 @@ def test_token_ids_and_scores_are_the_rows_own(monkeypatch, packing):
     assert torch.equal(fed["scores"], torch.tensor([REWARDS[i] for i in ORDER]))
 
 
-@pytest.mark.parametrize("packing", [False, True])
-def test_a3po_gets_one_version_per_batch_through_training_step(monkeypatch, packing):
-    """A-3PO in OpenRLHF's synchronous trainer: every generated token of the batch version 0, the policy 1, so
-    alpha = 0 and the proximal policy is vLLM's (behaviour weight 1): through the real training_step the loss and
-    gradient equal vanilla PPO's clip of exp(lp - lp_rollout), whatever OpenRLHF's old log-probs are."""
-    clip = dict(clip_ratio_low=0.2, clip_ratio_high=0.28, clip_ratio_c=10.0)
+def _a3po_step(monkeypatch, packing, clip, infos=None, async_enable=False):
+    """One training_step of a3po (vLLM log-probs: OpenRLHF's old ones plus noise), recording each backward's
+    gradients: (trainer, model, batch, loss calls, gradients, status)."""
     trainer, model = _trainer(monkeypatch, "a3po", packing, params=clip, is_level="token")
-    assert trainer.actor_loss_fn.fed_inputs == {"versions", "policy_version"}
-    batch, _ = _batch(packing)
+    trainer.args.train.async_enable = async_enable
+    batch, _ = _batch(packing, infos=infos)
     g = torch.Generator().manual_seed(7)
     batch.rollout_log_probs = (batch.action_log_probs + 0.3 * torch.randn(batch.action_log_probs.shape, generator=g)
                                ) * batch.action_mask
@@ -181,7 +178,17 @@ def test_a3po_gets_one_version_per_batch_through_training_step(monkeypatch, pack
     grads = []
     trainer.strategy.backward = lambda loss, *a: (model.zero_grad(), loss.backward(),
                                                   grads.append([q.grad.clone() for q in model.parameters()]))
-    status = _step(trainer, batch)
+    return trainer, model, batch, calls, grads, _step(trainer, batch)
+
+
+@pytest.mark.parametrize("packing", [False, True])
+def test_a3po_gets_one_version_per_batch_through_training_step(monkeypatch, packing):
+    """A-3PO in OpenRLHF's synchronous trainer: every generated token of the batch version 0, the policy 1, so
+    alpha = 0 and the proximal policy is vLLM's (behaviour weight 1): through the real training_step the loss and
+    gradient equal vanilla PPO's clip of exp(lp - lp_rollout), whatever OpenRLHF's old log-probs are."""
+    clip = dict(clip_ratio_low=0.2, clip_ratio_high=0.28, clip_ratio_c=10.0)
+    trainer, model, batch, calls, grads, status = _a3po_step(monkeypatch, packing, clip)
+    assert trainer.actor_loss_fn.fed_inputs == {"versions", "policy_version"}
     fed = calls[0]
     mask = batch.action_mask.bool()
     assert torch.equal(fed["versions"], torch.where(mask, 0, -1)) and fed["policy_version"] == 1
@@ -264,18 +271,9 @@ def test_a3po_on_a_batch_mixing_two_policy_versions_matches_the_formula(monkeypa
     from stablerl.adapters.openrlhf._versions import POLICY_VERSION_KEY, VERSION_KEY
 
     clip = dict(clip_ratio_low=0.2, clip_ratio_high=0.28)
-    trainer, model = _trainer(monkeypatch, "a3po", packing, params=clip, is_level="token")
-    trainer.args.train.async_enable = True
-    batch, _ = _batch(packing, infos=[{VERSION_KEY: torch.tensor([v]), POLICY_VERSION_KEY: torch.tensor([POLICY])}
-                                      for v in GENERATED])
-    g = torch.Generator().manual_seed(7)
-    batch.rollout_log_probs = (batch.action_log_probs + 0.3 * torch.randn(batch.action_log_probs.shape, generator=g)
-                               ) * batch.action_mask
-    calls = _spy(monkeypatch)
-    grads = []
-    trainer.strategy.backward = lambda loss, *a: (model.zero_grad(), loss.backward(),
-                                                  grads.append([q.grad.clone() for q in model.parameters()]))
-    status = _step(trainer, batch)
+    trainer, model, batch, calls, grads, status = _a3po_step(
+        monkeypatch, packing, clip, async_enable=True,
+        infos=[{VERSION_KEY: torch.tensor([v]), POLICY_VERSION_KEY: torch.tensor([POLICY])} for v in GENERATED])
     fed, mask = calls[0], batch.action_mask.bool()
     rows = torch.tensor([GENERATED[i] for i in ORDER])  # the shuffled micro-batch's rows
     assert sorted(set(rows.tolist())) == [2, 3]  # both versions in this micro-batch
