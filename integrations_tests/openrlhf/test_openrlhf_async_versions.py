@@ -181,3 +181,30 @@ def test_a_sample_without_a_stamp_stops_the_round(monkeypatch):
                                                  r"\(info\['stablerl_version'\]\)"):
         run.trainer.train_step(batch, 0)
     assert run.trainer.actor_model_group.appended == []
+
+
+def test_the_weight_sync_count_is_one_named_actor_per_job_reserving_no_cpu():
+    """stablerl.policy_versions.WeightSyncCounter on a real local Ray with one CPU: a task (holding that CPU) finds
+    the count the driver created by name and advances it, so the actor reserves no CPU; a handle created later sees
+    every sync."""
+    import ray
+
+    from stablerl.policy_versions import WeightSyncCounter
+
+    if ray.is_initialized():
+        ray.shutdown()
+    ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False)
+    try:
+        driver = WeightSyncCounter("stablerl_test_syncs")
+        assert driver.current() == 0 and driver.advance() == 1 and driver.advance() == 2
+
+        @ray.remote(num_cpus=1)
+        def sync_elsewhere():
+            counter = WeightSyncCounter("stablerl_test_syncs")
+            return counter.current(), counter.advance()
+
+        assert ray.get(sync_elsewhere.remote(), timeout=120) == (2, 3)
+        assert driver.current() == 3 and WeightSyncCounter("stablerl_test_syncs").current() == 3
+        assert WeightSyncCounter("stablerl_other_syncs").current() == 0  # another name, another count
+    finally:
+        ray.shutdown()
