@@ -17,7 +17,8 @@ from stablerl.params import StableRLError, build_params
 from stablerl.state import StateStore
 
 from ._flags import NAME, OPENRLHF_POLICY_LOSSES, PREFIX, check_openrlhf, check_policy_loss_api
-from ._selection import Selection, check_one_version_per_batch, check_rollout_log_probs, resolve
+from ._selection import Selection, check_rollout_log_probs, resolve
+from ._versions import check_version_source
 
 check_openrlhf()
 check_policy_loss_api(PolicyLoss)
@@ -204,8 +205,7 @@ def build_policy_loss(args, selection: Selection, strategy=None) -> StablePolicy
     name = selection.policy_loss
     if name in OPENRLHF_POLICY_LOSSES:  # a stablerl loss whose name OpenRLHF also uses
         name = PREFIX + name
-    check_one_version_per_batch(stablerl.get_spec(stablerl.POLICY_LOSS, selection.policy_loss),
-                                bool(getattr(args.train, "async_enable", False)))
+    check_version_source(stablerl.get_spec(stablerl.POLICY_LOSS, selection.policy_loss), args.train)
     settings = selection.loss_settings()  # one precedence rule; the effective-settings table is printed once
     log_effective_settings(NAME, stablerl.get_spec(stablerl.POLICY_LOSS, selection.policy_loss), settings)
     correction = {k: getattr(args.algo.advantage, k) for k in ("is_correction_level", "is_correction_mode",
