@@ -19,7 +19,10 @@ class Context:
 
     * ``token_count``: valid tokens in the whole optimizer mini-batch across every DP rank and
       gradient-accumulation micro-batch (``None``: this call's own ``response_mask.sum()``).
-    * ``seq_count``: sequences in that mini-batch, likewise (``None``: this call's ``B``).
+    * ``seq_count``: sequences in that mini-batch, likewise (``None``: this call's ``B``), as the framework's
+      own sequence mean counts them (verl, TRL: every row; OpenRLHF: rows with a valid token).
+    * ``row_count``: rows in that mini-batch, fully masked ones included (``None``: take ``seq_count``); set
+      where the two differ, for what weights a micro-batch by its share of the rows (EntroPIC's integral).
     * ``dp_size``: the gradient is averaged over this many ranks by the framework, so losses
       are multiplied by it (as verl and OpenRLHF do).
     * ``loss_scale_factor``: the constant of ``seq-mean-token-sum-norm`` (Dr. GRPO).
@@ -32,6 +35,7 @@ class Context:
 
     token_count: Optional[float] = None
     seq_count: Optional[float] = None
+    row_count: Optional[float] = None
     dp_size: int = 1
     loss_scale_factor: Optional[float] = None
     all_reduce_fn: Optional[Callable[[torch.Tensor, str], torch.Tensor]] = None

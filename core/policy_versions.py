@@ -14,7 +14,9 @@ count different things) instead of letting A-3PO's alpha clamp it silently to 0.
 
 Each adapter's provider reads the counter its framework keeps (TRL: ``state.global_step`` at generation and now;
 verl / OpenRLHF's synchronous trainers: one version per batch) or, where a framework keeps none, counts weight
-syncs itself; this module only checks what they give.
+syncs itself (OpenRLHF's asynchronous trainer: each sample stamped with the syncs before its generation, each round
+with the syncs before it + 1); this module checks what they give, and holds :class:`WeightSyncCounter`, the count a framework whose
+generator and trainer are different Ray actors (OpenRLHF's ``--train.async_enable``) shares between them.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ import torch
 
 from .params import StableRLError
 
-__all__ = ["check_policy_versions", "as_policy_version"]
+__all__ = ["check_policy_versions", "as_policy_version", "WeightSyncCounter"]
 
 
 def as_policy_version(policy_version: Any) -> int:
@@ -80,3 +82,50 @@ def check_policy_versions(versions: Optional[torch.Tensor], policy_version: Any,
             "version counter and the generation stamps disagree (both must count weight updates, AReaL's convention: "
             "see stablerl.policy_versions)")
     return current
+
+
+class _Count:
+    """The state of a :class:`WeightSyncCounter`: one integer, in a named Ray actor."""
+
+    def __init__(self) -> None:
+        self.value = 0
+
+    def get(self) -> int:
+        return self.value
+
+    def increment(self) -> int:
+        self.value += 1
+        return self.value
+
+
+class WeightSyncCounter:
+    """The number of weight syncs to the rollout engines so far (AReaL's weight version), shared by the processes
+    of one Ray job: a named Ray actor (no CPU reserved), created by the first process that asks for it and found by
+    name by the others (Ray's ``get_if_exists``; a job's actors share its namespace, so two jobs never share one).
+    The process that syncs the weights calls :meth:`advance` once per sync, before the engines may generate again;
+    the generator reads :meth:`current` before it generates, the trainer before it trains. Ray is imported when
+    the counter is first used."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self._actor = None
+
+    def _handle(self):
+        if self._actor is None:
+            import ray
+
+            remote = ray.remote(num_cpus=0)(_Count)
+            self._actor = remote.options(name=self.name, get_if_exists=True).remote()
+        return self._actor
+
+    def current(self) -> int:
+        """The syncs completed so far (0 before the first)."""
+        import ray
+
+        return int(ray.get(self._handle().get.remote()))
+
+    def advance(self) -> int:
+        """Count one more sync; the new count."""
+        import ray
+
+        return int(ray.get(self._handle().increment.remote()))

@@ -128,7 +128,8 @@ def entropic_loss(b, p: EntroPICParams, ctx):
     controller.load_state_dict(state)
     entropy_mean = h_sum / max(n_tok, 1.0)
     if n_tok > 0:
-        weight = n_seq / float(ctx.seq_count) if ctx.seq_count else 1.0
+        rows = ctx.row_count if ctx.row_count is not None else ctx.seq_count
+        weight = n_seq / float(rows) if rows else 1.0
         alpha = controller.update(entropy_mean, weight)
     else:  # nothing to measure: no update, no adjustment (the loss is 0 anyway)
         alpha = 0.0
@@ -183,7 +184,9 @@ def register_policy_losses(register):
             "(token-mean, current policy, same forward pass as log_prob) is all-reduced over DP ranks so every "
             "rank holds the same alpha; the reference integrates per rank. The controller updates once per "
             "call (micro-batch), the error weighted by sequences-in-call / ctx.seq_count (the reference's "
-            "micro_bsz / ppo_mini_batch_size; 1 when seq_count is unknown). The high-prob term uses the "
+            "micro_bsz / ppo_mini_batch_size; 1 when seq_count is unknown), rows counted whether masked or not on "
+            "both sides (ctx.row_count where the framework's seq_count counts only non-empty rows), so the "
+            "weights of one optimizer step sum to 1. The high-prob term uses the "
             "current-policy probability, is unclipped, and is aggregated over high-prob tokens only; under "
             "token-mean with a global token_count its denominator is token_count x the all-reduced high-prob "
             "fraction of this micro-batch. IS weights multiply the PPO part only (as in the reference). "

@@ -296,6 +296,17 @@ def test_entropic_integral_accumulates_across_calls():
     assert len(set(round(a, 9) for a in alphas)) == 4
 
 
+def test_entropic_integral_weight_is_the_calls_share_of_the_rows():
+    """The error is weighted by rows-in-call / rows-in-mini-batch: ctx.row_count where the framework's seq_count
+    counts only non-empty rows (OpenRLHF), else seq_count; the 5 rows here are a quarter of 20."""
+    b = _entropic_batch(0)
+    H = _entropy(5, 7, 0, scale=0.6)
+    e = sum(H[i, t].item() for i, t in _valid(b["response_mask"])) / len(_valid(b["response_mask"])) - 0.1
+    for ctx in (Context(seq_count=20), Context(seq_count=3, row_count=20)):
+        _, m = stablerl.compute_policy_loss("entropic", **b, entropy=H, ctx=ctx)
+        assert m["entropic/integral"] == pytest.approx(e / 4)
+
+
 def test_entropic_state_resume_reproduces_alpha():
     c1 = EntroPICController(target_entropy=0.2, k_p=0.5, k_i=0.1)
     for h in (0.9, 0.4, 0.05, 0.3):

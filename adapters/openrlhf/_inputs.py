@@ -3,7 +3,8 @@
 ``training_step`` builds one :class:`~stablerl.steps.BatchRecord` per micro-batch (host: the ``Experience``) and hands
 it to the loss through core's scoped channel (:func:`stablerl.frameworks.loss_inputs`, open for the whole step);
 ``StablePolicyLoss`` reads the inputs its loss declares from it (the adapter's providers): ``token_ids``,
-``scores``, ``index`` (``_groups``), ``versions`` / ``policy_version``, ``entropy`` (the training forward's, which
+``scores``, ``index`` (``_groups``), ``versions`` / ``policy_version`` (the asynchronous trainer's stamps:
+``_versions``), ``entropy`` (the training forward's, which
 the ``Actor.forward`` patch asks OpenRLHF's forward for and puts into ``record.produced``) and ``old_entropy``.
 
 The old-log-prob pass's ``entropy`` / ``sum_pi_squared`` (computed only when a selected algorithm declares them:
@@ -27,6 +28,7 @@ from stablerl.params import MissingInputError, StableRLError
 from stablerl.steps import BatchRecord
 
 from ._groups import pop_index
+from ._versions import take_stamps
 
 #: statistic -> (attribute of the CPU log-prob tensor, ``Experience.info`` key: [B, A], per row after the buffer's
 #: split); the two fields that carry the old-log-prob pass's statistics between the processes
@@ -49,11 +51,15 @@ def step_inputs(adapter, trainer, experience) -> Iterator[Optional[BatchRecord]]
     need = set(spec.requires) if spec is not None else set()
     index = pop_index(experience, "index" in need)  # the group keys never reach OpenRLHF's metrics
     old_entropy = (experience.info or {}).pop(OLD_ENTROPY_KEY, None)  # nor the old-pass entropy
+    # nor the policy-version stamps of the asynchronous trainer (._versions)
+    async_enable = bool(getattr(getattr(getattr(trainer, "args", None), "train", None), "async_enable", False))
+    stamps = take_stamps(experience, bool(need & {"versions", "policy_version"}), async_enable)
     if spec is None:
         yield None
         return
     record = BatchRecord(adapter, response_mask=experience.action_mask, index=index, host=experience,
                          scores=None if experience.rewards is None else experience.rewards.reshape(-1))
+    record.produced.update(stamps)
     if old_entropy is not None:
         record.produced["old_entropy"] = _to_width(old_entropy, experience.action_mask)
     if "entropy" in loss_fn.fed_inputs:

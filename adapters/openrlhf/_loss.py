@@ -17,7 +17,8 @@ from stablerl.params import StableRLError, build_params
 from stablerl.state import StateStore
 
 from ._flags import NAME, OPENRLHF_POLICY_LOSSES, PREFIX, check_openrlhf, check_policy_loss_api
-from ._selection import Selection, check_one_version_per_batch, check_rollout_log_probs, resolve
+from ._selection import Selection, check_rollout_log_probs, resolve
+from ._versions import check_version_source
 
 check_openrlhf()
 check_policy_loss_api(PolicyLoss)
@@ -25,7 +26,7 @@ check_policy_loss_api(PolicyLoss)
 
 class StablePolicyLoss(PolicyLoss):
     """OpenRLHF's ``PolicyLoss`` whose ``policy_loss_type`` may be any stablerl policy loss: same constructor kwargs
-    (plus keyword-only ``stablerl_params``, ``dp_group``, ``clip_to_params``), same keyword call, same 5-tuple
+    (plus keyword-only ``stablerl_params``, ``dp_group``, ``clip_to_params``, ``grad_accum``, ``step_rows``), same keyword call, same 5-tuple
     ``(loss, clip_ratio, ppo_kl, vllm_kl, is_filter_ratio)``. ``ppo`` / ``gspo`` run OpenRLHF's own ``forward``.
 
     A stablerl loss runs ``stablerl.compute_policy_loss`` with ``token-mean`` (``token_level_loss``) or
@@ -45,13 +46,20 @@ class StablePolicyLoss(PolicyLoss):
                  token_level_loss: bool = True, policy_loss_type: str = "ppo", is_correction_level: str = "off",
                  is_correction_mode: str = "mask", is_correction_gating: str = "ratio",
                  is_correction_threshold: list = (0.5, 5.0), *, stablerl_params: Optional[dict] = None,
-                 dp_group: Any = None, clip_to_params: bool = True) -> None:
+                 dp_group: Any = None, clip_to_params: bool = True, grad_accum: int = 1,
+                 step_rows: Optional[float] = None) -> None:
         is_correction = dict(is_correction_level=is_correction_level, is_correction_mode=is_correction_mode,
                              is_correction_gating=is_correction_gating, is_correction_threshold=is_correction_threshold)
         super().__init__(clip_eps_low=clip_eps_low, clip_eps_high=clip_eps_high, dual_clip=dual_clip,
                          token_level_loss=token_level_loss, policy_loss_type=policy_loss_type, **is_correction)
         self.stablerl_name = resolve(stablerl.POLICY_LOSS, policy_loss_type)
         self.dp_group = dp_group
+        #: DeepSpeed's gradient-accumulation steps: OpenRLHF divides its normalisers by them (loss_utils'
+        #: ``_optimizer_step_loss_norm``) because DeepSpeed scales each micro-batch's loss by 1 / gas (see _context)
+        self.grad_accum = max(int(grad_accum), 1)
+        #: rows per optimizer step over every rank (--train.batch_size), masked rows included: OpenRLHF's
+        #: global_batch_size counts only rows with a valid token (None with dynamic batching: unknown)
+        self.step_rows = step_rows
         self.last_metrics: dict[str, float] = {}
         self.fed_inputs: frozenset = frozenset()
         self.stablerl_spec = None
@@ -137,9 +145,14 @@ class StablePolicyLoss(PolicyLoss):
 
     def _context(self, dp_size, batch_num_tokens, global_batch_size):
         counts_given = batch_num_tokens is not None if self.token_level_loss else global_batch_size is not None
-        # OpenRLHF's aggregate_loss ignores dp_size when it has no global normaliser
-        kwargs = dict(token_count=batch_num_tokens, seq_count=global_batch_size,
-                      dp_size=int(dp_size) if counts_given else 1,
+        # OpenRLHF's aggregate_loss ignores dp_size when it has no global normaliser. Its normalisers are the
+        # optimizer step's tokens / non-empty sequences divided by gas, because DeepSpeed scales each micro-batch's
+        # loss by 1 / gas: the Context gets the step's real counts (core's contract: what a controller weighting
+        # by sequences, EntroPIC's integral, reads) and dp_size * gas, which gives OpenRLHF's loss unchanged
+        ga = self.grad_accum
+        kwargs = dict(token_count=None if batch_num_tokens is None else batch_num_tokens * ga,
+                      seq_count=None if global_batch_size is None else global_batch_size * ga,
+                      dp_size=int(dp_size) * ga if counts_given else 1, row_count=self.step_rows,
                       state=self.stablerl_state.slot(stablerl.POLICY_LOSS, self.stablerl_name))
         if torch.distributed.is_available() and torch.distributed.is_initialized():
             return stablerl.torch_distributed_context(self.dp_group, **kwargs)
@@ -192,14 +205,18 @@ def build_policy_loss(args, selection: Selection, strategy=None) -> StablePolicy
     name = selection.policy_loss
     if name in OPENRLHF_POLICY_LOSSES:  # a stablerl loss whose name OpenRLHF also uses
         name = PREFIX + name
-    check_one_version_per_batch(stablerl.get_spec(stablerl.POLICY_LOSS, selection.policy_loss),
-                                bool(getattr(args.train, "async_enable", False)))
+    check_version_source(stablerl.get_spec(stablerl.POLICY_LOSS, selection.policy_loss), args.train)
     settings = selection.loss_settings()  # one precedence rule; the effective-settings table is printed once
     log_effective_settings(NAME, stablerl.get_spec(stablerl.POLICY_LOSS, selection.policy_loss), settings)
     correction = {k: getattr(args.algo.advantage, k) for k in ("is_correction_level", "is_correction_mode",
                                                              "is_correction_gating", "is_correction_threshold")}
     # clip_to_params=False: only the clip flags the user gave set the loss's clip fields (in settings)
+    # dynamic batching runs DeepSpeed with gradient_accumulation_steps 1 and undivided normalisers
+    dynamic = bool(getattr(args.train, "dynamic_batch_enable", False))
+    grad_accum = 1 if strategy is None or dynamic else int(getattr(strategy, "accumulated_gradient", 1) or 1)
+    batch_size = getattr(args.train, "batch_size", None)
+    step_rows = None if strategy is None or dynamic or batch_size is None else float(batch_size)
     return StablePolicyLoss(clip_eps_low=args.actor.eps_clip_low_high[0], clip_eps_high=args.actor.eps_clip_low_high[1],
                             dual_clip=args.actor.dual_clip, token_level_loss=args.actor.loss_agg_mode == "token-mean",
                             policy_loss_type=name, **correction, stablerl_params=as_params(settings), dp_group=dp_group,
-                            clip_to_params=False)
+                            clip_to_params=False, grad_accum=grad_accum, step_rows=step_rows)

@@ -9,14 +9,16 @@ a supported version; every rebinding through the adapter's ledger, undone by ``u
 * ``RemoteExperienceMaker.compute_advantages_and_returns``: the advantage step (``_advantage``); ``make_experience``:
   routes and old-pass statistics into the experiences (``_routing_replay``);
 * R3's rollout side: ``BaseModelActor.execute_batch``, ``SamplesGenerator``, the agent executors, vLLM's
-  ``AsyncEngineArgs``; checkpoints: the algorithms' state in DeepSpeed's ``client_state`` (``_state``).
+  ``AsyncEngineArgs``; checkpoints: the algorithms' state in DeepSpeed's ``client_state`` (``_state``);
+* policy versions under ``--train.async_enable``: ``SamplesGenerator._generate_vllm``, ``BasePPOTrainer.train_step``
+  / ``broadcast_to_vllm`` (``_versions``).
 """
 
 from __future__ import annotations
 
 import functools
 
-from . import _controller, _routing_replay, _state, _teacher
+from . import _controller, _routing_replay, _state, _teacher, _versions
 from ._flags import check_openrlhf, check_policy_loss_api
 from ._selection import selection_from_args
 
@@ -108,12 +110,17 @@ PATCHERS = {
     "openrlhf.trainer.ray.launcher": lambda module, ledger, adapter: (
         _routing_replay.patch_launcher_module(module, ledger, adapter),
         _teacher.patch_launcher_module(module, ledger, adapter)),
-    "openrlhf.trainer.ppo_utils.samples_generator": _routing_replay.patch_samples_module,
+    # policy versions under --train.async_enable: the generator stamps its samples (_versions)
+    "openrlhf.trainer.ppo_utils.samples_generator": lambda module, ledger, adapter: (
+        _routing_replay.patch_samples_module(module, ledger, adapter),
+        _versions.patch_samples_module(module, ledger, adapter)),
     "openrlhf.utils.agent": _routing_replay.patch_agent_module,
     "vllm.engine.arg_utils": _routing_replay.patch_vllm_arg_utils,
     # stablerl state in checkpoints: DeepSpeed's client_state (actors), the trainer's client_states (driver)
     "openrlhf.utils.deepspeed.deepspeed": _state.patch_strategy_module,
-    "openrlhf.trainer.ppo_trainer": _state.patch_trainer_module,
+    # and the trainer counts its weight syncs and stamps the round's policy version (_versions)
+    "openrlhf.trainer.ppo_trainer": lambda module, ledger, adapter: (
+        _state.patch_trainer_module(module, ledger, adapter), _versions.patch_trainer_module(module, ledger, adapter)),
 }
 #: every ledger key the patchers set (is_applied reports each)
 PATCH_KEYS = (
@@ -126,6 +133,7 @@ PATCH_KEYS = (
     "MultiTurnAgentExecutor.execute", "AsyncEngineArgs.__init__", "DeepspeedStrategy.save_ckpt",
     "DeepspeedStrategy.load_ckpt", "BasePPOTrainer.save_logs_and_checkpoints", "BasePPOTrainer.save_best_checkpoint",
     "BasePPOTrainer.init_checkpoint_states", "RayActorGroup.async_init_model_from_pretrained",
+    "BasePPOTrainer.train_step", "BasePPOTrainer.broadcast_to_vllm", "SamplesGenerator._generate_vllm",
 )
 
 

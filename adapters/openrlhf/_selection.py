@@ -52,22 +52,6 @@ def check_entropy_coef_unset(controller: Optional[str], actor_args) -> None:
                             "entropy_coef")
 
 
-#: what the adapter feeds for A-3PO's versions: one weight version per rollout batch (synchronous trainer)
-ONE_VERSION_INPUTS = ("versions", "policy_version")
-
-
-def check_one_version_per_batch(spec, async_enable: bool) -> None:
-    """A loss reading policy versions (``a3po``) gets one version per batch, true only for OpenRLHF's synchronous
-    trainer: under ``--train.async_enable`` a batch may come from older weights, which OpenRLHF does not record."""
-    needs = [name for name in ONE_VERSION_INPUTS if name in spec.requires]
-    if needs and async_enable:
-        raise MissingInputError(
-            f"policy loss {spec.name!r} needs {needs}: the adapter gives every token of a batch the version of the "
-            "weights its update starts from, which holds only for OpenRLHF's synchronous trainer; --train.async_enable "
-            "may train on a batch generated before an earlier broadcast (up to --train.async_queue_size), and "
-            "OpenRLHF's generator actor records no weight version with its samples")
-
-
 @dataclass
 class Selection(AlgorithmSelection):
     """What the user selected (core's :class:`~stablerl.algorithm_selection.AlgorithmSelection`: stablerl names,

@@ -47,9 +47,9 @@ OPENRLHF = FrameworkSpec(
             "anchor_ids": "OpenRLHF's experiences are one per sample (its agent mode keeps a whole episode in one), "
             "with no anchor-state ids",
             "step_returns": "OpenRLHF's experiences carry no per-step discounted returns",
-            "versions": "OpenRLHF's experiences carry no per-token policy versions (its async generator records no "
-            "weight version with its samples)",
-            "policy_version": "OpenRLHF's loss call does not know the current policy version",
+            "versions": "the adapter feeds policy versions to policy losses only (one per batch in the synchronous "
+            "trainer, its own stamps under --train.async_enable)",
+            "policy_version": "the adapter feeds policy versions to policy losses only",
             "router_log_prob": "OpenRLHF's loss call gets no router log-probs (stablerl's R2/R3 replay there replays "
             "experts, it records no router log-probs)",
             "old_router_log_prob": "OpenRLHF's old-log-prob pass returns no router log-probs",
@@ -111,11 +111,13 @@ OPENRLHF = FrameworkSpec(
         "d3s": "OpenRLHF's advantage step does not know the run's total number of steps: the N/K schedule "
         "(n_init != n_final or k_init != k_final) is refused at the first step; set n_init == n_final and "
         "k_init == k_final",
-        "a3po": "OpenRLHF records no per-token versions; its synchronous trainer generates each batch with the "
+        "a3po": "OpenRLHF records no weight versions; its synchronous trainer generates each batch with the "
         "weights the update starts from, so the adapter gives every generated token version 0 and the policy version "
         "1 (relative): alpha = 0, the proximal log-prob is the vLLM rollout log-prob (behaviour weight 1) and r = "
         "exp(lp - lp_rollout) is clipped for every micro-batch and epoch (OpenRLHF's recomputed old log-probs are "
-        "unused unless prox_logp_method=recompute)",
+        "unused unless prox_logp_method=recompute). Under --train.async_enable the adapter counts the weight syncs "
+        "itself and stamps each sample with the version that generated it: a sample generated one sync before the "
+        "round gets alpha 1/2 (not with --train.partial_rollout_enable, refused)",
         "m2po": "old_log_prob is the actor's recomputed old-log-prob pass; OpenRLHF offers no way to give the "
         "behaviour (vLLM) policy as the old policy",
     },

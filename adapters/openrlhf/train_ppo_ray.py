@@ -40,8 +40,9 @@ from ._flags import (ADV_FLAG, ADV_PARAMS_FLAG, COMPONENT_WEIGHTS_FLAG, COMPONEN
                      LOSS_FLAG, LOSS_PARAMS_FLAG, NAME, NO_STD_NORM_FLAG, REWARD_CLIP_FLAG, SAMPLING_REPLAY_FLAG,
                      SHAPER_FLAG, TEACHER_FLAG, check_openrlhf)
 from ._sampling_mask import decide
-from ._selection import (Selection, add_setup_hook, check_entropy_coef_unset, check_one_version_per_batch,
-                         check_rollout_log_probs, openrlhf_choices)
+from ._selection import (Selection, add_setup_hook, check_entropy_coef_unset, check_rollout_log_probs,
+                         openrlhf_choices)
+from ._versions import check_version_source
 
 
 def _stablerl_flags(kind: str) -> list[tuple[str, dict]]:
@@ -195,7 +196,7 @@ def selection_from_cli(args) -> Selection:
     if sel.policy_loss is not None:
         spec = stablerl.get_spec(stablerl.POLICY_LOSS, sel.policy_loss)
         check_rollout_log_probs(spec, sel.policy_loss_params, advantage.is_correction_level)
-        check_one_version_per_batch(spec, bool(getattr(args.train, "async_enable", False)))
+        check_version_source(spec, args.train)
         if "index" in spec.requires:
             check_group_batching(sel.policy_loss, args)
     return sel

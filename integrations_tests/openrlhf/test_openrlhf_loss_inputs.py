@@ -37,8 +37,9 @@ def _tiny_dense(seed=0):
     return model
 
 
-def _batch(packing):
-    """Six single-sample experiences -> OpenRLHF's split / unpad / re-batch of four shuffled rows."""
+def _batch(packing, infos=None):
+    """Six single-sample experiences -> OpenRLHF's split / unpad / re-batch of four shuffled rows (``infos``: each
+    sample's ``info``)."""
     from openrlhf.trainer.ppo_utils.experience import (Experience, make_experience_batch,
                                                        remove_padding_in_sequences, split_experience_batch)
 
@@ -52,7 +53,7 @@ def _batch(packing):
             sequences=seq, attention_mask=torch.ones(1, n, dtype=torch.long), action_mask=action.unsqueeze(0),
             action_log_probs=-torch.rand(1, n - 1, generator=g) * action, advantages=torch.randn(1, 1, generator=g)
             * action, rewards=torch.tensor([r]), response_length=torch.tensor([n - p]), truncated=torch.tensor([False]),
-            total_length=torch.tensor([float(n)]), info={},
+            total_length=torch.tensor([float(n)]), info=dict(infos[len(singles)]) if infos else {},
         ))
         responses.append(seq[0, p:])
     items = []
@@ -164,15 +165,12 @@ def test_token_ids_and_scores_are_the_rows_own(monkeypatch, packing):
     assert torch.equal(fed["scores"], torch.tensor([REWARDS[i] for i in ORDER]))
 
 
-@pytest.mark.parametrize("packing", [False, True])
-def test_a3po_gets_one_version_per_batch_through_training_step(monkeypatch, packing):
-    """A-3PO in OpenRLHF's synchronous trainer: every generated token of the batch version 0, the policy 1, so
-    alpha = 0 and the proximal policy is vLLM's (behaviour weight 1): through the real training_step the loss and
-    gradient equal vanilla PPO's clip of exp(lp - lp_rollout), whatever OpenRLHF's old log-probs are."""
-    clip = dict(clip_ratio_low=0.2, clip_ratio_high=0.28, clip_ratio_c=10.0)
+def _a3po_step(monkeypatch, packing, clip, infos=None, async_enable=False):
+    """One training_step of a3po (vLLM log-probs: OpenRLHF's old ones plus noise), recording each backward's
+    gradients: (trainer, model, batch, loss calls, gradients, status)."""
     trainer, model = _trainer(monkeypatch, "a3po", packing, params=clip, is_level="token")
-    assert trainer.actor_loss_fn.fed_inputs == {"versions", "policy_version"}
-    batch, _ = _batch(packing)
+    trainer.args.train.async_enable = async_enable
+    batch, _ = _batch(packing, infos=infos)
     g = torch.Generator().manual_seed(7)
     batch.rollout_log_probs = (batch.action_log_probs + 0.3 * torch.randn(batch.action_log_probs.shape, generator=g)
                                ) * batch.action_mask
@@ -180,7 +178,17 @@ def test_a3po_gets_one_version_per_batch_through_training_step(monkeypatch, pack
     grads = []
     trainer.strategy.backward = lambda loss, *a: (model.zero_grad(), loss.backward(),
                                                   grads.append([q.grad.clone() for q in model.parameters()]))
-    status = _step(trainer, batch)
+    return trainer, model, batch, calls, grads, _step(trainer, batch)
+
+
+@pytest.mark.parametrize("packing", [False, True])
+def test_a3po_gets_one_version_per_batch_through_training_step(monkeypatch, packing):
+    """A-3PO in OpenRLHF's synchronous trainer: every generated token of the batch version 0, the policy 1, so
+    alpha = 0 and the proximal policy is vLLM's (behaviour weight 1): through the real training_step the loss and
+    gradient equal vanilla PPO's clip of exp(lp - lp_rollout), whatever OpenRLHF's old log-probs are."""
+    clip = dict(clip_ratio_low=0.2, clip_ratio_high=0.28, clip_ratio_c=10.0)
+    trainer, model, batch, calls, grads, status = _a3po_step(monkeypatch, packing, clip)
+    assert trainer.actor_loss_fn.fed_inputs == {"versions", "policy_version"}
     fed = calls[0]
     mask = batch.action_mask.bool()
     assert torch.equal(fed["versions"], torch.where(mask, 0, -1)) and fed["policy_version"] == 1
@@ -237,13 +245,82 @@ def test_a3po_version_is_constant_over_the_optimizer_steps_of_one_rollout_batch(
         torch.testing.assert_close(fed["__loss__"], vanilla, rtol=1e-6, atol=1e-8)
 
 
-def test_a3po_is_refused_under_the_async_trainer():
+GENERATED = (3, 2, 3, 2, 2, 3)  # the weight syncs before each sample's generation (asynchronous trainer)
+POLICY = 4  # the round trains version 4: it starts from the weights of 3 syncs
+
+
+def _a3po_reference(lp, rollout, advantages, mask, alpha, n_tokens, clip_low, clip_high, cap):
+    """A-3PO written out from the paper (arXiv 2512.06547) and AReaL's decoupled loss, independently of stablerl:
+    lp_prox = lp_b + alpha (sg(lp) - lp_b); w = exp(lp_prox - lp_b), rejected outside (0, cap]; r = exp(lp - lp_prox);
+    loss = sum(m * w * max(-A r, -A clip(r, 1 - eps_low, 1 + eps_high))) / tokens (OpenRLHF's token-mean)."""
+    prox = rollout + alpha * (lp.detach() - rollout)
+    w = torch.exp(prox - rollout)
+    keep = (w <= cap).to(lp.dtype)
+    r = torch.exp(lp - prox)
+    per_token = torch.maximum(-advantages * r, -advantages * torch.clamp(r, 1 - clip_low, 1 + clip_high))
+    return (per_token * (w * keep).detach() * mask).sum() / n_tokens
+
+
+@pytest.mark.parametrize("packing", [False, True])
+def test_a3po_on_a_batch_mixing_two_policy_versions_matches_the_formula(monkeypatch, packing):
+    """OpenRLHF's asynchronous trainer (--train.async_enable): the micro-batch mixes samples generated after 3 and
+    after 2 weight syncs (the adapter's stamps, carried row by row through the replay buffer's split / shuffle /
+    re-batch), trained by the round of version 4. Through the real training_step the loss gets each row's version on
+    its action tokens and alpha is 0 for the rows of 3 syncs (the weights the round starts from) and (4-1-2)/(4-2) =
+    1/2 for the others; loss and gradient equal A-3PO written out independently, and differ from alpha = 0."""
+    from stablerl.adapters.openrlhf._versions import POLICY_VERSION_KEY, VERSION_KEY
+
+    clip = dict(clip_ratio_low=0.2, clip_ratio_high=0.28)
+    trainer, model, batch, calls, grads, status = _a3po_step(
+        monkeypatch, packing, clip, async_enable=True,
+        infos=[{VERSION_KEY: torch.tensor([v]), POLICY_VERSION_KEY: torch.tensor([POLICY])} for v in GENERATED])
+    fed, mask = calls[0], batch.action_mask.bool()
+    rows = torch.tensor([GENERATED[i] for i in ORDER])  # the shuffled micro-batch's rows
+    assert sorted(set(rows.tolist())) == [2, 3]  # both versions in this micro-batch
+    assert torch.equal(fed["versions"], torch.where(mask, rows.unsqueeze(1), -1)) and fed["policy_version"] == POLICY
+    assert not any(key.startswith("stablerl_") for key in status["metrics"])  # the stamps are never logged
+    alpha = torch.where(mask, torch.where(rows == 2, 0.5, 0.0).unsqueeze(1), 0.0).double()
+    assert float(status["metrics"]["stablerl/a3po/alpha_mean"]) == pytest.approx(float(alpha[mask].mean()))
+    assert 0 < float(alpha[mask].mean()) < 0.5
+    n_tokens = float(mask.sum())
+    model.zero_grad()
+    lp = trainer.actor(batch.sequences, batch.action_mask, attention_mask=batch.attention_mask)  # lr 0: same weights
+    kw = dict(advantages=batch.advantages.to(lp.dtype), mask=mask.to(lp.dtype), n_tokens=n_tokens, clip_low=0.2,
+              clip_high=0.28, cap=5.0)
+    expected = _a3po_reference(lp, batch.rollout_log_probs.to(lp.dtype), alpha=alpha.to(lp.dtype), **kw)
+    torch.testing.assert_close(calls[0]["__loss__"], expected.detach(), rtol=1e-5, atol=1e-7)
+    expected.backward()
+    for got, q in zip(grads[0], model.parameters()):
+        torch.testing.assert_close(got, q.grad, rtol=1e-4, atol=1e-6)
+    # alpha matters: the same batch read as on-policy (alpha 0 everywhere) gives another loss
+    on_policy = _a3po_reference(lp.detach(), batch.rollout_log_probs.to(lp.dtype), alpha=torch.zeros_like(alpha).to(
+        lp.dtype), **kw)
+    assert abs(float(on_policy) - float(expected)) > 1e-4
+
+
+def test_a3po_under_the_async_trainer_needs_the_stamps(monkeypatch):
+    """--train.async_enable without the generator's stamps (the setup hook missing in a Ray worker): the step
+    raises, naming the keys, instead of giving every token the synchronous trainer's constant version."""
+    trainer, _ = _trainer(monkeypatch, "a3po", False, is_level="token")
+    trainer.args.train.async_enable = True
+    batch, _ = _batch(False)
+    batch.rollout_log_probs = batch.action_log_probs.clone()
+    with pytest.raises(stablerl.MissingInputError, match=r"--train.async_enable: the micro-batch carries no "
+                                                         r"policy-version stamps \(info \['stablerl_version', "
+                                                         r"'stablerl_policy_version'\]\)"):
+        _step(trainer, batch)
+
+
+def test_a3po_builds_under_the_async_trainer_and_is_refused_with_partial_rollout():
     from stablerl.adapters.openrlhf._loss import build_policy_loss
 
     args = make_args(policy_loss_type="a3po", is_level="token")
     args.train.async_enable = True
-    with pytest.raises(stablerl.MissingInputError, match=r"holds only for OpenRLHF's synchronous trainer; "
-                                                         r"--train.async_enable .*records no weight version"):
+    assert build_policy_loss(args, Selection(policy_loss="a3po")).fed_inputs == {"versions", "policy_version"}
+    args.train.partial_rollout_enable = True
+    with pytest.raises(stablerl.MissingInputError, match=r"policy loss 'a3po' needs \['versions', 'policy_version'\]: "
+                                                         r"with --train.partial_rollout_enable OpenRLHF syncs the weights "
+                                                         r"in the middle of a generation"):
         build_policy_loss(args, Selection(policy_loss="a3po"))
 
 
@@ -278,6 +355,43 @@ def test_entropic_state_persists_across_calls():
     assert loss.stablerl_state.slot(stablerl.POLICY_LOSS, "entropic")["entropic"]["updates"] == 3
     assert integrals[0] != 0 and integrals[1] == pytest.approx(2 * integrals[0]) and integrals[2] == pytest.approx(
         3 * integrals[0])
+
+
+def test_entropic_integral_counts_one_error_per_optimizer_step_under_gradient_accumulation():
+    """OpenRLHF's normalisers (its own iter_grad_accum_global_norm) are the step's tokens and non-empty sequences
+    divided by gas, DeepSpeed scaling each micro-batch's loss by 1 / gas. The Context gets the real counts: EntroPIC's
+    integral adds (H - target) * rows-in-call / rows-in-step, so one optimizer step adds one error even when a batch
+    filter masked rows out (weights 8/16 + 8/16; the raw normalisers gave 8/5 each), and the loss is OpenRLHF's."""
+    from openrlhf.utils.loss_utils import iter_grad_accum_global_norm
+
+    from stablerl.adapters.openrlhf import StablePolicyLoss
+
+    target = 0.2
+    g = torch.Generator().manual_seed(1)
+    masks = [torch.ones(8, 5, dtype=torch.bool), torch.zeros(8, 5, dtype=torch.bool)]
+    masks[1][:2, :3] = True  # the filter kept 2 of the second micro-batch's 8 rows
+    entropies = (1.7, 3.1)
+    loss = StablePolicyLoss(policy_loss_type="entropic", clip_to_params=False,
+                            stablerl_params={"target_entropy": target}, grad_accum=2, step_rows=16)
+    window = list(iter_grad_accum_global_norm(iter(masks), SimpleNamespace(), 2, lambda m: m))
+    assert [float(info["global_batch_size"]) for _, info in window] == [5.0, 5.0]  # (8 + 2) / gas
+    before = 0.0
+    for (mask, info), entropy in zip(window, entropies):
+        lp = -torch.rand(8, 5, generator=g, dtype=torch.float64)
+        old = lp + 0.05 * torch.randn(8, 5, generator=g, dtype=torch.float64)
+        adv = torch.randn(8, 5, generator=g, dtype=torch.float64)
+        loss.feed({"entropy": torch.full_like(lp, entropy)})
+        value = loss(lp, old, adv, action_mask=mask, **info)[0]
+        # OpenRLHF's loss: the micro-batch's token sum over (step tokens / gas), dp_size 1; the integral here is
+        # the one before this call (alpha uses it), continued by the loss's own state
+        state = {"entropic": {"integral": before, "alpha": 0.0, "updates": 0}}
+        ref, _ = stablerl.compute_policy_loss(
+            "entropic", log_prob=lp, old_log_prob=old, advantages=adv, response_mask=mask, entropy=torch.full_like(
+                lp, entropy), target_entropy=target, ctx=stablerl.Context(token_count=info["batch_num_tokens"],
+                                                                          row_count=8.0, state=state))
+        torch.testing.assert_close(value, ref, rtol=1e-12, atol=0)
+        before = loss.last_metrics["entropic/integral"]
+    assert before == pytest.approx(0.5 * (entropies[0] - target) + 0.5 * (entropies[1] - target), rel=1e-6)  # a float32 metric
 
 
 def test_what_openrlhf_can_and_cannot_feed():
