@@ -17,6 +17,7 @@ from typing import Any, Optional
 import torch
 
 from stablerl.params import MissingInputError, StableRLError
+from stablerl.teacher import check_same_vocabulary_of
 
 from ._flags import TEACHER_FLAG
 
@@ -29,23 +30,6 @@ def teacher_path(args: Any) -> Optional[str]:
     return getattr(advantage, "stablerl_teacher_model", None) if advantage is not None else None
 
 
-def check_same_vocabulary(student_path: str, teacher: str) -> None:
-    """Refuse a teacher whose vocabulary is not the actor's (core's check): ``vocab_size`` of both configs, and the
-    tokenizers' token -> id maps where both folders have one."""
-    from transformers import AutoConfig, AutoTokenizer
-
-    from stablerl.teacher import check_same_vocabulary as check
-
-    setting = f"{TEACHER_FLAG} {teacher}"
-    check(setting, *(getattr(AutoConfig.from_pretrained(p, trust_remote_code=True), "vocab_size", None)
-                     for p in (student_path, teacher)))
-    try:
-        vocabs = [AutoTokenizer.from_pretrained(p, trust_remote_code=True).get_vocab() for p in (student_path, teacher)]
-    except (OSError, ValueError):  # a folder without a tokenizer: the vocabulary sizes were checked
-        return
-    check(setting, None, None, *vocabs)
-
-
 def patch_launcher_module(module, ledger, adapter) -> None:
     """``RayActorGroup.async_init_model_from_pretrained``: the reference group loads the teacher (see the module
     docstring)."""
@@ -54,7 +38,7 @@ def patch_launcher_module(module, ledger, adapter) -> None:
     def async_init_model_from_pretrained(original, self, *args, **kwargs):
         teacher = teacher_path(getattr(args[0], "args", None)) if args else None
         if teacher and getattr(self, "ray_actor_type", None) is module.ReferenceModelActor and len(args) >= 2:
-            check_same_vocabulary(args[1], teacher)
+            check_same_vocabulary_of(f"{TEACHER_FLAG} {teacher}", args[1], teacher)
             print(f"stablerl/openrlhf: the reference model loads the teacher {teacher} ({TEACHER_FLAG}) instead of "
                   f"{args[1]}; OpenRLHF's KL to the reference is now a KL to the teacher", flush=True)
             args = (args[0], teacher, *args[2:])
@@ -85,4 +69,4 @@ def teacher_log_probs(experiences: list, width: int, mask: torch.Tensor, estimat
     return (old - kl) * mask
 
 
-__all__ = ["check_same_vocabulary", "patch_launcher_module", "teacher_log_probs", "teacher_path"]
+__all__ = ["patch_launcher_module", "teacher_log_probs", "teacher_path"]
