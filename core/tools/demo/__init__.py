@@ -380,7 +380,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         config.update(losses=names)
     (out / "results.json").write_text(json.dumps({"config": config, ("arms" if mismatch_scenario else "losses"):
                                                   results}, indent=1))
-    title = (f"{'MoE, router ' if args.scenario == 'moe' else ''}{precision}{'' if top_p is None else f' top_p {top_p}'} rollout, <= {args.completion_length} tokens, "
+    title = (f"{'MoE, router ' if args.scenario == 'moe' else ''}{precision}"
+             f"{'' if top_p is None else f' top_p {top_p}'} rollout, <= {args.completion_length} tokens, "
              f"seed {args.seed}" if mismatch_scenario
              else "copy the digit")
     plot(results, out / "curves.png", title=title)

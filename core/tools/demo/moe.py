@@ -2,10 +2,11 @@
 
 Real cause modelled: in an MoE model the rollout engine (vLLM/SGLang, other kernels, FP8 weights) and the trainer
 pick different experts for some tokens, because the router's top-k is a discontinuous function of its logits; a
-token whose experts flipped has a different probability under the two engines (R3, "Stabilizing MoE RL by aligning
-training and inference routers", arXiv 2510.11370; "Stabilizing Reinforcement Learning with LLMs", arXiv 2512.01374:
-the routing mismatch as a cause of MoE RL collapse). stablerl's fix is routing replay R3 (``routing_replay="R3"``):
-the trainer's forwards use the rollout's experts (:mod:`stablerl.routing_replay`); TRL has no routing replay.
+token whose experts flipped has a different probability under the two engines (R3, "Stabilizing MoE Reinforcement
+Learning by Aligning Training and Inference Routers", arXiv 2510.11370; "Stabilizing Reinforcement Learning with
+LLMs", arXiv 2512.01374: the routing mismatch as a cause of MoE RL collapse). stablerl's fix is routing replay R3
+(``routing_replay="R3"``): the trainer's forwards use the rollout's experts (:mod:`stablerl.routing_replay`); TRL
+has no routing replay.
 
 The policy is a tiny Qwen3-MoE built in code (:func:`build_model`). :class:`QuantizedRouterRollout` stands in for
 TRL's ``VLLMGeneration``: ``sync_weights`` copies the trainer's weights into a sampler whose *router* weights only
@@ -18,16 +19,16 @@ response tokens with a changed expert (any MoE layer), the k1 KL on the sampled 
 rollout's routes replayed (:attr:`QuantizedRouterRollout.history`).
 
 What it took for the mismatch to matter (docs/stability/moe_routing.md, seed-0 screens): with transformers' default
-init (std 0.02, 8 experts top-2, 2 layers; a forward-only probe) a 2-bit router changes the experts of 87% of response tokens but moves
-their log-prob by 0.007 nats (the experts' outputs are small against the residual stream); at init std 0.1 it is
-0.26 nats and every arm learns to 1.00. Top-1 (normalised gate weight 1: the chosen expert is the whole routing
-difference, so R3 removes it exactly; top-2 leaves the gate weights' difference, a third of the KL at std 0.2), init
-std 0.25 and 4 MoE layers give ~95% of response tokens a changed expert and a k1 KL of 1.3-3.1 nats per token
-without replay, 0 with it. Why that slows training without replay: the gradient trains, for each token, the expert
-the trainer's fp32 router picks, not the one that produced the sample, so the trained policy improves (its entropy
-falls) while the rollout policy, which reaches the reward, follows only through the shared weights; TRL's IS
-corrections reweight the tokens but cannot move the gradient to the rollout's experts. With top-1 and normalised
-weights the routers get no gradient: both routings are fixed at init and the mismatch does not drift.
+init (std 0.02, 8 experts top-2, 2 layers; a forward-only probe) a 2-bit router changes the experts of 87% of
+response tokens but moves their log-prob by 0.007 nats (the experts' outputs are small against the residual stream);
+at init std 0.1 it is 0.26 nats and every arm learns to 1.00. Top-1 (normalised gate weight 1: the chosen expert is
+the whole routing difference, so R3 removes it exactly; top-2 leaves the gate weights' difference, a third of the KL
+at std 0.2), init std 0.25 and 4 MoE layers give ~95% of response tokens a changed expert and a k1 KL of 1.3-3.1
+nats per token without replay, 0 with it. Why that slows training without replay: the gradient trains, for each
+token, the expert the trainer's fp32 router picks, not the one that produced the sample, so the trained policy
+improves (its entropy falls) while the rollout policy, which reaches the reward, follows only through the shared
+weights; TRL's IS corrections reweight the tokens but cannot move the gradient to the rollout's experts. With top-1
+and normalised weights the routers get no gradient: both routings are fixed at init and the mismatch does not drift.
 
 Result (3 seeds, 200 steps): the issue's target is NOT met. R3 ends 0.99 / 0.87 / 0.96; TRL's best options end
 0.43-0.66 (token_truncate clip 3, the demo's baseline, fails on 1 of 3 seeds; dapo + token_truncate and clip 2 on
@@ -35,9 +36,9 @@ none), TRL's default sequence_mask and no correction fail on 3 of 3. TRL is slow
 arms still climb at step 200, and with 400 steps (seed 1) token_truncate reaches 0.86 (R3 0.99).
 
 Where the toy exaggerates: the router sees 2-bit weights (a bf16/FP8 router flips the experts of ~10% of tokens and
-moves the log-prob by ~0.01 nats: docs/stability/moe_mismatch.md; here ~95% and ~1.5 nats) and the model has
-0.2M parameters with a large init; the mechanism (a sampler routing with rounded router weights, its routes and
-log-probs handed to the trainer) is the real one.
+moves the log-prob by ~0.01 nats: docs/stability/moe_mismatch.md; here ~95% and ~1.5 nats) and the model has 0.45M
+parameters with a large init; the mechanism (a sampler routing with rounded router weights, its routes and log-probs
+handed to the trainer) is the real one.
 """
 
 from __future__ import annotations
@@ -128,8 +129,9 @@ class QuantizedRouterRollout(mismatch.LowPrecisionRollout):
         with torch.no_grad():
             for n, rows in by_length.items():
                 width = max(1, max(len(completions[i]) for i in rows))
-                ids = torch.tensor([list(prompts[i]) + completions[i] + [self.pad_token_id] * (width - len(completions[i]))
-                                    for i in rows], dtype=torch.long)
+                ids = torch.tensor([list(prompts[i]) + completions[i]
+                                    + [self.pad_token_id] * (width - len(completions[i])) for i in rows],
+                                   dtype=torch.long)
                 with rr.capture(self.sampler) as cap:
                     self.sampler(input_ids=ids)
                 rollout = cap.routes()
