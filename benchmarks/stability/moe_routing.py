@@ -56,50 +56,34 @@ def _setting(r: dict) -> tuple:
             f"init {m['initializer_range']}", r["environment"]["torch"], r["environment"]["transformers"])
 
 
+def _cells(rs: list[dict]) -> list[str]:
+    mm = {k: sum(r["mismatch"][k] for r in rs) / len(rs) for k in _MISMATCH_KEYS}
+    return [f"{mm['flipped']:.1%}", f"{mm['kl']:.2e} / {mm['kl_replay']:.2e}",
+            f"{sum(r['time_s'] for r in rs) / len(rs):.0f}s"]
+
+
 def write_table(runs: list[dict], name: str) -> Path:
-    lines = [f"# MoE routing mismatch: router weights rounded in the rollout engine, fp32 training ({name})", "",
+    intro = [f"# MoE routing mismatch: router weights rounded in the rollout engine, fp32 training ({name})", "",
              "Every run is listed. 'failed' = final reward < 0.5 or < half of the run's best (10%-window means). "
              "'flipped': response tokens with >= 1 changed expert (any layer), rollout vs fp32 weights; KL: k1 "
              "estimate on the sampled tokens without / with the rollout's routes replayed (run means over "
              "generations). Command: see the module docstring of benchmarks/stability/moe_routing.py.", ""]
-    settings: dict[tuple, list[dict]] = {}
-    for r in runs:
-        settings.setdefault(_setting(r), []).append(r)
-    for (precision, lr, steps, length, model, torch_v, tf_v), group in settings.items():
-        lines += [f"## router {precision}, {model}, lr {lr:g}, {steps} steps, completions <= {length} tokens; "
-                  f"torch {torch_v}, transformers {tf_v}", "",
-                  "| arm | seeds | final reward per seed | best per seed | failed | flipped | KL no replay / replay "
-                  "| time/run |", "|---|---|---|---|---|---|---|---|"]
-        arms: dict[str, list[dict]] = {}
-        for r in group:
-            arms.setdefault(r["arm"], []).append(r)
-        for arm, rs in arms.items():
-            rs = sorted(rs, key=lambda r: r["seed"])
-            mm = {k: sum(r["mismatch"][k] for r in rs) / len(rs) for k in _MISMATCH_KEYS}
-            lines.append(f"{C.seed_cells(arm, rs)} {mm['flipped']:.1%} | {mm['kl']:.2e} / {mm['kl_replay']:.2e} | "
-                         f"{sum(r['time_s'] for r in rs) / len(rs):.0f}s |")
-        lines.append("")
-    path = C.DOCS / f"{name}.md"
-    path.write_text("\n".join(lines))
-    return path
+    return C.write_seed_tables(
+        name, intro, runs, _setting,
+        lambda k: f"router {k[0]}, {k[4]}, lr {k[1]:g}, {k[2]} steps, completions <= {k[3]} tokens; torch {k[5]}, "
+                  f"transformers {k[6]}",
+        ["flipped", "KL no replay / replay", "time/run"], _cells)
 
 
 def plot(runs: list[dict], arms: list[str], name: str, seed: int = 0) -> Path:
     """Reward and entropy curves of ``arms`` on ``seed`` in the demo's setting: ``<name>.png``."""
-    from stablerl.tools import demo
     from stablerl.tools.demo import moe
 
     d = moe.DEMO
-    results = {}
-    for r in runs:
-        if (r["arm"] in arms and r["seed"] == seed and r["model"] == moe.MODEL
-                and (r["precision"], r["steps"], r["completion_length"]) == (d["precision"], d["steps"],
-                                                                          d["completion_length"])):
-            results[r["arm"]] = {"steps": r["steps_logged"], "reward": r["reward"], "entropy": r["entropy"]}
-    path = C.DOCS / f"{name}.png"
-    demo.plot({a: results[a] for a in arms if a in results}, path,
-              title=f"MoE, router {d['precision']} in the rollout, seed {seed}")
-    return path
+    return C.plot_runs(runs, arms, name, f"MoE, router {d['precision']} in the rollout, seed {seed}",
+                       lambda r: r["seed"] == seed and r["model"] == moe.MODEL
+                       and (r["precision"], r["steps"], r["completion_length"]) == (d["precision"], d["steps"],
+                                                                                 d["completion_length"]))
 
 
 def main() -> int:

@@ -241,19 +241,14 @@ DEMO_RECORD: dict[str, dict[int, tuple[float, float]]] = {
 
 
 def check_arm(arm: str) -> str:
-    if arm not in ARMS:
-        from stablerl.params import UnknownNameError, unknown_name_message
-
-        raise UnknownNameError(unknown_name_message("arm", arm, ARMS))
-    return arm
+    return mismatch.check_arm(arm, ARMS)
 
 
 def make_config(output_dir: str, arm: str, *, steps: int, seed: int, lr: float, num_iterations: int = 1,
                 **overrides: Any):
     """The scenario's GRPOConfig on TRL's vLLM path (``use_vllm=True``), for one arm."""
-    loss, arm_overrides = ARMS[check_arm(arm)]
-    return task.make_config(output_dir, loss, steps=steps, seed=seed, lr=lr, num_iterations=num_iterations,
-                            **{"use_vllm": True, "vllm_mode": "colocate", **arm_overrides, **overrides})
+    return mismatch.make_config(output_dir, arm, steps=steps, seed=seed, lr=lr, num_iterations=num_iterations,
+                                arms=ARMS, **overrides)
 
 
 def make_trainer(args, precision: str, callbacks=None, seed: int = 0, model_kwargs: Optional[dict] = None):
