@@ -126,5 +126,43 @@ def seed_cells(arm: str, runs: list[dict]) -> str:
             f"{', '.join(fmt(r['best_reward']) for r in runs)} | {sum(r['failed'] for r in runs)}/{len(runs)} |")
 
 
+def by_arm(runs: list[dict]) -> dict[str, list[dict]]:
+    """``runs`` grouped by arm (first-seen order), each arm's runs sorted by seed."""
+    arms: dict[str, list[dict]] = {}
+    for r in runs:
+        arms.setdefault(r["arm"], []).append(r)
+    return {arm: sorted(rs, key=lambda r: r["seed"]) for arm, rs in arms.items()}
+
+
+def write_seed_tables(name: str, intro: list[str], runs: list[dict], setting, heading, columns: list[str],
+                      cells) -> Path:
+    """``<name>.md``: ``intro``, then one section per setting (``setting(run)``, first-seen order) titled
+    ``## heading(setting)``: a row per arm (:func:`seed_cells`, then ``cells(arm_runs)``, one per ``columns``)."""
+    settings: dict[tuple, list[dict]] = {}
+    for r in runs:
+        settings.setdefault(setting(r), []).append(r)
+    lines = list(intro)
+    for key, group in settings.items():
+        lines += [f"## {heading(key)}", "",
+                  "| arm | seeds | final reward per seed | best per seed | failed | " + " | ".join(columns) + " |",
+                  "|" + "---|" * (5 + len(columns))]
+        lines += [f"{seed_cells(arm, rs)} " + " | ".join(cells(rs)) + " |" for arm, rs in by_arm(group).items()]
+        lines.append("")
+    path = DOCS / f"{name}.md"
+    path.write_text("\n".join(lines))
+    return path
+
+
+def plot_runs(runs: list[dict], arms: list[str], name: str, title: str, keep) -> Path:
+    """Reward and entropy curves (the demo's plot) of the runs of ``arms`` for which ``keep(run)``: ``<name>.png``."""
+    from stablerl.tools import demo
+
+    results = {r["arm"]: {"steps": r["steps_logged"], "reward": r["reward"], "entropy": r["entropy"]}
+               for r in runs if r["arm"] in arms and keep(r)}
+    path = DOCS / f"{name}.png"
+    demo.plot({a: results[a] for a in arms if a in results}, path, title=title)
+    return path
+
+
 def log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)

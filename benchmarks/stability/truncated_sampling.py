@@ -48,48 +48,26 @@ def train(arm: str, precision: str, top_p: float, *, steps: int, seed: int, lr: 
 
 
 def write_table(runs: list[dict], name: str) -> Path:
-    lines = [f"# Truncated sampling: a quantized top-p rollout engine, fp32 training ({name})", "",
+    intro = [f"# Truncated sampling: a quantized top-p rollout engine, fp32 training ({name})", "",
              "Every run is listed. 'failed' = final reward < 0.5 or < half of the run's best (10%-window means). "
              "Command: see the module docstring of benchmarks/stability/truncated_sampling.py.", ""]
-    settings: dict[tuple, list[dict]] = {}
-    for r in runs:
-        key = (r["precision"], r["top_p"], float(r["lr"]), int(r["steps"]), int(r["completion_length"]),
-               r["environment"]["torch"], r["environment"]["transformers"])
-        settings.setdefault(key, []).append(r)
-    for (precision, top_p, lr, steps, length, torch_v, tf_v), group in settings.items():
-        lines += [f"## rollout {precision}, top_p {top_p}, lr {lr:g}, {steps} steps, completions <= {length} tokens; "
-                  f"torch {torch_v}, transformers {tf_v}", "",
-                  "| arm | seeds | final reward per seed | best per seed | failed | time/run |",
-                  "|---|---|---|---|---|---|"]
-        arms: dict[str, list[dict]] = {}
-        for r in group:
-            arms.setdefault(r["arm"], []).append(r)
-        for arm, rs in arms.items():
-            rs = sorted(rs, key=lambda r: r["seed"])
-            lines.append(
-                f"{C.seed_cells(arm, rs)} "
-                f"{sum(r['time_s'] for r in rs) / len(rs):.0f}s |")
-        lines.append("")
-    path = C.DOCS / f"{name}.md"
-    path.write_text("\n".join(lines))
-    return path
+    return C.write_seed_tables(
+        name, intro, runs,
+        lambda r: (r["precision"], r["top_p"], float(r["lr"]), int(r["steps"]), int(r["completion_length"]),
+                   r["environment"]["torch"], r["environment"]["transformers"]),
+        lambda k: f"rollout {k[0]}, top_p {k[1]}, lr {k[2]:g}, {k[3]} steps, completions <= {k[4]} tokens; "
+                  f"torch {k[5]}, transformers {k[6]}",
+        ["time/run"], lambda rs: [f"{sum(r['time_s'] for r in rs) / len(rs):.0f}s"])
 
 
 def plot(runs: list[dict], arms: list[str], name: str, seed: int = 0) -> Path:
     """Reward and entropy curves of ``arms`` on ``seed`` (torch 2.13 runs of the demo's setting): ``<name>.png``."""
-    from stablerl.tools import demo
     from stablerl.tools.demo import truncated
 
     d = truncated.DEMO
-    results = {}
-    for r in runs:
-        if (r["arm"] in arms and r["seed"] == seed and r["environment"]["torch"].startswith("2.13.0")
-                and (r["precision"], r["top_p"], r["steps"]) == (d["precision"], d["top_p"], d["steps"])):
-            results[r["arm"]] = {"steps": r["steps_logged"], "reward": r["reward"], "entropy": r["entropy"]}
-    path = C.DOCS / f"{name}.png"
-    demo.plot({a: results[a] for a in arms if a in results}, path,
-              title=f"{d['precision']} top_p {d['top_p']} rollout, seed {seed}")
-    return path
+    return C.plot_runs(runs, arms, name, f"{d['precision']} top_p {d['top_p']} rollout, seed {seed}",
+                       lambda r: r["seed"] == seed and r["environment"]["torch"].startswith("2.13.0")
+                       and (r["precision"], r["top_p"], r["steps"]) == (d["precision"], d["top_p"], d["steps"]))
 
 
 def main() -> int:

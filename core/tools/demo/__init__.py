@@ -12,7 +12,8 @@ data set are built in code and the Hugging Face libraries are put in offline mod
 
 Scenarios (``stablerl demo --list``): ``mismatch`` (the default) trains through TRL's vLLM path with a
 low-precision rollout engine (:mod:`stablerl.tools.demo.mismatch`), with and without a rollout correction;
-``basic`` is the original three-loss comparison above.
+``basic`` is the original three-loss comparison above; ``moe`` trains a tiny Qwen3-MoE whose rollout engine routes
+with low-bit router weights (:mod:`stablerl.tools.demo.moe`), TRL's best correction vs stablerl's routing replay R3.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from typing import Any, Optional
 # the task's module first: it puts the Hugging Face libraries in offline mode before anything imports them
 from .task import (DIGITS, VOCAB, build_dataset, build_model, build_tokenizer, copy_reward,  # noqa: F401
                    load_adapter, make_config, make_trainer, window_mean)
-from . import mismatch, task, truncated  # the scenarios' modules (import no framework), the shared task
+from . import mismatch, moe, task, truncated  # the scenarios' modules (import no framework), the shared task
 
 DEFAULT_LOSSES = ("dapo", "m2po", "gspo")  # TRL's built-in baseline, then two stablerl losses
 DEFAULT_STEPS = 200
@@ -76,10 +77,11 @@ def _recorder_callback(record: dict, bar):
 
 def run_one(loss: str, *, steps: int, seed: int, out_dir: Path, estimator: Optional[str], lr: float,
             num_iterations: int, progress: bool = True, precision: Optional[str] = None,
-            completion_length: int = 4, top_p: Optional[float] = None) -> dict:
+            completion_length: int = 4, top_p: Optional[float] = None, scenario: Optional[str] = None) -> dict:
     """Train one loss (``basic``), or one arm of the mismatch scenario when ``precision`` is given (``loss``
     is then the arm's name; with ``top_p`` too, one arm of the truncated-sampling scenario); return its per-step
-    record and summary. ``completion_length``: TRL's ``max_completion_length``."""
+    record and summary. ``completion_length``: TRL's ``max_completion_length``; ``scenario="moe"``: one arm of the
+    MoE routing scenario (``precision``: the rollout routers' weights)."""
     from tqdm.auto import tqdm
 
     record: dict[str, Any] = {"step": [], "metrics": {}}
@@ -89,6 +91,11 @@ def run_one(loss: str, *, steps: int, seed: int, out_dir: Path, estimator: Optio
         args = make_config(str(out_dir / "runs" / loss), loss, steps=steps, seed=seed, lr=lr,
                            num_iterations=num_iterations, estimator=estimator, max_completion_length=completion_length)
         trainer = make_trainer(args, callbacks=[_recorder_callback(record, bar)], seed=seed)
+    elif scenario == "moe":
+        args = moe.make_config(str(out_dir / "runs" / loss), loss, steps=steps, seed=seed, lr=lr,
+                               num_iterations=num_iterations, advantage_estimator=estimator,
+                               max_completion_length=completion_length)
+        trainer = moe.make_trainer(args, precision, callbacks=[_recorder_callback(record, bar)], seed=seed)
     elif top_p is not None:
         args = truncated.make_config(str(out_dir / "runs" / loss), loss, steps=steps, seed=seed, lr=lr, top_p=top_p,
                                      num_iterations=num_iterations, advantage_estimator=estimator,
@@ -184,6 +191,9 @@ SCENARIOS = {
     "mismatch": "training-inference mismatch: rollouts of up to 16 tokens sampled by a 2-bit-quantized copy of the "
                 "policy through TRL's vLLM path, trained in fp32; TRL's default correction vs stablerl's tis (no "
                 "correction: --arms trl_is,tis,none)",
+    "moe": "MoE routing mismatch: a tiny Qwen3-MoE (4 layers, 8 experts, top-1) whose rollout engine routes with "
+           "2-bit router weights (every other weight fp32), rollouts of up to 16 tokens through TRL's vLLM path; TRL's "
+           "best correction vs stablerl's routing replay R3 (the rollout's experts in every training forward)",
     "basic": "three policy losses (dapo, m2po, gspo) on copy-the-digit, on-policy fp32; no stability claim",
 }
 DEFAULT_SCENARIO = "mismatch"
@@ -206,12 +216,13 @@ def build_parser() -> argparse.ArgumentParser:
                    f"losses (m2po, gspo, ..., or stablerl_<name>) (default: {','.join(DEFAULT_LOSSES)})")
     p.add_argument("--arms", default=None,
                    help="mismatch: comma-separated arms (none, trl_is, trl_tis, vanilla, m2po, tis, icepop, seq_mis, "
-                   "geo_rs, opsm); truncated: " + ", ".join(truncated.ARMS) + " (default: the scenario's)")
+                   "geo_rs, opsm); truncated: " + ", ".join(truncated.ARMS) + "; moe: " + ", ".join(moe.ARMS)
+                   + " (default: the scenario's)")
     p.add_argument("--top-p", type=float, default=None,
                    help="truncated: the rollout engine's top_p (TRL's top_p; default: the scenario's)")
     p.add_argument("--precision", default=None,
                    help="mismatch: the rollout engine's weights (fp32 = no mismatch, bf16, fp16, fp8, int8, int4, "
-                   "int3, int2, intN-tensor; default: the scenario's)")
+                   "int3, int2, intN-tensor; moe: the rollout routers' weights only; default: the scenario's)")
     p.add_argument("--estimator", default=None,
                    help="stablerl advantage estimator (e.g. qae, rloo); default: TRL's own advantages")
     p.add_argument("--steps", type=int, default=None, help="optimizer steps per run (default: the scenario's)")
@@ -232,8 +243,8 @@ def build_parser() -> argparse.ArgumentParser:
 def _list_scenarios() -> None:
     for name, text in SCENARIOS.items():
         print(f"{name}{' (default)' if name == DEFAULT_SCENARIO else ''}: {text}")
-        if name in ("truncated", "mismatch"):
-            module = truncated if name == "truncated" else mismatch
+        if name in ("truncated", "mismatch", "moe"):
+            module = {"truncated": truncated, "moe": moe}.get(name, mismatch)
             d = module.DEMO
             top_p = f" top_p {d['top_p']}" if "top_p" in d else ""
             print(f"    defaults: arms {','.join(d['arms'])}, rollout {d['precision']}{top_p}, completions <= "
@@ -252,8 +263,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     if args.list:
         _list_scenarios()
         return 0
-    mismatch_scenario = args.scenario in ("mismatch", "truncated")  # a scenario of arms on a low-precision engine
-    scenario = truncated if args.scenario == "truncated" else mismatch
+    # a scenario of arms on a low-precision engine
+    mismatch_scenario = args.scenario in ("mismatch", "truncated", "moe")
+    scenario = {"truncated": truncated, "moe": moe}.get(args.scenario, mismatch)
     if args.top_p is not None and args.scenario != "truncated":
         print("stablerl demo: --top-p is for --scenario truncated", file=sys.stderr)
         return 2
@@ -323,7 +335,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     except StableRLError as e:
         print(f"stablerl demo: {e}", file=sys.stderr)
         return 2
-    what = (f"scenario {args.scenario}: rollouts from {precision} weights"
+    what = (f"scenario {args.scenario}: rollouts from {precision} {'router ' if args.scenario == 'moe' else ''}weights"
             + ("" if top_p is None else f" sampled with top_p {top_p}")
             + f" through TRL's vLLM path, training in fp32; {len(names)} arm(s)" if mismatch_scenario
             else f"scenario basic: {len(names)} run(s)")
@@ -333,20 +345,23 @@ def main(argv: Optional[list[str]] = None) -> int:
           f"seed {args.seed}, {torch.get_num_threads()} thread(s); imports took {time.perf_counter() - t0:.1f}s")
 
     env = task.environment()
-    recorded_with = truncated.RECORDED_WITH if args.scenario == "truncated" else task.RECORDED_WITH
+    recorded_with = {"truncated": truncated.RECORDED_WITH, "moe": moe.RECORDED_WITH}.get(args.scenario,
+                                                                                         task.RECORDED_WITH)
     env_lines = task.version_lines(env, recorded_with)
     print(env_lines[0])
     results: dict[str, dict] = {}
     for name in names:
         results[name] = run_one(name, steps=args.steps, seed=args.seed, out_dir=out, estimator=args.estimator,
                                 lr=args.lr, num_iterations=args.num_iterations, progress=not args.no_progress,
-                                precision=precision, completion_length=args.completion_length, top_p=top_p)
+                                precision=precision, completion_length=args.completion_length, top_p=top_p,
+                                scenario=args.scenario)
     print()
     print_table(results, label="arm" if mismatch_scenario else "loss_type")
     config = {k: getattr(args, k) for k in ("scenario", "steps", "seed", "estimator", "lr", "num_iterations",
                                             "threads")}
     config.update(task="copy the digit", prompts_per_step=8, generations=8, max_completion_length=args.completion_length,
-                  model="Qwen2 hidden 128, 2 layers, word-level vocab of %d" % len(VOCAB))
+                  model=(f"Qwen3-MoE {moe.MODEL}" if args.scenario == "moe" else "Qwen2 hidden 128, 2 layers")
+                  + ", word-level vocab of %d" % len(VOCAB))
     config.update(environment=env, recorded_with=recorded_with)
     print()
     for line in env_lines:
@@ -354,7 +369,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     if mismatch_scenario:
         config.update(arms=names, rollout_precision=precision, **({} if top_p is None else {"top_p": top_p}))
         print()
-        for line in (mismatch.verdict(results, seed=args.seed, precision=precision, lr=args.lr, steps=args.steps,
+        for line in (moe.verdict(results, seed=args.seed, precision=precision, lr=args.lr, steps=args.steps,
+                                 completion_length=args.completion_length) if args.scenario == "moe" else
+                     mismatch.verdict(results, seed=args.seed, precision=precision, lr=args.lr, steps=args.steps,
                                       completion_length=args.completion_length) if top_p is None else
                      truncated.verdict(results, seed=args.seed, precision=precision, lr=args.lr, steps=args.steps,
                                        completion_length=args.completion_length, top_p=top_p)):
@@ -363,7 +380,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         config.update(losses=names)
     (out / "results.json").write_text(json.dumps({"config": config, ("arms" if mismatch_scenario else "losses"):
                                                   results}, indent=1))
-    title = (f"{precision}{'' if top_p is None else f' top_p {top_p}'} rollout, <= {args.completion_length} tokens, "
+    title = (f"{'MoE, router ' if args.scenario == 'moe' else ''}{precision}"
+             f"{'' if top_p is None else f' top_p {top_p}'} rollout, <= {args.completion_length} tokens, "
              f"seed {args.seed}" if mismatch_scenario
              else "copy the digit")
     plot(results, out / "curves.png", title=title)

@@ -244,18 +244,21 @@ ARM_HELP = {
 }
 
 
-def check_arm(arm: str) -> str:
-    if arm not in ARMS:
+def check_arm(arm: str, arms: Optional[dict] = None) -> str:
+    """``arm`` if it is one of ``arms`` (default: this scenario's :data:`ARMS`), else a did-you-mean error."""
+    arms = ARMS if arms is None else arms
+    if arm not in arms:
         from stablerl.params import UnknownNameError, unknown_name_message
 
-        raise UnknownNameError(unknown_name_message("arm", arm, ARMS))
+        raise UnknownNameError(unknown_name_message("arm", arm, arms))
     return arm
 
 
 def make_config(output_dir: str, arm: str, *, steps: int, seed: int, lr: float, num_iterations: int = 1,
-                **overrides: Any):
-    """The demo's GRPOConfig on TRL's vLLM path (``use_vllm=True``), for one arm of the scenario."""
-    loss, arm_overrides = ARMS[check_arm(arm)]
+                arms: Optional[dict] = None, **overrides: Any):
+    """The demo's GRPOConfig on TRL's vLLM path (``use_vllm=True``), for one arm of the scenario (of ``arms``:
+    another scenario's arms, default :data:`ARMS`)."""
+    loss, arm_overrides = (ARMS if arms is None else arms)[check_arm(arm, arms)]
     return task.make_config(output_dir, loss, steps=steps, seed=seed, lr=lr, num_iterations=num_iterations,
                             use_vllm=True, vllm_mode="colocate", **{**arm_overrides, **overrides})
 

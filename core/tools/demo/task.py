@@ -121,13 +121,15 @@ def make_config(output_dir: str, loss: str, *, steps: int, seed: int, lr: float 
     return trl_adapter.GRPOConfig(**kwargs)
 
 
-def make_trainer(args, tokenizer=None, model=None, dataset=None, reward=copy_reward, callbacks=None, seed: int = 0):
+def make_trainer(args, tokenizer=None, model=None, dataset=None, reward=copy_reward, callbacks=None, seed: int = 0,
+                 **trainer_kwargs: Any):
+    """TRL's ``GRPOTrainer`` (stablerl's) on the task; ``trainer_kwargs`` go to it (e.g. ``rollout_func``)."""
     tokenizer = tokenizer or build_tokenizer()
     model = model if model is not None else build_model(tokenizer, seed=seed)
     dataset = dataset if dataset is not None else build_dataset(seed=seed)
     trainer = load_adapter("trl").GRPOTrainer(
         model=model, reward_funcs=reward, args=args, train_dataset=dataset, processing_class=tokenizer,
-        callbacks=callbacks,
+        callbacks=callbacks, **trainer_kwargs,
     )
     from transformers.trainer_callback import PrinterCallback
 
