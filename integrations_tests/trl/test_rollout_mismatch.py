@@ -94,7 +94,7 @@ def test_stablerl_correction_gets_the_engines_logprobs_in_trl(spelling):
 
 
 def test_demo_mismatch_smoke(tmp_path, capsys):
-    rc = demo.main(["--steps", "2", "--arms", "none,tis,trl_is", "--out", str(tmp_path), "--no-progress"])
+    rc = demo.main(["--scenario", "mismatch", "--steps", "2", "--arms", "none,tis,trl_is", "--out", str(tmp_path), "--no-progress"])
     assert rc == 0
     out = capsys.readouterr().out
     assert "scenario mismatch" in out and "on seed 0" in out and "other seeds" in out
@@ -122,11 +122,11 @@ def test_demo_mismatch_smoke(tmp_path, capsys):
 def test_demo_scenarios_list_and_misuse(capsys):
     assert demo.main(["--list"]) == 0
     out = capsys.readouterr().out
-    assert "mismatch (default)" in out and "basic:" in out and "arm tis" in out
+    assert "moe (default)" in out and "mismatch:" in out and "basic:" in out and "arm tis" in out
     assert demo.main(["--losses", "dapo"]) == 2
     assert "--scenario basic" in capsys.readouterr().err
     assert demo.main(["--scenario", "basic", "--arms", "tis"]) == 2
-    assert demo.main(["--arms", "tis,nope", "--steps", "1", "--out", "/tmp/stablerl-trl-mismatch-test"]) == 2
+    assert demo.main(["--scenario", "mismatch", "--arms", "tis,nope", "--steps", "1", "--out", "/tmp/stablerl-trl-mismatch-test"]) == 2
     assert "did you mean" in capsys.readouterr().err
 
 

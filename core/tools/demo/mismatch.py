@@ -316,8 +316,9 @@ def verdict(results: dict[str, dict], *, seed: int, precision: str, lr: float, s
     recorded_runs = DEMO_RECORD if record is None else record
     lines = [f"on seed {seed} (failed = final reward < 0.5 or < half of the run's best):"]
     verdicts = {arm: failed(r) for arm, r in results.items()}
+    width = max(8, *map(len, results))  # arm names aligned
     for arm, r in results.items():
-        lines.append(f"  {arm:<8} {'FAILED' if verdicts[arm] else 'held  '}  final {r['final_reward']:.2f}  "
+        lines.append(f"  {arm:<{width}} {'FAILED' if verdicts[arm] else 'held  '}  final {r['final_reward']:.2f}  "
                      f"({helps.get(arm, arm)})")
     if len(results) >= 2:
         ranked = sorted(results, key=lambda a: results[a]["final_reward"])
@@ -334,6 +335,7 @@ def verdict(results: dict[str, dict], *, seed: int, precision: str, lr: float, s
     if not others:
         lines.append(f"other seeds: none recorded for these arms ({doc})")
         return lines
+    width = max(width, *map(len, recorded_runs))
     agree = [s for s in others if all(recorded_failed(*recorded_runs[a][s]) == verdicts[a] for a in arms)]
     lines.append(f"other seeds: {len(agree)} of {len(others)} recorded ({', '.join(map(str, others))}) agree "
                  "(the same arms fail, the same hold); their finals:")
@@ -341,12 +343,12 @@ def verdict(results: dict[str, dict], *, seed: int, precision: str, lr: float, s
         finals = ", ".join(f"{recorded_runs[a][s][0]:.2f}" for s in others)
         n_failed = sum(recorded_failed(*recorded_runs[a][s]) for s in others)
         n_high = sum(recorded_runs[a][s][0] >= 0.9 for s in others)
-        lines.append(f"  {a:<8} {finals}  (failed on {n_failed} of {len(others)}; >= 0.9 on {n_high} of {len(others)})")
+        lines.append(f"  {a:<{width}} {finals}  (failed on {n_failed} of {len(others)}; >= 0.9 on {n_high} of {len(others)})")
     for a in recorded_runs:
         if a not in results:  # recorded arms this run left out (e.g. `none` with the default arms)
             seeds = sorted(recorded_runs[a])
             n_failed = sum(recorded_failed(*recorded_runs[a][s]) for s in seeds)
-            lines.append(f"  {a:<8} not run here; recorded on seeds {', '.join(map(str, seeds))}: "
+            lines.append(f"  {a:<{width}} not run here; recorded on seeds {', '.join(map(str, seeds))}: "
                          f"{', '.join(f'{recorded_runs[a][s][0]:.2f}' for s in seeds)} (failed on {n_failed} of "
                          f"{len(seeds)}; --arms {','.join(list(results) + [a])})")
     lines.append(f"every run and curve: {doc}")
