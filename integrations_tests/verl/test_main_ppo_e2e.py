@@ -95,7 +95,8 @@ def _kill_ray_session(ray_tmp: str) -> None:
             pass
 
 
-def run_main_ppo(tmp: str, name: str, overrides: list[str], *, refused: bool = False) -> tuple[str, list[dict]]:
+def run_main_ppo(tmp: str, name: str, overrides: list[str], *, refused: bool = False,
+                 module: str = "verl.trainer.main_ppo") -> tuple[str, list[dict]]:
     """``python -m verl.trainer.main_ppo`` in a new process; returns its console output and the rows of
     verl's file logger (``refused``: the run must exit non-zero, e.g. refused at start-up)."""
     from copy_task import prepare
@@ -120,7 +121,7 @@ def run_main_ppo(tmp: str, name: str, overrides: list[str], *, refused: bool = F
         "RAY_USAGE_STATS_ENABLED": "0", "RAY_enable_worker_prestart": "0", "TOKENIZERS_PARALLELISM": "false",
         "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "HYDRA_FULL_ERROR": "1",
     })
-    cmd = [sys.executable, "-m", "verl.trainer.main_ppo",
+    cmd = [sys.executable, "-m", module,
            *_base_overrides(data, tmp, ray_tmp), f"trainer.experiment_name={name}", *overrides]
     with open(os.path.join(tmp, f"{name}.cmd"), "w") as f:
         f.write(" ".join(cmd))
