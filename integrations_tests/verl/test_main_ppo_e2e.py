@@ -12,6 +12,8 @@ exercises several stablerl features together (one process start costs most of a 
 * the same run resumed in a new process to step 3: step counter and EntroPIC's integral continue;
 * ``a3po`` (verl's weight versions) + ``gtpo_entropy_filter`` (the old-log-prob pass's entropy at
   ``compute_advantage``); ``a3po`` with ``ppo_epochs=3`` (alpha 0 over the optimizer steps of one batch: AReaL's convention);
+* ``a3po`` in verl's one-step-off trainer (``verl.experimental.one_step_off_policy.main_ppo``; its rollout replica
+  in a resource pool of its own, weights sent by the stand-in ``cpu_ray`` checkpoint engine): alpha 0, 1/2, 1/2;
 * ``gtpo`` (a loss that takes prompt groups) at verl's default ``trainer.balance_batch=true`` with two micro-batches
   of two whole groups each; the same settings with a micro-batch that would split groups are refused at start-up;
 * SFPO as a trainer hook (K=1, alpha 0.5): passes, reposition and entropy window, with ``empg`` (an estimator
@@ -295,6 +297,30 @@ def test_a3po_alpha_is_zero_over_ppo_epochs(workdir):
         assert r["data"]["actor/a3po/alpha_mean"] == 0.0, r["data"]
         assert r["data"]["actor/behave_imp_weight"] == pytest.approx(1.0), r["data"]
 
+
+def test_a3po_one_step_off_alpha_is_one_half(workdir):
+    """A-3PO in verl's one-step-off trainer (``python -m verl.experimental.one_step_off_policy.main_ppo``, unmodified):
+    the rollout replica in its own resource pool (one more Ray "GPU" slot), weights sent through the stand-in
+    ``cpu_ray`` checkpoint engine (verl's default is NCCL), each step training the batch generated before its
+    predecessor's update. Step 1 trains the initial weights' batch (alpha 0); from step 2 on every batch is one
+    update stale: version v_theta - 2 for every token, A-3PO's alpha (v_theta - 1 - v) / (v_theta - v) = 1/2. Bypass
+    mode (the one-step-off config's default) is off: it would replace the loss by verl's bypass_mode loss."""
+    out, rows = run_main_ppo(workdir, "a3po_one_step_off", [
+        "actor_rollout_ref.hybrid_engine=false", "rollout.nnodes=1", "rollout.n_gpus_per_node=1",
+        # a trainer slot and a rollout slot; Ray's logical CPUs cover OneStepTaskRunner's num_cpus=10
+        "++ray_kwargs.ray_init.num_gpus=2", "ray_kwargs.ray_init.num_cpus=20",
+        "actor_rollout_ref.rollout.checkpoint_engine.backend=cpu_ray",
+        "hydra.searchpath=[pkg://verl.trainer.config]",  # its config's search path is relative to verl's repo
+        "trainer.total_training_steps=3", "trainer.save_freq=-1", "trainer.resume_mode=disable",
+        "algorithm.adv_estimator=grpo", "algorithm.rollout_correction.bypass_mode=false",
+        "actor_rollout_ref.actor.policy_loss._target_=stablerl.adapters.verl.StablePolicyLossConfig",
+        "actor_rollout_ref.actor.policy_loss.loss_mode=a3po",
+    ], module="verl.experimental.one_step_off_policy.main_ppo")
+    _assert_steps_and_reward(rows, [1, 2, 3])
+    assert [r["data"]["actor/a3po/alpha_mean"] for r in rows] == [0.0, 0.5, 0.5], [r["data"] for r in rows]
+    # alpha 0: the proximal log-prob is the rollout's (behaviour weight 1); alpha 1/2: halfway to the current one
+    assert rows[0]["data"]["actor/behave_imp_weight"] == pytest.approx(1.0)
+    assert all(r["data"]["actor/behave_imp_weight"] != pytest.approx(1.0, abs=1e-7) for r in rows[1:])
 
 SFPO_EMPG = [
     "actor_rollout_ref.actor.policy_loss._target_=stablerl.adapters.verl.StablePolicyLossConfig",
