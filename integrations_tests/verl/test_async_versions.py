@@ -23,7 +23,7 @@ import stablerl
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from test_declared_inputs import CLIP, R, _batch, _config, _direct, _through_verl  # noqa: E402
+from test_declared_inputs import CLIP, R, _batch, _config, _direct, _legacy_trainer, _through_verl  # noqa: E402
 
 LABELS_MIXED = [1, 2, 1, 2, 2, 1]  # a batch of two syncs (the fully-async trainer's queue mixes them)
 P_ = [3, 2, 4, 1, 2, 3]
@@ -52,21 +52,9 @@ def _legacy(labels, lo=None):
     )
 
 
-class _ActorGroup:
-    def __init__(self):
-        self.batches = []
-
-    def update_actor(self, batch_td):
-        from verl.utils import tensordict_utils as tu
-
-        self.batches.append(batch_td)
-        return tu.get_tensordict({}, non_tensor_dict={"metrics": {"mfu": 0.0}})
-
-
 @pytest.fixture
 def one_step_off(adapter, monkeypatch):
     """verl's OneStepOffRayTrainer (only the attributes _update_actor reads) with a real CheckpointEngineManager."""
-    from omegaconf import OmegaConf
     from verl.checkpoint_engine import base
     from verl.experimental.one_step_off_policy.ray_trainer import OneStepOffRayTrainer
 
@@ -75,13 +63,7 @@ def one_step_off(adapter, monkeypatch):
     manager.backend, manager.replicas = "naive", []  # naive: the actor group's update_weights only
     manager.actor_wg = types.SimpleNamespace(update_weights=lambda global_steps=None, mode=None: [])
     monkeypatch.setattr(base.ray, "get", lambda refs: refs)  # no Ray here: the stand-in group answers at once
-    trainer = OneStepOffRayTrainer.__new__(OneStepOffRayTrainer)
-    trainer.config = OmegaConf.create({
-        "actor_rollout_ref": {
-            "rollout": {"multi_turn": {"enable": False}, "temperature": 1.0, "n": 3},
-            "actor": {"calculate_entropy": False, "entropy_coeff": 0.0, "ppo_mini_batch_size": 2, "ppo_epochs": 1,
-                      "data_loader_seed": 0, "shuffle": False}}})
-    trainer.actor_rollout_wg = _ActorGroup()
+    trainer = _legacy_trainer(OneStepOffRayTrainer, global_steps=0)
     trainer.checkpoint_manager = manager
     return trainer
 
@@ -201,3 +183,30 @@ def test_a3po_refuses_a_batch_stamped_with_a_reason(adapter, one_step_off):
     tu.assign_non_tensor(data, **{ERROR_KEY: reason})
     _through_verl(_config(adapter, "vanilla"), data, model_output, leaves)
 
+
+
+def test_row_versions_name_the_first_row_without_one_version():
+    """Labels drawn at random: every row gets its sync's updates, or the reason names the first row that has no
+    single known version (labels that differ, a missing label, a label never sent)."""
+    hypothesis = pytest.importorskip("hypothesis")
+    from hypothesis import strategies as st
+
+    from stablerl.adapters.verl._versions import row_versions
+
+    syncs = {0: 0, 1: 0, 2: 1, 3: 2}
+    label = st.one_of(st.none(), st.integers(0, 5))
+
+    @hypothesis.settings(max_examples=200, deadline=None)
+    @hypothesis.given(st.lists(st.tuples(label, label), min_size=1, max_size=8))
+    def check(pairs):
+        lo, hi = [a for a, _ in pairs], [b for _, b in pairs]
+        rows, error = row_versions({"min_global_steps": np.array(lo, dtype=object),
+                                    "max_global_steps": np.array(hi, dtype=object)}, syncs)
+        bad = [i for i, (a, b) in enumerate(pairs) if a is None or b is None or a != b or a not in syncs]
+        if not bad:
+            assert error is None and rows == [syncs[a] for a in lo]
+        else:
+            assert rows is None and error.startswith(f"row {bad[0]} ")
+
+    check()
+    assert row_versions({"min_global_steps": np.array([1], dtype=object)}, syncs)[1].startswith("the batch has no")
