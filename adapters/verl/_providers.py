@@ -345,8 +345,9 @@ class LossInputs:
             return torch.where(mask.bool(), per_row, torch.full_like(per_row, -1))
         return torch.full(mask.shape, self.batch_version(record), dtype=torch.long, device=mask.device)
 
-    @provides("policy_version", to=(POLICY_LOSS,), condition="the legacy trainer (trainer.use_v1=false), as for "
-              "versions (the version after the batch's)")
+    @provides("policy_version", to=(POLICY_LOSS,), condition="as for versions: the legacy trainer "
+              "(trainer.use_v1=false; the version after the batch's) or verl.experimental's one-step-off / "
+              "fully-async trainers (the actor updates so far + 1)")
     def loss_policy_version(self, record):
         """that version + 1 (A-3PO's v_theta: the version this update produces); under verl.experimental's
         trainers the actor updates so far + 1"""

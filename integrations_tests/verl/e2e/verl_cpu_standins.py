@@ -17,7 +17,11 @@ What it replaces, and nothing else:
   samples with Hugging Face ``generate`` and returns verl's ``TokenOutput`` (token ids and their
   log-probs); :class:`HFServerAdapter` (in verl's ``_ROLLOUT_REGISTRY``, the object verl's FSDP
   worker drives) pushes the actor's weights to that server at every weight sync, as vLLM's adapter
-  does. Selected with ``actor_rollout_ref.rollout.name=hf``.
+  does (and, as vLLM's does, tells the server the sync's ``global_steps``, which it returns with every sample).
+  Selected with ``actor_rollout_ref.rollout.name=hf``.
+* **the NCCL checkpoint engine** of verl's disaggregated trainers (``verl.experimental``: the rollout replicas in a
+  resource pool of their own): ``cpu_ray`` (in verl's ``CheckpointEngineRegistry``) passes the weights through a
+  named Ray actor. Selected with ``actor_rollout_ref.rollout.checkpoint_engine.backend=cpu_ray``.
 
 Everything else is verl's: Hydra config and validation, Ray, the TaskRunner, the legacy PPO trainer,
 the FSDP2 engine and workers (on gloo), the agent loop, the data loader and the reward manager.
