@@ -28,6 +28,8 @@ trainer is marked by :mod:`._inputs` (one version per batch); nothing here chang
 
 from __future__ import annotations
 
+import functools
+import inspect
 from typing import Any, Optional
 
 import numpy as np
@@ -123,19 +125,30 @@ def stamped(data: Any, head: str) -> Optional[tuple[torch.Tensor, int]]:
 
 
 def patch_checkpoint_module(module, ledger) -> None:
-    """``CheckpointEngineManager.update_weights`` (the trainer's weight sync): :func:`record_sync`."""
+    """``CheckpointEngineManager.update_weights`` (the trainer's weight sync): :func:`record_sync`. verl's method is
+    its ``auto_await`` of a coroutine function, which looks at its caller to decide whether to return the coroutine
+    (an ``await`` in the fully-async trainer) or run it (the one-step-off trainer's plain call): the wrap is a
+    coroutine function under verl's own ``auto_await``, so its caller stays verl's."""
     cls = getattr(module, "CheckpointEngineManager", None)
     if cls is None or "update_weights" not in cls.__dict__:
         return
     original = cls.__dict__["update_weights"]
+    inner = getattr(original, "__wrapped__", None)
+    if inner is not None and inspect.iscoroutinefunction(inner):
+        from verl.utils.ray_utils import auto_await
 
-    def update_weights(self, *args, **kwargs):
-        record_sync(self, kwargs["global_steps"] if "global_steps" in kwargs else (args[0] if args else None))
-        return original(self, *args, **kwargs)  # verl's auto_await: a coroutine inside an event loop, else done
+        async def update_weights(self, *args, **kwargs):
+            record_sync(self, kwargs["global_steps"] if "global_steps" in kwargs else (args[0] if args else None))
+            return await inner(self, *args, **kwargs)
 
-    update_weights.__wrapped__ = original
-    update_weights.__doc__ = original.__doc__
-    ledger.set_attr("versions:CheckpointEngineManager.update_weights", cls, "update_weights", update_weights)
+        new = auto_await(functools.wraps(inner)(update_weights))
+    else:
+        def new(self, *args, **kwargs):
+            record_sync(self, kwargs["global_steps"] if "global_steps" in kwargs else (args[0] if args else None))
+            return original(self, *args, **kwargs)
+
+        functools.update_wrapper(new, original)
+    ledger.set_attr("versions:CheckpointEngineManager.update_weights", cls, "update_weights", new)
 
 
 __all__ = ["VERSION_FIELD", "POLICY_VERSION_KEY", "ERROR_KEY", "record_sync", "stamp_batch", "count_update",

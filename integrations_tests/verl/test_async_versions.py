@@ -102,6 +102,28 @@ def test_one_step_off_rows_get_the_updates_of_their_sync(one_step_off):
     assert all(tu.get_non_tensor_data(b, VERSION_KEY, None) is None for b in one_step_off.actor_rollout_wg.batches)
 
 
+def test_the_sync_wrap_keeps_verls_auto_await(one_step_off):
+    """verl's update_weights is an ``auto_await`` coroutine: the fully-async trainer awaits it inside its event loop
+    (it must get the coroutine), the one-step-off trainer calls it from a plain method (it must run). Both count."""
+    import asyncio
+
+    manager = one_step_off.checkpoint_manager
+
+    async def fully_async_style():
+        return await manager.update_weights(global_steps=5)
+
+    def plain(label):
+        return manager.update_weights(label)
+
+    async def one_step_off_style():  # a plain method called inside the trainer's event loop
+        return plain(6)
+
+    assert asyncio.run(fully_async_style()) == {} and asyncio.run(one_step_off_style()) == {} and plain(7) == {}
+    from stablerl.adapters.verl._versions import _SYNCS
+
+    assert manager.__dict__[_SYNCS] == {5: 0, 6: 0, 7: 0}
+
+
 def test_rows_without_one_known_version_get_a_reason(one_step_off):
     partial = _legacy([2, 2, 2, 2, 2, 2], lo=[2, 2, 1, 2, 2, 2])  # row 2: a partial rollout over syncs 1..2
     unknown = _legacy([7] * 6)
