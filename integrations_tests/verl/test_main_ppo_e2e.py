@@ -14,6 +14,7 @@ exercises several stablerl features together (one process start costs most of a 
   ``compute_advantage``); ``a3po`` with ``ppo_epochs=3`` (alpha 0 over the optimizer steps of one batch: AReaL's convention);
 * ``a3po`` in verl's one-step-off trainer (``verl.experimental.one_step_off_policy.main_ppo``; its rollout replica
   in a resource pool of its own, weights sent by the stand-in ``cpu_ray`` checkpoint engine): alpha 0, 1/2, 1/2;
+  and in its fully-async trainer (``fully_async_policy.fully_async_main``: rollouter, trainer, message queue): 0, 1/2;
 * ``gtpo`` (a loss that takes prompt groups) at verl's default ``trainer.balance_batch=true`` with two micro-batches
   of two whole groups each; the same settings with a micro-batch that would split groups are refused at start-up;
 * SFPO as a trainer hook (K=1, alpha 0.5): passes, reposition and entropy window, with ``empg`` (an estimator
@@ -321,6 +322,35 @@ def test_a3po_one_step_off_alpha_is_one_half(workdir):
     # alpha 0: the proximal log-prob is the rollout's (behaviour weight 1); alpha 1/2: halfway to the current one
     assert rows[0]["data"]["actor/behave_imp_weight"] == pytest.approx(1.0)
     assert all(r["data"]["actor/behave_imp_weight"] != pytest.approx(1.0, abs=1e-7) for r in rows[1:])
+
+def test_a3po_fully_async_alpha(workdir):
+    """A-3PO in verl's fully-async trainer (``python -m verl.experimental.fully_async_policy.fully_async_main``,
+    unmodified): rollouter and trainer are separate Ray actors, samples pass through verl's message queue, the
+    trainer syncs the weights after every update (``trigger_parameter_sync_step=1``) while the rollouter keeps
+    generating (``staleness_threshold=1``). The first update trains the initial weights' samples (alpha 0); the
+    second trains samples generated before the first sync (verl counts them as stale), one version behind: alpha 1/2.
+    ``async_training.partial_rollout=false``: a trajectory resumed on newer weights would be refused (verl does not
+    say which of its tokens each version generated)."""
+    out, rows = run_main_ppo(workdir, "a3po_fully_async", [
+        "actor_rollout_ref.hybrid_engine=false", "rollout.nnodes=1", "rollout.n_gpus_per_node=1",
+        # the trainer's and the rollouter's actors ask for num_cpus=10 each, the message queue 2
+        "++ray_kwargs.ray_init.num_gpus=2", "ray_kwargs.ray_init.num_cpus=40",
+        "actor_rollout_ref.rollout.checkpoint_engine.backend=cpu_ray",
+        "data.train_batch_size=0", "rollout.total_rollout_steps=12", "rollout.n=4",
+        "async_training.partial_rollout=false", "async_training.trigger_parameter_sync_step=1",
+        "async_training.staleness_threshold=1", "async_training.require_batches=1",
+        "trainer.total_training_steps=3", "trainer.save_freq=-1", "trainer.resume_mode=disable",
+        "algorithm.adv_estimator=grpo", "algorithm.rollout_correction.bypass_mode=false",
+        "actor_rollout_ref.actor.policy_loss._target_=stablerl.adapters.verl.StablePolicyLossConfig",
+        "actor_rollout_ref.actor.policy_loss.loss_mode=a3po",
+    ], module="verl.experimental.fully_async_policy.fully_async_main")
+    trained = [r["data"] for r in rows if "actor/a3po/alpha_mean" in r["data"]]
+    assert [d["actor/a3po/alpha_mean"] for d in trained] == [0.0, 0.5], trained
+    assert [d["fully_async/count/current_param_version"] for d in trained] == [0.0, 1.0]
+    assert trained[0]["fully_async/count/stale_trajectory_processed"] == 0 < trained[1][
+        "fully_async/count/stale_trajectory_processed"]
+    assert trained[0]["actor/behave_imp_weight"] == pytest.approx(1.0)
+    assert trained[1]["actor/behave_imp_weight"] != pytest.approx(1.0, abs=1e-7)
 
 SFPO_EMPG = [
     "actor_rollout_ref.actor.policy_loss._target_=stablerl.adapters.verl.StablePolicyLossConfig",
