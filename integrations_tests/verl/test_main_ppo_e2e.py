@@ -323,6 +323,7 @@ def test_a3po_one_step_off_alpha_is_one_half(workdir):
     assert rows[0]["data"]["actor/behave_imp_weight"] == pytest.approx(1.0)
     assert all(r["data"]["actor/behave_imp_weight"] != pytest.approx(1.0, abs=1e-7) for r in rows[1:])
 
+
 def test_a3po_fully_async_alpha(workdir):
     """A-3PO in verl's fully-async trainer (``python -m verl.experimental.fully_async_policy.fully_async_main``,
     unmodified): rollouter and trainer are separate Ray actors, samples pass through verl's message queue, the
