@@ -1,7 +1,8 @@
 """verl's own trainer, ``python -m verl.trainer.main_ppo``, with stablerl selected by config keys only.
 
 Six processes of the unmodified entry point (and one refused at start-up) on CPU (legacy trainer, ``trainer.use_v1=false``: the v1
-trainer needs TransferQueue, which the verl session does not install; not tried yet), with the test-only stand-ins of
+trainer needs TransferQueue, which the verl session does not install; not tried yet), and one each of verl's
+one-step-off and fully-async entry points (``verl.experimental``), with the test-only stand-ins of
 ``integrations_tests/verl/e2e/verl_cpu_standins.py`` (CPU platform, HF-``generate`` rollout server). Each run
 exercises several stablerl features together (one process start costs most of a run's time on CPU):
 
