@@ -144,7 +144,11 @@ VERL = FrameworkSpec(
         "batch), so the adapter gives every token that version and policy_version = version + 1: alpha "
         "= 0, the proximal log-prob is rollout_log_prob (behaviour weight 1) and r = exp(lp - lp_rollout) is clipped "
         "for every mini-batch and epoch (verl's recomputed old_log_prob is unused unless "
-        "prox_logp_method=recompute). verl's bypass mode replaces any loss_mode by its own bypass_mode loss",
+        "prox_logp_method=recompute). verl's bypass mode replaces any loss_mode by its own bypass_mode loss. Under "
+        "verl.experimental's one-step-off / fully-async trainers each trajectory gets the version of the sync that "
+        "generated it (verl's min/max_global_steps label; the adapter counts the actor updates each sync carried) "
+        "and policy_version = the updates so far + 1: a one-step-off batch (one sync stale) gets alpha 1/2 (not with "
+        "a partial rollout spanning syncs, refused)",
         "d3s": "entropy is the legacy trainer's old-log-prob pass's; the schedule's p is the number of "
         "compute_advantage calls so far (restored from the checkpoint) over the trainer's total_training_steps",
         "empg": "entropy is the legacy trainer's old-log-prob pass's (the pre-update policy's); a step is a turn of "

@@ -17,6 +17,7 @@ def _touched():
     import verl.workers.engine.fsdp.transformer_impl  # noqa: F401  (the engine registry's FSDP entries)
     import verl.workers.engine_workers as engine_workers
     import verl.workers.utils.losses as losses
+    from verl.checkpoint_engine.base import CheckpointEngineManager
     from verl.trainer.ppo import core_algos
     from verl.workers.engine.base import EngineRegistry
 
@@ -33,6 +34,7 @@ def _touched():
         "ActorRolloutRefWorker": dict(vars(engine_workers.ActorRolloutRefWorker)),
         "engines": {b: dict(engines.get(b, {})) for b in ("fsdp", "fsdp2")},
         "meta_path": list(sys.meta_path),
+        "CheckpointEngineManager": dict(vars(CheckpointEngineManager)),
     }
 
 
@@ -74,7 +76,8 @@ def test_uninstrument_restores_every_original_and_instrument_is_idempotent(adapt
         # everything the adapter touches was touched
         assert changed == {"policy_losses", "estimators", "losses.ppo_loss", "distill.ppo_loss",
                            "engine_workers.ppo_loss", "ray_trainer.compute_advantage", "RayPPOTrainer",
-                           "Tracking", "ActorRolloutRefWorker", "engines", "meta_path"}, changed
+                           "Tracking", "ActorRolloutRefWorker", "engines", "meta_path",
+                           "CheckpointEngineManager"}, changed
         assert once["policy_losses"]["stablerl_vanilla"]._stablerl_verl == ("policy_loss", "vanilla")
         assert once["distill.ppo_loss"] is once["losses.ppo_loss"]  # the callers' bound names follow
 

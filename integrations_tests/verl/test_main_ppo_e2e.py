@@ -1,7 +1,8 @@
 """verl's own trainer, ``python -m verl.trainer.main_ppo``, with stablerl selected by config keys only.
 
 Six processes of the unmodified entry point (and one refused at start-up) on CPU (legacy trainer, ``trainer.use_v1=false``: the v1
-trainer needs TransferQueue, which the verl session does not install; not tried yet), with the test-only stand-ins of
+trainer needs TransferQueue, which the verl session does not install; not tried yet), and one each of verl's
+one-step-off and fully-async entry points (``verl.experimental``), with the test-only stand-ins of
 ``integrations_tests/verl/e2e/verl_cpu_standins.py`` (CPU platform, HF-``generate`` rollout server). Each run
 exercises several stablerl features together (one process start costs most of a run's time on CPU):
 
@@ -12,6 +13,9 @@ exercises several stablerl features together (one process start costs most of a 
 * the same run resumed in a new process to step 3: step counter and EntroPIC's integral continue;
 * ``a3po`` (verl's weight versions) + ``gtpo_entropy_filter`` (the old-log-prob pass's entropy at
   ``compute_advantage``); ``a3po`` with ``ppo_epochs=3`` (alpha 0 over the optimizer steps of one batch: AReaL's convention);
+* ``a3po`` in verl's one-step-off trainer (``verl.experimental.one_step_off_policy.main_ppo``; its rollout replica
+  in a resource pool of its own, weights sent by the stand-in ``cpu_ray`` checkpoint engine): alpha 0, 1/2, 1/2;
+  and in its fully-async trainer (``fully_async_policy.fully_async_main``: rollouter, trainer, message queue): 0, 1/2;
 * ``gtpo`` (a loss that takes prompt groups) at verl's default ``trainer.balance_batch=true`` with two micro-batches
   of two whole groups each; the same settings with a micro-batch that would split groups are refused at start-up;
 * SFPO as a trainer hook (K=1, alpha 0.5): passes, reposition and entropy window, with ``empg`` (an estimator
@@ -95,7 +99,8 @@ def _kill_ray_session(ray_tmp: str) -> None:
             pass
 
 
-def run_main_ppo(tmp: str, name: str, overrides: list[str], *, refused: bool = False) -> tuple[str, list[dict]]:
+def run_main_ppo(tmp: str, name: str, overrides: list[str], *, refused: bool = False,
+                 module: str = "verl.trainer.main_ppo") -> tuple[str, list[dict]]:
     """``python -m verl.trainer.main_ppo`` in a new process; returns its console output and the rows of
     verl's file logger (``refused``: the run must exit non-zero, e.g. refused at start-up)."""
     from copy_task import prepare
@@ -120,7 +125,7 @@ def run_main_ppo(tmp: str, name: str, overrides: list[str], *, refused: bool = F
         "RAY_USAGE_STATS_ENABLED": "0", "RAY_enable_worker_prestart": "0", "TOKENIZERS_PARALLELISM": "false",
         "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "HYDRA_FULL_ERROR": "1",
     })
-    cmd = [sys.executable, "-m", "verl.trainer.main_ppo",
+    cmd = [sys.executable, "-m", module,
            *_base_overrides(data, tmp, ray_tmp), f"trainer.experiment_name={name}", *overrides]
     with open(os.path.join(tmp, f"{name}.cmd"), "w") as f:
         f.write(" ".join(cmd))
@@ -294,6 +299,60 @@ def test_a3po_alpha_is_zero_over_ppo_epochs(workdir):
         assert r["data"]["actor/a3po/alpha_mean"] == 0.0, r["data"]
         assert r["data"]["actor/behave_imp_weight"] == pytest.approx(1.0), r["data"]
 
+
+def test_a3po_one_step_off_alpha_is_one_half(workdir):
+    """A-3PO in verl's one-step-off trainer (``python -m verl.experimental.one_step_off_policy.main_ppo``, unmodified):
+    the rollout replica in its own resource pool (one more Ray "GPU" slot), weights sent through the stand-in
+    ``cpu_ray`` checkpoint engine (verl's default is NCCL), each step training the batch generated before its
+    predecessor's update. Step 1 trains the initial weights' batch (alpha 0); from step 2 on every batch is one
+    update stale: version v_theta - 2 for every token, A-3PO's alpha (v_theta - 1 - v) / (v_theta - v) = 1/2. Bypass
+    mode (the one-step-off config's default) is off: it would replace the loss by verl's bypass_mode loss."""
+    out, rows = run_main_ppo(workdir, "a3po_one_step_off", [
+        "actor_rollout_ref.hybrid_engine=false", "rollout.nnodes=1", "rollout.n_gpus_per_node=1",
+        # a trainer slot and a rollout slot; Ray's logical CPUs cover OneStepTaskRunner's num_cpus=10
+        "++ray_kwargs.ray_init.num_gpus=2", "ray_kwargs.ray_init.num_cpus=20",
+        "actor_rollout_ref.rollout.checkpoint_engine.backend=cpu_ray",
+        "hydra.searchpath=[pkg://verl.trainer.config]",  # its config's search path is relative to verl's repo
+        "trainer.total_training_steps=3", "trainer.save_freq=-1", "trainer.resume_mode=disable",
+        "algorithm.adv_estimator=grpo", "algorithm.rollout_correction.bypass_mode=false",
+        "actor_rollout_ref.actor.policy_loss._target_=stablerl.adapters.verl.StablePolicyLossConfig",
+        "actor_rollout_ref.actor.policy_loss.loss_mode=a3po",
+    ], module="verl.experimental.one_step_off_policy.main_ppo")
+    _assert_steps_and_reward(rows, [1, 2, 3])
+    assert [r["data"]["actor/a3po/alpha_mean"] for r in rows] == [0.0, 0.5, 0.5], [r["data"] for r in rows]
+    # alpha 0: the proximal log-prob is the rollout's (behaviour weight 1); alpha 1/2: halfway to the current one
+    assert rows[0]["data"]["actor/behave_imp_weight"] == pytest.approx(1.0)
+    assert all(r["data"]["actor/behave_imp_weight"] != pytest.approx(1.0, abs=1e-7) for r in rows[1:])
+
+
+def test_a3po_fully_async_alpha(workdir):
+    """A-3PO in verl's fully-async trainer (``python -m verl.experimental.fully_async_policy.fully_async_main``,
+    unmodified): rollouter and trainer are separate Ray actors, samples pass through verl's message queue, the
+    trainer syncs the weights after every update (``trigger_parameter_sync_step=1``) while the rollouter keeps
+    generating (``staleness_threshold=1``). The first update trains the initial weights' samples (alpha 0); the
+    second trains samples generated before the first sync (verl counts them as stale), one version behind: alpha 1/2.
+    ``async_training.partial_rollout=false``: a trajectory resumed on newer weights would be refused (verl does not
+    say which of its tokens each version generated)."""
+    out, rows = run_main_ppo(workdir, "a3po_fully_async", [
+        "actor_rollout_ref.hybrid_engine=false", "rollout.nnodes=1", "rollout.n_gpus_per_node=1",
+        # the trainer's and the rollouter's actors ask for num_cpus=10 each, the message queue 2
+        "++ray_kwargs.ray_init.num_gpus=2", "ray_kwargs.ray_init.num_cpus=40",
+        "actor_rollout_ref.rollout.checkpoint_engine.backend=cpu_ray",
+        "data.train_batch_size=0", "rollout.total_rollout_steps=12", "rollout.n=4",
+        "async_training.partial_rollout=false", "async_training.trigger_parameter_sync_step=1",
+        "async_training.staleness_threshold=1", "async_training.require_batches=1",
+        "trainer.total_training_steps=3", "trainer.save_freq=-1", "trainer.resume_mode=disable",
+        "algorithm.adv_estimator=grpo", "algorithm.rollout_correction.bypass_mode=false",
+        "actor_rollout_ref.actor.policy_loss._target_=stablerl.adapters.verl.StablePolicyLossConfig",
+        "actor_rollout_ref.actor.policy_loss.loss_mode=a3po",
+    ], module="verl.experimental.fully_async_policy.fully_async_main")
+    trained = [r["data"] for r in rows if "actor/a3po/alpha_mean" in r["data"]]
+    assert [d["actor/a3po/alpha_mean"] for d in trained] == [0.0, 0.5], trained
+    assert [d["fully_async/count/current_param_version"] for d in trained] == [0.0, 1.0]
+    assert trained[0]["fully_async/count/stale_trajectory_processed"] == 0 < trained[1][
+        "fully_async/count/stale_trajectory_processed"]
+    assert trained[0]["actor/behave_imp_weight"] == pytest.approx(1.0)
+    assert trained[1]["actor/behave_imp_weight"] != pytest.approx(1.0, abs=1e-7)
 
 SFPO_EMPG = [
     "actor_rollout_ref.actor.policy_loss._target_=stablerl.adapters.verl.StablePolicyLossConfig",

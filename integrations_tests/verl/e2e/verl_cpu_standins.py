@@ -17,7 +17,11 @@ What it replaces, and nothing else:
   samples with Hugging Face ``generate`` and returns verl's ``TokenOutput`` (token ids and their
   log-probs); :class:`HFServerAdapter` (in verl's ``_ROLLOUT_REGISTRY``, the object verl's FSDP
   worker drives) pushes the actor's weights to that server at every weight sync, as vLLM's adapter
-  does. Selected with ``actor_rollout_ref.rollout.name=hf``.
+  does (and, as vLLM's does, tells the server the sync's ``global_steps``, which it returns with every sample).
+  Selected with ``actor_rollout_ref.rollout.name=hf``.
+* **the NCCL checkpoint engine** of verl's disaggregated trainers (``verl.experimental``: the rollout replicas in a
+  resource pool of their own): ``cpu_ray`` (in verl's ``CheckpointEngineRegistry``) passes the weights through a
+  named Ray actor. Selected with ``actor_rollout_ref.rollout.checkpoint_engine.backend=cpu_ray``.
 
 Everything else is verl's: Hydra config and validation, Ray, the TaskRunner, the legacy PPO trainer,
 the FSDP2 engine and workers (on gloo), the agent loop, the data loader and the reward manager.
@@ -193,6 +197,10 @@ class HFGenerateServer:
         self.response_length = response_length
         self.generator = torch.Generator().manual_seed(seed)
         self.weight_version = 0
+        self.global_steps = None  # the trainer's version of the weights, set at each sync (vLLM's set_global_steps)
+
+    async def set_global_steps(self, global_steps: int):
+        self.global_steps = global_steps
 
     def load_weights(self, state: dict[str, torch.Tensor]) -> int:
         """The actor's weights, as verl's FSDP worker hands them to a rollout engine at each sync."""
@@ -249,7 +257,9 @@ class HFGenerateServer:
                     break
                 inp = torch.tensor([[tok]])
         return TokenOutput(token_ids=out_ids, log_probs=out_lp, stop_reason="completed",
-                           extra_fields={"weight_version": self.weight_version})
+                           extra_fields={"weight_version": self.weight_version,
+                                         # what vLLM's server returns: verl's agent loop makes min/max_global_steps
+                                         "global_steps": self.global_steps})
 
     # verl's replica controls; nothing to free or pause in a CPU generate loop
     async def wake_up(self):
@@ -324,13 +334,19 @@ def _make_adapter_class():
         async def release(self):
             return None
 
-        async def update_weights(self, weights, wire_format: str = "named_tensors", **kwargs):
+        async def update_weights(self, weights, wire_format: str = "named_tensors", global_steps=None, **kwargs):
             if wire_format != "named_tensors":
                 raise NotImplementedError(f"HF stand-in rollout: wire_format {wire_format!r}")
-            state = {name: t.detach().to("cpu", torch.float32).clone() for name, t in weights}
+            if hasattr(weights, "__aiter__"):  # a checkpoint engine's receive_weights (disaggregated rollout)
+                pairs = [pair async for pair in weights]
+            else:
+                pairs = list(weights)
+            state = {name: t.detach().to("cpu", torch.float32).clone() for name, t in pairs}
             if self.replica_local_rank == 0:
                 server = ray.get_actor(_server_name(self.replica_rank))
                 await server.load_weights.remote(state)
+                if global_steps is not None:  # as vLLM's adapter does after a sync
+                    await server.set_global_steps.remote(global_steps)
 
     return HFServerAdapter
 
@@ -349,3 +365,83 @@ def _register_rollout() -> None:
 HFRolloutReplica = None
 HFServerAdapter = None
 _register_rollout()
+
+
+# ----------------------------------------------------------------------------- weight sync between resource pools
+
+CHECKPOINT_BACKEND = "cpu_ray"
+
+
+@ray.remote(num_cpus=0)
+class _WeightMailbox:
+    """The last weights the trainer sent, and a count of sends."""
+
+    def __init__(self):
+        self.sent = 0
+        self.state = None
+
+    def put(self, state) -> int:
+        self.state = state
+        self.sent += 1
+        return self.sent
+
+    def get(self, after: int):
+        return (self.sent, self.state) if self.sent > after else (self.sent, None)
+
+
+def _register_checkpoint_engine() -> None:
+    """verl's disaggregated trainers (``verl.experimental``: one-step-off, fully async) send the weights from the
+    trainer's resource pool to the rollout replicas' through a checkpoint engine (NCCL, NIXL, ...: GPU only). This
+    one passes them through a named Ray actor (CPU, any process); select with
+    ``actor_rollout_ref.rollout.checkpoint_engine.backend=cpu_ray``."""
+    import asyncio
+
+    from verl.checkpoint_engine.base import CheckpointEngine, CheckpointEngineRegistry
+
+    @CheckpointEngineRegistry.register(CHECKPOINT_BACKEND)
+    class RayObjectCheckpointEngine(CheckpointEngine):
+        def __init__(self, bucket_size: int = 0, **kwargs):
+            self.role, self.rank, self.received, self.box = None, 0, 0, None
+
+        def _mailbox(self):
+            # the handle is kept: a named actor that is not detached ends when its creator holds no handle
+            if self.box is None:
+                self.box = _WeightMailbox.options(name="stablerl_cpu_weight_mailbox", get_if_exists=True).remote()
+            return self.box
+
+        def prepare(self):
+            return {}
+
+        @classmethod
+        def build_topology(cls, actor_wg_world_size, rollout_world_size, metadata):
+            return ({"role": ["sender"] * actor_wg_world_size, "rank": list(range(actor_wg_world_size))},
+                    {"role": ["receiver"] * rollout_world_size, "rank": list(range(rollout_world_size))})
+
+        def init_process_group(self, role: str = "receiver", rank: int = 0, **kwargs):
+            self.role, self.rank = role, rank
+
+        def finalize(self):
+            return None
+
+        async def send_weights(self, weights, global_steps=None):
+            state = {name: t.detach().full_tensor() if hasattr(t, "full_tensor") else t.detach()
+                     for name, t in weights}
+            if self.rank == 0:
+                await self._mailbox().put.remote({k: v.to("cpu", torch.float32).clone() for k, v in state.items()})
+            return {}
+
+        async def receive_weights(self, global_steps=None):
+            mailbox = self._mailbox()
+            for _ in range(12000):  # 10 min
+                sent, state = await mailbox.get.remote(self.received)
+                if state is not None:
+                    break
+                await asyncio.sleep(0.05)
+            else:
+                raise TimeoutError("cpu_ray checkpoint engine: the trainer sent no weights in 10 min")
+            self.received = sent
+            for name, tensor in state.items():
+                yield name, tensor
+
+
+_register_checkpoint_engine()
