@@ -260,7 +260,7 @@ def make_config(output_dir: str, arm: str, *, steps: int, seed: int, lr: float, 
     another scenario's arms, default :data:`ARMS`)."""
     loss, arm_overrides = (ARMS if arms is None else arms)[check_arm(arm, arms)]
     return task.make_config(output_dir, loss, steps=steps, seed=seed, lr=lr, num_iterations=num_iterations,
-                            use_vllm=True, vllm_mode="colocate", **{**arm_overrides, **overrides})
+                            **{"use_vllm": True, "vllm_mode": "colocate", **arm_overrides, **overrides})
 
 
 def make_trainer(args, precision: str, callbacks=None, seed: int = 0):

@@ -221,7 +221,8 @@ ARM_HELP = {
 # over 3 seeds, tied with dapo + token_truncate, and TRL's best in the truncated-sampling grid) and R3
 DEMO: dict[str, Any] = {"arms": ("trl_tok_trunc", "r3"), "precision": "int2", "lr": 1e-3, "steps": 200,
                         "completion_length": 16, "seed": 0}
-#: the versions DEMO_RECORD was made with (an Intel Xeon)
+#: the versions DEMO_RECORD was made with (an Intel Xeon; torch 2.14.1 / transformers 5.25.0 gave the same rewards for
+#: the demo's two arms)
 RECORDED_WITH = {"torch": "2.13.0", "transformers": "5.24.0", "trl": "1.16.0", "cpu_kernels": "AVX512"}
 # (final, best) reward per seed of DEMO's setting and MODEL, 10%-window means, with torch 2.13.0
 # (benchmarks/stability/moe_routing.py; every run in docs/stability/moe_routing.json; a test checks they match), for

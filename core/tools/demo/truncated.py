@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from . import mismatch, task
+from . import mismatch
 
 # label -> (loss_type, GRPOConfig overrides). Every arm: the same quantized top-p engine on TRL's vLLM path.
 _STABLERL = {"stablerl_loss_agg_mode": "seq-mean-token-mean", "vllm_importance_sampling_correction": False}
@@ -66,19 +66,14 @@ DEMO: dict[str, Any] = {"arms": ("trl_tok_trunc", "replay_tis"), "precision": "i
 
 
 def check_arm(arm: str) -> str:
-    if arm not in ARMS:
-        from stablerl.params import UnknownNameError, unknown_name_message
-
-        raise UnknownNameError(unknown_name_message("arm", arm, ARMS))
-    return arm
+    return mismatch.check_arm(arm, ARMS)
 
 
 def make_config(output_dir: str, arm: str, *, steps: int, seed: int, lr: float, top_p: float = DEMO["top_p"],
                 num_iterations: int = 1, **overrides: Any):
     """The scenario's GRPOConfig on TRL's vLLM path (``use_vllm=True``) with ``top_p``, for one arm."""
-    loss, arm_overrides = ARMS[check_arm(arm)]
-    return task.make_config(output_dir, loss, steps=steps, seed=seed, lr=lr, num_iterations=num_iterations,
-                            top_p=top_p, **{"use_vllm": True, "vllm_mode": "colocate", **arm_overrides, **overrides})
+    return mismatch.make_config(output_dir, arm, steps=steps, seed=seed, lr=lr, num_iterations=num_iterations,
+                                arms=ARMS, top_p=top_p, **overrides)
 
 
 make_trainer = mismatch.make_trainer  # the quantized engine (it samples with the config's top_p)
