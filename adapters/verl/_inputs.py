@@ -40,7 +40,8 @@ from typing import Any, Optional
 
 from stablerl import POLICY_LOSS, get_spec
 from stablerl.adapters.verl._ledger import LEDGER, patch_ray_trainer_method, verl_adapter
-from stablerl.adapters.verl._providers import VERSION_KEY, LossBatch, VerlInputError, loss_input_missing
+from stablerl.adapters.verl._providers import LossBatch, VerlInputError, loss_input_missing
+from stablerl.adapters.verl._versions import VERSION_KEY
 from stablerl.call_options import option_inputs
 from stablerl.frameworks import loss_inputs, pending_loss_inputs
 from stablerl.steps import BatchRecord

@@ -28,7 +28,7 @@ from stablerl.providers import collect, provides
 
 from ._sampling_mask import MASK_FIELD, REPLAYED_KEY, SAMPLING_REPLAY, replayed  # noqa: F401 (re-export)
 from ._teacher import TEACHER_AT_ADVANTAGE
-from ._versions import VERSION_KEY, legacy_version, stamped  # noqa: F401 (VERSION_KEY: re-export)
+from ._versions import legacy_version, stamped
 
 ADVANTAGE_SIDE = (ADVANTAGE_ESTIMATOR, REWARD_SHAPER, BATCH_FILTER)
 _ACTOR = "actor_rollout_ref.actor."
