@@ -1,13 +1,44 @@
 """Guards and kernels of core's fast paths that the batch contracts use too, so they sit below
 :mod:`stablerl.contracts` (:mod:`stablerl.ops` re-exports them): whether a tensor is wrapped by a
-``torch.func`` transform, and row sums of a product without a ``[B, T]`` temporary."""
+``torch.func`` transform, row sums of a product without a ``[B, T]`` temporary, and where the
+installed torch's ``clamp`` passes the gradient."""
 
 from __future__ import annotations
+
+import functools
 
 import torch
 
 # torch.func (grad, vmap, jvp) wraps tensors; a wrapped tensor allows no data-dependent Python branch
 is_functorch_wrapped = getattr(getattr(torch._C, "_functorch", None), "is_functorch_wrapped_tensor", lambda t: False)
+
+
+@functools.lru_cache(maxsize=None)
+def clamp_passes_at_bounds() -> bool:
+    """Whether ``torch.clamp(x, lo, hi)`` with number bounds passes the gradient where ``x`` equals a
+    bound: torch <= 2.13 does (its pass set is ``[lo, hi]``), torch >= 2.14 does not (``(lo, hi)``;
+    likewise ``clamp(min=)`` / ``clamp(max=)`` at their bound, backward and forward mode). Probed once
+    on the CPU, because stablerl's closed-form backwards (the fused losses, the clamp that keeps a
+    1-byte mask) must equal the eager clamp of the torch the user runs, and so the frameworks' own
+    losses, bit for bit."""
+    x = torch.tensor([-1.0, 1.0], dtype=torch.float64, requires_grad=True)
+    with torch.enable_grad():
+        (grad,) = torch.autograd.grad(torch.clamp(x, -1.0, 1.0).sum(), x)
+    low, high = (bool(v == 1.0) for v in grad.tolist())
+    if low != high:  # no torch release has done this; refuse rather than guess which side passes
+        raise RuntimeError(f"torch {torch.__version__}: clamp passes the gradient at one bound only "
+                           f"(lower: {low}, upper: {high}); stablerl's fused losses do not know this rule")
+    return low
+
+
+def clamp_pass_mask(x: torch.Tensor, lo=None, hi=None) -> torch.Tensor:
+    """``[x.shape]`` bool: where ``torch.clamp(x, lo, hi)`` passes the gradient in the installed
+    torch (None: no bound on that side; NaN ``x``: False, as clamp's own backward)."""
+    closed = clamp_passes_at_bounds()
+    inside = torch.ones_like(x, dtype=torch.bool) if lo is None else (x >= lo if closed else x > lo)
+    if hi is not None:
+        inside = inside & (x <= hi if closed else x < hi)
+    return inside
 
 
 # elements per slice of row_sums_of_product: 1 MiB of fp32, reused by the allocator from one slice

@@ -34,7 +34,7 @@ from typing import Callable, Optional
 import torch
 from torch.autograd.function import once_differentiable
 
-from .ops import LOG_RATIO_BOUND, all_within, is_functorch_wrapped
+from .ops import LOG_RATIO_BOUND, clamp_passes_at_bounds, is_functorch_wrapped, within_clamp_pass
 
 FUSED_ENV = "STABLERL_FUSED"
 
@@ -170,12 +170,26 @@ def masked_count(indicator: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return torch.dot(indicator.reshape(-1).to(mask.dtype), mask.reshape(-1))
 
 
+def clamp_pass_factor(x: torch.Tensor, clamped: torch.Tensor, lo=None, hi=None) -> torch.Tensor:
+    """The 0/1 factor of ``clamped = torch.clamp(x, lo, hi)``'s backward, as a float tensor: 1 where
+    the installed torch's clamp passes the gradient. ``1 - |sign(clamped - x)|`` in three in-place
+    passes; with torch >= 2.14, whose clamp stops the gradient at the bounds too
+    (:func:`~stablerl.fast_paths.clamp_passes_at_bounds`), 0 also where ``x`` equals ``lo`` or ``hi``
+    (None: no bound on that side)."""
+    factor = sign_of_(clamped - x).abs_().neg_().add_(1.0)
+    if not clamp_passes_at_bounds():
+        for bound in (lo, hi):
+            if bound is not None:
+                factor.masked_fill_(x == bound, 0.0)
+    return factor
+
+
 def fused_log_ratio(log_prob: torch.Tensor, old_log_prob: torch.Tensor):
-    """:func:`stablerl.ops.clamped_log_ratio`'s value, and the 0/1 factor of its backward (the clamp
-    passes the gradient on ``[-bound, bound]``); None when the clamp is skipped (every log-ratio
-    within the bound, the usual case)."""
+    """:func:`stablerl.ops.clamped_log_ratio`'s value, and the 0/1 factor of its backward
+    (:func:`clamp_pass_factor`); None when the clamp is skipped (every log-ratio within the bound,
+    the usual case)."""
     raw = log_prob - old_log_prob
-    if all_within(raw, -LOG_RATIO_BOUND, LOG_RATIO_BOUND):
+    if within_clamp_pass(raw, -LOG_RATIO_BOUND, LOG_RATIO_BOUND):
         return raw, None
     clamped = torch.clamp(raw, -LOG_RATIO_BOUND, LOG_RATIO_BOUND)
-    return clamped, sign_of_(clamped - raw).abs_().neg_().add_(1.0)
+    return clamped, clamp_pass_factor(raw, clamped, -LOG_RATIO_BOUND, LOG_RATIO_BOUND)

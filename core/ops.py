@@ -14,7 +14,8 @@ import torch
 
 from .context import Context
 from .contracts import AGGREGATION, UNAVAILABLE
-from .fast_paths import is_functorch_wrapped, row_sums_of_product  # noqa: F401  (also stablerl.ops')
+from .fast_paths import (clamp_pass_mask, clamp_passes_at_bounds, is_functorch_wrapped,  # noqa: F401  (also
+                         row_sums_of_product)  # stablerl.ops')
 from .params import StableRLError, build_params, unknown_name_message
 # registered aggregations (aggregate's other modes); the registry loads the plugins, which import this module,
 # through the plugin manager when first asked for, not when imported
@@ -74,7 +75,8 @@ def masked_tangent(inside: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
 class _ClampKeepingMask(torch.autograd.Function):
     """``torch.clamp(x, lo, hi)`` whose backward keeps a 1-byte in-range mask instead of ``x`` itself
     (4 bytes per element less held for backward). The gradient is clamp's own, bit for bit:
-    ``where(lo <= x <= hi, grad, 0)`` (NaN ``x``: 0). New-style (``setup_context``, ``jvp``, generated
+    ``where(lo <= x <= hi, grad, 0)`` (NaN ``x``: 0; strict inequalities with torch >= 2.14, as its
+    clamp: :func:`~stablerl.fast_paths.clamp_passes_at_bounds`). New-style (``setup_context``, ``jvp``, generated
     vmap rule), so ``torch.func`` transforms and forward-mode AD keep working."""
 
     generate_vmap_rule = True
@@ -86,7 +88,7 @@ class _ClampKeepingMask(torch.autograd.Function):
     @staticmethod
     def setup_context(fctx, inputs, output) -> None:
         x, lo, hi = inputs
-        fctx.inside = (x >= lo) & (x <= hi)
+        fctx.inside = clamp_pass_mask(x, lo, hi)
         fctx.save_for_backward(fctx.inside)
 
     @staticmethod
@@ -99,8 +101,9 @@ class _ClampKeepingMask(torch.autograd.Function):
         return masked_tangent(fctx.inside, x_t)
 
 
-def all_within(t: torch.Tensor, lo: float, hi: float) -> bool:
-    """True when every element of ``t`` lies in ``[lo, hi]`` (a NaN anywhere: False): one read pass
+def all_within(t: torch.Tensor, lo: float, hi: float, closed: bool = True) -> bool:
+    """True when every element of ``t`` lies in ``[lo, hi]`` (``closed=False``: in ``(lo, hi)``; a
+    NaN anywhere: False): one read pass
     (``aminmax``) and a read of its two scalars (one device sync on an accelerator; so not for code
     captured in a CUDA graph, which stablerl's loss entry points are not). False under a ``torch.func``
     transform, whose wrapped tensors allow no data-dependent branch, so callers then take their
@@ -109,18 +112,27 @@ def all_within(t: torch.Tensor, lo: float, hi: float) -> bool:
         return True
     if is_functorch_wrapped(t):
         return False
-    low, high = torch.aminmax(t.detach())
-    return lo <= low.item() and high.item() <= hi  # a NaN compares False
+    low, high = (v.item() for v in torch.aminmax(t.detach()))
+    if closed:
+        return lo <= low and high <= hi  # a NaN compares False
+    return lo < low and high < hi
+
+
+def within_clamp_pass(t: torch.Tensor, lo: float, hi: float) -> bool:
+    """True when ``torch.clamp(t, lo, hi)`` is the identity in value and gradient for every element
+    (:func:`all_within` on the range where the installed torch's clamp passes the gradient)."""
+    return all_within(t, lo, hi, closed=clamp_passes_at_bounds())
 
 
 def clamped_log_ratio(log_prob: torch.Tensor, old_log_prob: torch.Tensor, bound: float = LOG_RATIO_BOUND) -> torch.Tensor:
     """``clamp(log_prob - old_log_prob, -bound, bound)``: a ratio formed in log space, safe to exp.
 
     When every log-ratio is already within the bound (the usual case), the clamp is the identity in
-    value and gradient (clamp passes the gradient on ``[-bound, bound]``, bounds included), so it is
-    skipped: the same bits, without the clamp's passes and in-range mask (one ``aminmax`` instead)."""
+    value and gradient (clamp passes the gradient on ``[-bound, bound]``, bounds included up to torch
+    2.13, excluded from 2.14), so it is skipped: the same bits, without the clamp's passes and in-range
+    mask (one ``aminmax`` instead)."""
     diff = log_prob - old_log_prob
-    if all_within(diff, -bound, bound):
+    if within_clamp_pass(diff, -bound, bound):
         return diff
     if diff.requires_grad and torch.is_grad_enabled():
         return _ClampKeepingMask.apply(diff, -bound, bound)

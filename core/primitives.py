@@ -25,7 +25,7 @@ import torch
 
 from .contracts import Params
 from .fused import masked_count, sign_of_
-from .ops import aggregate, clamped_log_ratio, masked_mean, masked_sum
+from .ops import aggregate, clamp_passes_at_bounds, clamped_log_ratio, masked_mean, masked_sum
 from .params import StableRLError, check, nearest
 
 
@@ -95,14 +95,16 @@ def ppo_clip_fused(ratio, advantages, mask, low: float, high: float, dual_c: Opt
 
     Autograd's rules reproduced: ``maximum(x, y)`` gives x ``g`` where x > y, ``g/2`` where x == y,
     0 below (y alike); ``minimum`` mirrored; ``clamp`` passes the gradient on its closed range; the
-    ``where(A < 0, ...)`` picks one branch. ``-A * clamp(r)`` equals ``-A * r`` when ``r`` is in
+    ``where(A < 0, ...)`` picks one branch (the range is open with torch >= 2.14:
+    :func:`~stablerl.fast_paths.clamp_passes_at_bounds`). ``-A * clamp(r)`` equals ``-A * r`` when ``r`` is in
     range, so ``F_max = (1 + s + inr) / 2`` with ``s = sign(pg1 - pg2)`` and ``inr`` in {0, 1}. For
     A >= 0 the dual-clip bound ``|A| c`` is >= 0 >= ``max(pg1, pg2)``, so ``minimum(max(pg1, pg2),
     |A| c)`` is the eager ``where`` (one select fewer) and its factor ``(1 + sign(|A| c - max))/2``
     is 1 there (A = 0 has a zero gradient whatever the factor). Every step is a vectorised float
     pass, in place where the operand is a temporary (no ``torch.where``, no bool -> float casts, few
     fresh [B, T] allocations). ``bounds=(lower, upper)`` replaces ``(1 - low, 1 + high)`` (explicit
-    ratio bounds, e.g. BAPO's searched 0-dim tensors; ``lower <= upper``)."""
+    ratio bounds, e.g. BAPO's searched ones; numbers, ``lower <= upper``: torch >= 2.14 splits a
+    tensor-bound clamp's gradient at a tie, which no power-of-two factor reproduces)."""
     neg_adv = -advantages
     pg_losses1 = neg_adv * ratio
     clamped = torch.clamp(ratio, *bounds) if bounds is not None else torch.clamp(ratio, 1.0 - low, 1.0 + high)
@@ -124,7 +126,12 @@ def ppo_clip_fused(ratio, advantages, mask, low: float, high: float, dual_c: Opt
         # A < 0 and ratio below the range: min(sign A, 0) * side == -1
         "clip_low": negative_count((torch.clamp(adv_sign, max=0.0) * side).clamp_(max=0.0)) / count,
     }
-    grad_factor = s12.add_(1.0).add_(1.0).sub_(side.abs_()).mul_(0.5)
+    grad_factor = s12.add_(1.0).add_(1.0).sub_(side.abs_())
+    if not clamp_passes_at_bounds():  # torch >= 2.14: the clamp stops the gradient at its bounds too,
+        # where pg1 == pg2 (s12 = 0): maximum's half through the clamp is lost, F = 1/2 (2 -> 1 here)
+        lower, upper = bounds if bounds is not None else (1.0 - low, 1.0 + high)
+        grad_factor.masked_fill_((ratio == lower) | (ratio == upper), 1.0)
+    grad_factor.mul_(0.5)
     if dual_c is None:
         metrics["pg_clipfrac_lower"] = torch.zeros((), device=ratio.device)
         return clip_pg_losses1, metrics, neg_adv, grad_factor

@@ -169,7 +169,8 @@ def bapo_loss(b, p: BAPOParams, ctx):
     c_low, c_high, achieved = bapo_bounds(ratio, adv, mask, p, ctx)
 
     pg_losses1 = -adv * ratio
-    pg_losses2 = -adv * torch.clamp(ratio, c_low, c_high)
+    # the searched bounds as numbers: torch >= 2.14 splits a tensor-bound clamp's gradient at a tie
+    pg_losses2 = -adv * torch.clamp(ratio, float(c_low), float(c_high))
     clipped = torch.maximum(pg_losses1, pg_losses2)
     dt = mask.dtype
     metrics = {
@@ -202,7 +203,7 @@ def bapo_fused(b, p: BAPOParams, ctx):
         ratio = torch.exp(log_ratio)
         c_low, c_high, achieved = bapo_bounds(ratio, adv, mask, p, ctx)
         pg_losses, metrics, neg_adv, factor = ppo_clip_fused(ratio, adv, mask, 0.0, 0.0, p.clip_ratio_c,
-                                                             bounds=(c_low, c_high))
+                                                             bounds=(float(c_low), float(c_high)))
         metrics["ppo_kl"] = masked_mean(-log_ratio, mask)
         metrics["bapo/c_low"] = c_low
         metrics["bapo/c_high"] = c_high

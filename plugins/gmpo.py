@@ -16,8 +16,8 @@ from dataclasses import dataclass
 import torch
 
 from stablerl import STABLE, Params, hookimpl
-from stablerl.fused import FusedLoss, masked_count, sign_of_
-from stablerl.ops import LOG_RATIO_BOUND, aggregate, all_within, masked_sum, seq_mean
+from stablerl.fused import FusedLoss, clamp_pass_factor, masked_count, sign_of_
+from stablerl.ops import LOG_RATIO_BOUND, aggregate, clamp_passes_at_bounds, masked_sum, seq_mean, within_clamp_pass
 from stablerl.params import check
 
 
@@ -37,7 +37,7 @@ def gmpo_loss(b, p: GMPOParams, ctx):
     log_ratio = b.log_prob - b.old_log_prob
     # = clamped_log_ratio(lp, lp_old); within the bound the clamp is the identity (value and gradient) and
     # is skipped, which also spares its backward (two comparisons and a select over [B, T])
-    within = all_within(log_ratio, -LOG_RATIO_BOUND, LOG_RATIO_BOUND)
+    within = within_clamp_pass(log_ratio, -LOG_RATIO_BOUND, LOG_RATIO_BOUND)
     d = log_ratio if within else torch.clamp(log_ratio, -LOG_RATIO_BOUND, LOG_RATIO_BOUND)
     sign = torch.sign(b.advantages)
     # with bounds inside +-20, clamping the raw log-ratio gives the same values and gradient as
@@ -124,7 +124,7 @@ def gmpo_fused(b, p: GMPOParams, ctx):
     backward is one product with the saved ``F`` (4 bytes a token)."""
     with torch.no_grad():
         log_ratio = b.log_prob - b.old_log_prob
-        within = all_within(log_ratio, -LOG_RATIO_BOUND, LOG_RATIO_BOUND)
+        within = within_clamp_pass(log_ratio, -LOG_RATIO_BOUND, LOG_RATIO_BOUND)
         if within:
             return _gmpo_fused_within(b, p, ctx, log_ratio)
         d = torch.clamp(log_ratio, -LOG_RATIO_BOUND, LOG_RATIO_BOUND)
@@ -136,10 +136,9 @@ def gmpo_fused(b, p: GMPOParams, ctx):
         d_eff = sign * torch.minimum(a, c)
         share_a = sign_of_(c - a).add_(1.0).mul_(0.5)  # minimum's share for a: 1 where a < c, 1/2 on a tie
         share_c = 1.0 - share_a
-        in_range = sign_of_(d_clamped - inner).abs_().neg_().add_(1.0)  # clamp passes on [-low, high]
-        factor = share_c.mul_(in_range)
+        factor = share_c.mul_(clamp_pass_factor(inner, d_clamped, -p.clip_ratio_low, p.clip_ratio_high))
         # the +-20 clamp's pass factor, on both paths when the inner clamp reads d
-        in20 = sign_of_(d - log_ratio).abs_().neg_().add_(1.0)
+        in20 = clamp_pass_factor(log_ratio, d, -LOG_RATIO_BOUND, LOG_RATIO_BOUND)
         share_a.mul_(in20)
         if inner_is_d:
             factor.mul_(in20)
@@ -158,13 +157,18 @@ def _gmpo_fused_within(b, p: GMPOParams, ctx, d):
     mask = b.response_mask
     d_clamped = torch.clamp(d, -p.clip_ratio_low, p.clip_ratio_high)
     side = sign_of_(d_clamped - d)  # -1: above the band, +1: below, 0: inside
+    # torch >= 2.14's clamp also stops the gradient on the band's edges (read before d is overwritten)
+    edges = None if clamp_passes_at_bounds() else (d == -p.clip_ratio_low) | (d == p.clip_ratio_high)
     sign = sign_of_(b.advantages * 1.0)  # torch.sign's values (a zero's sign aside), faster
     metrics = _gmpo_metrics_from_side(b, side, sign, d)
     a, c = d.mul_(sign), d_clamped.mul_(sign)  # d is ours (a fresh difference): no longer needed
     d_eff = torch.minimum(a, c)
     share_a = sign_of_(c.sub_(a)).add_(1.0).mul_(0.5)  # minimum's share for a: 1 where a < c, 1/2 on a tie
     d_eff.mul_(sign)
-    factor = torch.maximum(share_a, side.abs_().neg_().add_(1.0), out=share_a).mul_(sign.mul_(sign))
+    in_range = side.abs_().neg_().add_(1.0)
+    if edges is not None:
+        in_range.masked_fill_(edges, 0.0)
+    factor = torch.maximum(share_a, in_range, out=share_a).mul_(sign.mul_(sign))
     row_sums = masked_sum(d_eff, mask, dim=-1)
     return FusedLoss(row_sums, metrics, _row_backward, (factor,), then=lambda out: _loss_from_row_sums(b, out, ctx))
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 
 from stablerl import STABLE, hookimpl
-from stablerl.ops import AGG_MODES, masked_mean, masked_sum
+from stablerl.ops import AGG_MODES, clamp_pass_mask, masked_mean, masked_sum
 from stablerl.fused import FusedLoss
 from stablerl.primitives import GSPOParams, ppo_clip_fused, ppo_clip_terms, ratio_backward
 
@@ -95,8 +95,9 @@ def gspo_fused(b, p: GSPOParams, ctx):
         pg_losses, metrics, neg_adv, factor = ppo_clip_fused(
             ratio, b.broadcast_advantages, mask, p.clip_ratio_low, p.clip_ratio_high, None)
         metrics["ppo_kl"] = (0.0 - masked_sum(log_ratio, mask)) / mask.sum().clamp(min=1)
-        # clamp(max=10)'s backward passes the gradient where log s <= 10
-        ratio_factor = factor.mul_(ratio * (seq_log_ratio.unsqueeze(-1) <= GSPO_LOG_RATIO_MAX).to(ratio.dtype))
+        # clamp(max=10)'s backward passes the gradient where log s <= 10 (< 10 with torch >= 2.14)
+        passes = clamp_pass_mask(seq_log_ratio.unsqueeze(-1), hi=GSPO_LOG_RATIO_MAX)
+        ratio_factor = factor.mul_(ratio * passes.to(ratio.dtype))
         valid_rows = row_tokens > 0
         s_i = torch.exp(torch.clamp(seq_log_ratio, max=GSPO_LOG_RATIO_MAX))
         metrics["gspo/seq_ratio_mean"] = masked_mean(s_i, valid_rows.to(s_i.dtype))

@@ -4,7 +4,7 @@ with torch.clamp's value and gradient bit for bit (boundaries, NaN, +-inf, every
 import pytest
 import torch
 
-from stablerl.ops import LOG_RATIO_BOUND, clamped_log_ratio
+from stablerl.ops import LOG_RATIO_BOUND, clamp_passes_at_bounds, clamped_log_ratio
 
 
 def _inputs(dtype, seed=0):
@@ -70,12 +70,12 @@ def test_without_grad_it_is_a_plain_clamp():
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 def test_within_the_bound_the_clamp_is_skipped_with_the_same_bits(dtype):
-    # every log-ratio in [-bound, bound], the bounds themselves and -0.0 included: clamp is the identity in
-    # value and gradient there, so nothing is clamped and nothing is kept for backward
+    # every log-ratio inside (-bound, bound), -0.0 included: clamp is the identity in value and gradient
+    # there, so nothing is clamped and nothing is kept for backward (the bounds themselves: next test)
     g = torch.Generator().manual_seed(3)
     lp = -torch.rand(4, 40, generator=g, dtype=torch.float64).to(dtype) * 5
     old = lp + (torch.rand(4, 40, generator=g, dtype=torch.float64).to(dtype) - 0.5)
-    lp[0, :3] = torch.tensor([LOG_RATIO_BOUND, -LOG_RATIO_BOUND, -0.0], dtype=dtype)
+    lp[0, :3] = torch.tensor([LOG_RATIO_BOUND * 0.999, -LOG_RATIO_BOUND * 0.999, -0.0], dtype=dtype)
     old[0, :3] = 0.0
     upstream = torch.randn(lp.shape, generator=g, dtype=dtype)
     y_ref, g_ref = _run(lambda x, o: torch.clamp(x - o, -LOG_RATIO_BOUND, LOG_RATIO_BOUND), lp, old, upstream)
@@ -94,6 +94,32 @@ def test_within_the_bound_the_clamp_is_skipped_with_the_same_bits(dtype):
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
         y = clamped_log_ratio(x, old)
     assert [t.dtype for t in saved] == [torch.bool] and float(y[1, 5].detach()) == LOG_RATIO_BOUND
+
+
+@pytest.mark.parametrize("bound", [LOG_RATIO_BOUND, -LOG_RATIO_BOUND])
+def test_at_the_bound_it_follows_the_installed_torch_clamp(bound):
+    # torch <= 2.13's clamp passes the gradient at a bound (so the clamp is skipped there), torch >= 2.14's
+    # stops it (so the clamp is kept, with its 1-byte mask): both equal torch.clamp bit for bit
+    lp = torch.tensor([[bound, 0.5, -1.0]], dtype=torch.float64)
+    old = torch.zeros_like(lp)
+    upstream = torch.tensor([[0.75, -1.5, 2.0]], dtype=torch.float64)
+    y_ref, g_ref = _run(lambda x, o: torch.clamp(x - o, -LOG_RATIO_BOUND, LOG_RATIO_BOUND), lp, old, upstream)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        y, g_ours = _run(clamped_log_ratio, lp, old, upstream)
+    assert torch.equal(y, y_ref) and torch.equal(g_ours.view(torch.int64), g_ref.view(torch.int64))
+    passes = clamp_passes_at_bounds()
+    assert float(g_ours[0, 0]) == (0.75 if passes else 0.0)
+    assert [t.dtype for t in saved] == ([] if passes else [torch.bool])
+
+
+def test_the_clamp_convention_probe_reads_the_installed_torch():
+    x = torch.tensor([-2.0, 3.0], requires_grad=True)
+    (grad,) = torch.autograd.grad(torch.clamp(x, -2.0, 3.0).sum(), x)
+    assert clamp_passes_at_bounds() is bool(grad[0] == 1.0) is bool(grad[1] == 1.0)
+    # torch 2.14 changed it (CI's unit session pins 2.13.0, the unit_newest_torch session 2.14.1)
+    major_minor = tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2])
+    assert clamp_passes_at_bounds() is (major_minor <= (2, 13))
 
 
 def test_the_skip_is_not_taken_under_torch_func():

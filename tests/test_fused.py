@@ -19,6 +19,8 @@ from hypothesis import strategies as st
 import stablerl
 from stablerl import StableRLError
 from stablerl.fused import FUSED_ENV, sign_of, sign_of_
+from stablerl.ops import clamp_passes_at_bounds
+from stablerl.primitives import ppo_clip_fused
 
 FUSED_LOSSES = [s.name for s in stablerl.list_algorithms("policy_loss") if s.fused is not None]
 MODES = ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"]
@@ -230,3 +232,37 @@ def test_a3po_alpha_table_equals_the_per_token_formula(policy_version, values, v
     for dtype in (torch.float32, torch.float64):
         assert torch.equal(a3po_alpha_as(versions, policy_version, dtype),
                            a3po_alpha(versions, policy_version).to(dtype))
+
+
+def test_fused_equals_eager_where_gspo_s_clamp_at_10_ties():
+    # rows whose mean log-ratio is exactly 10 (GSPO's clamp bound): torch <= 2.13 passes the gradient
+    # there, torch >= 2.14 stops it; the fused form follows the installed torch (clamp_pass_mask)
+    B, T = 3, 4
+    old = torch.full((B, T), -2.0)
+    lp = old + torch.tensor([[10.0] * T, [9.5, 10.5, 10.0, 10.0], [0.1, -0.2, 0.05, 0.0]])
+    inputs = dict(log_prob=lp, old_log_prob=old, advantages=torch.tensor([[1.0], [-2.0], [0.5]]).expand(B, T).clone(),
+                  response_mask=torch.ones(B, T, dtype=torch.bool))
+    assert_same("gspo", inputs)
+    _, _, grad = run("gspo", inputs, True)
+    assert (grad[:2] == 0).all() != clamp_passes_at_bounds()  # the tied rows: 0 exactly when the clamp stops it
+    assert (grad[2] != 0).all()
+
+
+@pytest.mark.parametrize("dual_c", [None, 3.0])
+def test_ppo_clip_fused_factor_equals_autograd_at_explicit_number_bounds(dual_c):
+    # BAPO's path: bounds given as numbers; ratios exactly on them, inside, outside, both advantage signs
+    lower, upper = 0.625, 1.375  # exact in every float dtype
+    ratio = torch.tensor([lower, upper, 1.0, 0.5, 2.0, lower, upper, 4.0], dtype=torch.float64)
+    adv = torch.tensor([1.0, 1.0, -1.0, -2.0, 3.0, -1.5, -0.5, -1.0], dtype=torch.float64)
+    mask = torch.ones_like(ratio)
+    r = ratio.clone().requires_grad_(True)
+    loss = torch.maximum(-adv * r, -adv * torch.clamp(r, lower, upper))
+    if dual_c is not None:
+        loss = torch.where(adv < 0, torch.minimum(loss, -adv * dual_c), loss)
+    upstream = torch.linspace(0.5, 2.0, len(ratio), dtype=torch.float64)
+    (expected,) = torch.autograd.grad(loss, r, upstream)
+    fused_loss, _, neg_adv, factor = ppo_clip_fused(ratio, adv, mask, 0.0, 0.0, dual_c, bounds=(lower, upper))
+    assert torch.equal(fused_loss, loss.detach())
+    assert torch.equal((upstream * neg_adv) * factor, expected)
+    at_bound = float(factor[0])  # A > 0 on the lower bound: maximum ties, half through the clamp
+    assert at_bound == (1.0 if clamp_passes_at_bounds() else 0.5)
