@@ -349,7 +349,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     env = task.environment()
     recorded_with = {"truncated": truncated.RECORDED_WITH, "moe": moe.RECORDED_WITH}.get(args.scenario,
                                                                                          task.RECORDED_WITH)
-    env_lines = task.version_lines(env, recorded_with)
+    same_with = {"truncated": truncated.SAME_WITH, "moe": moe.SAME_WITH}.get(args.scenario, ())
+    env_lines = task.version_lines(env, recorded_with, same_with)
     print(env_lines[0])
     results: dict[str, dict] = {}
     for name in names:

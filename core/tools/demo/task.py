@@ -167,11 +167,20 @@ def _release(text: str) -> str:
     return text.split("+", 1)[0]  # "2.13.0+cpu" is the 2.13.0 release
 
 
-def version_lines(env: dict[str, str], recorded: dict[str, str] = RECORDED_WITH) -> list[str]:
-    """What this run used, and whether its numbers can be compared with the recorded runs'."""
+def version_lines(env: dict[str, str], recorded: dict[str, str] = RECORDED_WITH,
+                  same_with: tuple[dict[str, str], ...] = ()) -> list[str]:
+    """What this run used, and whether its numbers can be compared with the recorded runs'. ``same_with``: other
+    releases measured to give the recorded numbers for the scenario's default arms on the recorded kernels."""
     lines = ["versions: " + ", ".join(f"{k} {v}" for k, v in env.items())]
     differ = [k for k in recorded if _release(env.get(k, "")) != recorded[k]]
-    if differ:
+    # a measured set applies when it names every differing key and the run has all of its releases
+    measured = next((m for m in same_with if set(differ) <= set(m)
+                     and all(_release(env.get(k, "")) == m[k] for k in m)), None)
+    if differ and measured is not None:
+        lines.append("recorded with " + ", ".join(f"{k} {recorded[k]}" for k in recorded) + "; yours ("
+                     + ", ".join(f"{k} {env.get(k)}" for k in differ) + ") were measured to give the same numbers "
+                     "for the default arms: the recorded numbers apply to this machine's kernels")
+    elif differ:
         lines.append("recorded with " + ", ".join(f"{k} {recorded[k]}" for k in recorded) + "; yours differ in "
                      + ", ".join(f"{k} ({env.get(k)})" for k in differ) + ": numbers will differ from the recorded "
                      "ones; the verdict below is from this run")

@@ -78,8 +78,10 @@ def make_config(output_dir: str, arm: str, *, steps: int, seed: int, lr: float, 
 
 make_trainer = mismatch.make_trainer  # the quantized engine (it samples with the config's top_p)
 
-#: the versions DEMO_RECORD was made with (an Intel Xeon; torch 2.14.1 / transformers 5.25.0 gave the same rewards)
+#: the versions DEMO_RECORD was made with (an Intel Xeon)
 RECORDED_WITH = {"torch": "2.13.0", "transformers": "5.24.0", "trl": "1.16.0", "cpu_kernels": "AVX512"}
+#: releases that gave the same rewards for the default arms (AVX-512 kernels)
+SAME_WITH = ({"torch": "2.14.1", "transformers": "5.25.0"},)
 
 # (final, best) reward per seed of DEMO's setting, 10%-window means, with torch 2.13.0
 # (benchmarks/stability/truncated_sampling.py; every run in docs/stability/truncated_sampling.json; a test checks
