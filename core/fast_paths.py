@@ -24,11 +24,12 @@ def clamp_passes_at_bounds() -> bool:
     x = torch.tensor([-1.0, 1.0], dtype=torch.float64, requires_grad=True)
     with torch.enable_grad():
         (grad,) = torch.autograd.grad(torch.clamp(x, -1.0, 1.0).sum(), x)
-    low, high = (bool(v == 1.0) for v in grad.tolist())
-    if low != high:  # no torch release has done this; refuse rather than guess which side passes
-        raise RuntimeError(f"torch {torch.__version__}: clamp passes the gradient at one bound only "
-                           f"(lower: {low}, upper: {high}); stablerl's fused losses do not know this rule")
-    return low
+    values = grad.tolist()
+    if values not in ([1.0, 1.0], [0.0, 0.0]):  # one side only, or a split: refuse rather than guess
+        raise RuntimeError(f"torch {torch.__version__}: clamp's gradient at its (lower, upper) bound is {values}, "
+                           "neither (1, 1) (torch <= 2.13) nor (0, 0) (torch >= 2.14): stablerl's hand-written clamp "
+                           "backwards do not know this rule (please report it with this torch version)")
+    return values[0] == 1.0
 
 
 def clamp_pass_mask(x: torch.Tensor, lo=None, hi=None) -> torch.Tensor:

@@ -122,6 +122,23 @@ def test_the_clamp_convention_probe_reads_the_installed_torch():
     assert clamp_passes_at_bounds() is (major_minor <= (2, 13))
 
 
+def test_an_unknown_clamp_rule_is_refused_not_guessed(monkeypatch):
+    from stablerl import fast_paths
+
+    def splitting_clamp(x, lo, hi):  # a rule no release has: the gradient split in half at a bound
+        return torch.maximum(torch.minimum(x, torch.full_like(x, hi)), torch.full_like(x, lo))
+
+    fast_paths.clamp_passes_at_bounds.cache_clear()
+    monkeypatch.setattr(torch, "clamp", splitting_clamp)
+    try:
+        with pytest.raises(RuntimeError, match=r"clamp's gradient at its \(lower, upper\) bound is \[0.5, 0.5\]"):
+            fast_paths.clamp_passes_at_bounds()
+    finally:
+        monkeypatch.undo()
+        fast_paths.clamp_passes_at_bounds.cache_clear()
+    assert isinstance(fast_paths.clamp_passes_at_bounds(), bool)
+
+
 def test_the_skip_is_not_taken_under_torch_func():
     # torch.func's wrapped tensors allow no data-dependent branch: the general path gives the same gradient
     lp = -torch.rand(3, 5, dtype=torch.float64)
