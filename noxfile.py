@@ -24,18 +24,20 @@ TORCH_NEWEST = "torch==2.14.1"
 PYTEST = ["pytest", "-q", "-p", "no:cacheprovider", "--import-mode=importlib"]
 
 
-@nox.session
-def unit(session):
-    session.install(TORCH)
+def _unit_tests(session, torch_pin: str) -> None:
+    session.install(torch_pin)
     session.install("-e", ".[test]")
     session.run(*PYTEST, "tests", *session.posargs)
+
+
+@nox.session
+def unit(session):
+    _unit_tests(session, TORCH)
 
 
 @nox.session
 def unit_newest_torch(session):
-    session.install(TORCH_NEWEST)
-    session.install("-e", ".[test]")
-    session.run(*PYTEST, "tests", *session.posargs)
+    _unit_tests(session, TORCH_NEWEST)
 
 
 @nox.session

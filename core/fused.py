@@ -170,18 +170,24 @@ def masked_count(indicator: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return torch.dot(indicator.reshape(-1).to(mask.dtype), mask.reshape(-1))
 
 
-def clamp_pass_factor(x: torch.Tensor, clamped: torch.Tensor, lo=None, hi=None) -> torch.Tensor:
-    """The 0/1 factor of ``clamped = torch.clamp(x, lo, hi)``'s backward, as a float tensor: 1 where
-    the installed torch's clamp passes the gradient. ``1 - |sign(clamped - x)|`` in three in-place
-    passes; with torch >= 2.14, whose clamp stops the gradient at the bounds too
-    (:func:`~stablerl.fast_paths.clamp_passes_at_bounds`), 0 also where ``x`` equals ``lo`` or ``hi``
-    (None: no bound on that side)."""
-    factor = sign_of_(clamped - x).abs_().neg_().add_(1.0)
+def stop_at_clamp_bounds_(factor: torch.Tensor, x: torch.Tensor, lo=None, hi=None, stopped: float = 0.0):
+    """``factor``, built on the closed-range rule (a clamp of ``x`` passing the gradient on ``[lo, hi]``),
+    set in place to ``stopped`` where ``x`` equals ``lo`` or ``hi`` when the installed torch's clamp stops
+    the gradient there too (torch >= 2.14: :func:`~stablerl.fast_paths.clamp_passes_at_bounds`; with
+    2.13 nothing changes). None: no bound on that side. ``stopped``: the factor's value where the clamp's
+    share is 0 (0 for a bare pass factor)."""
     if not clamp_passes_at_bounds():
         for bound in (lo, hi):
             if bound is not None:
-                factor.masked_fill_(x == bound, 0.0)
+                factor.masked_fill_(x == bound, stopped)
     return factor
+
+
+def clamp_pass_factor(x: torch.Tensor, clamped: torch.Tensor, lo=None, hi=None) -> torch.Tensor:
+    """The 0/1 factor of ``clamped = torch.clamp(x, lo, hi)``'s backward, as a float tensor: 1 where
+    the installed torch's clamp passes the gradient. ``1 - |sign(clamped - x)|`` in three in-place
+    passes, then :func:`stop_at_clamp_bounds_` (None: no bound on that side)."""
+    return stop_at_clamp_bounds_(sign_of_(clamped - x).abs_().neg_().add_(1.0), x, lo, hi)
 
 
 def fused_log_ratio(log_prob: torch.Tensor, old_log_prob: torch.Tensor):

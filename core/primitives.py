@@ -24,8 +24,8 @@ import numpy as np
 import torch
 
 from .contracts import Params
-from .fused import masked_count, sign_of_
-from .ops import aggregate, clamp_passes_at_bounds, clamped_log_ratio, masked_mean, masked_sum
+from .fused import masked_count, sign_of_, stop_at_clamp_bounds_
+from .ops import aggregate, clamped_log_ratio, masked_mean, masked_sum
 from .params import StableRLError, check, nearest
 
 
@@ -127,10 +127,10 @@ def ppo_clip_fused(ratio, advantages, mask, low: float, high: float, dual_c: Opt
         "clip_low": negative_count((torch.clamp(adv_sign, max=0.0) * side).clamp_(max=0.0)) / count,
     }
     grad_factor = s12.add_(1.0).add_(1.0).sub_(side.abs_())
-    if not clamp_passes_at_bounds():  # torch >= 2.14: the clamp stops the gradient at its bounds too,
-        # where pg1 == pg2 (s12 = 0): maximum's half through the clamp is lost, F = 1/2 (2 -> 1 here)
-        lower, upper = bounds if bounds is not None else (1.0 - low, 1.0 + high)
-        grad_factor.masked_fill_((ratio == lower) | (ratio == upper), 1.0)
+    # torch >= 2.14's clamp stops the gradient at its bounds too, where pg1 == pg2 (s12 = 0): maximum's half
+    # through the clamp is lost, 2 F = 1 there
+    stop_at_clamp_bounds_(grad_factor, ratio, *(bounds if bounds is not None else (1.0 - low, 1.0 + high)),
+                          stopped=1.0)
     grad_factor.mul_(0.5)
     if dual_c is None:
         metrics["pg_clipfrac_lower"] = torch.zeros((), device=ratio.device)

@@ -16,8 +16,8 @@ from dataclasses import dataclass
 import torch
 
 from stablerl import STABLE, Params, hookimpl
-from stablerl.fused import FusedLoss, clamp_pass_factor, masked_count, sign_of_
-from stablerl.ops import LOG_RATIO_BOUND, aggregate, clamp_passes_at_bounds, masked_sum, seq_mean, within_clamp_pass
+from stablerl.fused import FusedLoss, clamp_pass_factor, masked_count, sign_of_, stop_at_clamp_bounds_
+from stablerl.ops import LOG_RATIO_BOUND, aggregate, masked_sum, seq_mean, within_clamp_pass
 from stablerl.params import check
 
 
@@ -157,17 +157,14 @@ def _gmpo_fused_within(b, p: GMPOParams, ctx, d):
     mask = b.response_mask
     d_clamped = torch.clamp(d, -p.clip_ratio_low, p.clip_ratio_high)
     side = sign_of_(d_clamped - d)  # -1: above the band, +1: below, 0: inside
-    # torch >= 2.14's clamp also stops the gradient on the band's edges (read before d is overwritten)
-    edges = None if clamp_passes_at_bounds() else (d == -p.clip_ratio_low) | (d == p.clip_ratio_high)
     sign = sign_of_(b.advantages * 1.0)  # torch.sign's values (a zero's sign aside), faster
     metrics = _gmpo_metrics_from_side(b, side, sign, d)
+    # the band clamp's pass factor, from side's buffer (read before d is overwritten)
+    in_range = stop_at_clamp_bounds_(side.abs_().neg_().add_(1.0), d, -p.clip_ratio_low, p.clip_ratio_high)
     a, c = d.mul_(sign), d_clamped.mul_(sign)  # d is ours (a fresh difference): no longer needed
     d_eff = torch.minimum(a, c)
     share_a = sign_of_(c.sub_(a)).add_(1.0).mul_(0.5)  # minimum's share for a: 1 where a < c, 1/2 on a tie
     d_eff.mul_(sign)
-    in_range = side.abs_().neg_().add_(1.0)
-    if edges is not None:
-        in_range.masked_fill_(edges, 0.0)
     factor = torch.maximum(share_a, in_range, out=share_a).mul_(sign.mul_(sign))
     row_sums = masked_sum(d_eff, mask, dim=-1)
     return FusedLoss(row_sums, metrics, _row_backward, (factor,), then=lambda out: _loss_from_row_sums(b, out, ctx))

@@ -347,10 +347,9 @@ def main(argv: Optional[list[str]] = None) -> int:
           f"seed {args.seed}, {torch.get_num_threads()} thread(s); imports took {time.perf_counter() - t0:.1f}s")
 
     env = task.environment()
-    recorded_with = {"truncated": truncated.RECORDED_WITH, "moe": moe.RECORDED_WITH}.get(args.scenario,
-                                                                                         task.RECORDED_WITH)
-    same_with = {"truncated": truncated.SAME_WITH, "moe": moe.SAME_WITH}.get(args.scenario, ())
-    env_lines = task.version_lines(env, recorded_with, same_with)
+    record = {"truncated": truncated, "moe": moe}.get(args.scenario)  # their own records; the others: task's
+    recorded_with = task.RECORDED_WITH if record is None else record.RECORDED_WITH
+    env_lines = task.version_lines(env, recorded_with, () if record is None else record.SAME_WITH)
     print(env_lines[0])
     results: dict[str, dict] = {}
     for name in names:

@@ -176,14 +176,13 @@ def version_lines(env: dict[str, str], recorded: dict[str, str] = RECORDED_WITH,
     # a measured set applies when it names every differing key and the run has all of its releases
     measured = next((m for m in same_with if set(differ) <= set(m)
                      and all(_release(env.get(k, "")) == m[k] for k in m)), None)
+    record = "recorded with " + ", ".join(f"{k} {recorded[k]}" for k in recorded)
     if differ and measured is not None:
-        lines.append("recorded with " + ", ".join(f"{k} {recorded[k]}" for k in recorded) + "; yours ("
-                     + ", ".join(f"{k} {env.get(k)}" for k in differ) + ") were measured to give the same numbers "
-                     "for the default arms: the recorded numbers apply to this machine's kernels")
+        lines.append(record + "; yours (" + ", ".join(f"{k} {env.get(k)}" for k in differ) + ") were measured to "
+                     "give the same numbers for the default arms: the recorded numbers apply to this machine's kernels")
     elif differ:
-        lines.append("recorded with " + ", ".join(f"{k} {recorded[k]}" for k in recorded) + "; yours differ in "
-                     + ", ".join(f"{k} ({env.get(k)})" for k in differ) + ": numbers will differ from the recorded "
-                     "ones; the verdict below is from this run")
+        lines.append(record + "; yours differ in " + ", ".join(f"{k} ({env.get(k)})" for k in differ)
+                     + ": numbers will differ from the recorded ones; the verdict below is from this run")
     else:
         lines.append("same versions as the recorded runs: the recorded numbers apply to this machine's kernels")
     return lines
